@@ -1,0 +1,187 @@
+"""The expert profile file (STRP v1): a ranking of (layer, expert) pairs, hottest first.
+
+Layout, all integers little-endian (the reference engine's `tools/make_profile.py` / `expert_cache.hpp`):
+    bytes 0-3   magic b"STRP"
+    bytes 4-23  u32 version (=1), n_layers, n_expert, slots (writers put n_ranked), n_ranked
+    byte 24..   n_ranked x (u16 layer, u16 expert), hottest first
+    then        n_layers x n_expert i32 rank table (rank of each pair, -1 unranked)
+Like the reference reader, `read_profile` ignores the rank table and only needs 24 + 4*n_ranked bytes, so
+files written by the reference engine load unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from strata_ray.experts.pairs import pair_ids
+
+MAGIC = b"STRP"
+VERSION = 1
+HEADER = struct.Struct("<4s5I")  # magic, version, n_layers, n_expert, slots, n_ranked
+assert HEADER.size == 24
+
+
+class ProfileError(Exception):
+    """An expert profile that cannot be used. The message is one line meant for the user."""
+
+
+@dataclass(frozen=True, eq=False)  # eq below: compares the arrays by value
+class Profile:
+    n_layers: int
+    n_expert: int
+    ranked: np.ndarray  # [n_ranked, 2] int64 (layer, expert), hottest first
+    path: str | None = field(default=None, compare=False)  # where it was read from (for messages)
+
+    def __post_init__(self) -> None:
+        ranked = np.asarray(self.ranked, dtype=np.int64).reshape(-1, 2)
+        object.__setattr__(self, "ranked", ranked)
+        _validate_pairs(ranked, self.n_layers, self.n_expert, self.path or "<in memory>")
+
+    @property
+    def n_ranked(self) -> int:
+        return int(self.ranked.shape[0])
+
+    def pair_ids(self) -> np.ndarray:
+        """[n_ranked] int64 pair ids (layer * n_expert + expert), hottest first."""
+        return pair_ids(self.ranked, self.n_expert)
+
+    def rank_table(self) -> np.ndarray:
+        """[n_layers, n_expert] int32: each pair's rank, -1 where unranked."""
+        table = np.full(self.n_layers * self.n_expert, -1, dtype=np.int32)
+        table[self.pair_ids()] = np.arange(self.n_ranked, dtype=np.int32)
+        return table.reshape(self.n_layers, self.n_expert)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Profile):
+            return NotImplemented
+        return (self.n_layers, self.n_expert) == (other.n_layers, other.n_expert) and np.array_equal(
+            self.ranked, other.ranked
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # holds an array: not hashable
+
+
+def _validate_pairs(ranked: np.ndarray, n_layers: int, n_expert: int, where: str) -> None:
+    if not (0 < n_layers <= 0xFFFF and 0 < n_expert <= 0xFFFF):
+        raise ProfileError(f"expert profile {where}: bad shape {n_layers} layers x {n_expert} experts")
+    if ranked.size == 0:
+        return
+    layer, expert = ranked[:, 0], ranked[:, 1]
+    bad = (layer < 0) | (layer >= n_layers) | (expert < 0) | (expert >= n_expert)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ProfileError(
+            f"expert profile {where}: pair {i} (layer {layer[i]}, expert {expert[i]}) is outside "
+            f"{n_layers} layers x {n_expert} experts"
+        )
+    ids = pair_ids(ranked, n_expert)
+    if np.unique(ids).size != ids.size:
+        raise ProfileError(f"expert profile {where}: a (layer, expert) pair is ranked twice")
+
+
+def encode_profile(profile: Profile) -> bytes:
+    """The STRP v1 bytes of a profile (slots = n_ranked, as the reference writers do)."""
+    n = profile.n_ranked
+    head = HEADER.pack(MAGIC, VERSION, profile.n_layers, profile.n_expert, n, n)
+    pairs = profile.ranked.astype("<u2").tobytes()  # row-major: (layer, expert) per pair
+    table = profile.rank_table().astype("<i4").tobytes()
+    return head + pairs + table
+
+
+def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
+    if len(data) < HEADER.size:
+        raise ProfileError(f"expert profile {where} is truncated ({len(data)} bytes, header needs 24)")
+    magic, version, n_layers, n_expert, _slots, n_ranked = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise ProfileError(f"expert profile {where} is not an STRP file (magic {magic!r}, expected b'STRP')")
+    if version != VERSION:
+        raise ProfileError(f"expert profile {where} has STRP version {version}; this engine reads version 1")
+    need = HEADER.size + 4 * n_ranked
+    if len(data) < need:
+        raise ProfileError(
+            f"expert profile {where} is truncated ({len(data)} bytes, {n_ranked} ranked pairs need {need})"
+        )
+    ranked = np.frombuffer(data, dtype="<u2", count=2 * n_ranked, offset=HEADER.size).reshape(-1, 2)
+    return Profile(n_layers, n_expert, ranked.astype(np.int64), path=where)
+
+
+def read_profile(path: str | os.PathLike) -> Profile:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ProfileError(f"expert profile {path}: cannot read ({e.strerror or e})") from None
+    return decode_profile(data, str(path))
+
+
+def write_profile(path: str | os.PathLike, profile: Profile) -> None:
+    """Write atomically: `<path>.tmp`, fsync, then rename, so a reader never sees half a file."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(encode_profile(profile))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ProfileError(f"expert profile {path}: cannot write ({e.strerror or e})") from None
+
+
+def check_shape(profile: Profile, hp) -> None:
+    """Refuse a profile made for another model. `hp` has `.n_layer` (trunk layers) and `.n_expert`."""
+    if (profile.n_layers, profile.n_expert) != (hp.n_layer, hp.n_expert):
+        raise ProfileError(
+            f"expert profile {profile.path or '<in memory>'} is for {profile.n_layers} layers x "
+            f"{profile.n_expert} experts, but the model has {hp.n_layer} layers x {hp.n_expert} experts"
+        )
+
+
+def _fill_order(n_layers: int, n_expert: int) -> np.ndarray:
+    """Every pair id in expert-then-layer order (expert outer, layer inner): the reference's fill."""
+    layer, expert = np.meshgrid(np.arange(n_layers), np.arange(n_expert), indexing="xy")
+    return (layer * n_expert + expert).reshape(-1)  # rows: expert, columns: layer
+
+
+def rank_from_counts(counts: np.ndarray) -> Profile:
+    """Rank every pair of a [n_layers, n_expert] routing-count table.
+
+    Counted pairs by count descending, ties by (layer, expert); then the never-routed pairs in
+    expert-then-layer order, so the profile ranks all pairs and never caps a cache.
+    """
+    counts = np.asarray(counts)
+    n_layers, n_expert = counts.shape
+    flat = counts.reshape(-1)
+    counted = np.flatnonzero(flat > 0)
+    counted = counted[np.argsort(-flat[counted], kind="stable")]  # stable: ties keep pair-id order
+    fill = _fill_order(n_layers, n_expert)
+    fill = fill[flat[fill] <= 0]
+    order = np.concatenate([counted, fill])
+    return Profile(n_layers, n_expert, np.stack(divmod(order, n_expert), axis=1))
+
+
+def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | None = None) -> Profile:
+    """The ranking saved by `--expert-profile-save`, over all pairs of [n_layers, n_expert] tables.
+
+    Resident pairs first (swaps in flight count as resident), then each group by heat (usage summed
+    since start) descending, then by the prior profile's rank (unranked last), then by pair id.
+    """
+    resident = np.asarray(resident, dtype=bool)
+    heat = np.asarray(heat, dtype=np.float64)
+    n_layers, n_expert = resident.shape
+    if heat.shape != resident.shape:
+        raise ValueError(f"heat {heat.shape} and resident {resident.shape} differ in shape")
+    n = n_layers * n_expert
+    prior_rank = np.full(n, n, dtype=np.int64)  # unranked after every ranked pair
+    if prior is not None and (prior.n_layers, prior.n_expert) == (n_layers, n_expert):
+        prior_rank[prior.pair_ids()] = np.arange(prior.n_ranked)
+    ids = np.arange(n)
+    # lexsort: the last key is the primary one
+    order = np.lexsort((ids, prior_rank, -heat.reshape(-1), ~resident.reshape(-1)))
+    return Profile(n_layers, n_expert, np.stack(divmod(order, n_expert), axis=1))
