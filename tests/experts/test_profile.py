@@ -1,0 +1,139 @@
+import os
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from strata_ray.experts.profile import (
+    Profile,
+    ProfileError,
+    check_shape,
+    encode_profile,
+    learned_profile,
+    rank_from_counts,
+    read_profile,
+    write_profile,
+)
+
+
+def hand_built_strp(n_layers, n_expert, pairs):
+    """The STRP v1 layout written out field by field, independently of the module."""
+    out = b"STRP" + struct.pack("<5I", 1, n_layers, n_expert, len(pairs), len(pairs))
+    for layer, e in pairs:
+        out += struct.pack("<HH", layer, e)
+    rank = {p: r for r, p in enumerate(pairs)}
+    for layer in range(n_layers):
+        for e in range(n_expert):
+            out += struct.pack("<i", rank.get((layer, e), -1))
+    return out
+
+
+def test_byte_layout_matches_hand_built_bytes(tmp_path):
+    pairs = [(1, 2), (0, 0), (2, 1), (1, 0)]
+    profile = Profile(3, 4, np.array(pairs))
+    expected = hand_built_strp(3, 4, pairs)
+    assert encode_profile(profile) == expected
+    path = tmp_path / "p.strp"
+    write_profile(path, profile)
+    assert path.read_bytes() == expected
+    assert len(expected) == 24 + 4 * 4 + 4 * 3 * 4  # pairs start at byte 24
+    assert expected[24:28] == struct.pack("<HH", 1, 2)
+
+
+def test_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    profile = rank_from_counts(rng.integers(0, 5, size=(5, 7)))
+    path = tmp_path / "p.strp"
+    write_profile(path, profile)
+    back = read_profile(path)
+    assert back == profile
+    assert back.path == str(path)
+    assert back.rank_table()[tuple(profile.ranked[3])] == 3
+
+
+def test_atomic_write_leaves_no_tmp_and_replaces(tmp_path):
+    path = tmp_path / "p.strp"
+    path.write_bytes(b"old contents")
+    write_profile(path, Profile(1, 2, np.array([[0, 1]])))
+    assert os.listdir(tmp_path) == ["p.strp"]
+    assert read_profile(path).ranked.tolist() == [[0, 1]]
+
+
+def test_unwritable_path_is_one_line(tmp_path):
+    with pytest.raises(ProfileError) as e:
+        write_profile(tmp_path / "no_such_dir" / "p.strp", Profile(1, 2, np.array([[0, 1]])))
+    assert "\n" not in str(e.value) and "cannot write" in str(e.value)
+
+
+def test_reads_file_without_rank_table_like_the_reference(tmp_path):
+    data = hand_built_strp(2, 3, [(1, 1), (0, 2)])[: 24 + 8]
+    path = tmp_path / "short.strp"
+    path.write_bytes(data)
+    assert read_profile(path).ranked.tolist() == [[1, 1], [0, 2]]
+
+
+def test_mismatched_shape_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "p.strp"
+    write_profile(path, Profile(48, 512, np.array([[0, 0]])))
+    hp = SimpleNamespace(n_layer=4, n_expert=16)
+    with pytest.raises(ProfileError) as e:
+        check_shape(read_profile(path), hp)
+    assert str(e.value) == (
+        f"expert profile {path} is for 48 layers x 512 experts, but the model has 4 layers x 16 experts"
+    )
+    check_shape(read_profile(path), SimpleNamespace(n_layer=48, n_expert=512))  # matching: no error
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (b"GGUF" + bytes(20), "not an STRP file"),
+        (b"STRP" + struct.pack("<5I", 2, 1, 1, 0, 0), "version 2"),
+        (b"STRP" + struct.pack("<3I", 1, 1, 1), "truncated"),
+        (hand_built_strp(2, 3, [(1, 1), (0, 2)])[:30], "truncated"),
+        (b"STRP" + struct.pack("<5I", 1, 2, 3, 1, 1) + struct.pack("<HH", 2, 0), "outside"),
+        (b"STRP" + struct.pack("<5I", 1, 2, 3, 2, 2) + struct.pack("<4H", 1, 0, 1, 0), "twice"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path, data, words):
+    path = tmp_path / "bad.strp"
+    path.write_bytes(data)
+    with pytest.raises(ProfileError) as e:
+        read_profile(path)
+    msg = str(e.value)
+    assert words in msg and str(path) in msg and "\n" not in msg
+
+
+def test_missing_file_is_one_line(tmp_path):
+    with pytest.raises(ProfileError, match="cannot read"):
+        read_profile(tmp_path / "absent.strp")
+
+
+def test_rank_from_counts_order():
+    counts = np.array(
+        [
+            [5, 0, 2, 0],
+            [2, 0, 0, 7],
+            [0, 0, 2, 0],
+        ]
+    )
+    p = rank_from_counts(counts)
+    counted = [(1, 3), (0, 0), (0, 2), (1, 0), (2, 2)]  # count desc, ties (2) by (layer, expert)
+    # never routed: expert outer, layer inner
+    fill = [(2, 0), (0, 1), (1, 1), (2, 1), (1, 2), (0, 3), (2, 3)]
+    assert [tuple(x) for x in p.ranked.tolist()] == counted + fill
+    assert p.n_ranked == 12
+
+
+def test_learned_profile_order():
+    resident = np.array([[True, False, False], [False, True, False]])
+    heat = np.array([[1.0, 9.0, 3.0], [3.0, 4.0, 3.0]])
+    prior = Profile(2, 3, np.array([[1, 2], [0, 2]]))  # (1,2) before (0,2); (1,0) unranked
+    p = learned_profile(resident, heat, prior)
+    # resident by heat: (1,1)=4, (0,0)=1; rest by heat: (0,1)=9, then the 3s by prior: (1,2), (0,2),
+    # then unranked (1,0)
+    assert [tuple(x) for x in p.ranked.tolist()] == [(1, 1), (0, 0), (0, 1), (1, 2), (0, 2), (1, 0)]
+    # no prior: ties by pair id
+    p = learned_profile(resident, heat)
+    assert [tuple(x) for x in p.ranked.tolist()] == [(1, 1), (0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]

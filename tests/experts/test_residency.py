@@ -1,0 +1,79 @@
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.experts.adaptive import Swap
+from strata_ray.experts.pairs import pair_id, pair_ids, pair_of, pairs_of
+from strata_ray.experts.profile import Profile, rank_from_counts
+from strata_ray.experts.residency import Residency, ResidencyError, SlotCopy
+
+
+def test_pair_ids_round_trip():
+    assert pair_id(3, 5, 8) == 29 and pair_of(29, 8) == (3, 5)
+    pairs = np.array([[0, 0], [2, 7], [1, 3]])
+    np.testing.assert_array_equal(pairs_of(pair_ids(pairs, 8), 8), pairs)
+
+
+def test_admission_fills_in_rank_order_and_never_evicts():
+    profile = Profile(2, 4, np.array([[1, 3], [0, 0], [1, 1], [0, 2], [1, 0]]))
+    r = Residency(2, 4, n_slots=3)
+    copies = r.admit_in_rank_order(profile)
+    assert copies == [SlotCopy(7, 0), SlotCopy(0, 1), SlotCopy(5, 2)]  # slot 0 holds the hottest
+    assert r.res.reshape(2, 4).tolist() == [[1, -1, -1, -1], [-1, 2, -1, 0]]
+    assert r.slot_pair.tolist() == [7, 0, 5] and not r.free
+    # a second fill admits nothing: a full cache does not evict on admission
+    assert r.admit_in_rank_order(profile) == []
+    assert r.n_resident == 3
+
+
+def test_admission_cap_and_already_resident_pairs():
+    profile = rank_from_counts(np.array([[3, 2, 1]]))
+    r = Residency(1, 3, n_slots=3)
+    assert r.admit_in_rank_order(profile, n_slots=1) == [SlotCopy(0, 0)]
+    assert r.admit_in_rank_order(profile) == [SlotCopy(1, 1), SlotCopy(2, 2)]
+
+
+def test_evict_and_make_resident():
+    r = Residency(1, 4, n_slots=2)
+    r.make_resident(2, 1)
+    assert r.slot_of(2) == 1 and list(r.free) == [0]
+    with pytest.raises(ResidencyError):
+        r.make_resident(2, 0)  # already resident
+    with pytest.raises(ResidencyError):
+        r.make_resident(3, 1)  # slot taken
+    assert r.evict(2) == 1 and not r.is_resident(2) and list(r.free) == [0, 1]
+    with pytest.raises(ResidencyError):
+        r.evict(2)
+
+
+def test_swaps_victim_leaves_now_newcomer_at_window_boundary():
+    r = Residency(2, 3, n_slots=2)
+    r.admit_in_rank_order(Profile(2, 3, np.array([[0, 0], [1, 2]])))
+    epoch = r.epoch
+    copies = r.schedule_swaps([Swap(1, 0, 2, 4.0)])
+    assert copies == [SlotCopy(3, 1)]
+    assert not r.is_resident(5) and not r.is_resident(3)  # victim gone, newcomer not yet there
+    assert r.epoch > epoch and not r.free  # the slot is reserved, not free
+    assert r.resident_mask().tolist() == [[True, False, False], [False, False, False]]
+    assert r.resident_mask(include_pending=True).tolist() == [[True, False, False], [True, False, False]]
+    assert r.admit_in_rank_order(Profile(2, 3, np.array([[1, 0]]))) == []  # pending is not admissible
+    assert r.apply_pending() == copies
+    assert r.slot_of(3) == 1 and r.slot_pair.tolist() == [0, 3] and r.pending == []
+    assert r.apply_pending() == []
+
+
+def test_device_mirror_refreshes_in_place_when_epoch_moves():
+    r = Residency(1, 3, n_slots=1)
+    table = r.device_table("cpu")
+    assert table.dtype == torch.int32 and table.tolist() == [-1, -1, -1]
+    r.make_resident(1, 0)
+    again = r.device_table("cpu")
+    assert again.data_ptr() == table.data_ptr() and again.tolist() == [-1, 0, -1]
+    r.res[2] = 5  # an out-of-band write does not move the epoch, so the mirror is not re-copied
+    assert r.device_table("cpu").tolist() == [-1, 0, -1]
+
+
+def test_layer_slots_view():
+    r = Residency(2, 2, n_slots=2)
+    r.make_resident(3, 1)
+    assert r.layer_slots(1).tolist() == [-1, 1] and r.layer_slots(0).tolist() == [-1, -1]
