@@ -1,0 +1,49 @@
+"""Full attention: qwen3next gated attention (partial rotary, sigmoid output gate) and qwen3moe attention."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from strata_ray.model import ops
+from strata_ray.model.hparams import HParams
+from strata_ray.model.state import KVCache
+
+
+def _projections(hp: HParams, w: Mapping[str, Tensor], p: str, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q (with the output gate rows for qwen3next), k, v projections; accepts a fused attn_qkv too."""
+    if f"{p}.attn_q.weight" in w:
+        return (ops.linear(x, w[f"{p}.attn_q.weight"]), ops.linear(x, w[f"{p}.attn_k.weight"]),
+                ops.linear(x, w[f"{p}.attn_v.weight"]))
+    qkv = ops.linear(x, w[f"{p}.attn_qkv.weight"])  # rows [q(+gate) | k | v]
+    kv_dim = hp.n_head_kv * hp.head_dim
+    q_dim = qkv.shape[-1] - 2 * kv_dim
+    return qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
+
+
+def attention_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, cache: KVCache,
+                    pos0: int) -> Tensor:
+    """Attention of normed input x [T, E] at absolute positions pos0.. -> [T, E]; appends k, v to cache."""
+    p = f"blk.{layer}"
+    T = x.shape[0]
+    H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
+    qg, k, v = _projections(hp, w, p, x)
+    gated = qg.shape[-1] == 2 * H * D  # qwen3next: per head [q (D) | gate (D)]
+    if gated:
+        qg = qg.view(T, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    else:
+        q, gate = qg.view(T, H, D), None
+    q = ops.rms_norm(q, w[f"{p}.attn_q_norm.weight"], hp.rms_eps)
+    k = ops.rms_norm(k.view(T, Hkv, D), w[f"{p}.attn_k_norm.weight"], hp.rms_eps)
+    v = v.view(T, Hkv, D)
+    pos = torch.arange(pos0, pos0 + T, device=x.device)
+    q = ops.rope_neox(q, pos, hp.n_rot, hp.rope_freq_base)
+    k = ops.rope_neox(k, pos, hp.n_rot, hp.rope_freq_base)
+    k_all, v_all = cache.append(k, v)
+    o = ops.attention(q, k_all, v_all, pos0, D**-0.5).reshape(T, H * D)
+    if gate is not None:
+        o = o * torch.sigmoid(gate)
+    return ops.linear(o, w[f"{p}.attn_output.weight"])

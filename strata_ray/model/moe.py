@@ -1,0 +1,89 @@
+"""Sparse MoE: router (softmax -> top-k -> renormalise), routed experts (ExpertBackend), shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from strata_ray.model import ops
+
+
+class ExpertBackend(Protocol):
+    """The swap point for the contract kernels and the expert tiers."""
+
+    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """x [N, E] normed input, ids [N, K] int64 expert ids, weights [N, K] f32 (renormalised)
+        -> routed sum [N, E]."""
+        ...
+
+
+def route(router_w: Tensor, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K])."""
+    probs = torch.softmax(ops.linear(x, router_w).float(), dim=-1)  # [N, X]
+    w, ids = torch.topk(probs, k, dim=-1)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
+    """Weighted sum of each token's k expert rows, in k order (the fixed order of the arithmetic contract).
+
+    rows [N, K, E], weights [N, K] -> [N, E].
+    """
+    out = rows[:, 0] * weights[:, :1]
+    for j in range(1, rows.shape[1]):
+        out = out + rows[:, j] * weights[:, j : j + 1]
+    return out
+
+
+class FloatExperts:
+    """Dense float expert math from weights["blk.N.ffn_{gate,up,down}_exps.weight"] ([X, I, E] / [X, E, I]).
+
+    Tokens are grouped per expert (one host sync per layer for the group sizes); the result is differentiable
+    with respect to the expert weights and x.
+    """
+
+    def __init__(self, weights: Mapping[str, Tensor]):
+        self.weights = weights
+
+    def rows(self, layer: int, x: Tensor, ids: Tensor) -> Tensor:
+        """Each (token, slot) entry's expert output: x [N, E], ids [N, K] -> rows [N, K, E]."""
+        p = f"blk.{layer}"
+        gate, up, down = (self.weights[f"{p}.ffn_{n}_exps.weight"] for n in ("gate", "up", "down"))
+        N, K = ids.shape
+        if N == 0:
+            return x.new_zeros(0, K, x.shape[-1])
+        flat = ids.reshape(-1)  # entry m = token m // K, slot m % K
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                entries = order[start : start + n]
+                outs.append(ops.swiglu(x[entries // K], gate[e], up[e], down[e]))
+                start += n
+        sorted_rows = torch.cat(outs)  # rows in `order`
+        return sorted_rows[torch.argsort(order)].view(N, K, -1)
+
+    def __call__(self, layer: int, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        return combine_rows(self.rows(layer, x, ids), weights)
+
+
+def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor) -> Tensor:
+    """qwen3next shared expert scaled by its per-token sigmoid gate: x [N, E] -> [N, E]."""
+    p = f"blk.{layer}"
+    gate = torch.sigmoid(ops.linear(x, w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)))  # [N, 1]
+    out = ops.swiglu(x, w[f"{p}.ffn_gate_shexp.weight"], w[f"{p}.ffn_up_shexp.weight"],
+                     w[f"{p}.ffn_down_shexp.weight"])
+    return out * gate
+
+
+def moe_block(w: Mapping[str, Tensor], layer: int, x: Tensor, k: int, experts: ExpertBackend) -> Tensor:
+    """Routed experts (+ shared expert when the layer has one) of normed input x [N, E] -> [N, E]."""
+    ids, weights = route(w[f"blk.{layer}.ffn_gate_inp.weight"], x, k)
+    out = experts(layer, x, ids, weights)
+    if f"blk.{layer}.ffn_gate_shexp.weight" in w:
+        out = out + shared_expert(w, layer, x)
+    return out

@@ -1,0 +1,150 @@
+"""The small numeric functions of the reference forward pass, in plain float32 torch.
+
+Each one is a replaceable unit: the fast kernels (GPU attention, GDN, expert matmuls) swap in behind these
+signatures. Everything here is out-of-place and free of host syncs so the forward stays differentiable and
+runs on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias)."""
+    return F.linear(x, w)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """Plain RMSNorm over the last dim. GGUF weights already hold the +1 of zero-centred norms."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+    """Gated norm of the GDN output: w * rmsnorm(x) * silu(z), per head over the last dim."""
+    return rms_norm(x, w, eps) * F.silu(z)
+
+
+def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim (the fla / HF form)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """down(silu(gate(x)) * up(x)): one expert or the shared expert."""
+    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def rope_neox(x: Tensor, pos: Tensor, n_rot: int, base: float) -> Tensor:
+    """NEOX (rotate_half) RoPE on the first n_rot dims of x [T, H, D]; dims n_rot.. pass through.
+
+    pos [T] int64 absolute positions. Frequencies are computed in float32 exactly as transformers does.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.float32, device=x.device) / n_rot))
+    freqs = pos.to(torch.float32)[:, None] * inv_freq  # [T, n_rot/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, n_rot]
+    cos, sin = emb.cos(), emb.sin()
+    x_rot, x_pass = x[..., :n_rot], x[..., n_rot:]
+    half = n_rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float) -> Tensor:
+    """Causal GQA attention.
+
+    q [T, H, D] for absolute positions q_offset..q_offset+T-1; k, v [S, Hkv, D] for positions 0..S-1 (the KV
+    cache including this step). Query head h reads kv head h // (H / Hkv). Returns [T, H, D].
+    """
+    T, H, _ = q.shape
+    S, Hkv, _ = k.shape
+    rep = H // Hkv
+    kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
+    vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
+    scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale  # [H, T, S]
+    q_pos = torch.arange(q_offset, q_offset + T, device=q.device)[:, None]
+    k_pos = torch.arange(S, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vh).transpose(0, 1)  # [T, H, D]
+
+
+def causal_conv1d(x: Tensor, w: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Depthwise causal conv (no bias) followed by SiLU.
+
+    x [T, C] new inputs, w [C, K] (ssm_conv1d), state [K-1, C] the previous K-1 raw inputs (zeros at start).
+    y[t, c] = silu(sum_j w[c, j] * xp[t + j, c]) with xp = cat(state, x).
+    Returns (y [T, C], new state [K-1, C]).
+    """
+    K = w.shape[1]
+    xp = torch.cat((state, x), dim=0)  # [T+K-1, C]
+    windows = xp.unfold(0, K, 1)  # [T, C, K]
+    y = (windows * w).sum(-1)
+    return F.silu(y), xp[xp.shape[0] - (K - 1) :]
+
+
+def gdn_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule, one token at a time.
+
+    q, k [T, H, dk] (already l2-normalised, q scaled by dk^-0.5, expanded to the H value heads), v [T, H, dv],
+    g [T, H] log decay (<= 0), beta [T, H], S [H, dk, dv] incoming state. Returns (o [T, H, dv], S).
+    """
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        u = (v[t] - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]  # delta-rule correction
+        S = S + k[t][:, :, None] * u[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    o = torch.stack(outs) if outs else v.new_zeros(v.shape)
+    return o, S
+
+
+def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """One chunk of the WY-form delta rule. q, k [H, C, dk], v [H, C, dv], g, beta [H, C], S [H, dk, dv]."""
+    C = q.shape[1]
+    G = g.cumsum(-1)  # [H, C]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    D = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, C, C] exp(G_i - G_j)
+    # WY representation: U = (I + L)^-1 (beta v), W = (I + L)^-1 (beta k exp(G)), L strictly lower; the solve
+    # reads only the strict lower triangle (unitriangular), so L keeps its diagonal here.
+    L = (beta[..., None] * k) @ k.transpose(-1, -2) * D  # [H, C, C]
+    rhs = torch.cat((beta[..., None] * v, beta[..., None] * k * G.exp()[..., None]), dim=-1)
+    UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., : v.shape[-1]], UW[..., v.shape[-1] :]
+    V_new = U - W @ S  # [H, C, dv]
+    o = (q * G.exp()[..., None]) @ S + (q @ k.transpose(-1, -2) * D) @ V_new
+    G_last = G[:, -1:]  # [H, 1]
+    S = S * G_last.exp()[..., None] + (k * (G_last - G).exp()[..., None]).transpose(-1, -2) @ V_new
+    return o, S
+
+
+def gdn_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, chunk: int = GDN_CHUNK
+) -> tuple[Tensor, Tensor]:
+    """Gated delta rule in chunks of `chunk` tokens (same arguments and result as gdn_recurrent).
+
+    Chunks start at token 0 of this call; the tail is padded with identity steps (g = 0, beta = 0, k = 0),
+    which change neither the state nor the earlier outputs. Each chunk is computed by the same fixed-shape
+    call, so a chunk's result does not depend on how many chunks share the launch.
+    """
+    T = q.shape[0]
+    pad = (-T) % chunk
+
+    def heads_first(x: Tensor) -> Tensor:  # [T, H, ...] -> [H, T+pad, ...]
+        x = x.movedim(0, 1)
+        return F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
+
+    q, k, v, g, beta = (heads_first(x) for x in (q, k, v, g, beta))
+    outs = []
+    for c0 in range(0, T + pad, chunk):
+        sl = slice(c0, c0 + chunk)
+        o, S = _gdn_chunk(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], S)
+        outs.append(o)
+    o = torch.cat(outs, dim=1)[:, :T] if outs else v
+    return o.movedim(1, 0), S
