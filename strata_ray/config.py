@@ -1,0 +1,362 @@
+"""EngineConfig: the one place where defaults, STRATA_* environment variables and CLI flags merge.
+
+Precedence is defaults < environment < command line. The result is frozen and handed to the actors by
+value; actors never read os.environ or sys.argv themselves. Model hyperparameters are not here: they come
+only from the GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL_NAME = "strata-tiny-next"
+PREFILL_MAX = 8192
+PREFILL_ALIGN = 64  # GDN chunks are aligned to absolute positions, so prompt chunks are multiples of 64
+SPEC_MAX_DRAFTS = 7  # verify window = drafts + 1 <= 8
+PEER_RESERVE_FLOOR_MIB = 128
+
+
+class ConfigError(Exception):
+    """A bad flag, environment value or flag combination; one line, printed after 'strata_ray: '."""
+
+
+# --- refusals (DESIGN section 4; the text is part of the interface) -------------------------------------
+REFUSE_PEER_WITH_LAYER_SPLIT = "--peer-device cannot be combined with --layer-split (use one or the other)"
+REFUSE_PEER_WITH_HELPER_CACHES = (
+    "--peer-device cannot be combined with --expert-cache-device1..3 "
+    "(the peer tier already caches experts there)"
+)
+REFUSE_PEER_WITHOUT_CACHE = "--peer-device needs --expert-profile and the expert cache"
+
+
+def refuse_peer_not_visible(device: int, n_visible: int) -> str:
+    return (
+        f"peer experts: CUDA device {device} is not visible "
+        f"({n_visible} devices; set CUDA_VISIBLE_DEVICES)"
+    )
+
+
+@dataclass(frozen=True)
+class PeerEnv:
+    """Tuning switches of the peer tier; read from the environment only when --peer-device is active."""
+
+    peer_hot: float = 0.45  # STRATA_PEER_HOT: share of the top ranks moved behind the primary's fill; 0 = off
+    peer_hot_at: int = 8700  # STRATA_PEER_HOT_AT: how many top ranks the HOT reorder looks at
+    pf_peer_stream: float = 0.35  # STRATA_PF_PEER_STREAM: share of streamed prompt experts sent via the peer
+    pf_peer_ring: int = 48  # STRATA_PF_PEER_RING: slots of the peer's prompt-path ring
+    peer_direct: bool = True  # STRATA_PEER_DIRECT: P2P writes straight into the primary's row buffer
+    pf_peer_compact: bool = True  # STRATA_PF_PEER_COMPACT: compact the peer's prompt rows before sending
+    pf_peer_out_pipe: bool = True  # STRATA_PF_PEER_OUT_PIPE: pipeline the peer's output copies
+    pf_gdn_split: bool = False  # STRATA_PF_GDN_SPLIT: split GDN prompt work (later)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None = the embedded default model
+    device: str = "auto"  # cpu | cuda | auto (cuda when the cluster has GPUs)
+    expert_cache: int | None = None  # primary expert slots; None = auto (free VRAM minus vram_reserve_mib)
+    vram_budget_mib: int | None = None  # pretend the primary GPU has this much memory
+    vram_reserve_mib: int = 700
+    expert_profile: str | None = None  # STRP ranking that fills the caches
+    expert_profile_save: str | None = None  # write the learned profile here (atomic)
+    adapt_every: int = 4  # windows between adaptive rounds; 0 = off
+    adapt_swaps: int = 96
+    adapt_decay: float = 0.7
+    peer_device: int = -1  # -1 = no peer tier
+    peer_reserve_mib: int = 600
+    peer_slots: int = 0  # 0 = all that fit
+    peer_adapt_swaps: int = -1  # -1 = adapt_swaps
+    peer_prefill_rows: int = -1  # -1 = chunk*K/2; 0 = off
+    layer_split: str | tuple[int, ...] | None = None  # None = off, "auto", or stage start layers
+    expert_cache_device1: int | str | None = None  # None = off, "auto" or a slot count
+    expert_cache_device2: int | str | None = None
+    expert_cache_device3: int | str | None = None
+    prefill: int | None = None  # prompt chunk; None = auto (<= 8192)
+    spec: int = 0  # MTP drafts per verify window
+    peer_env: PeerEnv = field(default_factory=PeerEnv)
+
+    @property
+    def peer_active(self) -> bool:
+        return self.peer_device >= 0
+
+    @property
+    def peer_reserve_effective_mib(self) -> int:
+        return max(self.peer_reserve_mib, PEER_RESERVE_FLOOR_MIB)
+
+    @property
+    def peer_adapt_swaps_effective(self) -> int:
+        return self.adapt_swaps if self.peer_adapt_swaps < 0 else self.peer_adapt_swaps
+
+    @property
+    def helper_caches(self) -> tuple[int | str | None, ...]:
+        return (self.expert_cache_device1, self.expert_cache_device2, self.expert_cache_device3)
+
+
+# --- value parsers: each takes the raw string and returns the value or raises ValueError(allowed) ----------
+
+
+def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s, 10)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(allowed)
+        return v
+
+    return parse
+
+
+def float_range(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    allowed = f"a number {'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
+
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if not (v > lo if lo_open else v >= lo) or v > hi:
+            raise ValueError(allowed)
+        return v
+
+    return parse
+
+
+def _auto_or(parse_int: Callable[[str], int], allowed: str) -> Callable[[str], int | None]:
+    def parse(s: str) -> int | None:
+        if s == "auto":
+            return None
+        try:
+            return parse_int(s)
+        except ValueError:
+            raise ValueError(allowed) from None
+
+    return parse
+
+
+def _helper_cache(s: str) -> int | str:
+    if s == "auto":
+        return "auto"
+    try:
+        return int_range(0)(s)
+    except ValueError:
+        raise ValueError("'auto' or an integer >= 0") from None
+
+
+def _prefill(s: str) -> int | None:
+    allowed = f"'auto' or a multiple of {PREFILL_ALIGN} from {PREFILL_ALIGN} to {PREFILL_MAX}"
+    v = _auto_or(int_range(PREFILL_ALIGN, PREFILL_MAX), allowed)(s)
+    if v is not None and v % PREFILL_ALIGN:
+        raise ValueError(allowed)
+    return v
+
+
+def _layer_split(s: str) -> str | tuple[int, ...]:
+    allowed = "'auto' or increasing layer numbers >= 1 separated by commas, e.g. 24 or 16,32"
+    if s == "auto":
+        return "auto"
+    try:
+        ks = tuple(int(k, 10) for k in s.split(","))
+    except ValueError:
+        raise ValueError(allowed) from None
+    if any(k < 1 for k in ks) or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):
+        raise ValueError(allowed)
+    return ks
+
+
+def _peer_device(s: str) -> int:
+    allowed = "-1 (off) or a CUDA device number >= 1 (device 0 is the primary)"
+    try:
+        v = int(s, 10)
+    except ValueError:
+        raise ValueError(allowed) from None
+    if v != -1 and v < 1:
+        raise ValueError(allowed)
+    return v
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        if s not in options:
+            raise ValueError(" or ".join(options))
+        return s
+
+    return parse
+
+
+def _path(s: str) -> str:
+    if not s:
+        raise ValueError("a file path")
+    return s
+
+
+def _switch(s: str) -> bool:
+    if s not in ("0", "1"):
+        raise ValueError("0 or 1")
+    return s == "1"
+
+
+# field name -> (flag, metavar, parser, help). The field name doubles as the argparse dest; the environment
+# variable is STRATA_<FIELD NAME UPPER>.
+ENGINE_FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
+    "model": ("--model", "PATH", _path,
+              f"GGUF model file; a split file's first shard is enough "
+              f"(default: the embedded {DEFAULT_MODEL_NAME})"),
+    "device": ("--device", "cpu|cuda|auto", _choice("cpu", "cuda", "auto"),
+               "where the primary runs (default auto: cuda when the cluster has a GPU, else cpu)"),
+    "expert_cache": ("--expert-cache", "N|auto", _auto_or(int_range(0), "'auto' or an integer >= 0"),
+                     "expert slots in the primary GPU's cache "
+                     "(default auto: free VRAM minus --vram-reserve-mib)"),
+    "vram_budget_mib": ("--vram-budget-mib", "M", int_range(1),
+                        "pretend the primary GPU has M MiB, to emulate a smaller card (default: off)"),
+    "vram_reserve_mib": ("--vram-reserve-mib", "M", int_range(0),
+                         "VRAM the automatic expert cache leaves free on the primary (default 700)"),
+    "expert_profile": ("--expert-profile", "P", _path,
+                       "STRP profile ranking (layer, expert) pairs; fills the caches hottest first"),
+    "expert_profile_save": ("--expert-profile-save", "P", _path,
+                            "save the profile learned by the adaptive rounds to P (atomic write)"),
+    "adapt_every": ("--adapt-every", "N", int_range(0),
+                    "windows between adaptive cache rounds; 0 = off (default 4)"),
+    "adapt_swaps": ("--adapt-swaps", "N", int_range(0), "most expert swaps per adaptive round (default 96)"),
+    "adapt_decay": ("--adapt-decay", "F", float_range(0.0, 1.0, lo_open=True),
+                    "usage decay per adaptive round, in (0, 1] (default 0.7)"),
+    "peer_device": ("--peer-device", "N", _peer_device,
+                    "second expert-cache tier on CUDA device N, reached over P2P (default -1 = off); "
+                    "needs --expert-profile"),
+    "peer_reserve_mib": ("--peer-reserve-mib", "M", int_range(0),
+                         f"VRAM left free on the peer, at least {PEER_RESERVE_FLOOR_MIB} (default 600)"),
+    "peer_slots": ("--peer-slots", "N", int_range(0),
+                   "cap on the peer's expert slots (default 0 = all that fit)"),
+    "peer_adapt_swaps": ("--peer-adapt-swaps", "N", int_range(-1),
+                         "peer swaps per adaptive round (default -1 = --adapt-swaps)"),
+    "peer_prefill_rows": ("--peer-prefill-rows", "N", int_range(-1),
+                          "peer rows per layer in the prompt path (default -1 = chunk*K/2; 0 = off)"),
+    "layer_split": ("--layer-split", "auto|K[,K2..]", _layer_split,
+                    "pipeline split across GPUs: stage i+1 starts at layer Ki; auto picks the split "
+                    "whose caches hold the most profile mass (default: off)"),
+    **{
+        f"expert_cache_device{i}": (f"--expert-cache-device{i}", "N|auto", _helper_cache,
+                                    f"static helper expert cache on CUDA device {i} (default: off)")
+        for i in (1, 2, 3)
+    },
+    "prefill": ("--prefill", "CHUNK|auto", _prefill,
+                f"prompt chunk in tokens, a multiple of {PREFILL_ALIGN} up to {PREFILL_MAX} (default auto)"),
+    "spec": ("--spec", "N", int_range(0, SPEC_MAX_DRAFTS),
+             f"MTP drafts per verify window, 0..{SPEC_MAX_DRAFTS} (window = N+1 tokens; default 0 = off)"),
+}
+
+# env var -> (PeerEnv field, parser)
+PEER_ENV_SWITCHES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "STRATA_PEER_HOT": ("peer_hot", float_range(0.0, 1.0)),
+    "STRATA_PEER_HOT_AT": ("peer_hot_at", int_range(0)),
+    "STRATA_PF_PEER_STREAM": ("pf_peer_stream", float_range(0.0, 1.0)),
+    "STRATA_PF_PEER_RING": ("pf_peer_ring", int_range(1)),
+    "STRATA_PEER_DIRECT": ("peer_direct", _switch),
+    "STRATA_PF_PEER_COMPACT": ("pf_peer_compact", _switch),
+    "STRATA_PF_PEER_OUT_PIPE": ("pf_peer_out_pipe", _switch),
+    "STRATA_PF_GDN_SPLIT": ("pf_gdn_split", _switch),
+}
+
+
+def env_name(field_name: str) -> str:
+    return "STRATA_" + field_name.upper()
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse that ends a bad command line with one line and exit code 2 instead of usage + message."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"strata_ray: {message} (see --help)\n")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of DESIGN section 4. Values stay strings here: config_from_args validates them, so a
+    flag and its STRATA_* environment twin go through the same checks and messages."""
+    group = parser.add_argument_group(
+        "engine",
+        "each flag can also be set by the environment variable STRATA_<FLAG> "
+        "(e.g. STRATA_PREFILL=512); flags win over the environment",
+    )
+    for name, (flag, metavar, _parse, help_text) in ENGINE_FLAGS.items():
+        group.add_argument(flag, dest=name, metavar=metavar, default=None, help=help_text)
+    defaults = PeerEnv()
+    lines = [f"  {var} [{_show(getattr(defaults, name))}]" for var, (name, _) in PEER_ENV_SWITCHES.items()]
+    parser.epilog = "\n".join(
+        ["peer-tier environment switches, read only with --peer-device (default in brackets):", *lines]
+    )
+
+
+def _show(v: object) -> str:
+    return str(int(v)) if isinstance(v, bool) else str(v)
+
+
+def build_arg_parser(
+    prog: str = "python -m strata_ray.run", description: str | None = None
+) -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(
+        prog=prog,
+        description=description
+        or "Run a Mixture-of-Experts GGUF model on Ray. Without --model it runs the embedded "
+        f"{DEFAULT_MODEL_NAME}, a small Qwen3-Next with MTP trained on Python's documentation.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(parser)
+    return parser
+
+
+def parse_value(parse: Callable[[str], Any], raw: str, label: str) -> Any:
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ConfigError(f"{label}: invalid value {raw!r} (allowed: {e})") from None
+
+
+def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> EngineConfig:
+    """Merge defaults < STRATA_* env < CLI and validate. Raises ConfigError with one line."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, (flag, _metavar, parse, _help) in ENGINE_FLAGS.items():
+        raw_cli = getattr(ns, name, None)
+        if raw_cli is not None:
+            values[name] = parse_value(parse, str(raw_cli), flag)
+        elif env.get(env_name(name), "") != "":
+            values[name] = parse_value(parse, env[env_name(name)], env_name(name))
+    cfg = EngineConfig(**values)
+    _check_combinations(cfg)
+    if cfg.peer_active:
+        cfg = _with_peer_env(cfg, env)
+    return cfg
+
+
+def _check_combinations(cfg: EngineConfig) -> None:
+    if cfg.peer_active:
+        if cfg.layer_split is not None:
+            raise ConfigError(REFUSE_PEER_WITH_LAYER_SPLIT)
+        if any(h is not None for h in cfg.helper_caches):
+            raise ConfigError(REFUSE_PEER_WITH_HELPER_CACHES)
+        if cfg.expert_profile is None or cfg.expert_cache == 0 or cfg.device == "cpu":
+            raise ConfigError(REFUSE_PEER_WITHOUT_CACHE)
+    if cfg.expert_profile is not None and not os.path.isfile(cfg.expert_profile):
+        raise ConfigError(f"--expert-profile: file not found: {cfg.expert_profile}")
+
+
+def _with_peer_env(cfg: EngineConfig, env: Mapping[str, str]) -> EngineConfig:
+    values = {}
+    for var, (name, parse) in PEER_ENV_SWITCHES.items():
+        if env.get(var, "") != "":
+            values[name] = parse_value(parse, env[var], var)
+    return EngineConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "peer_env"},
+                        peer_env=PeerEnv(**values))
+
+
+def check_peer_device_visible(cfg: EngineConfig, n_visible: int) -> None:
+    """Refusal 4: run where the peer's GPU should be (the driver of a local cluster, and the primary)."""
+    if cfg.peer_active and cfg.peer_device >= n_visible:
+        raise ConfigError(refuse_peer_not_visible(cfg.peer_device, n_visible))
