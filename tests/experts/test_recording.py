@@ -2,18 +2,19 @@ import numpy as np
 import torch
 
 from strata_ray.experts.recording import RoutingRecorder
+from strata_ray.model.moe import FloatExperts
 
 
-class TinyFloatExperts:
-    """A real (if small) ExpertBackend: expert e of layer l is a matrix; rows = sum_k w * x @ W."""
-
-    def __init__(self, n_layers, n_expert, n_embd, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.w = torch.randn(n_layers, n_expert, n_embd, n_embd, generator=g)  # [L, X, E, E]
-
-    def __call__(self, layer, x, ids, weights):
-        rows = torch.einsum("ne,nkef->nkf", x, self.w[layer][ids])  # [N, K, E]
-        return (weights.unsqueeze(-1) * rows).sum(1)  # [N, E]
+def float_experts(n_layers, n_expert, n_embd=4, n_ff=3, seed=0):
+    """The model's own FloatExperts over small random expert weights (GGUF names and shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(n_layers):
+        p = f"blk.{layer}"
+        weights[f"{p}.ffn_gate_exps.weight"] = torch.randn(n_expert, n_ff, n_embd, generator=g)  # [X, I, E]
+        weights[f"{p}.ffn_up_exps.weight"] = torch.randn(n_expert, n_ff, n_embd, generator=g)  # [X, I, E]
+        weights[f"{p}.ffn_down_exps.weight"] = torch.randn(n_expert, n_embd, n_ff, generator=g)  # [X, E, I]
+    return FloatExperts(weights)
 
 
 def route(n, n_expert, k, seed):
@@ -24,7 +25,7 @@ def route(n, n_expert, k, seed):
 
 
 def test_counts_every_entry_and_forwards_unchanged():
-    inner = TinyFloatExperts(n_layers=3, n_expert=6, n_embd=4)
+    inner = float_experts(n_layers=3, n_expert=6)
     rec = RoutingRecorder(inner, n_layers=2, n_expert=6)  # layer 2 plays the MTP layer
     expected = np.zeros((2, 6), dtype=np.int64)
     for step, (layer, n) in enumerate([(0, 5), (1, 5), (0, 1), (1, 1), (2, 3)]):
@@ -40,7 +41,7 @@ def test_counts_every_entry_and_forwards_unchanged():
 
 
 def test_take_counts_resets():
-    rec = RoutingRecorder(TinyFloatExperts(1, 4, 2), n_layers=1, n_expert=4)
+    rec = RoutingRecorder(float_experts(1, 4, n_embd=2), n_layers=1, n_expert=4)
     assert rec.take_counts().tolist() == [[0, 0, 0, 0]]
     ids = torch.tensor([[3, 1], [3, 0]])
     rec(0, torch.ones(2, 2), ids, torch.full((2, 2), 0.5))

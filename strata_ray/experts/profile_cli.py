@@ -1,0 +1,131 @@
+"""`python -m strata_ray.run profile`: rank (layer, expert) pairs by how often a text routes to them.
+
+Runs the reference forward over the corpus with a RoutingRecorder around the model's experts, then
+writes the STRP ranking (`rank_from_counts`: frequency, ties by pair, never-routed pairs appended).
+The corpus is fed as one sequence in chunks of --chunk tokens; the sequence restarts every --context
+tokens so attention cost and memory stay bounded on a long corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from strata_ray.config import OneLineArgumentParser
+from strata_ray.experts.profile import Profile, ProfileError, rank_from_counts, write_profile
+from strata_ray.experts.recording import RoutingRecorder
+from strata_ray.model.hparams import ModelFormatError
+
+
+class ProfileCliError(Exception):
+    """A bad corpus or output path for `profile`; one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(
+        prog="python -m strata_ray.run profile",
+        description="Record expert routing on a text and write an STRP expert profile (hottest pairs first).",
+    )
+    p.add_argument("--model", metavar="PATH", default=None, help="GGUF model (default: the embedded model)")
+    p.add_argument("--corpus", metavar="FILE", required=True, help="UTF-8 text to route")
+    p.add_argument("-o", "--output", metavar="P.strp", required=True, help="profile to write (atomic)")
+    p.add_argument("--max-tokens", metavar="N", type=_positive, default=None, help="stop after N tokens")
+    p.add_argument("--chunk", metavar="N", type=_positive, default=512, help="tokens per forward call (512)")
+    p.add_argument("--context", metavar="N", type=_positive, default=2048,
+                   help="restart the sequence every N tokens (2048; capped at the model's context)")
+    p.add_argument("--device", default="cpu", help="torch device for the reference forward (cpu)")
+    return p
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def read_corpus(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        raise ProfileCliError(f"corpus {path}: {e.strerror or e}") from None
+    if not text.strip():
+        raise ProfileCliError(f"corpus {path} is empty")
+    return text
+
+
+def record_routing(model, token_ids: Sequence[int], chunk: int, context: int, progress: bool = True) -> tuple:
+    """Run `model` (a Model with .experts, .hp) over token_ids; returns (counts [L, X] int64, tokens)."""
+    hp = model.hp
+    recorder = RoutingRecorder(model.experts, hp.n_layer, hp.n_expert)
+    inner, model.experts = model.experts, recorder
+    ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
+    try:
+        with torch.inference_mode(), tqdm(total=len(ids), unit="tok", desc="profile", file=sys.stderr,
+                                          disable=not progress, dynamic_ncols=True) as bar:
+            for start in range(0, len(ids), context):
+                state = model.new_state()  # a fresh sequence every `context` tokens
+                window = ids[start : start + context]
+                for s in range(0, len(window), chunk):
+                    piece = window[s : s + chunk]
+                    model.forward(piece, state)
+                    bar.update(len(piece))
+    finally:
+        model.experts = inner  # the model is usable unchanged afterwards
+    return recorder.counts(), recorder.tokens
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ProfileCliError(f"--device {name}: not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileCliError(f"--device {name}: CUDA is not available")
+
+
+def profile_text(loaded, text: str, max_tokens: int | None, chunk: int, context: int,
+                 progress: bool = True) -> tuple[Profile, np.ndarray, int]:
+    """The profile of `text` for a LoadedModel; also the raw counts [L, X] and the tokens run."""
+    token_ids = loaded.tokenizer.encode(text)
+    if max_tokens is not None:
+        token_ids = token_ids[:max_tokens]
+    if not token_ids:
+        raise ProfileCliError("the corpus gives no tokens")
+    context = min(context, loaded.hp.context_length) if loaded.hp.context_length > 0 else context
+    counts, n_tokens = record_routing(loaded.model, token_ids, chunk, context, progress)
+    return rank_from_counts(counts), counts, n_tokens
+
+
+def profile_main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out_dir = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(out_dir):  # fail before the long run, not after it
+            raise ProfileCliError(f"output {args.output}: directory {out_dir} does not exist")
+        text = read_corpus(args.corpus)
+        _check_device(args.device)
+        from strata_ray.model.loader import load_model  # heavy import only once the flags are good
+
+        loaded = load_model(args.model, device=args.device)
+        profile, counts, n_tokens = profile_text(loaded, text, args.max_tokens, args.chunk, args.context)
+        write_profile(args.output, profile)
+    except (ProfileCliError, ProfileError, ModelFormatError) as e:
+        print(f"strata_ray profile: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"strata_ray profile: {n_tokens} tokens routed through {profile.n_layers} layers; "
+        f"{int((counts > 0).sum())} of {counts.size} pairs used; wrote {args.output}",
+        file=sys.stderr,
+    )
+    return 0
