@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+
+from strata_ray.experts.profile import check_shape, rank_from_counts, read_profile
+from strata_ray.experts.profile_cli import profile_main, profile_text
+
+CORPUS = "The quick brown fox jumps over the lazy dog. " * 20 + "def f(x):\n    return x * 2\n" * 10
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_missing_corpus(tmp_path, capsys):
+    rc = profile_main(["--corpus", str(tmp_path / "absent.txt"), "-o", str(tmp_path / "p.strp")])
+    assert rc == 2
+    assert "corpus" in one_line_error(capsys) and not (tmp_path / "p.strp").exists()
+
+
+def test_empty_corpus(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    rc = profile_main(["--corpus", str(tmp_path / "empty.txt"), "-o", str(tmp_path / "p.strp")])
+    assert rc == 2 and "is empty" in one_line_error(capsys)
+
+
+def test_output_directory_missing(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "nodir" / "p.strp")])
+    assert rc == 2 and "does not exist" in one_line_error(capsys)
+
+
+def test_bad_flag_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile_main(["--corpus", "c.txt", "-o", "p.strp", "--chunk", "0"])
+    assert e.value.code == 2 and "positive integer" in one_line_error(capsys)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory):
+    synth = pytest.importorskip("strata_ray.model.synth")
+    pytest.importorskip("strata_ray.model.loader")
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    synth.write_synth(path, arch="qwen3next", preset="tiny")
+    return path
+
+
+def test_bad_model_is_one_line(tmp_path, capsys, tiny_model_path):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    (tmp_path / "not.gguf").write_bytes(b"this is not a model")
+    rc = profile_main(["--model", str(tmp_path / "not.gguf"), "--corpus", str(tmp_path / "c.txt"),
+                       "-o", str(tmp_path / "p.strp")])
+    assert rc == 2 and "not.gguf" in one_line_error(capsys)
+
+
+def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
+    from strata_ray.model.loader import load_model
+
+    (tmp_path / "c.txt").write_text(CORPUS)
+    out = tmp_path / "p.strp"
+    rc = profile_main(["--model", str(tiny_model_path), "--corpus", str(tmp_path / "c.txt"), "-o", str(out),
+                       "--max-tokens", "150", "--chunk", "40", "--context", "100"])
+    assert rc == 0, capsys.readouterr().err
+    assert "150 tokens" in capsys.readouterr().err
+    loaded = load_model(str(tiny_model_path))
+    profile = read_profile(out)
+    check_shape(profile, loaded.hp)
+    assert profile.n_ranked == loaded.hp.n_layer * loaded.hp.n_expert  # every pair ranked
+
+    # the same run in-process: same ranking, counts that add up, the model's backend restored
+    inner = loaded.model.experts
+    again, counts, n_tokens = profile_text(loaded, CORPUS, 150, 40, 100, progress=False)
+    assert loaded.model.experts is inner
+    assert again == profile and again == rank_from_counts(counts)
+    assert n_tokens == 150
+    np.testing.assert_array_equal(counts.sum(axis=1), [150 * loaded.hp.n_expert_used] * loaded.hp.n_layer)
