@@ -1,0 +1,247 @@
+"""`synth`: random-weight GGUF models at real shapes, streamed to disk fast, with Zipf-skewed routers.
+
+    python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b -o big.gguf
+
+Weights are random quant blocks with std ~ 1/sqrt(fan_in) (synth_blocks). Two choices keep the model
+well-behaved through all layers and make its routing skewed like a trained model's:
+- residual-writing projections (attn_output, ssm_out, ffn_down_*) are scaled down by RESIDUAL_GAIN so the
+  summed layer outputs stay about as large as the embedding, whatever the depth;
+- every token embedding shares a component along one fixed direction u (like the mean/outlier direction of
+  real hidden states), which therefore survives in every layer's normed hidden state x, and router row e
+  carries -ZIPF_S * log(1 + rank_e) / (x . u) along u: expert popularity then falls off like a Zipf law in
+  the per-layer rank (a random permutation per layer), with per-token noise from the random part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from .gguf_writer import GGUFWriteError, ModelWriter, byte_level_tokenizer_spec
+from .hparams import HParams
+from .quants import BLOCK, type_name
+from .synth_blocks import Q8_0_SD, RandomBlocks
+from .synth_blocks import SUPPORTED as RANDOM_BLOCK_TYPES
+from .synth_presets import ARCHS, PRESETS, SynthError, preset_hparams
+from .tensor_layout import is_expert_tensor, keeps_float, tensor_layout
+
+EXPERT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+DENSE_TYPE = T.Q8_0
+CHUNK_BYTES = 16 << 20  # one chunk of a streamed tensor
+
+ZIPF_S = 1.0  # popularity of the expert of rank r ~ (1 + r) ** -ZIPF_S
+ROUTER_NOISE = 1.0  # std of the random part of router logits
+EMBD_NOISE, EMBD_SHARED = 64, 24  # token_embd int8 values: uniform noise in [-64, 63] + EMBD_SHARED * sign(u)
+EMBD_COS = EMBD_SHARED / math.hypot(EMBD_NOISE / math.sqrt(3), EMBD_SHARED)  # cos(embedding, u)
+LAYER_OUT_VAR = 0.6  # variance one layer adds to the residual at RESIDUAL_GAIN 1 (unit-rms inputs)
+
+
+def residual_gain(n_layer: int) -> float:
+    """Scale of residual-writing projections: all layers together add about one embedding's variance."""
+    return min(1.0, 1.0 / math.sqrt(LAYER_OUT_VAR * n_layer))
+
+
+def expected_cos_u(hp: HParams, layer: int) -> float:
+    """Expected cos(layer's normed MoE input, u): the embedding share, diluted by earlier layer outputs."""
+    return EMBD_COS / math.sqrt(1.0 + min(layer + 0.5, hp.n_layer) / hp.n_layer)
+
+
+def synth_type(name: str, shape: Sequence[int], expert_type: int) -> int:
+    """F32 where llama-quantize keeps floats, expert_type for routed experts, Q8_0 for other matrices;
+    falls back (like llama-quantize) when a row is not a multiple of the block."""
+    if keeps_float(name, tuple(shape)):
+        return T.F32
+    t = expert_type if is_expert_tensor(name) else DENSE_TYPE
+    for cand in (t, T.Q8_0):
+        if shape[-1] % BLOCK[cand][0] == 0:
+            return cand
+    return T.F32
+
+
+class SynthModel:
+    """Value producers for every tensor of one synthetic model (deterministic per seed and tensor name)."""
+
+    def __init__(self, hp: HParams, seed: int = 0):
+        self.hp, self.seed = hp, seed
+        self.blocks = RandomBlocks(seed)
+        # the shared hidden direction: u = signs / sqrt(E)
+        self.signs = np.where(np.random.default_rng([seed, 0xD1]).random(hp.n_embd) < 0.5, -1, 1).astype(
+            np.int8
+        )
+        self.gain = residual_gain(hp.n_layer)
+
+    def rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def producer(self, name: str, shape: tuple[int, ...], ggml_type: int):
+        if ggml_type == T.F32:
+            return lambda: self._float(name, shape)
+        if name == "token_embd.weight" and ggml_type == T.Q8_0:
+            return lambda: self._embedding(name, shape)
+        fan_in = shape[-1]
+        writes_residual = name.endswith(
+            ("attn_output.weight", "ssm_out.weight", "down_exps.weight", "down_shexp.weight")
+        )
+        std = (self.gain if writes_residual else 1.0) / math.sqrt(fan_in)
+        if ggml_type in RANDOM_BLOCK_TYPES:
+            return lambda: self._random_blocks(name, shape, ggml_type, std)
+        return lambda: self.rng(name).standard_normal(shape, dtype=np.float32) * np.float32(std)  # F16/BF16
+
+    def _row_chunks(self, shape: tuple[int, ...], row_bytes: int) -> Iterator[int]:
+        rows = int(np.prod(shape[:-1]))
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for start in range(0, rows, step):
+            yield min(step, rows - start)
+
+    def _random_blocks(self, name: str, shape, ggml_type: int, std: float) -> Iterator[np.ndarray]:
+        rng = self.rng(name)
+        elems, size = BLOCK[ggml_type]
+        for n in self._row_chunks(shape, shape[-1] // elems * size):
+            yield self.blocks.blocks(rng, n, shape[-1], ggml_type, std)
+
+    def _embedding(self, name: str, shape) -> Iterator[np.ndarray]:
+        """Q8_0 rows: uniform int noise plus EMBD_SHARED * sign(u), row rms ~1 (the shared direction)."""
+        rng, E = self.rng(name), shape[-1]
+        shared = (EMBD_SHARED * self.signs.astype(np.int16)).reshape(E // 32, 32)
+        rms_q = math.sqrt(EMBD_NOISE**2 / 3 + EMBD_SHARED**2)
+        for n in self._row_chunks(shape, E // 32 * 34):
+            b = self.blocks.blocks(rng, n, E, T.Q8_0, Q8_0_SD / rms_q)  # d ~ 1/rms_q
+            b = b.reshape(n, E // 32, 34)
+            qs = b[:, :, 2:].view(np.int8)
+            qs[...] = (qs.astype(np.int16) >> 1) + shared  # [-64, 63] + [-24, 24] fits int8
+            yield b.reshape(n, -1)
+
+    def _float(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        rng, hp = self.rng(name), self.hp
+        if name.endswith("norm.weight"):  # every RMSNorm weight (GGUF stores the +1 folded in): ~1
+            return rng.uniform(0.9, 1.1, shape).astype(np.float32)
+        if name.endswith("ffn_gate_inp.weight"):
+            return self._router(name, shape, rng)
+        if name.endswith("ssm_a"):  # -exp(A_log), A ~ U(1, 16) as in the HF init
+            return -rng.uniform(1.0, 16.0, shape).astype(np.float32)
+        if name.endswith("ssm_dt.bias"):  # Mamba init: softplus(dt_bias) = dt ~ logU(1e-3, 1e-1)
+            dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), shape))
+            return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+        if name.endswith("ssm_conv1d.weight"):
+            return (rng.standard_normal(shape) / math.sqrt(hp.ssm_conv_kernel)).astype(np.float32)
+        # ffn_gate_inp_shexp and any other float weight: std 1/sqrt(fan_in)
+        fan_in = hp.n_embd if len(shape) == 1 else shape[-1]
+        return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
+
+    def _router(self, name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+        """[X, E]: random rows (logit noise ROUTER_NOISE) + a Zipf bias along u in a random expert order."""
+        X, E = shape
+        layer = int(name.split(".")[1])
+        rank = rng.permutation(X)  # rank[e] = popularity rank of expert e (0 = most popular)
+        bias = -ZIPF_S * np.log1p(rank) / (expected_cos_u(self.hp, layer) * math.sqrt(E))
+        u = self.signs.astype(np.float64) / math.sqrt(E)
+        w = rng.standard_normal((X, E)) * (ROUTER_NOISE / math.sqrt(E)) + bias[:, None] * u[None, :]
+        return w.astype(np.float32)
+
+
+def build_writer(
+    path, hp: HParams, expert_type: int, seed: int = 0, name: str = "strata-synth"
+) -> ModelWriter:
+    tok = byte_level_tokenizer_spec().padded(hp.n_vocab)
+    mw = ModelWriter(path, hp, tok)
+    mw.extra_fields["general.name"] = name
+    model = SynthModel(hp, seed)
+    for tname, shape in tensor_layout(hp):
+        t = synth_type(tname, shape, expert_type)
+        mw.add(tname, shape, t, model.producer(tname, shape, t))
+    return mw
+
+
+def write_synth(
+    path,
+    arch: str | None,
+    preset: str,
+    layers: int | None = None,
+    expert_type: str = "Q4_K",
+    seed: int = 0,
+    progress: bool = True,
+) -> HParams:
+    """Write a synthetic model; returns its HParams. Raises SynthError (one line) on a bad request."""
+    if expert_type not in EXPERT_TYPES:
+        raise SynthError(f"unknown expert type {expert_type!r} (choose from {', '.join(EXPERT_TYPES)})")
+    hp = preset_hparams(arch, preset, layers)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise SynthError(f"output directory {path.parent} does not exist")
+    mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}")
+    free = shutil.disk_usage(path.parent).free
+    if mw.total_bytes > free:
+        raise SynthError(
+            f"not enough disk space: the model needs {mw.total_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+        )
+    mw.write(progress=progress)
+    return hp
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse prints usage + error; the CLI promises one line
+        raise SynthError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(
+        prog="strata_ray synth", description="Write a random-weight GGUF model at a preset shape."
+    )
+    p.add_argument("--arch", choices=ARCHS, help="qwen3next or qwen3moe (implied by 30b-a3b / 80b-a3b)")
+    p.add_argument(
+        "--preset",
+        required=True,
+        choices=PRESETS,
+        help="tiny / small (tests), 30b-a3b (qwen3moe real shape), 80b-a3b (qwen3next real shape)",
+    )
+    p.add_argument("--layers", type=int, help="override the number of trunk layers (the MTP layer is kept)")
+    p.add_argument("--expert-type", default="Q4_K", choices=EXPERT_TYPES, help="routed experts' quant type")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
+    p.add_argument("-o", "--output", required=True, help="output .gguf path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def synth_main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: exit 0 on success, 2 on a bad flag/request, 1 on an I/O failure (one line each)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except SynthError as e:
+        print(f"strata_ray synth: {e}", file=sys.stderr)
+        return 2
+    try:
+        hp = write_synth(
+            args.output,
+            args.arch,
+            args.preset,
+            args.layers,
+            args.expert_type,
+            args.seed,
+            progress=not args.no_progress,
+        )
+    except SynthError as e:
+        print(f"strata_ray synth: {e}", file=sys.stderr)
+        return 2
+    except (OSError, GGUFWriteError) as e:
+        print(f"strata_ray synth: cannot write {e}", file=sys.stderr)
+        return 1
+    size = Path(args.output).stat().st_size
+    print(
+        f"wrote {args.output}: {hp.arch}, {hp.n_layer} layers (+{hp.n_nextn} MTP), {hp.n_expert} experts "
+        f"{type_name(T[args.expert_type])}, {size / 1e9:.2f} GB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(synth_main())
