@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
+from strata_ray.model import quants
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.hparams import ModelFormatError
 
@@ -239,3 +240,29 @@ def test_error_missing_tensor(tmp_path):
     with pytest.raises(ModelFormatError) as e:
         f.tensor("blk.0.attn_qkv.weight")
     assert str(e.value) == "missing tensor blk.0.attn_qkv.weight"
+
+
+def test_every_supported_type_reads_back_like_gguf_reader(tmp_path):
+    """All seven types written by GGUFWriter: our views dequantize to what gguf's own reader gives."""
+    rng = np.random.default_rng(2)
+    types = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qwen3moe")
+    add_arch_keys(w, "qwen3moe")
+    w.add_token_list(TOKENS)
+    for t in types:
+        x = rng.standard_normal((2, 3, 256)).astype(np.float32)
+        w.add_tensor(f"t.{t.name}", quants.quantize(x, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    f, ref = GGUFFile(path), gguf.GGUFReader(path)
+    for rt in ref.tensors:
+        info = f.tensor(rt.name)
+        assert (info.ggml_type, info.shape, info.n_bytes) == (rt.tensor_type, (2, 3, 256), rt.n_bytes)
+        assert info.data.dtype == rt.data.dtype and info.data.shape == rt.data.shape
+        np.testing.assert_array_equal(
+            quants.dequantize_tensor(info), gguf.quants.dequantize(rt.data, rt.tensor_type)
+        )
