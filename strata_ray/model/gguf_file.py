@@ -152,7 +152,10 @@ def _map(path: Path) -> mmap.mmap:
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelFormatError(f"not a GGUF file: {path}")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError:  # strict overcommit can refuse a private writable map of a huge file: read-only views
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def _parse_shard(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
