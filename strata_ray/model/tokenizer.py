@@ -136,11 +136,12 @@ class Tokenizer:
         chat_template: str | None,
         pre: str = "qwen2",
         eot_id: int | None = None,
+        pad_id: int | None = None,
     ):
         if len(token_types) != len(tokens):
             raise ModelFormatError(f"tokenizer has {len(tokens)} tokens but {len(token_types)} token types")
         self.tokens, self.token_types, self.pre = tokens, token_types, pre
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.chat_template = chat_template
         self.n_vocab = len(tokens)
         self._hf = self._build_hf(tokens, token_types, merges, pre)
@@ -161,8 +162,10 @@ class Tokenizer:
         eos_id: int | None,
         chat_template: str | None,
         pre: str = "qwen2",
+        pad_id: int | None = None,
     ) -> Tokenizer:
-        return cls(tokens, token_types, merges, bos_id, eos_id, chat_template, pre)
+        """Without a file (fields as in gguf_writer.TokenizerSpec, so `from_spec(**asdict(spec))` works)."""
+        return cls(tokens, token_types, merges, bos_id, eos_id, chat_template, pre, pad_id=pad_id)
 
     @classmethod
     def from_gguf(cls, file: GGUFFile) -> Tokenizer:
@@ -182,6 +185,7 @@ class Tokenizer:
             f.get("tokenizer.chat_template"),
             str(f.get("tokenizer.ggml.pre", "default")),
             f.get("tokenizer.ggml.eot_token_id"),
+            f.get("tokenizer.ggml.padding_token_id"),
         )
 
     @staticmethod

@@ -181,6 +181,15 @@ def test_chat_template_helpers_and_sandbox():
         render("{% for %}")
 
 
+def test_from_spec_takes_a_writer_spec():
+    """gguf_writer.TokenizerSpec fields map one to one onto from_spec (no file needed)."""
+    tokens, types, merges = trained_vocab()
+    spec = dict(tokens=tokens, token_types=types, merges=merges, bos_id=None, eos_id=len(tokens) - 1,
+                chat_template=None, pre="qwen2", pad_id=len(tokens) - 3)  # fmt: skip
+    t = Tokenizer.from_spec(**spec)
+    assert t.pad_id == len(tokens) - 3 and t.decode(t.encode("héllo wörld")) == "héllo wörld"
+
+
 def test_chatml_fallback_without_template():
     tokens, types, merges = trained_vocab()
     t = Tokenizer.from_spec(tokens, types, merges, None, len(tokens) - 1, None)
