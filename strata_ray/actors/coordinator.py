@@ -1,0 +1,100 @@
+"""Coordinator: the engine's control-plane bookkeeping (config of record, run statistics, metrics).
+
+A plain class; launch.py runs it as the Ray actor `strata:coordinator`. The primary reports once per
+generation (never per token). Expert statistics and adaptive rounds join it when the tiers land.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from strata_ray.config import EngineConfig
+
+log = logging.getLogger("ray")
+
+
+@dataclass
+class RunTotals:
+    generations: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    failures: int = 0
+
+
+class Coordinator:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_info: dict[str, Any] = {}
+        self.totals = RunTotals()
+        self.started_at = time.time()
+        self._metrics = _RayMetrics.create()
+
+    def get_config(self) -> EngineConfig:
+        return self.config
+
+    def model_loaded(self, info: dict[str, Any]) -> None:
+        self.model_info = dict(info)
+        log.info("strata coordinator: model loaded %s", info)
+
+    def record_generation(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float,
+                          decode_seconds: float) -> None:
+        t = self.totals
+        t.generations += 1
+        t.prompt_tokens += prompt_tokens
+        t.generated_tokens += generated_tokens
+        t.prompt_seconds += prompt_seconds
+        t.decode_seconds += decode_seconds
+        if self._metrics:
+            self._metrics.record(prompt_tokens, generated_tokens, prompt_seconds, decode_seconds)
+
+    def record_failure(self, reason: str) -> None:
+        self.totals.failures += 1
+        log.warning("strata coordinator: generation failed: %s", reason)
+
+    def status(self) -> dict[str, Any]:
+        t = self.totals
+        return {
+            "model": self.model_info,
+            "uptime_seconds": time.time() - self.started_at,
+            **asdict(t),
+            "prompt_tokens_per_second": t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0,
+            "decode_tokens_per_second": t.generated_tokens / t.decode_seconds if t.decode_seconds else 0.0,
+        }
+
+
+class _RayMetrics:
+    """ray.util.metrics exported to the dashboard / Prometheus; absent when not running inside Ray."""
+
+    @staticmethod
+    def create() -> _RayMetrics | None:
+        try:
+            import ray
+
+            if not ray.is_initialized():
+                return None
+            return _RayMetrics()
+        except ImportError:
+            return None
+
+    def __init__(self):
+        from ray.util.metrics import Counter, Gauge
+
+        self.prompt_tokens = Counter("strata_prompt_tokens", description="prompt tokens processed")
+        self.generated_tokens = Counter("strata_generated_tokens", description="tokens generated")
+        self.prefill_tps = Gauge("strata_prefill_tokens_per_second", description="last prompt's tok/s")
+        self.decode_tps = Gauge("strata_decode_tokens_per_second", description="last generation's tok/s")
+
+    def record(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float, decode_seconds: float):
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generated_tokens:
+            self.generated_tokens.inc(generated_tokens)
+        if prompt_seconds > 0:
+            self.prefill_tps.set(prompt_tokens / prompt_seconds)
+        if decode_seconds > 0:
+            self.decode_tps.set(generated_tokens / decode_seconds)

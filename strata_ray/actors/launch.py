@@ -1,0 +1,226 @@
+"""Connecting to Ray, placing the engine's actors, and tearing down exactly what we created.
+
+The coordinator and the primary share one STRICT_PACK placement group (the peer joins it later), named
+so they show up in the Ray dashboard: `strata:coordinator`, `strata:primary`, namespace `strata`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from strata_ray.config import ConfigError, EngineConfig
+
+NAMESPACE = "strata"
+PRIMARY_NAME = "strata:primary"
+COORDINATOR_NAME = "strata:coordinator"
+PLACEMENT_GROUP_NAME = "strata:engine"
+COORDINATOR_CPUS = 0.1  # bookkeeping only; leaves whole cores to the primary
+LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # tokens and control messages only, never weights
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class LaunchError(RuntimeError):
+    """The cluster cannot host the engine (no room, name clash); one line."""
+
+
+@dataclass
+class RaySession:
+    started: bool  # True: we started a local Ray instance and shut it down at the end
+    address: str
+
+
+@dataclass
+class Deployment:
+    coordinator: object
+    primary: object
+    placement_group: object | None
+    created: bool  # False when we reuse actors kept by an earlier --keep-actors run
+    detached: bool
+
+
+def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
+    """Attach to a running cluster (address, RAY_ADDRESS or 'auto'); else start a local instance.
+
+    address 'local' always starts a fresh local instance."""
+    import ray
+
+    quiet = logging.INFO if verbose else logging.WARNING
+    if address != "local":
+        target = address or os.environ.get("RAY_ADDRESS") or "auto"
+        try:
+            ray.init(address=target, namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
+            return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
+        except ConnectionError:
+            if address:  # an explicit address that does not answer is an error, not a reason to go local
+                raise LaunchError(f"no Ray cluster answers at {address}") from None
+    ray.init(
+        namespace=NAMESPACE,
+        include_dashboard=dashboard,
+        object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+        logging_level=quiet,
+        log_to_driver=verbose,
+    )
+    return RaySession(started=True, address=ray.get_runtime_context().gcs_address)
+
+
+def cluster_device(cfg: EngineConfig) -> str:
+    """'auto' -> cuda when the cluster has GPUs (the primary may sit on another node than the driver)."""
+    import ray
+
+    if cfg.device != "auto":
+        if cfg.device == "cuda" and not ray.cluster_resources().get("GPU", 0):
+            raise ConfigError("--device cuda: the Ray cluster has no GPU (use --device cpu)")
+        return cfg.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def find_existing(cfg: EngineConfig) -> Deployment | None:
+    """Actors left by an earlier `--keep-actors` run: reused when their config equals ours."""
+    import ray
+
+    try:
+        primary = ray.get_actor(PRIMARY_NAME, namespace=NAMESPACE)
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+    theirs = ray.get(coordinator.get_config.remote())
+    if theirs != cfg:
+        raise LaunchError(
+            f"actor {PRIMARY_NAME} already runs in namespace {NAMESPACE} with another configuration "
+            "(another run, a server, or --keep-actors); stop it first (e.g. `ray stop`)"
+        )
+    return Deployment(coordinator, primary, None, created=False, detached=True)
+
+
+def launch(cfg: EngineConfig, keep: bool) -> Deployment:
+    """Create the placement group and both actors. keep=True makes them outlive this driver."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from strata_ray.actors.coordinator import Coordinator
+    from strata_ray.actors.primary import Primary
+
+    lifetime = "detached" if keep else None
+    primary_bundle = {"CPU": 1.0, **({"GPU": 1.0} if cfg.device == "cuda" else {})}
+    bundles = [{"CPU": COORDINATOR_CPUS}, primary_bundle]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=PLACEMENT_GROUP_NAME, lifetime=lifetime)
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise LaunchError(
+            f"the cluster has no node with room for the engine within {PLACEMENT_TIMEOUT_S:.0f} s "
+            f"(needs {_bundle_text(bundles)} on one node; "
+            f"cluster has {_bundle_text([ray.available_resources()])} free)"
+        )
+
+    def place(index: int):
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+    try:
+        coordinator = (
+            ray.remote(Coordinator)
+            .options(name=COORDINATOR_NAME, namespace=NAMESPACE, lifetime=lifetime, num_cpus=COORDINATOR_CPUS,
+                     scheduling_strategy=place(0), max_restarts=0)
+            .remote(cfg)
+        )
+        primary = (
+            ray.remote(Primary)
+            .options(name=PRIMARY_NAME, namespace=NAMESPACE, lifetime=lifetime, num_cpus=1,
+                     num_gpus=1 if cfg.device == "cuda" else 0, scheduling_strategy=place(1),
+                     max_concurrency=2, max_restarts=0)
+            .remote(cfg, coordinator)
+        )
+    except ValueError as e:  # name already taken: another run is creating its actors right now
+        remove_placement_group(pg)
+        raise LaunchError(f"cannot create the engine's actors: {e}") from None
+    return Deployment(coordinator, primary, pg, created=True, detached=keep)
+
+
+def teardown(dep: Deployment | None, keep: bool) -> None:
+    """Kill what this run created (unless kept). Never touches actors or clusters we did not create."""
+    if dep is None or not dep.created or keep:
+        return
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in (dep.primary, dep.coordinator):
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead: nothing left to clean
+            pass
+    if dep.placement_group is not None:
+        try:
+            remove_placement_group(dep.placement_group)
+        except Exception:
+            pass
+
+
+def disconnect(session: RaySession | None) -> None:
+    """Shut down Ray only if we started it; an attached cluster keeps running."""
+    if session is not None and session.started:
+        import ray
+
+        ray.shutdown()
+
+
+def _bundle_text(bundles: list[dict]) -> str:
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            if k in ("CPU", "GPU"):
+                total[k] = total.get(k, 0.0) + v
+    return " + ".join(f"{k} {v:g}" for k, v in sorted(total.items())) or "nothing"
+
+
+def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
+    """One line and an exit code for any failure of a run: 2 for what the user must fix (flag, file, request,
+    cluster), 1 for an engine failure (an actor that died or raised)."""
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+
+    from strata_ray.model.hparams import ModelFormatError
+
+    cause = e
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    who = actor or "the driver"
+    if isinstance(cause, (ConfigError, ModelFormatError, LaunchError, ValueError)) and _is_user_error(cause):
+        return _first_line(cause), 2
+    if isinstance(cause, OutOfMemoryError):
+        return f"{who} was killed by Ray's memory monitor (out of memory)", 1
+    if isinstance(cause, RayActorError):
+        return f"{who} died: {death_reason(cause)}", 1
+    if cause is not e or actor is not None:
+        return f"{who} failed: {type(cause).__name__}: {_first_line(cause)}", 1
+    return f"{type(cause).__name__}: {_first_line(cause)}", 1
+
+
+def _is_user_error(cause: BaseException) -> bool:
+    from strata_ray.engine.engine import RequestError
+
+    if isinstance(cause, ValueError):
+        return isinstance(cause, RequestError)
+    return True
+
+
+def death_reason(e: BaseException) -> str:
+    """The useful part of Ray's multi-line actor-death message, on one line."""
+    text = " ".join(str(getattr(e, "error_msg", "") or e).split())
+    init_cause = getattr(e, "cause", None)  # actor __init__ raised
+    if init_cause is not None and init_cause is not e:
+        return f"its constructor raised {type(init_cause).__name__}: {_first_line(init_cause)}"
+    if "ray.kill" in text or "killed by `ray.kill`" in text:
+        return "killed by ray.kill"
+    m = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*?)(?: There are some potential|$)", text)
+    if m:
+        oom = " (likely out of memory)" if "OOM" in text or "memory" in m.group(2).lower() else ""
+        return f"its worker process exited ({m.group(1)}: {m.group(2).strip()}){oom}"
+    return text[:300] or type(e).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__

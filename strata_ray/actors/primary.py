@@ -1,0 +1,84 @@
+"""Primary: the process that owns the model (GPU 0 of its node, or the CPU). A thin shell over Engine.
+
+launch.py runs it as the Ray actor `strata:primary` with max_concurrency=2, so `stop()` can reach a
+generation that `generate_stream()` is producing. Streaming uses Ray's streaming generators: each yielded
+item is one TokenBatch (a few tokens, ~20 ms of work), then one GenerationSummary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from strata_ray.config import EngineConfig
+from strata_ray.engine.engine import Engine, GenerationRequest, GenerationSummary
+
+log = logging.getLogger("ray")
+
+
+class EngineBusy(RuntimeError):
+    """Another generation is running on this primary; one line."""
+
+
+class Primary:
+    def __init__(self, config: EngineConfig, coordinator=None):
+        self.config = config
+        self.coordinator = coordinator  # a Ray actor handle, or None outside Ray
+        self.engine: Engine | None = None
+        self._busy = threading.Lock()
+
+    def load(self) -> dict[str, Any]:
+        """Load the model (idempotent); returns its description. Errors reach the caller as task errors."""
+        if self.engine is None:
+            if self.config.device != "cuda":
+                _use_all_cores()
+            self.engine = Engine(self.config)
+            info = self.engine.info()
+            log.info("strata primary: loaded %s", info)
+            if self.coordinator is not None:
+                self.coordinator.model_loaded.remote(info)
+        return self.engine.info()
+
+    def generate_stream(self, request: GenerationRequest) -> Iterator:
+        """Yields TokenBatch items then one GenerationSummary (run as a Ray streaming generator)."""
+        if self.engine is None:
+            self.load()
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusy("strata:primary is busy with another generation")
+        try:
+            summary = None
+            for item in self.engine.stream(request):
+                if isinstance(item, GenerationSummary):
+                    summary = item
+                yield item
+            self._report(summary)
+        except Exception as e:
+            if self.coordinator is not None:
+                self.coordinator.record_failure.remote(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._busy.release()
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+    def ping(self) -> bool:
+        return True
+
+    def _report(self, s: GenerationSummary | None) -> None:
+        if s is not None and self.coordinator is not None:
+            self.coordinator.record_generation.remote(
+                s.prompt_tokens, len(s.token_ids), s.prompt_seconds, s.decode_seconds
+            )
+
+
+def _use_all_cores() -> None:
+    """Ray sets OMP_NUM_THREADS to the actor's CPU share (1); the CPU primary computes with every core."""
+    import torch
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))

@@ -1,0 +1,250 @@
+"""Engine: one loaded model plus the generation loop, as a plain class.
+
+The primary actor is a thin shell over this class, and tests use it without Ray. `stream()` turns the
+token-by-token `generate()` into batches of tokens, flushed every ~20 ms, so a remote caller gets a few
+messages per second instead of one per token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata_ray.config import ConfigError, EngineConfig, check_peer_device_visible
+from strata_ray.engine.sampling import SamplingParams
+
+FLUSH_SECONDS = 0.02
+
+
+class FeatureNotAvailable(ConfigError):
+    """A flag whose engine part has not landed yet; one line."""
+
+
+class RequestError(ValueError):
+    """A generation request this model cannot run (empty prompt, bad token id, too long); one line."""
+
+
+class GenerationStopped(Exception):
+    """Raised from the token callback to end a generation early (stop() or a closed stream)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None = None  # text, tokenized by the engine (special tokens such as <|im_start|> parsed)
+    prompt_ids: tuple[int, ...] | None = None  # token ids used as given (no BOS added)
+    chat: bool = False  # wrap `prompt` as one user message in the model's chat template
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int = 0  # top-K log-probabilities per generated token
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Tokens produced since the last batch and the text they complete (UTF-8 safe)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    prompt_seconds: float
+    decode_seconds: float
+    top_logprobs: list | None = None
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def summary_line(self) -> str:
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_second:.1f} tok/s | "
+            f"generated: {len(self.token_ids)} tokens, {self.decode_tokens_per_second:.1f} tok/s"
+        )
+
+
+def unavailable_feature(cfg: EngineConfig) -> str | None:
+    """The first flag in cfg whose engine part has not landed yet, or None. Shrinks as the tiers land."""
+    checks = [
+        ("--peer-device", cfg.peer_active),
+        ("--layer-split", cfg.layer_split is not None),
+        ("--expert-cache-device1..3", any(h is not None for h in cfg.helper_caches)),
+        ("--expert-profile", cfg.expert_profile is not None),
+        ("--expert-profile-save", cfg.expert_profile_save is not None),
+        ("--expert-cache", cfg.expert_cache is not None),
+        ("--vram-budget-mib", cfg.vram_budget_mib is not None),
+        ("--spec", cfg.spec > 0),
+    ]
+    return next((flag for flag, used in checks if used), None)
+
+
+def check_supported(cfg: EngineConfig) -> None:
+    flag = unavailable_feature(cfg)
+    if flag is not None:
+        raise FeatureNotAvailable(f"{flag} is not available yet")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    return device
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None):
+        import torch
+
+        from strata_ray.model.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.peer_active:
+            check_peer_device_visible(config, torch.cuda.device_count())
+        check_supported(config)
+        kwargs = {"progress": progress} if progress and _accepts(load_model, "progress") else {}
+        self.loaded = load_model(config.model, device=self.device, **kwargs)
+        self.tokenizer = self.loaded.tokenizer
+        self._stop = threading.Event()
+
+    def info(self) -> dict[str, Any]:
+        hp = self.loaded.hp
+        return {
+            "path": str(self.loaded.path),
+            "arch": hp.arch,
+            "n_layer": hp.n_layer,
+            "n_expert": hp.n_expert,
+            "n_expert_used": hp.n_expert_used,
+            "n_vocab": hp.n_vocab,
+            "has_mtp": hp.has_mtp,
+            "device": self.device,
+        }
+
+    def prompt_ids(self, request: GenerationRequest) -> list[int]:
+        n_vocab = self.loaded.hp.n_vocab
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            bad = next((i for i in ids if not 0 <= i < n_vocab), None)
+            if bad is not None:
+                raise RequestError(f"prompt token id {bad} is out of range (vocabulary of {n_vocab} tokens)")
+        else:
+            text = request.prompt or ""
+            if request.chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            add_bos = bool(self.loaded.file.fields.get("tokenizer.ggml.add_bos_token", False))
+            ids = self.tokenizer.encode(text, add_bos=add_bos)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        context = self.loaded.hp.context_length
+        if len(ids) >= context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {context}")
+        return ids
+
+    def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None):
+        """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token."""
+        from strata_ray.engine.generate import generate
+
+        ids = self.prompt_ids(request)
+        max_tokens = min(request.max_tokens, self.loaded.hp.context_length - len(ids))
+        kwargs = {"prefill_chunk": self.config.prefill} if self.config.prefill else {}
+        self._stop.clear()
+
+        def on_each(token_id, *_):
+            if self._stop.is_set():
+                raise GenerationStopped()
+            if on_token is not None:
+                on_token(int(token_id))
+
+        result = generate(
+            self.loaded.model,
+            ids,
+            max_tokens,
+            request.sampling,
+            self.tokenizer.stop_ids,
+            on_token=on_each,
+            logprobs=request.logprobs,
+            **kwargs,
+        )
+        token_ids = tuple(int(t) for t in result.token_ids)
+        return GenerationSummary(
+            token_ids=token_ids,
+            text=self.text_of(token_ids),
+            prompt_tokens=result.prompt_tokens,
+            prompt_seconds=result.prompt_seconds,
+            decode_seconds=result.decode_seconds,
+            top_logprobs=result.top_logprobs if request.logprobs else None,
+        )
+
+    def text_of(self, token_ids) -> str:
+        stop = self.tokenizer.stop_ids
+        return self.tokenizer.decode([t for t in token_ids if t not in stop])
+
+    def stop(self) -> None:
+        """Ask the running generation to end after its current token (safe from another thread)."""
+        self._stop.set()
+
+    def stream(self, request: GenerationRequest, flush_seconds: float = FLUSH_SECONDS) -> Iterator:
+        """Yield TokenBatch items as tokens arrive (every flush_seconds at most), then one GenerationSummary.
+
+        The generation runs in a worker thread; closing this iterator early stops it."""
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        outcome: list = []
+
+        def work():
+            try:
+                outcome.append(self.generate(request, on_token=events.put))
+            except BaseException as e:  # handed to the consumer below, re-raised there
+                outcome.append(e)
+            events.put(None)
+
+        worker = threading.Thread(target=work, name="strata-generate", daemon=True)
+        decoder = self.tokenizer.stream_decoder()
+        stop_ids = self.tokenizer.stop_ids
+        pending: list[int] = []
+        worker.start()
+        try:
+            deadline = None
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = events.get(timeout=timeout)
+                except queue.Empty:
+                    item = "flush"
+                if isinstance(item, int):
+                    pending.append(item)
+                    deadline = deadline or time.monotonic() + flush_seconds
+                    continue
+                if pending:
+                    text = "".join(decoder.push(t) for t in pending if t not in stop_ids)
+                    yield TokenBatch(tuple(pending), text)
+                    pending, deadline = [], None
+                if item is None:
+                    break
+            if isinstance(outcome[0], BaseException):
+                raise outcome[0]
+            yield outcome[0]
+        finally:
+            self._stop.set()
+            worker.join()
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False

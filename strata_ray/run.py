@@ -1,0 +1,310 @@
+"""`python -m strata_ray.run`: the command line; subcommands generate (default), serve, bench, profile, synth.
+
+generate: check the model file here (fast, before Ray), attach to a Ray cluster or start a local one, place
+the coordinator and the primary, load the model there, stream the generated text to stdout. Every user error
+ends with one line on stderr and exit code 2; an engine failure with one line naming the actor and exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from strata_ray.config import (
+    ConfigError,
+    build_arg_parser,
+    check_peer_device_visible,
+    config_from_args,
+    float_range,
+    int_range,
+    parse_value,
+)
+
+PROG = "python -m strata_ray.run"
+DEFAULT_PROMPT = "The Python standard library"
+# subcommand -> (module, function); each takes argv and returns an exit code
+DELEGATED = {
+    "serve": ("strata_ray.serve.app", "serve_main"),
+    "bench": ("strata_ray.bench.cli", "bench_main"),
+    "profile": ("strata_ray.experts.profile_cli", "profile_main"),
+    "synth": ("strata_ray.model.synth", "synth_main"),
+}
+SUBCOMMANDS = ("generate", *DELEGATED)
+
+
+def fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"strata_ray: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "generate"
+    rest = argv[1:] if argv and argv[0] == command else argv
+    if command == "generate":
+        return generate_main(rest)
+    entry = _delegate(command)
+    if entry is None:
+        return fail(f"the {command} command is not available yet")
+    return int(entry(rest) or 0)
+
+
+def _delegate(command: str) -> Callable[[list[str]], int] | None:
+    module_name, function = DELEGATED[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):  # the command's own module is absent, not a dependency
+            return None
+        raise
+    return getattr(module, function, None)
+
+
+def build_generate_parser():
+    parser = build_arg_parser(PROG)
+    parser.description += (
+        f"\n\nsubcommands: {', '.join(SUBCOMMANDS)} (default generate); `{PROG} COMMAND --help` for each."
+    )
+    prompt = parser.add_argument_group("prompt", "default: stdin if not a terminal, else a sample prompt")
+    source = prompt.add_mutually_exclusive_group()
+    source.add_argument("--prompt", "-p", metavar="TEXT", help="prompt text")
+    source.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from FILE")
+    source.add_argument("--prompt-ids", metavar="1,2,3", help="prompt as token ids, used as given (no BOS)")
+    prompt.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", "-n", metavar="N", default="256", help="tokens to generate (256)")
+    sampling.add_argument("--temperature", metavar="T", default="0", help="0 = greedy (default)")
+    sampling.add_argument("--top-k", metavar="K", default="0", help="keep the K most likely tokens (0 = off)")
+    sampling.add_argument("--top-p", metavar="P", default="1", help="nucleus sampling mass (1 = off)")
+    sampling.add_argument("--min-p", metavar="P", default="0", help="drop tokens below P x top (0 = off)")
+    sampling.add_argument("--seed", metavar="S", default=None, help="random seed for sampling")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true",
+                        help="print one JSON object (token_ids, text, prompt_tokens, timings), no text")
+    output.add_argument("--logprobs", metavar="K", default="0", help="with --json: top-K logprobs per token")
+
+    ray_group = parser.add_argument_group("ray")
+    ray_group.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
+                           help="Ray cluster to attach to (default: RAY_ADDRESS, else a running cluster, "
+                           "else a new local instance; 'local' always starts a local instance)")
+    ray_group.add_argument("--dashboard", action="store_true",
+                           help="include the Ray dashboard when starting a local instance")
+    ray_group.add_argument("--keep-actors", action="store_true",
+                           help="leave strata:primary and strata:coordinator running on an attached cluster "
+                           "(the next run with the same flags reuses them)")
+    ray_group.add_argument("--verbose", "-v", action="store_true", help="show Ray's and the actors' logs")
+    return parser
+
+
+def parse_request(ns):
+    """The generation request from the parsed flags (prompt text is read here; tokenized in the primary)."""
+    from strata_ray.engine.engine import GenerationRequest
+    from strata_ray.engine.sampling import SamplingParams
+
+    seed = None if ns.seed is None else parse_value(int_range(0), ns.seed, "--seed")
+    sampling = SamplingParams(
+        temperature=parse_value(float_range(0.0, 100.0), ns.temperature, "--temperature"),
+        top_k=parse_value(int_range(0), ns.top_k, "--top-k"),
+        top_p=parse_value(float_range(0.0, 1.0, lo_open=True), ns.top_p, "--top-p"),
+        min_p=parse_value(float_range(0.0, 1.0), ns.min_p, "--min-p"),
+        seed=seed,
+    )
+    max_tokens = parse_value(int_range(1), ns.max_tokens, "--max-tokens")
+    logprobs = parse_value(int_range(0, 20), ns.logprobs, "--logprobs")
+    if ns.prompt_ids is not None:
+        ids = parse_value(_token_ids, ns.prompt_ids, "--prompt-ids")
+        return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, logprobs=logprobs)
+    return GenerationRequest(prompt=read_prompt(ns), chat=ns.chat, max_tokens=max_tokens, sampling=sampling,
+                             logprobs=logprobs)
+
+
+def read_prompt(ns) -> str:
+    if ns.prompt is not None:
+        return ns.prompt
+    if ns.prompt_file is not None:
+        try:
+            with open(ns.prompt_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"--prompt-file: cannot read {ns.prompt_file} ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--prompt-file: {ns.prompt_file} is not UTF-8 text") from None
+    if sys.stdin is not None and not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text:
+            return text
+    say(f"no prompt given (--prompt, --prompt-file or stdin); using {DEFAULT_PROMPT!r}")
+    return DEFAULT_PROMPT
+
+
+def _token_ids(s: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x, 10) for x in s.split(","))
+    except ValueError:
+        raise ValueError("comma-separated token ids >= 0, e.g. 1,2,3") from None
+    if any(i < 0 for i in ids):
+        raise ValueError("comma-separated token ids >= 0, e.g. 1,2,3")
+    return ids
+
+
+def check_peer_visible_here(cfg) -> None:
+    """Refusal 4, checked where the peer's GPU must be: this machine, when the cluster is a local one."""
+    if cfg.peer_active:
+        import torch
+
+        check_peer_device_visible(cfg, torch.cuda.device_count())
+
+
+def check_model_file(cfg) -> str | None:
+    """Open the GGUF in the driver so a bad file fails in a second, before any Ray work.
+    Returns the absolute path (None = the embedded default, resolved again where the primary runs)."""
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import resolve_model_path
+
+    GGUFFile(resolve_model_path(cfg.model))  # raises ModelFormatError with the one-line reason
+    return None if cfg.model is None else os.path.abspath(cfg.model)
+
+
+def generate_main(argv: Sequence[str]) -> int:
+    from strata_ray.model.hparams import ModelFormatError
+
+    try:  # everything the user can get wrong fails here, in a second, before Ray starts
+        ns = build_generate_parser().parse_args(list(argv))
+        cfg = config_from_args(ns, os.environ)
+        cfg = replace(cfg, model=check_model_file(cfg))
+        if ns.address == "local":
+            check_peer_visible_here(cfg)
+        from strata_ray.engine.engine import check_supported
+
+        check_supported(cfg)
+        request = parse_request(ns)
+    except (ConfigError, ModelFormatError) as e:
+        return fail(str(e))
+    from strata_ray.actors import launch
+
+    session = dep = actor = None
+    keep = False
+    try:
+        session = launch.connect(ns.address, ns.dashboard, ns.verbose)
+        say(_session_line(session, ns.dashboard))
+        cfg = replace(cfg, device=launch.cluster_device(cfg))
+        if session.started:
+            check_peer_visible_here(cfg)
+        keep = ns.keep_actors and not session.started
+        if ns.keep_actors and session.started:
+            say("--keep-actors: a local Ray instance ends with this run (attach to `ray start --head`)")
+        actor = launch.COORDINATOR_NAME
+        dep = None if session.started else launch.find_existing(cfg)
+        if dep is not None:
+            say(f"reusing {launch.PRIMARY_NAME} and {launch.COORDINATOR_NAME} kept by an earlier run")
+        else:
+            dep = launch.launch(cfg, keep=keep)
+        actor = launch.PRIMARY_NAME
+        load_model_remote(dep)
+        summary = stream_generation(dep, request, as_json=ns.json)
+        say(summary.summary_line())
+        return 0
+    except KeyboardInterrupt:
+        if dep is not None and not dep.created:
+            dep.primary.stop.remote()  # kept actors live on: end only our generation
+        sys.stdout.flush()
+        return fail("interrupted", 130)
+    except Exception as e:  # every failure ends in one line
+        message, code = launch.describe_failure(e, actor)
+        return fail(message, code)
+    finally:
+        launch.teardown(dep, keep)
+        launch.disconnect(session)
+
+
+def say(line: str) -> None:
+    sys.stderr.write(f"strata_ray: {line}\n")
+    sys.stderr.flush()
+
+
+def _session_line(session, dashboard: bool) -> str:
+    if not session.started:
+        return f"attached to the running Ray cluster at {session.address}"
+    board = "with the dashboard" if dashboard else "no dashboard"
+    return (f"started a local Ray instance ({board}; `ray start --head` beforehand to attach to a "
+            "cluster instead)")
+
+
+def load_model_remote(dep) -> dict:
+    """Load the model in the primary; an elapsed-time line on a terminal while it loads."""
+    import ray
+
+    started = time.monotonic()
+    ref = dep.primary.load.remote()
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(desc="strata_ray: loading the model", bar_format="{desc} {elapsed}", file=sys.stderr) as b:
+            while not ray.wait([ref], timeout=0.2)[0]:
+                b.refresh()
+    info = ray.get(ref)
+    say(f"loaded {os.path.basename(info['path'])} ({info['arch']}, {info['n_layer']} layers, "
+        f"{info['n_expert']} experts) on {info['device']} in {time.monotonic() - started:.1f} s")
+    return info
+
+
+def stream_generation(dep, request, as_json: bool):
+    """Print text batches as the primary yields them; returns the GenerationSummary."""
+    import ray
+
+    from strata_ray.engine.engine import GenerationSummary, TokenBatch
+
+    out = sys.stdout
+    summary = None
+    for ref in dep.primary.generate_stream.options(num_returns="streaming").remote(request):
+        item = ray.get(ref)
+        if isinstance(item, TokenBatch):
+            if not as_json and item.text:
+                out.write(item.text)
+                out.flush()
+        elif isinstance(item, GenerationSummary):
+            summary = item
+    if summary is None:
+        raise RuntimeError("the primary ended the stream without a summary")
+    if as_json:
+        out.write(json.dumps(summary_json(summary), ensure_ascii=False) + "\n")
+    elif out.isatty() and not summary.text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    return summary
+
+
+def summary_json(s) -> dict:
+    doc = {
+        "token_ids": list(s.token_ids),
+        "text": s.text,
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": len(s.token_ids),
+        "timings": {
+            "prompt_seconds": s.prompt_seconds,
+            "decode_seconds": s.decode_seconds,
+            "prompt_tokens_per_second": s.prompt_tokens_per_second,
+            "decode_tokens_per_second": s.decode_tokens_per_second,
+        },
+    }
+    if s.top_logprobs is not None:
+        doc["logprobs"] = [_top_entries(t) for t in s.top_logprobs]
+    return doc
+
+
+def _top_entries(top) -> list[dict]:
+    """One generated token's top-K as [{"token_id", "logprob"}], best first, from a dict or (id, lp) pairs."""
+    pairs = top.items() if isinstance(top, dict) else top
+    return [{"token_id": int(i), "logprob": float(lp)} for i, lp in pairs]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
