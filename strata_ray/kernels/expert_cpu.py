@@ -1,0 +1,174 @@
+"""CPU expert kernels (numba, nogil) under the arithmetic contract, run on the CPU pool.
+
+Weights are read in place (numpy views of the memory-mapped GGUF). Work is split into jobs of
+(expert group, output-row range) so that few experts still keep every core busy; each job reads
+each of its weight rows once for all tokens routed to that expert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .act_quant import quantize_act_sums, quantize_block, swiglu
+from .blocks import decode_block
+from .contract import Q4_K, QK, ExpertLayer, KernelError
+from .cpu_pool import CpuPool, default_pool
+from .spec import float_weights
+
+f32 = np.float32
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _row_dot(row, wtype, aq, ad, asum, arow, acc, wi):
+    """acc[j] = contract dot of one weight row with activation row arow[j], for every j."""
+    for j in range(acc.shape[0]):
+        acc[j] = f32(0.0)
+    for b in range(ad.shape[1]):
+        d, dmin, m = decode_block(row, b, wtype, wi)
+        o = b * QK
+        for j in range(arow.shape[0]):
+            a = arow[j]
+            isum = np.int32(0)
+            for i in range(QK):
+                isum += wi[i] * np.int32(aq[a, o + i])
+            t = f32(isum) * (d * ad[a, b])
+            if wtype == Q4_K:
+                t = t - f32(m * asum[a, b]) * (dmin * ad[a, b])
+            acc[j] = acc[j] + t
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _row_dot_float(row, af, arow, acc):
+    """Float weights: acc[j] = sum over 32-blocks (in order) of the in-order block sum."""
+    for j in range(acc.shape[0]):
+        acc[j] = f32(0.0)
+    for b in range(af.shape[1] // QK):
+        o = b * QK
+        for j in range(arow.shape[0]):
+            a = arow[j]
+            t = f32(0.0)
+            for i in range(QK):
+                t = t + af[a, o + i] * row[o + i]
+            acc[j] = acc[j] + t
+
+
+@njit(nogil=True, cache=True)
+def gate_up_job(gate, gtype, up, utype, aq, ad, asum, arow, ent, r0, r1, h, hq, hd, hs):
+    """Rows [r0, r1) (multiples of 32) of h = swiglu(gate x, up x) for entries ent, quantized into
+    hq/hd/hs at those entries. gate/up uint8 [n_ff, RB]; aq/ad/asum: token activations."""
+    n = arow.shape[0]
+    g = np.empty(n, f32)
+    u = np.empty(n, f32)
+    wi = np.empty(QK, np.int32)
+    for r in range(r0, r1):
+        _row_dot(gate[r], gtype, aq, ad, asum, arow, g, wi)
+        _row_dot(up[r], utype, aq, ad, asum, arow, u, wi)
+        for j in range(n):
+            h[ent[j], r] = swiglu(g[j], u[j])
+    for j in range(n):
+        e = ent[j]
+        for b in range(r0 // QK, r1 // QK):
+            quantize_block(h[e], b * QK, hq[e], hd[e], hs[e], b)
+
+
+@njit(nogil=True, cache=True)
+def down_job(down, dtype, hq, hd, hs, ent, r0, r1, out):
+    """out[ent[j], r] = contract dot of down row r with the entry's quantized hidden vector."""
+    acc = np.empty(ent.shape[0], f32)
+    wi = np.empty(QK, np.int32)
+    for r in range(r0, r1):
+        _row_dot(down[r], dtype, hq, hd, hs, ent, acc, wi)
+        for j in range(ent.shape[0]):
+            out[ent[j], r] = acc[j]
+
+
+@njit(nogil=True, cache=True)
+def gate_up_float_job(gate, up, x, arow, ent, r0, r1, h):
+    n = arow.shape[0]
+    g = np.empty(n, f32)
+    u = np.empty(n, f32)
+    for r in range(r0, r1):
+        _row_dot_float(gate[r], x, arow, g)
+        _row_dot_float(up[r], x, arow, u)
+        for j in range(n):
+            h[ent[j], r] = swiglu(g[j], u[j])
+
+
+@njit(nogil=True, cache=True)
+def down_float_job(down, h, ent, r0, r1, out):
+    acc = np.empty(ent.shape[0], f32)
+    for r in range(r0, r1):
+        _row_dot_float(down[r], h, ent, acc)
+        for j in range(ent.shape[0]):
+            out[ent[j], r] = acc[j]
+
+
+def group_entries(exp: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """[(expert, its entry indices ascending)] in expert order."""
+    order = np.argsort(exp, kind="stable")
+    sorted_exp = exp[order]
+    cuts = [0, *(np.flatnonzero(np.diff(sorted_exp)) + 1), len(order)]
+    return [(int(sorted_exp[c0]), order[c0:c1]) for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _row_ranges(n_rows: int, chunk: int) -> list[tuple[int, int]]:
+    return [(r, min(r + chunk, n_rows)) for r in range(0, n_rows, chunk)]
+
+
+def _chunk_rows(n_groups: int, n_rows: int, n_threads: int) -> int:
+    """Rows per job (a multiple of 32): about 4 jobs per thread over the whole phase."""
+    per_group = max(1, (4 * n_threads + n_groups - 1) // n_groups)
+    return max(QK, (n_rows // per_group) // QK * QK)
+
+
+def _check_entries(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer) -> None:
+    if x.ndim != 2 or x.shape[1] != layer.n_embd:
+        raise KernelError(f"x must be [N, {layer.n_embd}], got {tuple(x.shape)}")
+    if tok.shape != exp.shape or tok.ndim != 1:
+        raise KernelError(f"tok and exp must be [M] each, got {tok.shape} and {exp.shape}")
+    if len(tok) and (tok.min() < 0 or tok.max() >= x.shape[0]):
+        raise KernelError("a token index is out of range")
+    if len(exp) and (exp.min() < 0 or exp.max() >= layer.gate.shape[0]):
+        raise KernelError(f"an expert index is out of range (layer holds {layer.gate.shape[0]})")
+
+
+def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
+                   pool: CpuPool | None = None) -> np.ndarray:
+    """rows f32 [M, E]: row m = down(swiglu(gate x, up x)) of expert exp[m] for token tok[m].
+
+    x f32 [N, E]; tok, exp int [M]; layer: uint8 block bytes [X, rows, row_bytes] (host memory).
+    """
+    layer.validate()
+    x = np.ascontiguousarray(x, dtype=f32)
+    tok = np.asarray(tok).astype(np.int64)
+    exp = np.asarray(exp).astype(np.int64)
+    _check_entries(x, tok, exp, layer)
+    pool = pool or default_pool()
+    m, n_embd, n_ff = len(tok), layer.n_embd, layer.n_ff
+    out = np.zeros((m, n_embd), f32)
+    if m == 0:
+        return out
+    groups = group_entries(exp)
+    up_chunk = _chunk_rows(len(groups), n_ff, pool.n_threads)
+    down_chunk = _chunk_rows(len(groups), n_embd, pool.n_threads)
+    h = np.empty((m, n_ff), f32)
+    if layer.is_float:
+        mats = ((layer.gate, layer.gate_type), (layer.up, layer.up_type), (layer.down, layer.down_type))
+        views = {e: [float_weights(np.asarray(w[e]), t) for w, t in mats] for e, _ in groups}
+        pool.run(gate_up_float_job, [(views[e][0], views[e][1], x, tok[ent], ent, r0, r1, h)
+                                     for e, ent in groups for r0, r1 in _row_ranges(n_ff, up_chunk)])
+        pool.run(down_float_job, [(views[e][2], h, ent, r0, r1, out)
+                                  for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
+        return out
+    xq, xd, xs = quantize_act_sums(x)
+    hq = np.empty((m, n_ff), np.int8)
+    hd = np.empty((m, n_ff // QK), f32)
+    hs = np.empty((m, n_ff // QK), np.int32)
+    gate, up, down = np.asarray(layer.gate), np.asarray(layer.up), np.asarray(layer.down)
+    pool.run(gate_up_job, [(gate[e], layer.gate_type, up[e], layer.up_type, xq, xd, xs, tok[ent], ent,
+                            r0, r1, h, hq, hd, hs)
+                           for e, ent in groups for r0, r1 in _row_ranges(n_ff, up_chunk)])
+    pool.run(down_job, [(down[e], layer.down_type, hq, hd, hs, ent, r0, r1, out)
+                        for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
+    return out
