@@ -1,0 +1,191 @@
+"""EngineConfig: defaults < STRATA_* env < CLI, validation lines, the four refusals (also via the CLI)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from strata_ray.config import (
+    ENGINE_FLAGS,
+    REFUSE_PEER_WITH_HELPER_CACHES,
+    REFUSE_PEER_WITH_LAYER_SPLIT,
+    REFUSE_PEER_WITHOUT_CACHE,
+    ConfigError,
+    EngineConfig,
+    PeerEnv,
+    build_arg_parser,
+    check_peer_device_visible,
+    config_from_args,
+    env_name,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(argv, env=None):
+    return config_from_args(build_arg_parser().parse_args(argv), env or {})
+
+
+@pytest.fixture()
+def profile(tmp_path):
+    p = tmp_path / "p.strp"
+    p.write_bytes(b"STRP")  # existence is all config checks; the format is the profile reader's job
+    return str(p)
+
+
+def test_defaults_are_designs():
+    cfg = config([])
+    assert cfg == EngineConfig()
+    assert (cfg.model, cfg.device, cfg.expert_cache, cfg.vram_reserve_mib) == (None, "auto", None, 700)
+    assert (cfg.adapt_every, cfg.adapt_swaps, cfg.adapt_decay) == (4, 96, 0.7)
+    assert (cfg.peer_device, cfg.peer_reserve_mib, cfg.peer_slots) == (-1, 600, 0)
+    assert (cfg.peer_adapt_swaps, cfg.peer_prefill_rows, cfg.layer_split) == (-1, -1, None)
+    assert (cfg.prefill, cfg.spec) == (None, 0)
+    assert cfg.helper_caches == (None, None, None)
+    assert cfg.peer_adapt_swaps_effective == 96
+
+
+def test_env_overrides_defaults_and_cli_overrides_env():
+    env = {"STRATA_PREFILL": "128", "STRATA_SPEC": "2", "STRATA_EXPERT_CACHE": "40"}
+    cfg = config(["--spec", "3"], env)
+    assert (cfg.prefill, cfg.spec, cfg.expert_cache) == (128, 3, 40)
+    cfg = config(["--expert-cache", "auto"], env)
+    assert cfg.expert_cache is None
+    assert config([], {"STRATA_SPEC": ""}).spec == 0  # empty = unset
+
+
+def test_every_flag_parses_from_cli_and_env(profile, tmp_path):
+    good = {
+        "model": "m.gguf", "device": "cpu", "expert_cache": "12", "vram_budget_mib": "8000",
+        "vram_reserve_mib": "0", "expert_profile": profile, "expert_profile_save": str(tmp_path / "s.strp"),
+        "adapt_every": "0", "adapt_swaps": "5", "adapt_decay": "1", "peer_device": "-1",
+        "peer_reserve_mib": "50", "peer_slots": "7", "peer_adapt_swaps": "3", "peer_prefill_rows": "0",
+        "layer_split": "2,3", "expert_cache_device1": "auto", "expert_cache_device2": "4",
+        "expert_cache_device3": "0", "prefill": "8192", "spec": "7",
+    }
+    assert set(good) == set(ENGINE_FLAGS)
+    for name, raw in good.items():
+        flag = ENGINE_FLAGS[name][0]
+        from_cli = getattr(config([flag, raw]), name)
+        from_env = getattr(config([], {env_name(name): raw}), name)
+        assert from_cli == from_env, name
+    cfg = config(["--layer-split", "2,3", "--peer-reserve-mib", "50", "--adapt-decay", "1"])
+    assert cfg.layer_split == (2, 3) and cfg.adapt_decay == 1.0
+    assert cfg.peer_reserve_effective_mib == 128  # the floor
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--spec", "8"], "--spec: invalid value '8' (allowed: an integer from 0 to 7)"),
+        (["--spec", "two"], "--spec: invalid value 'two' (allowed: an integer from 0 to 7)"),
+        (["--prefill", "100"],
+         "--prefill: invalid value '100' (allowed: 'auto' or a multiple of 64 from 64 to 8192)"),
+        (["--prefill", "16384"],
+         "--prefill: invalid value '16384' (allowed: 'auto' or a multiple of 64 from 64 to 8192)"),
+        (["--expert-cache", "-1"], "--expert-cache: invalid value '-1' (allowed: 'auto' or an integer >= 0)"),
+        (["--adapt-decay", "0"], "--adapt-decay: invalid value '0' (allowed: a number > 0 and <= 1)"),
+        (["--peer-device", "0"],
+         "--peer-device: invalid value '0' "
+         "(allowed: -1 (off) or a CUDA device number >= 1 (device 0 is the primary))"),
+        (["--layer-split", "8,4"],
+         "--layer-split: invalid value '8,4' "
+         "(allowed: 'auto' or increasing layer numbers >= 1 separated by commas, e.g. 24 or 16,32)"),
+        (["--device", "tpu"], "--device: invalid value 'tpu' (allowed: cpu or cuda or auto)"),
+        (["--vram-budget-mib", "0"], "--vram-budget-mib: invalid value '0' (allowed: an integer >= 1)"),
+        (["--expert-profile", "/no/such.strp"], "--expert-profile: file not found: /no/such.strp"),
+    ],
+)
+def test_bad_values_name_flag_value_and_allowed(argv, line):
+    with pytest.raises(ConfigError) as e:
+        config(argv)
+    assert str(e.value) == line
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError) as e:
+        config([], {"STRATA_SPEC": "9"})
+    assert str(e.value) == "STRATA_SPEC: invalid value '9' (allowed: an integer from 0 to 7)"
+
+
+def test_refusals(profile):
+    with pytest.raises(ConfigError) as e:
+        config(["--peer-device", "1", "--layer-split", "auto", "--expert-profile", profile])
+    assert str(e.value) == REFUSE_PEER_WITH_LAYER_SPLIT
+    for i in (1, 2, 3):
+        with pytest.raises(ConfigError) as e:
+            config(["--peer-device", "1", f"--expert-cache-device{i}", "auto", "--expert-profile", profile])
+        assert str(e.value) == REFUSE_PEER_WITH_HELPER_CACHES
+    peer = ["--peer-device", "1", "--expert-profile", profile]
+    for argv in (["--peer-device", "2"], [*peer, "--expert-cache", "0"], [*peer, "--device", "cpu"]):
+        with pytest.raises(ConfigError) as e:
+            config(argv)
+        assert str(e.value) == REFUSE_PEER_WITHOUT_CACHE
+    cfg = config(["--peer-device", "2", "--expert-profile", profile])
+    check_peer_device_visible(cfg, 3)
+    with pytest.raises(ConfigError) as e:
+        check_peer_device_visible(cfg, 2)
+    assert str(e.value) == "peer experts: CUDA device 2 is not visible (2 devices; set CUDA_VISIBLE_DEVICES)"
+
+
+def test_peer_env_switches_are_read_only_with_a_peer(profile):
+    env = {"STRATA_PEER_HOT": "0.2", "STRATA_PF_PEER_RING": "16", "STRATA_PEER_DIRECT": "0"}
+    assert config([], env).peer_env == PeerEnv()
+    assert config([], {"STRATA_PEER_HOT": "not a number"}).peer_env == PeerEnv()
+    cfg = config(["--peer-device", "1", "--expert-profile", profile], env)
+    assert (cfg.peer_env.peer_hot, cfg.peer_env.pf_peer_ring, cfg.peer_env.peer_direct) == (0.2, 16, False)
+    assert cfg.peer_env.pf_peer_stream == 0.35
+    with pytest.raises(ConfigError) as e:
+        config(["--peer-device", "1", "--expert-profile", profile], {"STRATA_PEER_HOT": "2"})
+    assert str(e.value) == "STRATA_PEER_HOT: invalid value '2' (allowed: a number >= 0 and <= 1)"
+
+
+def test_help_documents_every_flag_and_the_default_model():
+    text = build_arg_parser().format_help()
+    for flag, *_ in ENGINE_FLAGS.values():
+        assert flag in text
+    assert "strata-tiny-next" in text and "Qwen3-Next" in text
+    assert "STRATA_PEER_HOT" in text
+
+
+def run_cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--peer-device", "1", "--layer-split", "4"],
+         "strata_ray: --peer-device cannot be combined with --layer-split (use one or the other)"),
+        (["--peer-device", "1", "--expert-cache-device2", "3"],
+         "strata_ray: --peer-device cannot be combined with --expert-cache-device1..3 "
+         "(the peer tier already caches experts there)"),
+        (["--peer-device", "1"], "strata_ray: --peer-device needs --expert-profile and the expert cache"),
+        (["--spec", "9"], "strata_ray: --spec: invalid value '9' (allowed: an integer from 0 to 7)"),
+        (["--bogus"], "strata_ray: unrecognized arguments: --bogus (see --help)"),
+    ],
+)
+def test_cli_refusals_exit_2_with_one_line(args, line):
+    r = run_cli(*args)
+    assert (r.returncode, r.stderr, r.stdout) == (2, line + "\n", "")
+
+
+def test_cli_refuses_an_invisible_peer_device(profile, tmp_path):
+    from strata_ray.model.synth import write_synth
+
+    model = tmp_path / "tiny.gguf"
+    write_synth(model, "qwen3next", "tiny", progress=False)
+    r = run_cli("--model", str(model), "--peer-device", "1", "--expert-profile", profile,
+                "--address", "local")
+    assert (r.returncode, r.stderr) == (
+        2, "strata_ray: peer experts: CUDA device 1 is not visible (0 devices; set CUDA_VISIBLE_DEVICES)\n")
+
+
+def test_cli_help_exits_0():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "--peer-prefill-rows" in r.stdout and "strata-tiny-next" in r.stdout
