@@ -60,9 +60,9 @@ def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
     (tmp_path / "c.txt").write_text(CORPUS)
     out = tmp_path / "p.strp"
     rc = profile_main(["--model", str(tiny_model_path), "--corpus", str(tmp_path / "c.txt"), "-o", str(out),
-                       "--max-tokens", "150", "--chunk", "40", "--context", "100"])
+                       "--max-tokens", "60", "--chunk", "16", "--context", "40"])
     assert rc == 0, capsys.readouterr().err
-    assert "150 tokens" in capsys.readouterr().err
+    assert "60 tokens" in capsys.readouterr().err
     loaded = load_model(str(tiny_model_path))
     profile = read_profile(out)
     check_shape(profile, loaded.hp)
@@ -70,8 +70,8 @@ def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
 
     # the same run in-process: same ranking, counts that add up, the model's backend restored
     inner = loaded.model.experts
-    again, counts, n_tokens = profile_text(loaded, CORPUS, 150, 40, 100, progress=False)
+    again, counts, n_tokens = profile_text(loaded, CORPUS, 60, 16, 40, progress=False)
     assert loaded.model.experts is inner
     assert again == profile and again == rank_from_counts(counts)
-    assert n_tokens == 150
-    np.testing.assert_array_equal(counts.sum(axis=1), [150 * loaded.hp.n_expert_used] * loaded.hp.n_layer)
+    assert n_tokens == 60
+    np.testing.assert_array_equal(counts.sum(axis=1), [60 * loaded.hp.n_expert_used] * loaded.hp.n_layer)
