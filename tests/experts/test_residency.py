@@ -77,3 +77,29 @@ def test_layer_slots_view():
     r = Residency(2, 2, n_slots=2)
     r.make_resident(3, 1)
     assert r.layer_slots(1).tolist() == [-1, 1] and r.layer_slots(0).tolist() == [-1, -1]
+
+
+def test_adaptive_rounds_move_the_hot_experts_in_and_keep_the_tables_consistent():
+    from strata_ray.experts.adaptive import AdaptiveTier
+
+    L, X, S = 2, 8, 6
+    r = Residency(L, X, n_slots=S)
+    start = np.zeros((L, X))
+    start[:, :3] = 1
+    r.admit_in_rank_order(rank_from_counts(start))  # experts 0..2 of both layers
+    tier = AdaptiveTier(L, X, adapt_every=2, max_swaps=3, decay=0.7)
+    hot = np.zeros((L, X), dtype=np.int64)
+    hot[1, 5:8] = 3  # routing moved to layer 1's last experts
+    for _ in range(8):
+        r.apply_pending()  # window boundary: last round's copies have landed
+        tier.record(hot)
+        if tier.window_done():
+            rnd = tier.run_round(r.resident_mask(include_pending=True))
+            r.schedule_swaps(rnd.primary)
+        resident = r.slot_pair[r.slot_pair >= 0]
+        assert len(set(resident.tolist())) == len(resident)
+        assert all(r.res[p] == s for s, p in enumerate(r.slot_pair) if p >= 0)
+        assert len(resident) + len(r.pending) + len(r.free) == S
+    r.apply_pending()
+    # swaps stay inside a layer: layer 1's hot experts replaced layer 1's cold ones, layer 0 kept its own
+    assert r.resident_mask().tolist() == [[True] * 3 + [False] * 5, [False] * 5 + [True] * 3]
