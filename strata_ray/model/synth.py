@@ -8,13 +8,15 @@ well-behaved through all layers and make its routing skewed like a trained model
   summed layer outputs stay about as large as the embedding, whatever the depth;
 - every token embedding shares a component along one fixed direction u (like the mean/outlier direction of
   real hidden states), which therefore survives in every layer's normed hidden state x, and router row e
-  carries -ZIPF_S * log(1 + rank_e) / (x . u) along u: expert popularity then falls off like a Zipf law in
-  the per-layer rank (a random permutation per layer), with per-token noise from the random part.
+  carries -s * log(1 + rank_e) / (x . u) along u: logits get a Zipf-law bias in the per-layer rank (a random
+  permutation per layer) plus per-token noise from the random part; s is calibrated per (n_expert, top-k)
+  so the top quarter of experts gets TOP_QUARTER_SHARE of the selections (zipf_exponent).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shutil
 import sys
@@ -37,8 +39,8 @@ EXPERT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
 DENSE_TYPE = T.Q8_0
 CHUNK_BYTES = 16 << 20  # one chunk of a streamed tensor
 
-ZIPF_S = 1.0  # popularity of the expert of rank r ~ (1 + r) ** -ZIPF_S
-ROUTER_NOISE = 1.0  # std of the random part of router logits
+ROUTER_NOISE = 1.3  # std of the random part of router logits (per token and expert)
+TOP_QUARTER_SHARE = 0.55  # target: the most popular 25% of a layer's experts get 55% of the selections
 EMBD_NOISE, EMBD_SHARED = 64, 24  # token_embd int8 values: uniform noise in [-64, 63] + EMBD_SHARED * sign(u)
 EMBD_COS = EMBD_SHARED / math.hypot(EMBD_NOISE / math.sqrt(3), EMBD_SHARED)  # cos(embedding, u)
 LAYER_OUT_VAR = 0.6  # variance one layer adds to the residual at RESIDUAL_GAIN 1 (unit-rms inputs)
@@ -52,6 +54,27 @@ def residual_gain(n_layer: int) -> float:
 def expected_cos_u(hp: HParams, layer: int) -> float:
     """Expected cos(layer's normed MoE input, u): the embedding share, diluted by earlier layer outputs."""
     return EMBD_COS / math.sqrt(1.0 + min(layer + 0.5, hp.n_layer) / hp.n_layer)
+
+
+@functools.cache
+def zipf_exponent(n_expert: int, n_used: int, share: float = TOP_QUARTER_SHARE) -> float:
+    """s such that top-k routing over logits -s*log(1+rank) + N(0, ROUTER_NOISE^2) gives the top quarter of
+    experts `share` of all selections (bisection on a fixed sample; selection share grows with s)."""
+    quarter = max(1, n_expert // 4)
+    if n_used >= n_expert or share <= quarter / n_expert:
+        return 0.0
+    noise = np.random.default_rng(0x21F).standard_normal((4096, n_expert)) * ROUTER_NOISE
+    log_rank = np.log1p(np.arange(n_expert))
+
+    def top_quarter_share(s: float) -> float:
+        chosen = np.argpartition(noise - s * log_rank, n_expert - n_used, axis=1)[:, n_expert - n_used :]
+        return float(np.mean(chosen < quarter))  # column index == popularity rank here
+
+    lo, hi = 0.0, 8.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if top_quarter_share(mid) < share else (lo, mid)
+    return (lo + hi) / 2
 
 
 def synth_type(name: str, shape: Sequence[int], expert_type: int) -> int:
@@ -137,14 +160,21 @@ class SynthModel:
         return (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
 
     def _router(self, name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-        """[X, E]: random rows (logit noise ROUTER_NOISE) + a Zipf bias along u in a random expert order."""
+        """[X, E]: random rows orthogonal to u (per-token logit noise ROUTER_NOISE) + a Zipf bias along u,
+        in a random expert order per layer."""
         X, E = shape
         layer = int(name.split(".")[1])
+        cos = expected_cos_u(self.hp, layer)
         rank = rng.permutation(X)  # rank[e] = popularity rank of expert e (0 = most popular)
-        bias = -ZIPF_S * np.log1p(rank) / (expected_cos_u(self.hp, layer) * math.sqrt(E))
+        bias = -zipf_exponent(X, self.hp.n_expert_used) * np.log1p(rank) / (cos * math.sqrt(E))
         u = self.signs.astype(np.float64) / math.sqrt(E)
-        w = rng.standard_normal((X, E)) * (ROUTER_NOISE / math.sqrt(E)) + bias[:, None] * u[None, :]
-        return w.astype(np.float32)
+        z = rng.standard_normal((X, E))
+        z -= np.outer(
+            z @ u, u
+        )  # no fixed per-expert offset from x's u share: popularity comes from bias only
+        # x = rmsnorm output has norm sqrt(E), of which sqrt(1 - cos^2) lies off u
+        z *= ROUTER_NOISE / (math.sqrt(E) * math.sqrt(1.0 - cos * cos))
+        return (z + np.outer(bias, u)).astype(np.float32)
 
 
 def build_writer(
