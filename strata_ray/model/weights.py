@@ -1,0 +1,74 @@
+"""Float32 weights of a GGUF file as the Mapping[str, Tensor] the reference forward reads (GGUF names)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from strata_ray.model.hparams import HParams, ModelFormatError
+from strata_ray.model.quants import dequantize_tensor
+from strata_ray.model.tensor_layout import is_expert_tensor, tensor_layout
+
+OPTIONAL = ("output.weight",)  # absent -> tied to token_embd
+
+
+def _to_torch(info, device: torch.device) -> Tensor:
+    a = dequantize_tensor(info)
+    if np.may_share_memory(a, info.data):  # F32 comes back as a view of the file map: own a copy, so that
+        a = a.copy()  # training updates never write into (or see writes through) the mapping
+    return torch.from_numpy(a).to(device)
+
+
+def split_legacy_ssm_in(hp: HParams, ssm_in: Tensor) -> tuple[Tensor, Tensor]:
+    """Legacy `ssm_in` (HF in_proj_qkvz, grouped per key head [q_g | k_g | v_g | z_g])
+    -> (attn_qkv [q | k | v], attn_gate [z])."""
+    nk, dk, E = hp.ssm_n_group, hp.ssm_d_state, hp.n_embd
+    rdv = hp.ssm_d_inner // nk  # r * dv
+    q, k, v, z = ssm_in.view(nk, 2 * dk + 2 * rdv, E).split([dk, dk, rdv, rdv], dim=1)
+    return torch.cat([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)]), z.reshape(-1, E)
+
+
+def load_dense_weights(
+    file, device: torch.device | str = "cpu", include_experts: bool = True
+) -> dict[str, Tensor]:
+    """Dequantize every tensor of a GGUFFile to float32 on `device`, keyed by GGUF name.
+
+    include_experts=False skips the routed-expert stacks (*_exps), which an ExpertBackend serves instead.
+    Fused alternatives are split into the names the forward reads: ffn_gate_up_exps -> ffn_gate_exps +
+    ffn_up_exps, legacy ssm_in -> attn_qkv + attn_gate. Raises ModelFormatError on missing/misshapen tensors.
+    """
+    hp: HParams = file.hparams
+    device = torch.device(device)
+    out: dict[str, Tensor] = {}
+    for name, info in file.tensors.items():
+        if is_expert_tensor(name) and not include_experts:
+            continue
+        t = _to_torch(info, device)
+        if name.endswith(".ffn_gate_up_exps.weight"):  # [X, 2I, E], gate rows first
+            p = name[: -len("ffn_gate_up_exps.weight")]
+            inter = t.shape[1] // 2
+            out[p + "ffn_gate_exps.weight"], out[p + "ffn_up_exps.weight"] = t[:, :inter], t[:, inter:]
+        elif name.endswith(".ssm_in.weight"):
+            p = name[: -len("ssm_in.weight")]
+            out[p + "attn_qkv.weight"], out[p + "attn_gate.weight"] = split_legacy_ssm_in(hp, t)
+        else:
+            out[name] = t
+    check_weights(hp, out, include_experts)
+    return out
+
+
+def check_weights(hp: HParams, weights: dict[str, Tensor], include_experts: bool = True) -> None:
+    """Every tensor the forward needs is present with its shape; one-line ModelFormatError otherwise."""
+    for name, shape in tensor_layout(hp):
+        if name in OPTIONAL or (is_expert_tensor(name) and not include_experts):
+            continue
+        if name not in weights:
+            if name.endswith((".attn_q.weight", ".attn_k.weight", ".attn_v.weight")) and \
+                    name.rsplit(".", 2)[0] + ".attn_qkv.weight" in weights:
+                continue  # fused q|k|v of a full-attention layer
+            raise ModelFormatError(f"missing tensor {name}")
+        got = tuple(weights[name].shape)
+        if got != tuple(shape) and not (name.endswith("ffn_gate_inp_shexp.weight") and
+                                        weights[name].numel() == hp.n_embd):
+            raise ModelFormatError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")

@@ -1,0 +1,123 @@
+"""GGUF file -> load_dense_weights -> Model: the tiny transformers models round-tripped through real files."""
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.model.forward import Model
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.gguf_writer import ModelWriter, byte_level_tokenizer_spec
+from strata_ray.model.hparams import ModelFormatError
+from strata_ray.model.quants import dequantize, quantize
+from strata_ray.model.weights import load_dense_weights
+from tests.model import hf_reference as ref
+from tests.model.test_mtp import _mtp_weights
+
+T = gguf.GGMLQuantizationType
+PROMPT = torch.randint(0, ref.VOCAB, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+
+
+def _write(path, hp, weights, types=None):
+    mw = ModelWriter(path, hp, byte_level_tokenizer_spec().padded(hp.n_vocab))
+    for name, t in weights.items():
+        a = t.numpy()
+        mw.add(name, a.shape, (types or {}).get(name, T.F32), lambda a=a: a)
+    mw.write()
+    return path
+
+
+def _logits(model):
+    with torch.inference_mode():
+        return model.forward(PROMPT, model.new_state())
+
+
+@pytest.fixture(scope="module")
+def next_model():
+    hf_model = ref.tiny_qwen3next(seed=2)
+    hp = dataclasses.replace(ref.hparams_of(hf_model), n_nextn=1)
+    weights = ref.gguf_weights(hf_model)
+    weights.update(_mtp_weights(hp, seed=3))
+    return hp, weights
+
+
+def test_qwen3next_f32_file_gives_identical_logits(next_model, tmp_path):
+    hp, weights = next_model
+    file = GGUFFile(_write(tmp_path / "next.gguf", hp, weights))
+    assert dataclasses.replace(file.hparams, rms_eps=hp.rms_eps) == hp  # eps is stored as f32
+    loaded = load_dense_weights(file, "cpu", include_experts=True)
+    assert loaded.keys() == weights.keys()
+    original, from_file = Model(hp, weights), Model(hp, loaded)
+    assert torch.equal(_logits(from_file), _logits(original))
+    with torch.inference_mode():
+        _, hidden = from_file.forward(PROMPT[:-1], from_file.new_state(), return_hidden=True)
+        assert torch.equal(from_file.mtp_logits(hidden, PROMPT[1:], from_file.new_state()),
+                           original.mtp_logits(hidden, PROMPT[1:], original.new_state()))
+
+
+def test_qwen3moe_q8_0_experts_dequantized_on_load(tmp_path):
+    hf_model = ref.tiny_qwen3moe(seed=3)
+    hp, weights = ref.hparams_of(hf_model), ref.gguf_weights(hf_model)
+    types = {n: T.Q8_0 for n in weights if n.endswith("_exps.weight")}
+    file = GGUFFile(_write(tmp_path / "moe.gguf", hp, weights, types))
+    loaded = load_dense_weights(file, "cpu", include_experts=True)
+    rounded = dict(weights)
+    for n in types:
+        blocks = quantize(weights[n].numpy(), T.Q8_0)
+        rounded[n] = torch.from_numpy(dequantize(blocks, T.Q8_0, weights[n].shape))
+    for name in weights:
+        assert torch.equal(loaded[name], rounded[name]), name
+    got, expected = _logits(Model(hp, loaded)), ref.hf_logits(hf_model, PROMPT)
+    assert not torch.equal(got, expected)  # the experts really were quantized
+    assert (got - expected).abs().mean() < 0.02
+
+
+def test_include_experts_false_skips_expert_stacks(next_model, tmp_path):
+    hp, weights = next_model
+    file = GGUFFile(_write(tmp_path / "next.gguf", hp, weights))
+    dense = load_dense_weights(file, "cpu", include_experts=False)
+    assert not any(n.endswith("_exps.weight") for n in dense)
+    assert set(dense) == {n for n in weights if not n.endswith("_exps.weight")}
+
+
+def test_legacy_ssm_in_and_fused_gate_up_are_split(next_model, tmp_path):
+    hp, weights = next_model
+    variant = dict(weights)
+    nk, dk, E = hp.ssm_n_group, hp.ssm_d_state, hp.n_embd
+    rdv = hp.ssm_d_inner // nk
+    for layer in (0, 1):  # legacy GDN layout: raw in_proj_qkvz grouped per key head
+        p = f"blk.{layer}"
+        q, k, v = variant.pop(f"{p}.attn_qkv.weight").split([nk * dk, nk * dk, nk * rdv])
+        z = variant.pop(f"{p}.attn_gate.weight")
+        groups = [x.reshape(nk, -1, E) for x in (q, k, v, z)]
+        variant[f"{p}.ssm_in.weight"] = torch.cat(groups, dim=1).reshape(-1, E)
+    p = "blk.2"
+    variant[f"{p}.ffn_gate_up_exps.weight"] = torch.cat(
+        [variant.pop(f"{p}.ffn_gate_exps.weight"), variant.pop(f"{p}.ffn_up_exps.weight")], dim=1)
+    loaded = load_dense_weights(GGUFFile(_write(tmp_path / "legacy.gguf", hp, variant)), "cpu", True)
+    for name in weights:
+        assert torch.equal(loaded[name], weights[name]), name
+
+
+def test_missing_and_misshapen_tensors_are_one_line_errors(next_model, tmp_path):
+    hp, weights = next_model
+    missing = {n: t for n, t in weights.items() if n != "blk.1.ssm_a"}
+    with pytest.raises(ModelFormatError, match=r"^missing tensor blk\.1\.ssm_a$"):
+        load_dense_weights(GGUFFile(_write(tmp_path / "a.gguf", hp, missing)), "cpu", True)
+    bad = dict(weights)
+    bad["blk.0.ssm_norm.weight"] = torch.ones(hp.ssm_head_v_dim + 1)
+    with pytest.raises(ModelFormatError, match="blk.0.ssm_norm.weight has shape"):
+        load_dense_weights(GGUFFile(_write(tmp_path / "b.gguf", hp, bad)), "cpu", True)
+
+
+def test_loaded_tensors_are_writable_float32(next_model, tmp_path):
+    hp, weights = next_model
+    file = GGUFFile(_write(tmp_path / "c.gguf", hp, weights))
+    t = load_dense_weights(file, "cpu", False)["blk.3.attn_q.weight"]
+    assert t.dtype == torch.float32 and t.device.type == "cpu"
+    t[0, 0] = 123.0  # its own memory, not the file's read-only map
+    assert not np.shares_memory(t.numpy(), file.tensor("blk.3.attn_q.weight").data)
+    again = load_dense_weights(file, "cpu", False)["blk.3.attn_q.weight"]
+    assert torch.equal(again, weights["blk.3.attn_q.weight"])
