@@ -1,0 +1,252 @@
+"""`python -m strata_ray.run bench`: flashbench (prefill/decode tables) and the exactness gates.
+
+    bench [--quick] [--contexts 8k,32k,128k] [--repeats 3] [--json-out r.json] [--plot r.png]
+    bench gate --save ref.json | --against ref.json
+    bench longgate --save ref.json | --against ref.json
+each with the engine flags of `run`, and `--local` (the Engine in this process) or `--url URL` (any
+OpenAI-compatible server) instead of the default Ray actors. Exit codes: 0 done / gate passed, 1 gate
+failed or engine failure, 2 a user error (one line).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from strata_ray.bench import gate, measure, report
+from strata_ray.bench.prompts import PromptBuilder, PromptError, parse_token_count
+from strata_ray.bench.targets import open_target, say
+from strata_ray.config import (
+    ConfigError,
+    build_arg_parser,
+    config_from_args,
+    float_range,
+    int_range,
+    parse_value,
+)
+
+PROG = "python -m strata_ray.run bench"
+DEFAULT_CONTEXTS = "8k,32k,128k"
+QUICK_CONTEXTS = "1k,32k"
+GATE_GEN_TOKENS = 256
+
+
+def build_parser(command: str):
+    prog = PROG if command == "run" else f"{PROG} {command}"
+    if command == "run":
+        description = ("flashbench: prefill tok/s at each context, decode tok/s after a prompt of that "
+                       "depth, and a 3,000-token story; medians of --repeats. Subcommands: gate, longgate.")
+    else:
+        size = "chat, code (~4K tokens) and math" if command == "gate" else "one ~20K-token"
+        description = (f"exactness gate: {size} greedy prompt(s), output token ids compared exactly; "
+                       "prints GATE: PASS or GATE: FAIL and exits 1 on a failure")
+    parser = build_arg_parser(prog, description)
+    target = parser.add_argument_group("target (default: the engine's Ray actors, as `run` uses them)")
+    where = target.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run the Engine in this process, without Ray")
+    where.add_argument("--url", metavar="URL", help="drive an OpenAI-compatible server (e.g. "
+                       "http://host:8000); --model then only supplies the tokenizer for exact prompt lengths")
+    target.add_argument("--api", choices=("chat", "completions"), default="chat",
+                        help="with --url: /v1/chat/completions (default) or /v1/completions")
+    target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
+                        "(default: the first one /v1/models lists)")
+    target.add_argument("--address", metavar="auto|local|HOST:PORT", help="Ray cluster to attach to (as run)")
+    target.add_argument("--verbose", "-v", action="store_true", help="show Ray's and the actors' logs")
+
+    sampling = parser.add_argument_group("sampling (default greedy)")
+    sampling.add_argument("--temperature", metavar="T", default=None, help="0 = greedy (default)")
+    sampling.add_argument("--top-k", metavar="K", default=None, help="keep the K most likely tokens (0 off)")
+    sampling.add_argument("--top-p", metavar="P", default=None, help="nucleus sampling mass (1 = off)")
+    sampling.add_argument("--seed", metavar="S", default=None, help="random seed for sampling")
+
+    if command == "run":
+        bench = parser.add_argument_group("benchmark")
+        bench.add_argument("--quick", action="store_true",
+                           help=f"contexts {QUICK_CONTEXTS} and one repeat (unless --contexts/--repeats)")
+        bench.add_argument("--contexts", metavar="N[,N..]",
+                           help=f"prompt depths in tokens, k = 1024 (default {DEFAULT_CONTEXTS})")
+        bench.add_argument("--repeats", metavar="N", help="runs per measurement; medians are reported (3)")
+        bench.add_argument("--gen", metavar="N", default="256",
+                           help="tokens generated after each context prompt (decode at that depth; 256)")
+        bench.add_argument("--story-tokens", metavar="N", default="3000",
+                           help="length of the story run, decode tok/s from a short prompt (3000; 0 = skip)")
+        bench.add_argument("--no-warmup", action="store_true", help="skip the short untimed first run")
+        bench.add_argument("--json-out", metavar="PATH", help="write the full report as JSON")
+        bench.add_argument("--plot", metavar="PNG",
+                           help="draw prefill and decode against context (needs matplotlib)")
+    else:
+        g = parser.add_argument_group("gate")
+        mode = g.add_mutually_exclusive_group(required=True)
+        mode.add_argument("--save", metavar="REF.json", help="run the gate prompts and save the outputs")
+        mode.add_argument("--against", metavar="REF.json", help="run the saved prompts, compare token ids")
+        g.add_argument("--max-tokens", "-n", metavar="N", default=str(GATE_GEN_TOKENS),
+                       help=f"tokens per prompt with --save ({GATE_GEN_TOKENS}); "
+                       "--against uses the reference's")
+    return parser
+
+
+def parse_sampling(ns, saved: dict | None = None):
+    """SamplingParams from the flags; a flag not given takes the reference's value (gate --against)."""
+    from strata_ray.engine.sampling import SamplingParams
+
+    saved = saved or {}
+
+    def pick(flag_value, key, parse, label, default):
+        if flag_value is not None:
+            return parse_value(parse, flag_value, label)
+        return saved.get(key, default)
+
+    return SamplingParams(
+        temperature=pick(ns.temperature, "temperature", float_range(0.0, 100.0), "--temperature", 0.0),
+        top_k=pick(ns.top_k, "top_k", int_range(0), "--top-k", 0),
+        top_p=pick(ns.top_p, "top_p", float_range(0.0, 1.0, lo_open=True), "--top-p", 1.0),
+        min_p=saved.get("min_p", 0.0),
+        seed=pick(ns.seed, "seed", int_range(0), "--seed", None),
+    )
+
+
+def parse_plan(ns) -> measure.BenchPlan:
+    raw = ns.contexts or (QUICK_CONTEXTS if ns.quick else DEFAULT_CONTEXTS)
+    contexts = tuple(parse_value(parse_token_count, c, "--contexts") for c in raw.split(","))
+    if ns.quick and ns.repeats is None:
+        repeats = 1
+    else:
+        repeats = parse_value(int_range(1), ns.repeats or "3", "--repeats")
+    return measure.BenchPlan(
+        contexts=contexts,
+        gen_tokens=parse_value(int_range(1), ns.gen, "--gen"),
+        repeats=repeats,
+        story_tokens=parse_value(int_range(0), ns.story_tokens, "--story-tokens"),
+        warmup=not ns.no_warmup,
+    )
+
+
+def fit_contexts(plan: measure.BenchPlan, builder: PromptBuilder) -> measure.BenchPlan:
+    """Drop contexts that the model's context cuts to the same size as an earlier one, saying so."""
+    from dataclasses import replace
+
+    kept, sizes = [], {}
+    for c in plan.contexts:
+        n, note = builder.fit(c, plan.gen_tokens)
+        if note:
+            say(f"note: context {c}: {note}")
+        if n in sizes:
+            say(f"note: context {c} is the same as context {sizes[n]} after the cut; measured once")
+            continue
+        sizes[n] = c
+        kept.append(c)
+    return replace(plan, contexts=tuple(kept))
+
+
+def progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"strata_ray bench: {desc}", file=sys.stderr,
+                disable=not sys.stderr.isatty(), leave=False)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from strata_ray.bench.http_client import ServerError
+    from strata_ray.engine.engine import RequestError
+    from strata_ray.model.hparams import ModelFormatError
+
+    return (ConfigError, ModelFormatError, PromptError, gate.GateFileError, report.PlotError, ServerError,
+            RequestError)
+
+
+def fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"strata_ray bench: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    command = argv[0] if argv and argv[0] in ("gate", "longgate") else "run"
+    rest = argv[1:] if command != "run" else argv
+    ns = build_parser(command).parse_args(rest)
+    try:
+        cfg = config_from_args(ns, os.environ)
+        if command == "run" and ns.plot:
+            report.check_plot_available()  # before minutes of benchmarking, not after
+        with open_target(ns, cfg) as target:
+            builder = PromptBuilder(target.tokenizer, target.context_length)
+            if command == "run":
+                return run_bench(ns, target, builder, argv)
+            return run_gate(ns, command, target, builder)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except Exception as e:  # every failure ends in one line
+        if isinstance(e, user_errors()):
+            return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        from strata_ray.actors.launch import describe_failure
+
+        message, code = describe_failure(e, None)
+        return fail(message, code)
+
+
+def run_bench(ns, target, builder: PromptBuilder, argv: list[str]) -> int:
+    plan = fit_contexts(parse_plan(ns), builder)
+    sampling = parse_sampling(ns)
+    with progress_bar(measure.plan_steps(plan), "measuring") as bar:
+        results = measure.run_plan(target.runner, builder, plan, sampling,
+                                   progress=lambda label: (bar.set_postfix_str(label), bar.update(1)))
+    plan_doc = {
+        "contexts": list(plan.contexts),
+        "gen_tokens": plan.gen_tokens,
+        "repeats": plan.repeats,
+        "story_tokens": plan.story_tokens,
+        "warmup": plan.warmup,
+        "sampling": gate.sampling_record(sampling),
+    }
+    doc = report.build_report(
+        "bench", target.mode, results, plan=plan_doc, config=target.config,
+        model=report.model_info(target.file, target.path), device=report.device_info(target.engine_device),
+        server=target.server, argv=["bench", *argv],
+    )
+    sys.stdout.write(report.table(doc) + "\n")
+    sys.stdout.flush()
+    if ns.json_out:
+        report.write_json(ns.json_out, doc)
+        say(f"wrote {ns.json_out}")
+    if ns.plot:
+        report.plot(doc, ns.plot)
+        say(f"wrote {ns.plot}")
+    return 0
+
+
+def run_gate(ns, command: str, target, builder: PromptBuilder) -> int:
+    meta = {
+        "mode": target.mode,
+        "model": report.model_info(target.file, target.path),
+        "server": target.server,
+        "engine_flags": report.engine_flags(target.config),
+        "git": report.git_commit(),
+        "versions": report.versions(),
+    }
+    if ns.save:
+        gen = parse_value(int_range(1), ns.max_tokens, "--max-tokens")
+        sampling = parse_sampling(ns)
+        fixed = builder.gate_prompts(gen) if command == "gate" else builder.longgate_prompts(gen)
+        for p in fixed:
+            if p.note:
+                say(f"note: {p.name}: {p.note}")
+        with progress_bar(len(fixed), command) as bar:
+            outputs = gate.run_prompts(target.runner, fixed, gen, sampling, tick=lambda _n: bar.update(1))
+        gate.save(ns.save, command, gen, sampling, outputs, meta)
+        for o in outputs:
+            n = len(o.token_ids) if o.token_ids is not None else len(o.text)
+            sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")
+        sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
+        return 0
+    doc = gate.load(ns.against, command)
+    sampling = parse_sampling(ns, doc.get("sampling"))
+    prompts = gate.saved_prompts(doc, builder)
+    with progress_bar(len(prompts), command) as bar:
+        outputs = gate.run_prompts(target.runner, prompts, int(doc["gen_tokens"]), sampling,
+                                   tick=lambda _n: bar.update(1))
+    lines, passed = gate.verdict(doc, outputs, target.tokenizer)
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+    return 0 if passed else 1

@@ -1,0 +1,155 @@
+"""Exactness gates: fixed greedy prompts whose output token ids must not change.
+
+`gate --save ref.json` runs the prompts (chat, code ~4K tokens, math; `longgate`: one ~20K-token prompt)
+and stores each prompt's text and the generated ids. `--against ref.json` runs the stored prompts again
+(so the reference, not this version's prompt builder, defines them) and compares the ids exactly; a
+server that returns no ids is compared by text. The verdict line is `GATE: PASS` or
+`GATE: FAIL (n of N differ)`, each failure with its first differing position and the text around it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from strata_ray.bench.measure import Runner
+from strata_ray.bench.prompts import Prompt, PromptBuilder
+
+GATE_FORMAT = 1
+CONTEXT_TOKENS = 12  # tokens of output shown before a difference
+CONTEXT_CHARS = 40
+
+
+class GateFileError(ValueError):
+    """A reference file that cannot be read or is not a gate reference; one line."""
+
+
+@dataclass(frozen=True)
+class GateOutput:
+    name: str
+    prompt: str  # the user message
+    prompt_tokens: int
+    token_ids: tuple[int, ...] | None
+    text: str
+    note: str | None = None
+
+    def record(self) -> dict:
+        return {
+            "name": self.name,
+            "prompt": self.prompt,
+            "prompt_tokens": self.prompt_tokens,
+            "token_ids": None if self.token_ids is None else list(self.token_ids),
+            "text": self.text,
+            "note": self.note,
+        }
+
+
+def run_prompts(runner: Runner, prompts: list[Prompt], gen_tokens: int, sampling,
+                tick=None) -> list[GateOutput]:
+    outputs = []
+    for p in prompts:
+        t = runner.run(p, gen_tokens, sampling)
+        outputs.append(GateOutput(p.name, p.content, t.prompt_tokens, t.token_ids, t.text, p.note))
+        if tick:
+            tick(p.name)
+    return outputs
+
+
+def sampling_record(sampling) -> dict:
+    return {k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
+
+
+def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutput], meta: dict) -> None:
+    doc = {
+        "format": GATE_FORMAT,
+        "kind": kind,
+        "gen_tokens": gen_tokens,
+        "sampling": sampling_record(sampling),
+        **meta,
+        "outputs": [o.record() for o in outputs],
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)  # atomic: a failed run never leaves half a reference
+
+
+def load(path: str, kind: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise GateFileError(f"--against: file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GateFileError(f"--against: {path} is not a JSON gate reference ({type(e).__name__})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("outputs"), list) or "gen_tokens" not in doc:
+        raise GateFileError(f"--against: {path} is not a gate reference (no outputs); make one with --save")
+    if doc.get("kind") != kind:
+        other = doc.get("kind")
+        raise GateFileError(f"--against: {path} is a {other} reference (use `bench {other} --against`)")
+    return doc
+
+
+def saved_prompts(doc: dict, builder: PromptBuilder) -> list[Prompt]:
+    return [builder.message(o["name"], o["prompt"], o.get("note")) for o in doc["outputs"]]
+
+
+# ---- comparison ------------------------------------------------------------------------------------------
+
+
+def first_difference(a, b) -> int | None:
+    """Index of the first element where a and b differ (a length difference counts), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _token_text(tokenizer, ids, i: int) -> str:
+    if i >= len(ids):
+        return "<end>"
+    shown = tokenizer.decode([ids[i]]) if tokenizer is not None else ""
+    return f"{shown!r} (id {ids[i]})"
+
+
+def compare(ref: dict, got: GateOutput, tokenizer=None) -> str | None:
+    """None when equal, else one line naming the first differing position and its context."""
+    ref_ids = ref.get("token_ids")
+    if ref_ids is not None and got.token_ids is not None:
+        i = first_difference(ref_ids, got.token_ids)
+        if i is None:
+            return None
+        shown = list(ref_ids[max(0, i - CONTEXT_TOKENS):i])
+        before = tokenizer.decode(shown) if tokenizer is not None else ""
+        return (
+            f"{got.name}: first difference at token {i} (reference {len(ref_ids)} tokens, now "
+            f"{len(got.token_ids)}), context {before[-CONTEXT_CHARS:]!r}: reference "
+            f"{_token_text(tokenizer, ref_ids, i)}, now {_token_text(tokenizer, got.token_ids, i)}"
+        )
+    ref_text = ref.get("text", "")
+    i = first_difference(ref_text, got.text)
+    if i is None:
+        return None
+    return (
+        f"{got.name}: first difference at character {i} (compared by text: no token ids), context "
+        f"{ref_text[max(0, i - CONTEXT_CHARS):i]!r}: reference {ref_text[i:i + CONTEXT_CHARS]!r}, "
+        f"now {got.text[i:i + CONTEXT_CHARS]!r}"
+    )
+
+
+def verdict(doc: dict, outputs: list[GateOutput], tokenizer=None) -> tuple[list[str], bool]:
+    """(lines to print, passed). The last line is `GATE: PASS` or `GATE: FAIL (n of N differ)`."""
+    lines, failed = [], 0
+    for ref, got in zip(doc["outputs"], outputs, strict=True):
+        diff = compare(ref, got, tokenizer)
+        if diff is None:
+            how = "token ids" if ref.get("token_ids") is not None and got.token_ids is not None else "text"
+            n = len(got.token_ids) if got.token_ids is not None else len(got.text)
+            lines.append(f"  {got.name}: same {how} ({n} {'tokens' if how == 'token ids' else 'characters'})")
+        else:
+            failed += 1
+            lines.append(f"  {diff}")
+    lines.append("GATE: PASS" if failed == 0 else f"GATE: FAIL ({failed} of {len(outputs)} differ)")
+    return lines, failed == 0

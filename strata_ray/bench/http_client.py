@@ -1,0 +1,139 @@
+"""Driving any OpenAI-compatible server (ours, llama-server, vLLM, ...) with streamed requests.
+
+Standard library only, so it runs next to any server. A request streams `/v1/chat/completions` (or
+`/v1/completions` with `--api completions`) with `stream_options: {include_usage: true}`; each content
+chunk is an arrival for the clock in measure.py. Token counts come from the final usage chunk; a server
+that sends none is counted by chunks (one token per chunk) and the prompt by our own estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from strata_ray.bench.measure import ArrivalClock, RunTiming
+from strata_ray.bench.prompts import Prompt
+
+TIMEOUT_S = 3600.0  # a 128K-token prompt on a slow server can take many minutes
+
+
+class ServerError(RuntimeError):
+    """The server refused a request or cannot be reached; one line."""
+
+
+def base_url(url: str) -> str:
+    """'http://h:8000', 'http://h:8000/v1' or 'http://h:8000/v1/' -> 'http://h:8000/v1'."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+class HttpRunner:
+    def __init__(self, url: str, model: str | None = None, api: str = "chat", token_ids: bool = True):
+        if api not in ("chat", "completions"):
+            raise ValueError(f"api must be chat or completions, not {api!r}")
+        self.base = base_url(url)
+        self.api = api
+        self.token_ids = token_ids
+        self.model = model or self.first_model()
+
+    # ---- plain requests --------------------------------------------------------------------------------
+
+    def _open(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        req = urllib.request.Request(
+            self.base + path, data=data, headers={"Content-Type": "application/json", "Accept": "*/*"}
+        )
+        try:
+            return urllib.request.urlopen(req, timeout=TIMEOUT_S)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode("utf-8", "replace").strip().splitlines()
+            first = detail[0][:200] if detail else e.reason
+            raise ServerError(f"{self.base}{path}: HTTP {e.code} {first}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(f"{self.base}{path}: cannot connect ({reason})") from None
+
+    def first_model(self) -> str:
+        """The first model the server lists at /v1/models ('default' when it lists none)."""
+        with self._open("/models") as resp:
+            models = json.loads(resp.read().decode("utf-8")).get("data") or []
+        return str(models[0].get("id", "default")) if models else "default"
+
+    # ---- one timed generation --------------------------------------------------------------------------
+
+    def payload(self, prompt: Prompt, max_tokens: int, sampling) -> dict:
+        body = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.min_p:
+            body["min_p"] = sampling.min_p
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt.content}]
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        else:
+            body["prompt"] = prompt.content
+        if self.token_ids:
+            body["return_token_ids"] = True  # servers that know it (vLLM) send the ids; others ignore it
+        return body
+
+    def run(self, prompt: Prompt, max_tokens: int, sampling) -> RunTiming:
+        path = "/chat/completions" if self.api == "chat" else "/completions"
+        clock = ArrivalClock()
+        text, ids, usage = [], [], None
+        with self._open(path, self.payload(prompt, max_tokens, sampling)) as resp:
+            for event in sse_events(resp):
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    piece = _choice_text(choice)
+                    new_ids = choice.get("token_ids") or []
+                    if piece or new_ids:
+                        clock.arrived(len(new_ids) or 1)
+                        text.append(piece)
+                        ids.extend(int(i) for i in new_ids)
+        usage = usage or {}
+        prompt_tokens = int(usage.get("prompt_tokens", prompt.n_tokens))
+        generated = int(usage["completion_tokens"]) if "completion_tokens" in usage else None
+        timing = clock.timing(prompt_tokens, generated, token_ids=tuple(ids) if ids else None,
+                              text="".join(text))
+        if generated is not None and not ids and generated > 0:
+            # chunks carry text, not counts: the reference method, (completion_tokens - 1) over first..last
+            timing = RunTiming(**{**timing.__dict__, "decode_tokens": generated - 1})
+        return timing
+
+
+def _choice_text(choice: dict) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return delta.get("content") or delta.get("reasoning_content") or ""
+    return choice.get("text") or ""
+
+
+def sse_events(resp):
+    """The JSON objects of a text/event-stream response, until `data: [DONE]`."""
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            raise ServerError(f"the server sent a stream line that is not JSON: {data[:120]!r}") from None
+        if isinstance(event, dict) and event.get("error"):
+            err = event["error"]
+            message = err.get("message", err) if isinstance(err, dict) else err
+            raise ServerError(f"the server reported: {message}")
+        yield event

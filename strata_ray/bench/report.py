@@ -1,0 +1,208 @@
+"""What a benchmark result says about where it came from, and how it is shown: table, JSON, plot.
+
+The JSON carries everything needed to reproduce or compare a number: the engine flags (the full
+EngineConfig), the model, the device, the git commit of this checkout and the versions of torch, ray,
+numpy and strata_ray. The table is what a person reads; the plot (matplotlib, optional) draws prefill
+and decode against context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+REPORT_FORMAT = 1
+
+
+class PlotError(RuntimeError):
+    """--plot cannot be honoured (matplotlib missing, file not writable); one line."""
+
+
+# ---- provenance ------------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "ray", "numpy", "strata_ray"):
+        try:
+            module = __import__(name)
+            out[name] = str(getattr(module, "__version__", None))
+        except ImportError:
+            out[name] = None
+    return out
+
+
+def git_commit() -> dict[str, object] | None:
+    """The commit of the checkout strata_ray runs from, and whether tracked files differ from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", here, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None  # an installed package, not a checkout
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(dirty)}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(engine_device: str | None) -> dict[str, object]:
+    """The device the engine ran on ('cpu'/'cuda', from the engine), with the names this process sees
+    (under Ray the primary may sit on another node: the names are then the driver's)."""
+    info: dict[str, object] = {
+        "engine_device": engine_device,
+        "host": platform.node(),
+        "cpu": cpu_name(),
+        "cpu_cores": os.cpu_count(),
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            info["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return info
+
+
+def engine_flags(cfg) -> dict | None:
+    return None if cfg is None else dataclasses.asdict(cfg)
+
+
+def model_info(file, path) -> dict[str, object]:
+    """Facts about a GGUF opened with GGUFFile (None: a server's model we cannot see)."""
+    if file is None:
+        return {"path": None if path is None else str(path)}
+    hp = file.hparams
+    return {
+        "path": str(path),
+        "name": file.fields.get("general.name"),
+        "arch": hp.arch,
+        "n_layer": hp.n_layer,
+        "n_expert": hp.n_expert,
+        "n_expert_used": hp.n_expert_used,
+        "n_vocab": hp.n_vocab,
+        "context_length": hp.context_length,
+        "file_bytes": sum(os.path.getsize(p) for p in _shards(file, path)),
+    }
+
+
+def _shards(file, path) -> list[str]:
+    paths = getattr(file, "paths", None)
+    return [str(p) for p in paths] if paths else [str(path)]
+
+
+def build_report(kind: str, mode: str, results: dict, *, plan: dict, config, model: dict, device: dict,
+                 server: dict | None = None, argv: list[str] | None = None) -> dict:
+    return {
+        "format": REPORT_FORMAT,
+        "kind": kind,
+        "mode": mode,  # local | ray | url
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "plan": plan,
+        "engine_flags": engine_flags(config),
+        "model": model,
+        "server": server,
+        "device": device,
+        "git": git_commit(),
+        "versions": versions(),
+        "results": results,
+    }
+
+
+def write_json(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ---- table -----------------------------------------------------------------------------------------------
+
+
+def table(doc: dict) -> str:
+    """The results as a fixed-width table, notes (cuts, short answers) below it."""
+    model = doc["model"].get("name") or os.path.basename(doc["model"].get("path") or "") or "server"
+    head = f"flashbench: {model} | {doc['mode']} | {doc['device'].get('engine_device') or 'server'}"
+    rows = [head, f"{'context':>8} {'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'ttft s':>8} "
+            f"{'gen':>6}"]
+    notes = []
+    for c in doc["results"]["contexts"]:
+        rows.append(f"{c['context']:>8} {c['prompt_tokens']:>8} {c['prefill_tps']:>14.1f} "
+                    f"{c['decode_tps']:>13.2f} {c['ttft_s']:>8.3f} {c['generated_tokens']:>6.0f}")
+        if c["note"]:
+            notes.append(f"context {c['context']}: {c['note']}")
+        if c["short"]:
+            notes.append(f"context {c['context']}: SHORT answer (the model stopped before half the tokens)")
+    story = doc["results"].get("story")
+    if story:
+        rows.append(f"story: {story['generated_tokens']:.0f} of {story['tokens']} tokens, "
+                    f"decode {story['decode_tps']:.2f} tok/s")
+        if story["note"]:
+            notes.append(story["note"])
+        if story["short"]:
+            notes.append("story: SHORT answer (the model stopped before half the tokens)")
+    rows.append(f"medians of {doc['plan']['repeats']} run(s)")
+    return "\n".join(rows + [f"note: {n}" for n in notes])
+
+
+# ---- plot ------------------------------------------------------------------------------------------------
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+
+
+def plot(doc: dict, path: str) -> None:
+    """Prefill and decode tok/s against prompt depth, side by side."""
+    check_plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    contexts = doc["results"]["contexts"]
+    xs = [c["prompt_tokens"] for c in contexts]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((left, "prefill_tps", "prefill"), (right, "decode_tps", "decode")):
+        ax.plot(xs, [c[key] for c in contexts], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("tok/s")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    name = doc["model"].get("name") or os.path.basename(doc["model"].get("path") or "") or "server"
+    fig.suptitle(f"flashbench: {name} ({doc['mode']}, {doc['device'].get('engine_device') or 'server'})")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise PlotError(f"--plot: cannot write {path} ({e.strerror})") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,109 @@
+"""Where a benchmark sends its prompts: the Ray actors (default), the Engine in this process, or a server.
+
+- `ray` (default): the same `strata:primary` and `strata:coordinator` actors as `run`, placed and loaded
+  the same way, token batches streamed through Ray: the numbers include what a user of `run` waits for.
+  Actors kept by an earlier `run --keep-actors` with the same flags are reused.
+- `local` (`--local`): the Engine in this process, no Ray: the engine alone.
+- `url` (`--url`): any OpenAI-compatible server; `--model` then only supplies the tokenizer, so prompts
+  have exact lengths.
+Each opens as a context manager and tears down exactly what it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from strata_ray.bench.measure import LocalRunner, RayRunner, Runner
+
+
+@dataclass
+class Target:
+    mode: str  # local | ray | url
+    runner: Runner
+    tokenizer: object | None  # None: a server's model whose tokenizer we do not have
+    file: object | None  # the GGUFFile, when we can see the model
+    path: object | None
+    context_length: int | None
+    engine_device: str | None
+    config: object | None  # EngineConfig (None for a server)
+    server: dict | None = None
+
+
+def say(line: str) -> None:
+    sys.stderr.write(f"strata_ray bench: {line}\n")
+    sys.stderr.flush()
+
+
+def open_model_file(model: str | None):
+    """(GGUFFile, path, Tokenizer) of --model (or the embedded default) without loading weights."""
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import resolve_model_path
+    from strata_ray.model.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    file = GGUFFile(path)
+    return file, path, Tokenizer.from_gguf(file)
+
+
+@contextlib.contextmanager
+def local_target(cfg) -> Iterator[Target]:
+    from strata_ray.engine.engine import Engine
+
+    engine = Engine(cfg)
+    loaded = engine.loaded
+    say(f"loaded {os.path.basename(str(loaded.path))} in this process on {engine.device}")
+    yield Target("local", LocalRunner(engine), engine.tokenizer, loaded.file, loaded.path,
+                 loaded.hp.context_length, engine.device, cfg)
+
+
+@contextlib.contextmanager
+def ray_target(cfg, address: str | None, verbose: bool) -> Iterator[Target]:
+    from strata_ray.actors import launch
+    from strata_ray.run import check_model_file, load_model_remote
+
+    file, path, tokenizer = open_model_file(cfg.model)  # fails in a second, before Ray starts
+    cfg = replace(cfg, model=check_model_file(cfg))
+    session = dep = None
+    try:
+        session = launch.connect(address, False, verbose)
+        say("started a local Ray instance" if session.started else f"attached to Ray at {session.address}")
+        cfg = replace(cfg, device=launch.cluster_device(cfg))
+        dep = None if session.started else launch.find_existing(cfg)
+        if dep is None:
+            dep = launch.launch(cfg, keep=False)
+        else:
+            say(f"reusing {launch.PRIMARY_NAME} kept by an earlier run")
+        info = load_model_remote(dep)
+        yield Target("ray", RayRunner(dep.primary), tokenizer, file, path, file.hparams.context_length,
+                     info.get("device"), cfg)
+    finally:
+        launch.teardown(dep, keep=False)
+        launch.disconnect(session)
+
+
+@contextlib.contextmanager
+def url_target(url: str, served_model: str | None, api: str, model: str | None) -> Iterator[Target]:
+    from strata_ray.bench.http_client import HttpRunner
+
+    file = path = tokenizer = None
+    if model is not None:
+        file, path, tokenizer = open_model_file(model)
+    runner = HttpRunner(url, served_model, api)
+    say(f"driving {runner.base} (model {runner.model!r}, {api} API)"
+        + ("" if tokenizer else "; prompt lengths estimated (pass --model for exact ones)"))
+    context = None if file is None else file.hparams.context_length
+    yield Target("url", runner, tokenizer, file, path, context, None, None,
+                 server={"url": runner.base, "model": runner.model, "api": api})
+
+
+def open_target(ns, cfg):
+    """The context manager for the target the flags ask for."""
+    if ns.url:
+        return url_target(ns.url, ns.served_model, ns.api, cfg.model)
+    if ns.local:
+        return local_target(cfg)
+    return ray_target(cfg, ns.address, ns.verbose)
