@@ -1,0 +1,194 @@
+"""GPU expert kernels (Triton) under the arithmetic contract: bit-identical to expert_cpu.
+
+Weights stay in GGUF block bytes in cache slots (uint8 [S, rows, row_bytes]); every (token, k)
+entry names its slot. One layer's routed experts run as three launches: activation quantization,
+gate+up+SwiGLU+requantization (fused), down. Entries are sorted by slot on the device (no host
+sync, CUDA-graph friendly) and cut into tiles of at most BT entries of one slot; a program computes
+BR output rows of one tile, so a slot's weight rows are read once per tile.
+
+Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, several 32-blocks
+in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .contract import QK, ExpertLayer, KernelError
+from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
+
+DECODE_MAX_TOKENS = 8
+_OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
+
+
+@triton.jit
+def _act_quant_kernel(X, Q, D, S, n_blocks, BB: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1) * BB + tl.arange(0, BB)
+    bmask = blk < n_blocks
+    offs = row * n_blocks * 32 + blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(X + offs, mask=bmask[:, None], other=0.0)
+    q, d, s = quant_blocks(x)
+    tl.store(Q + offs, q, mask=bmask[:, None])
+    tl.store(D + row * n_blocks + blk, d, mask=bmask)
+    tl.store(S + row * n_blocks + blk, s, mask=bmask)
+
+
+@triton.jit
+def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
+                      W1, W2, stride1, stride2, RB1, RB2,
+                      OUT, HQ, HD, HS, M, R, K, n_blocks,
+                      T1: tl.constexpr, T2: tl.constexpr, GATED: tl.constexpr, IS_FLOAT: tl.constexpr,
+                      BT: tl.constexpr, BR: tl.constexpr, UNROLL: tl.constexpr, USE_DOT: tl.constexpr):
+    pid_r = tl.program_id(0)
+    start = tl.load(TILE_START + tl.program_id(1))
+    if start < 0:
+        return
+    offs = start + tl.arange(0, BT)
+    in_range = offs < M
+    slot0 = tl.load(SORTED_SLOT + start)
+    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
+    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
+    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
+    w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
+    w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    acc1 = tl.zeros((BT, BR), tl.float32)
+    acc2 = tl.zeros((BT, BR), tl.float32)
+    k = tl.arange(0, 32)[None, :]
+    for b0 in range(0, n_blocks, UNROLL):
+        for u in tl.static_range(UNROLL):
+            b = b0 + u
+            if IS_FLOAT:
+                acc1 = float_block_step(acc1, w1, b, AF + arow * K, valid, K)
+                if GATED:
+                    acc2 = float_block_step(acc2, w2, b, AF + arow * K, valid, K)
+            else:
+                a = tl.load(AQ + arow[:, None] * K + b * 32 + k, mask=valid[:, None], other=0)
+                ad = tl.load(AD + arow * n_blocks + b, mask=valid, other=0.0)
+                asum = tl.load(AS + arow * n_blocks + b, mask=valid, other=0)
+                acc1 = block_step(acc1, w1, b, a, ad, asum, T1, USE_DOT)
+                if GATED:
+                    acc2 = block_step(acc2, w2, b, a, ad, asum, T2, USE_DOT)
+    if GATED:
+        h = swiglu(acc1, acc2)  # [BT, BR]
+        if IS_FLOAT:
+            tl.store(OUT + ent[:, None] * R + rows[None, :], h, mask=valid[:, None])
+        else:
+            q, d, s = quant_blocks(tl.reshape(h, (BT * (BR // 32), 32)))
+            tl.store(HQ + ent[:, None] * R + rows[None, :], tl.reshape(q, (BT, BR)), mask=valid[:, None])
+            cols = pid_r * (BR // 32) + tl.arange(0, BR // 32)
+            hoffs = ent[:, None] * (R // 32) + cols[None, :]
+            tl.store(HD + hoffs, tl.reshape(d, (BT, BR // 32)), mask=valid[:, None])
+            tl.store(HS + hoffs, tl.reshape(s, (BT, BR // 32)), mask=valid[:, None])
+    else:
+        tl.store(OUT + ent[:, None] * R + rows[None, :], acc1, mask=valid[:, None])
+
+
+def quantize_act_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x f32 [N, n] (cuda) -> (q int8 [N, n], d f32 [N, n/32], s int32 [N, n/32]); contract step 1."""
+    x = x.contiguous().float()
+    n_rows, n = x.shape
+    if n % QK:
+        raise KernelError(f"activation width {n} is not a multiple of {QK}")
+    nb = n // QK
+    q = torch.empty((n_rows, n), dtype=torch.int8, device=x.device)
+    d = torch.empty((n_rows, nb), dtype=torch.float32, device=x.device)
+    s = torch.empty((n_rows, nb), dtype=torch.int32, device=x.device)
+    if n_rows:
+        bb = min(64, triton.next_power_of_2(nb))
+        _act_quant_kernel[(n_rows, triton.cdiv(nb, bb))](x, q, d, s, nb, BB=bb, num_warps=4, **_OPTS)
+    return q, d, s
+
+
+def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int):
+    """Sort entries by slot and cut each slot's run into tiles of <= bt entries, on the device.
+
+    Returns (order int32 [M], sorted_slot int32 [M], tile_start int32 [n_tiles]) where unused tiles
+    hold -1; n_tiles = ceil(M / bt) + min(M, n_slots) bounds the real count without a host sync.
+    """
+    m = slot.numel()
+    sorted_slot, order = torch.sort(slot.to(torch.int32), stable=True)
+    idx = torch.arange(m, device=slot.device)
+    is_start = torch.ones(m, dtype=torch.bool, device=slot.device)
+    is_start[1:] = sorted_slot[1:] != sorted_slot[:-1]
+    group_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
+    first = (idx - group_start) % bt == 0
+    tile_id = torch.cumsum(first.to(torch.int64), 0) - 1
+    n_tiles = triton.cdiv(m, bt) + min(m, n_slots)
+    tile_start = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=slot.device)
+    tile_start.scatter_(0, torch.where(first, tile_id, n_tiles), torch.where(first, idx, -1).to(torch.int32))
+    return order.to(torch.int32), sorted_slot, tile_start[:n_tiles]
+
+
+def _float_view(w: torch.Tensor, t: int) -> torch.Tensor:
+    from .contract import BF16, F16, F32
+
+    return w.view({F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[t])
+
+
+def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode):
+    order, sorted_slot, tile_start = plan[:3]
+    bt, use_dot = plan[3], mode == "prompt"
+    br = 64 if use_dot and r % 64 == 0 else 32
+    unroll = 1
+    if not use_dot:
+        while unroll < 4 and (k // QK) % (unroll * 2) == 0:
+            unroll *= 2
+    (w1, t1), (w2, t2) = mats
+    if is_float:
+        w1, w2 = _float_view(w1, t1), _float_view(w2, t2)
+    aq, ad, asum, af = act
+    grid = (r // br, tile_start.numel())
+    if grid[1] > 65535:
+        raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
+    _expert_mm_kernel[grid](aq, ad, asum, af, act_row, order, sorted_slot, tile_start,
+                            w1, w2, w1.stride(0), w2.stride(0), w1.stride(1), w2.stride(1),
+                            out, hq, hd, hs, m, r, k, k // QK,
+                            T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
+                            USE_DOT=use_dot, num_warps=4, **_OPTS)
+
+
+def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
+                   mode: str = "auto") -> torch.Tensor:
+    """rows f32 [M, E] (cuda): row m = down(swiglu(gate x, up x)) of slot[m] for token tok[m].
+
+    x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
+    mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
+    """
+    slots.validate()
+    if mode == "auto":
+        mode = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prompt"
+    if mode not in ("decode", "prompt"):
+        raise KernelError(f"unknown expert kernel mode {mode!r} (decode, prompt or auto)")
+    if x.ndim != 2 or x.shape[1] != slots.n_embd:
+        raise KernelError(f"x must be [N, {slots.n_embd}], got {tuple(x.shape)}")
+    dev = x.device
+    m, n_embd, n_ff = tok.numel(), slots.n_embd, slots.n_ff
+    out = torch.empty((m, n_embd), dtype=torch.float32, device=dev)
+    if m == 0:
+        return out
+    x = x.contiguous().float()
+    bt = min(triton.next_power_of_2(x.shape[0]), DECODE_MAX_TOKENS) if mode == "decode" else 64
+    plan = (*plan_tiles(slot, bt, slots.gate.shape[0]), bt)
+    tok32 = tok.to(torch.int32).contiguous()
+    ident = torch.arange(m, dtype=torch.int32, device=dev)
+    gate_up = ((slots.gate, slots.gate_type), (slots.up, slots.up_type))
+    down = ((slots.down, slots.down_type), (slots.down, slots.down_type))
+    if slots.is_float:
+        h = torch.empty((m, n_ff), dtype=torch.float32, device=dev)
+        none = torch.empty(0, device=dev)
+        _launch_mm((none, none, none, x), tok32, plan, gate_up, h, none, none, none, m, n_ff, n_embd,
+                   True, True, mode)
+        _launch_mm((none, none, none, h), ident, plan, down, out, none, none, none, m, n_embd, n_ff,
+                   False, True, mode)
+        return out
+    xq, xd, xs = quantize_act_gpu(x)
+    hq = torch.empty((m, n_ff), dtype=torch.int8, device=dev)
+    hd = torch.empty((m, n_ff // QK), dtype=torch.float32, device=dev)
+    hs = torch.empty((m, n_ff // QK), dtype=torch.int32, device=dev)
+    _launch_mm((xq, xd, xs, x), tok32, plan, gate_up, out, hq, hd, hs, m, n_ff, n_embd, True, False, mode)
+    _launch_mm((hq, hd, hs, x), ident, plan, down, out, hq, hd, hs, m, n_embd, n_ff, False, False, mode)
+    return out

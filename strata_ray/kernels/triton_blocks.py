@@ -1,0 +1,142 @@
+"""Triton device functions of the arithmetic contract (see contract.py): fp16 decoding, rint,
+the fixed exp, SwiGLU, activation block quantization and one weight block's contribution for each
+weight type. Imported only where triton is installed (expert_gpu.py imports it lazily).
+
+Every kernel that uses these must be launched with enable_fp_fusion=False (no FMA contraction).
+Divisions use tl.math.div_rn (the plain `/` is an approximate division on NVIDIA GPUs).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import contract as c
+
+TINY = tl.constexpr(float(c.TINY))
+RINT_MAGIC = tl.constexpr(float(c.RINT_MAGIC))
+Q_MAX = tl.constexpr(float(c.Q_MAX))
+EXP_LO = tl.constexpr(float(c.EXP_LO))
+EXP_HI = tl.constexpr(float(c.EXP_HI))
+LOG2E = tl.constexpr(float(c.LOG2E))
+LN2_HI = tl.constexpr(float(c.LN2_HI))
+LN2_LO = tl.constexpr(float(c.LN2_LO))
+P0, P1, P2, P3, P4, P5, P6 = (tl.constexpr(float(p)) for p in c.EXP_POLY)
+T_Q8_0 = tl.constexpr(c.Q8_0)
+T_Q4_0 = tl.constexpr(c.Q4_0)
+T_Q4_K = tl.constexpr(c.Q4_K)
+T_Q6_K = tl.constexpr(c.Q6_K)
+
+
+@triton.jit
+def f16_at(p):
+    """IEEE half stored little-endian at byte pointer(s) p -> f32 (exact)."""
+    bits = tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def rint_small(v):
+    return (v + RINT_MAGIC) - RINT_MAGIC
+
+
+@triton.jit
+def fexp(x):
+    x = tl.minimum(tl.maximum(x, EXP_LO), EXP_HI)
+    n = rint_small(x * LOG2E)
+    r = (x - n * LN2_HI) - n * LN2_LO
+    p = r * P6 + P5
+    p = p * r + P4
+    p = p * r + P3
+    p = p * r + P2
+    p = p * r + P1
+    p = p * r + P0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p * two_n
+
+
+@triton.jit
+def swiglu(g, u):
+    return tl.math.div_rn(g, 1.0 + fexp(-g)) * u
+
+
+@triton.jit
+def quant_blocks(x):
+    """x f32 [B, 32] -> (q int8 [B, 32], d f32 [B], s int32 [B]) per contract step 1."""
+    amax = tl.max(tl.abs(x), axis=1)
+    live = amax >= TINY
+    d = tl.where(live, tl.math.div_rn(amax, tl.full(amax.shape, Q_MAX, tl.float32)), 0.0)
+    safe = tl.where(live, d, 1.0)
+    v = rint_small(tl.math.div_rn(x, safe[:, None] + tl.zeros_like(x)))
+    qi = tl.where(live[:, None], v, 0.0).to(tl.int32)
+    return qi.to(tl.int8), d, tl.sum(qi, axis=1)
+
+
+@triton.jit
+def idot(a, w, USE_DOT: tl.constexpr):
+    """a int8 [BT, 32], w int8 [BR, 32] -> exact int32 [BT, BR]."""
+    if USE_DOT:
+        return tl.dot(a, tl.trans(w), out_dtype=tl.int32)
+    else:
+        return tl.sum(a.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :], axis=2)
+
+
+@triton.jit
+def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr):
+    """acc [BT, BR] += contribution of 32-block b of weight rows starting at byte pointers w [BR],
+    for activation blocks a int8 [BT, 32] with scales ad f32 [BT] and sums asum int32 [BT]."""
+    k = tl.arange(0, 32)[None, :]
+    if T == T_Q8_0:
+        blk = w + b * 34
+        wq = tl.load(blk[:, None] + 2 + k).to(tl.int8, bitcast=True)
+        s = f16_at(blk)[None, :] * ad[:, None]
+        acc = acc + idot(a, wq, USE_DOT).to(tl.float32) * s
+    elif T == T_Q4_0:
+        blk = w + b * 18
+        byte = tl.load(blk[:, None] + 2 + (k % 16)).to(tl.int32)
+        wq = (tl.where(k < 16, byte & 0xF, byte >> 4) - 8).to(tl.int8)
+        s = f16_at(blk)[None, :] * ad[:, None]
+        acc = acc + idot(a, wq, USE_DOT).to(tl.float32) * s
+    elif T == T_Q4_K:
+        j = b % 8
+        sb = w + (b // 8) * 144
+        bj = tl.load(sb + 4 + j).to(tl.int32)
+        bj4 = tl.load(sb + 8 + j).to(tl.int32)
+        bjm4 = tl.load(sb + j).to(tl.int32)  # scales[j - 4] when j >= 4 (unused otherwise)
+        low = j < 4
+        sc = tl.where(low, bj & 63, (bj4 & 0xF) | ((bjm4 >> 6) << 4))
+        m = tl.where(low, bj4 & 63, (bj4 >> 4) | ((bj >> 6) << 4))
+        qb = tl.load(sb[:, None] + 16 + 32 * (j // 2) + k).to(tl.int32)
+        wq = ((qb >> (4 * (j % 2))) & 0xF).to(tl.int8)
+        big = idot(a, wq, USE_DOT) * sc[None, :]
+        msum = m[None, :] * asum[:, None]
+        t1 = big.to(tl.float32) * (f16_at(sb)[None, :] * ad[:, None])
+        t2 = msum.to(tl.float32) * (f16_at(sb + 2)[None, :] * ad[:, None])
+        acc = acc + (t1 - t2)
+    else:  # Q6_K
+        j = b % 8
+        h = j // 4
+        r = j % 4
+        sb = w + (b // 8) * 210
+        ql = tl.load(sb[:, None] + 64 * h + 32 * (r % 2) + k).to(tl.int32)
+        qh = tl.load(sb[:, None] + 128 + 32 * h + k).to(tl.int32)
+        q = (((ql >> (4 * (r // 2))) & 0xF) | (((qh >> (2 * r)) & 3) << 4)) - 32
+        sc0 = tl.load(sb + 192 + 8 * h + 2 * r).to(tl.int8, bitcast=True).to(tl.int32)
+        sc1 = tl.load(sb + 193 + 8 * h + 2 * r).to(tl.int8, bitcast=True).to(tl.int32)
+        lo = idot(a, tl.where(k < 16, q, 0).to(tl.int8), USE_DOT)
+        hi = idot(a, tl.where(k >= 16, q, 0).to(tl.int8), USE_DOT)
+        big = lo * sc0[None, :] + hi * sc1[None, :]
+        acc = acc + big.to(tl.float32) * (f16_at(sb + 208)[None, :] * ad[:, None])
+    return acc
+
+
+@triton.jit
+def float_block_step(acc, w, b, af_row, valid, K):
+    """Float weights: acc [BT, BR] += in-order sum of the 32 products of block b.
+    w: typed pointers [BR] to row starts; af_row: f32 pointers [BT] to activation row starts."""
+    t = tl.zeros(acc.shape, tl.float32)
+    for i in tl.static_range(32):
+        a_i = tl.load(af_row + b * 32 + i, mask=valid, other=0.0)
+        w_i = tl.load(w + b * 32 + i).to(tl.float32)
+        t = t + a_i[:, None] * w_i[None, :]
+    return acc + t
