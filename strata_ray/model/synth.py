@@ -63,7 +63,7 @@ def zipf_exponent(n_expert: int, n_used: int, share: float = TOP_QUARTER_SHARE) 
     quarter = max(1, n_expert // 4)
     if n_used >= n_expert or share <= quarter / n_expert:
         return 0.0
-    noise = np.random.default_rng(0x21F).standard_normal((4096, n_expert)) * ROUTER_NOISE
+    noise = np.random.default_rng(0x21F).standard_normal((2048, n_expert)) * ROUTER_NOISE
     log_rank = np.log1p(np.arange(n_expert))
 
     def top_quarter_share(s: float) -> float:
@@ -71,7 +71,7 @@ def zipf_exponent(n_expert: int, n_used: int, share: float = TOP_QUARTER_SHARE) 
         return float(np.mean(chosen < quarter))  # column index == popularity rank here
 
     lo, hi = 0.0, 8.0
-    for _ in range(30):
+    for _ in range(20):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if top_quarter_share(mid) < share else (lo, mid)
     return (lo + hi) / 2

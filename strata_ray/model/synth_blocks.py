@@ -73,8 +73,9 @@ def _header_table(rng: np.random.Generator, t: T, std: float) -> tuple[int, np.n
     jitter = rng.uniform(0.75, 1.25, N_HEADERS)  # per-block scale variety (exercises scale handling)
     if t == T.Q8_0:
         return 0, _f16_bytes(std / Q8_0_SD * jitter)
-    if t == T.Q4_0:
-        return 0, _f16_bytes(std / _Q4_0_SD * jitter)
+    if t == T.Q4_0:  # ggml's d = signed extreme / -8 carries either sign; random signs cancel the -0.5 offset
+        sign = np.where(rng.random(N_HEADERS) < 0.5, -1.0, 1.0)
+        return 0, _f16_bytes(std / _Q4_0_SD * jitter * sign)
     if t == T.Q4_K:
         d = (std / _Q4_K_SD * jitter).astype(np.float16)
         dmin = (d.astype(np.float32) / 2).astype(np.float16)  # exact halving: min = d * sc * 7.5

@@ -1,0 +1,211 @@
+import hashlib
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.quants import dequantize_tensor
+from strata_ray.model.synth import (
+    EMBD_COS,
+    SynthModel,
+    residual_gain,
+    synth_main,
+    synth_type,
+    write_synth,
+    zipf_exponent,
+)
+from strata_ray.model.synth_presets import SynthError, preset_hparams
+from strata_ray.model.tensor_layout import tensor_layout
+
+ARCHS = ("qwen3next", "qwen3moe")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    out = {}
+    for arch in ARCHS:
+        path = d / f"tiny-{arch}.gguf"
+        write_synth(path, arch, "tiny", seed=0, progress=False)
+        out[arch] = path
+    return out
+
+
+def _sha(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_tensors_match_layout_and_types(tiny, arch):
+    hp = preset_hparams(arch, "tiny")
+    layout = tensor_layout(hp)
+    r = gguf.GGUFReader(tiny[arch])
+    assert [t.name for t in r.tensors] == [n for n, _ in layout]
+    for t, (name, shape) in zip(r.tensors, layout, strict=True):
+        assert tuple(int(x) for x in reversed(t.shape)) == shape, name
+        assert t.tensor_type == synth_type(name, shape, T.Q4_K), name
+    f = GGUFFile(tiny[arch])
+    assert f.hparams == hp
+    assert {n: (i.shape, i.ggml_type) for n, i in f.tensors.items()} == {
+        n: (s, synth_type(n, s, T.Q4_K)) for n, s in layout
+    }
+    assert f.tensor("blk.0.ffn_gate_exps.weight").ggml_type == T.Q4_K
+    assert f.tensor("blk.0.ffn_gate_inp.weight").ggml_type == T.F32
+    assert f.tensor("output.weight").ggml_type == T.Q8_0
+    assert f.fields["tokenizer.ggml.model"] == "gpt2" and len(f.fields["tokenizer.ggml.tokens"]) == hp.n_vocab
+    assert "<|im_start|>" in f.fields["tokenizer.chat_template"]
+
+
+def test_tiny_qwen3next_has_mtp(tiny):
+    f = GGUFFile(tiny["qwen3next"])
+    assert f.hparams.n_nextn == 1 and f.fields["qwen3next.block_count"] == f.hparams.n_layer + 1
+    assert f.has("blk.4.nextn.eh_proj.weight") and f.has("blk.4.ffn_down_exps.weight")
+
+
+def test_deterministic_for_a_seed(tiny, tmp_path):
+    write_synth(tmp_path / "again.gguf", "qwen3next", "tiny", seed=0, progress=False)
+    assert _sha(tmp_path / "again.gguf") == _sha(tiny["qwen3next"])
+    write_synth(tmp_path / "other.gguf", "qwen3next", "tiny", seed=1, progress=False)
+    assert _sha(tmp_path / "other.gguf") != _sha(tiny["qwen3next"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weight_statistics(tiny, arch):
+    f = GGUFFile(tiny[arch])
+    hp = f.hparams
+    gate = dequantize_tensor(f.tensor("blk.1.ffn_gate_exps.weight"))
+    down = dequantize_tensor(f.tensor("blk.1.ffn_down_exps.weight"))
+    assert gate.std() == pytest.approx(1 / math.sqrt(hp.n_embd), rel=0.05)
+    assert down.std() == pytest.approx(residual_gain(hp.n_layer) / math.sqrt(hp.n_ff_exp), rel=0.05)
+    assert not np.array_equal(gate[0], gate[1])  # experts differ
+    norm = dequantize_tensor(f.tensor("blk.0.attn_norm.weight"))
+    assert norm.min() >= 0.9 and norm.max() <= 1.1
+    emb = dequantize_tensor(f.tensor("token_embd.weight"))
+    assert np.sqrt((emb**2).mean()) == pytest.approx(1.0, rel=0.05)
+    u = SynthModel(hp, 0).signs / math.sqrt(hp.n_embd)
+    cos = emb @ u / np.linalg.norm(emb, axis=1)
+    assert cos.mean() == pytest.approx(EMBD_COS, rel=0.1)
+    if arch == "qwen3next":
+        a = dequantize_tensor(f.tensor("blk.0.ssm_a"))
+        assert (a < 0).all()
+        assert np.isfinite(dequantize_tensor(f.tensor("blk.0.ssm_dt.bias"))).all()
+
+
+def _route_mass(router, x, k):
+    logits = x @ router.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    idx = np.argsort(-p, -1)[:, :k]
+    w = np.take_along_axis(p, idx, -1)
+    w /= w.sum(-1, keepdims=True)
+    mass = np.zeros(router.shape[0])
+    np.add.at(mass, idx.ravel(), w.ravel())
+    return mass / mass.sum()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_router_popularity_is_skewed(tiny, arch):
+    """Hidden states ~ embeddings of random tokens plus layer-output noise, normed: the top quarter of each
+    layer's experts gets clearly more than a quarter of the routing mass, and every expert is used."""
+    f = GGUFFile(tiny[arch])
+    hp = f.hparams
+    emb = dequantize_tensor(f.tensor("token_embd.weight"))
+    rng = np.random.default_rng(0)
+    norm_name = "post_attention_norm" if arch == "qwen3next" else "ffn_norm"
+    hot = []
+    for layer in range(hp.n_layer):
+        h = emb[rng.integers(0, hp.n_vocab, 4000)]
+        h = h + rng.standard_normal(h.shape) * math.sqrt((layer + 0.5) / hp.n_layer)
+        x = (
+            h
+            / np.sqrt((h**2).mean(-1, keepdims=True))
+            * dequantize_tensor(f.tensor(f"blk.{layer}.{norm_name}.weight"))
+        )
+        mass = _route_mass(
+            dequantize_tensor(f.tensor(f"blk.{layer}.ffn_gate_inp.weight")), x, hp.n_expert_used
+        )
+        top = np.sort(mass)[::-1]
+        assert top[: hp.n_expert // 4].sum() > 0.4, (layer, top)
+        assert top[-1] > 0.005, (layer, top)
+        hot.append(int(np.argmax(mass)))
+    assert len(set(hot)) > 1  # each layer has its own popularity order
+
+
+def test_zipf_exponent_hits_target_share():
+    for n_expert, k in ((8, 2), (128, 8), (512, 10)):
+        s = zipf_exponent(n_expert, k)
+        assert s > 0
+        logits = (
+            -s * np.log1p(np.arange(n_expert))
+            + np.random.default_rng(5).standard_normal((3000, n_expert)) * 1.3
+        )
+        chosen = np.argpartition(-logits, k, axis=1)[:, :k]
+        assert np.mean(chosen < n_expert // 4) == pytest.approx(0.55, abs=0.03)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_runs_through_reference_forward(tiny, arch):
+    forward = pytest.importorskip("strata_ray.model.forward")
+    weights = pytest.importorskip("strata_ray.model.weights")
+    f = GGUFFile(tiny[arch])
+    model = forward.Model(f.hparams, weights.load_dense_weights(f, "cpu", include_experts=True))
+    ids = torch.randint(0, f.hparams.n_vocab, (64,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        state = model.new_state()
+        logits, hidden = model.forward(ids, state, return_hidden=True)
+        assert torch.isfinite(logits).all() and 0.3 < logits.std() < 5
+        if f.hparams.has_mtp:
+            assert torch.isfinite(model.mtp_logits(hidden[:-1], ids[1:], state)).all()
+
+
+@pytest.mark.parametrize("expert_type", ["Q4_0", "Q8_0", "Q6_K"])
+def test_expert_types(tmp_path, expert_type):
+    path = tmp_path / "e.gguf"
+    argv = ["--arch", "qwen3moe", "--preset", "tiny", "--layers", "1", "--expert-type", expert_type]
+    assert synth_main([*argv, "-o", str(path), "--no-progress"]) == 0
+    f = GGUFFile(path)
+    assert f.hparams.n_layer == 1
+    info = f.tensor("blk.0.ffn_down_exps.weight")
+    assert info.ggml_type == T[expert_type]
+    assert np.isfinite(dequantize_tensor(info)).all()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "tiny", "-o", "x.gguf"], "needs --arch"),
+        (["--arch", "qwen3next", "--preset", "30b-a3b", "-o", "x.gguf"], "use --arch qwen3moe"),
+        (["--arch", "qwen3next", "--preset", "huge", "-o", "x.gguf"], "invalid choice"),
+        (["--arch", "qwen3next", "--preset", "tiny", "--layers", "0", "-o", "x.gguf"], "at least 1"),
+        (
+            ["--arch", "qwen3next", "--preset", "tiny", "--expert-type", "Q5_K", "-o", "x.gguf"],
+            "invalid choice",
+        ),
+        (["--arch", "qwen3next", "--preset", "tiny"], "required"),
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", "/no/such/dir/x.gguf"], "does not exist"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert synth_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("strata_ray synth: ") and message in err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_cli_success_and_implied_arch(tmp_path, capsys):
+    assert (
+        synth_main(
+            ["--preset", "tiny", "--arch", "qwen3next", "-o", str(tmp_path / "a.gguf"), "--no-progress"]
+        )
+        == 0
+    )
+    assert "qwen3next" in capsys.readouterr().out
+    with pytest.raises(SynthError, match="80b-a3b"):
+        preset_hparams("qwen3moe", "80b-a3b")
+    assert preset_hparams(None, "80b-a3b").arch == "qwen3next"
+    assert preset_hparams(None, "30b-a3b").arch == "qwen3moe"
