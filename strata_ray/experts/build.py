@@ -1,0 +1,70 @@
+"""Assembling the expert tiers for one model: host store, residency, slot cache, rounds, backend.
+
+`load_tiered_model` is what the Engine calls: when the routed experts are block-quantized it loads the
+dense weights without them and routes all expert math through `TieredExperts` (the contract kernels),
+which is what makes the output independent of placement. Float experts keep the plain float path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from strata_ray.experts.adaptive import AdaptiveTier
+from strata_ray.experts.host_store import HostStore, experts_block_quantized
+from strata_ray.experts.profile import check_shape, read_profile
+from strata_ray.experts.residency import Residency
+from strata_ray.experts.slot_cache import SlotCache, cache_slots
+from strata_ray.experts.tiered import LocalRounds, TieredExperts
+
+log = logging.getLogger("strata_ray.experts")
+
+RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob)
+PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
+
+
+def build_expert_backend(config, loaded_file, hp, device, progress: bool = True) -> TieredExperts:
+    """TieredExperts over `loaded_file` (an open GGUFFile) on `device`, sized and filled per `config`.
+
+    Raises ProfileError (one line) for an unreadable or mismatched --expert-profile."""
+    device = torch.device(device)
+    profile = None
+    if config.expert_profile is not None:
+        profile = read_profile(config.expert_profile)
+        check_shape(profile, hp)
+    store = HostStore(loaded_file, pin_gib=getattr(config, "arena_pin_gib", None))
+    n_slots = cache_slots(config, store, device)
+    residency = Residency(hp.n_layer, hp.n_expert, n_slots)
+    ring = RING_SLOTS if device.type == "cuda" else 0
+    cache = SlotCache(store, residency, device, ring_slots=ring)
+    cache.fill(profile, progress=progress)
+    rounds = None
+    if config.adapt_every > 0 and config.adapt_swaps > 0 and 0 < n_slots < hp.n_layer * hp.n_expert:
+        rounds = LocalRounds(
+            AdaptiveTier(hp.n_layer, hp.n_expert, config.adapt_every, config.adapt_swaps, config.adapt_decay)
+        )
+    return TieredExperts(store, cache, device, rounds=rounds, prior=profile)
+
+
+def load_tiered_model(config, device: str, progress=None):
+    """(LoadedModel, TieredExperts | None). Block-quantized experts -> dense weights without experts +
+    TieredExperts; otherwise the plain `load_model` (float experts, no tiers)."""
+    from strata_ray.model.forward import Model
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import LoadedModel, load_model, resolve_model_path
+    from strata_ray.model.tokenizer import Tokenizer
+    from strata_ray.model.weights import load_dense_weights
+
+    path = resolve_model_path(config.model)
+    file = GGUFFile(path)
+    if not experts_block_quantized(file):
+        return load_model(config.model, device=device), None
+    with torch.inference_mode():
+        weights = load_dense_weights(file, device=device, include_experts=False)
+    tiers = build_expert_backend(config, file, file.hparams, device, progress=progress is not False)
+    model = Model(file.hparams, weights, experts=tiers)
+    loaded = LoadedModel(
+        file=file, hp=file.hparams, model=model, tokenizer=Tokenizer.from_gguf(file), path=path
+    )
+    return loaded, tiers

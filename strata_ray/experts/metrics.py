@@ -1,0 +1,103 @@
+"""Expert-tier counters: plain numbers always, mirrored to ray.util.metrics when running inside Ray.
+
+Decode windows only (prompt chunks are counted apart): hits per tier, CPU entries, swaps, and the host
+and CPU-pool time per generated token. Ray metrics are pushed every FLUSH_WINDOWS windows, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+FLUSH_WINDOWS = 16
+
+
+@dataclass
+class TierCounts:
+    windows: int = 0  # decode windows (one decode step each)
+    tokens: int = 0  # tokens those windows computed
+    slot_hits: int = 0  # (token, k) entries computed from the cache slots
+    cpu_entries: int = 0  # entries computed by the CPU pool from the host store
+    prompt_entries: int = 0  # entries of prompt chunks (any tier)
+    swaps: int = 0  # adaptive swaps issued
+    rounds: int = 0  # adaptive rounds whose swaps were applied
+    host_seconds: float = 0.0  # host-side planning, gathers and launches of decode windows
+    cpu_seconds: float = 0.0  # wall time of the CPU pool's decode work
+
+    @property
+    def entries(self) -> int:
+        return self.slot_hits + self.cpu_entries
+
+    @property
+    def hit_rate(self) -> float:
+        return self.slot_hits / self.entries if self.entries else 0.0
+
+    def per_token_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / self.tokens if self.tokens else 0.0
+
+
+class TierMetrics:
+    def __init__(self):
+        self.counts = TierCounts()
+        self._flushed = TierCounts()
+        self._ray = _RayTierMetrics.create()
+
+    def window_done(self) -> None:
+        if self._ray is not None and self.counts.windows % FLUSH_WINDOWS == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._ray is None:
+            return
+        self._ray.push(self.counts, self._flushed)
+        self._flushed = TierCounts(**asdict(self.counts))
+
+    def summary(self) -> dict:
+        c = self.counts
+        return {
+            **asdict(c),
+            "hit_rate": c.hit_rate,
+            "host_ms_per_token": c.per_token_ms(c.host_seconds),
+            "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
+        }
+
+    def line(self) -> str:
+        c = self.counts
+        return (
+            f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries, {c.swaps} swaps, "
+            f"host {c.per_token_ms(c.host_seconds):.2f} ms/token, "
+            f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token"
+        )
+
+
+class _RayTierMetrics:
+    @staticmethod
+    def create() -> _RayTierMetrics | None:
+        try:
+            import ray
+
+            return _RayTierMetrics() if ray.is_initialized() else None
+        except ImportError:
+            return None
+
+    def __init__(self):
+        from ray.util.metrics import Counter, Gauge
+
+        self.slot_hits = Counter(
+            "strata_expert_slot_hits", description="decode entries computed from the cache"
+        )
+        self.cpu_entries = Counter(
+            "strata_expert_cpu_entries", description="decode entries computed by the CPU"
+        )
+        self.swaps = Counter("strata_expert_swaps", description="adaptive swaps issued")
+        self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
+        self.host_ms = Gauge("strata_expert_host_ms_per_token", description="host time per decode token")
+        self.cpu_ms = Gauge("strata_expert_cpu_ms_per_token", description="CPU-pool time per decode token")
+
+    def push(self, now: TierCounts, before: TierCounts) -> None:
+        for name in ("slot_hits", "cpu_entries", "swaps"):
+            delta = getattr(now, name) - getattr(before, name)
+            if delta > 0:
+                getattr(self, name).inc(delta)
+        self.hit_rate.set(now.hit_rate)
+        self.host_ms.set(now.per_token_ms(now.host_seconds))
+        self.cpu_ms.set(now.per_token_ms(now.cpu_seconds))

@@ -1,0 +1,203 @@
+"""The primary expert cache: N slots of expert blobs on the primary device, filled hottest first.
+
+Storage is one uint8 [S + R, max_blob] tensor: S cache slots whose occupants the Residency table
+tracks, then R ring slots the prompt path streams non-resident experts through (GPU only). Any
+layer's blob fits any slot; per layer, `layer_view` reinterprets the slots as that layer's
+gate/up/down tensors [S + R, rows, row_bytes] (strided views), which is the slot table the contract
+kernels take. On a CPU primary the "slots" are a second CPU tier (a plain uint8 tensor) and the same
+numba kernels read them, so CI exercises every placement path.
+
+Adaptive swap copies run on their own CUDA stream (after the compute stream's pending reads of the
+victim's slot) and are marked by one event; the newcomer becomes resident at the next window
+boundary, after the event (`land_swaps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from strata_ray.experts.host_store import HostStore
+from strata_ray.experts.profile import Profile, rank_from_counts
+from strata_ray.experts.residency import Residency, SlotCopy
+from strata_ray.kernels.contract import ExpertLayer
+
+log = logging.getLogger("strata_ray.experts")
+
+MIB = 2**20
+
+
+class SlotCacheError(RuntimeError):
+    """The cache could not be set up (slot 0 read back differently, no memory); one line."""
+
+
+def cache_slots(config, store: HostStore, device: torch.device) -> int:
+    """Slots for `--expert-cache N|auto`, capped at the number of trunk pairs.
+
+    auto: (free VRAM - vram_reserve_mib) / max_blob, where --vram-budget-mib pretends the card has that
+    much memory (budget minus what is in use now). A CPU primary has no VRAM: auto is 0 slots unless a
+    budget is given (then the budget minus the reserve, as host memory)."""
+    n_pairs = store.hp.n_layer * store.n_expert
+    if config.expert_cache is not None:
+        return min(config.expert_cache, n_pairs)
+    reserve = config.vram_reserve_mib * MIB
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if config.vram_budget_mib is not None:
+            free = config.vram_budget_mib * MIB - (total - free)
+    elif config.vram_budget_mib is not None:
+        free = config.vram_budget_mib * MIB
+    else:
+        return 0
+    return int(min(max(0, free - reserve) // store.max_blob, n_pairs))
+
+
+def default_order(n_layers: int, n_expert: int) -> Profile:
+    """Without a profile: every pair in expert-then-layer order (the reference's fill)."""
+    return rank_from_counts(np.zeros((n_layers, n_expert), dtype=np.int64))
+
+
+class SlotCache:
+    def __init__(
+        self, store: HostStore, residency: Residency, device: torch.device | str, ring_slots: int = 0
+    ):
+        self.store, self.residency = store, residency
+        self.device = torch.device(device)
+        self.n_slots = residency.n_slots
+        self.ring_slots = ring_slots
+        self.blob = store.max_blob
+        try:
+            self.storage = torch.zeros(
+                (self.n_slots + ring_slots, self.blob), dtype=torch.uint8, device=self.device
+            )  # [S + R, max_blob]
+        except torch.OutOfMemoryError:
+            raise SlotCacheError(
+                f"expert cache: {self.n_slots} slots of {self.blob / MIB:.1f} MiB do not fit "
+                f"on {self.device} (lower --expert-cache or raise --vram-reserve-mib)"
+            ) from None
+        self._views: dict[int, ExpertLayer] = {}
+        self.is_cuda = self.device.type == "cuda"
+        self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self._swap_event = None
+        self.fill_seconds = 0.0
+
+    # -- slot table views ----------------------------------------------------------------------------
+    def layer_view(self, b: int) -> ExpertLayer:
+        """Layer b's gate/up/down over every slot: uint8 [S + R, rows, row_bytes] strided views (numpy
+        on a CPU primary, torch on the device)."""
+        view = self._views.get(b)
+        if view is None:
+            lay = self.store.layouts[b]
+            n = self.storage.shape[0]
+            shapes = (
+                (lay.n_ff, lay.gate_rb, 0),
+                (lay.n_ff, lay.up_rb, lay.gate_bytes),
+                (lay.n_embd, lay.down_rb, lay.gate_bytes + lay.up_bytes),
+            )
+            if self.is_cuda:
+                parts = [
+                    self.storage.as_strided((n, r, rb), (self.blob, rb, 1), off) for r, rb, off in shapes
+                ]
+            else:
+                base = self.storage.numpy()
+                parts = [
+                    np.lib.stride_tricks.as_strided(
+                        base[:, off:], (n, r, rb), (self.blob, rb, 1), writeable=False
+                    )
+                    for r, rb, off in shapes
+                ]
+            view = ExpertLayer(*parts, lay.gate_type, lay.up_type, lay.down_type)
+            self._views[b] = view
+        return view
+
+    def ring_slot(self, i: int) -> int:
+        return self.n_slots + i
+
+    # -- copies --------------------------------------------------------------------------------------
+    def copy_blob(self, layer: int, expert: int, slot: int, non_blocking: bool = False) -> None:
+        """Byte-exact copy of the pair's gate | up | down into `slot` (on the current stream)."""
+        off = 0
+        for part in self.store.blob_parts(layer, expert):
+            n = part.numel()
+            self.storage[slot, off : off + n].copy_(part, non_blocking=non_blocking)
+            off += n
+
+    def _pair(self, pid: int) -> tuple[int, int]:
+        return divmod(int(pid), self.store.n_expert)
+
+    def fill(self, profile: Profile | None, progress: bool = True) -> str:
+        """Admit pairs in profile order (never evicting), copy their blobs, verify slot 0. Returns the
+        log line (also logged)."""
+        res = self.residency
+        order = profile if profile is not None else default_order(res.n_layers, res.n_expert)
+        t0 = time.perf_counter()
+        copies = res.admit_in_rank_order(order)
+        bar = None
+        if progress and copies:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(copies), desc="expert cache", unit="slot", leave=False)
+        for i, c in enumerate(copies):
+            self.copy_blob(*self._pair(c.pair), c.slot, non_blocking=True)
+            if bar is not None and (i % 64 == 63 or i == len(copies) - 1):
+                bar.update(i + 1 - bar.n)
+        if bar is not None:
+            bar.close()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.fill_seconds = time.perf_counter() - t0
+        verified = self.verify_slot(0) if copies else False
+        mb = len(copies) * self.blob / 1e6
+        rate = mb / self.fill_seconds if self.fill_seconds > 0 else 0.0
+        source = "the profile" if profile is not None else "the default order"
+        line = (
+            f"pre-filled {len(copies)} of {self.n_slots} slots from {source} in {self.fill_seconds:.2f} s "
+            f"({rate:.0f} MB/s)" + ("; slot 0 verified" if verified else "")
+        )
+        log.info(line)
+        return line
+
+    def verify_slot(self, slot: int) -> bool:
+        """Read the slot back and compare it byte for byte with the host store; raise on a mismatch."""
+        pid = int(self.residency.slot_pair[slot])
+        layer, expert = self._pair(pid)
+        want = self.store.blob_bytes(layer, expert)
+        got = self.storage[slot, : len(want)].cpu().numpy().tobytes()
+        if got != want:
+            raise SlotCacheError(
+                f"expert cache: slot {slot} (layer {layer}, expert {expert}) read back "
+                "differently from the host store"
+            )
+        return True
+
+    # -- adaptive swaps ------------------------------------------------------------------------------
+    def issue_swaps(self, copies: list[SlotCopy]) -> None:
+        """Start the copies of a round's newcomers into their (already vacated) slots."""
+        if not copies:
+            return
+        if not self.is_cuda:
+            for c in copies:
+                self.copy_blob(*self._pair(c.pair), c.slot)
+            return
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier reads of the slots
+        with torch.cuda.stream(self.swap_stream):
+            for c in copies:
+                self.copy_blob(*self._pair(c.pair), c.slot, non_blocking=True)
+            self._swap_event = torch.cuda.Event()
+            self._swap_event.record(self.swap_stream)
+
+    def swaps_in_flight(self) -> bool:
+        return bool(self.residency.pending)
+
+    def land_swaps(self) -> list[SlotCopy]:
+        """At a window boundary: wait for the round's copies, then make the newcomers resident."""
+        if not self.residency.pending:
+            return []
+        if self._swap_event is not None:
+            self._swap_event.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self.swap_stream)
+            self._swap_event = None
+        return self.residency.apply_pending()

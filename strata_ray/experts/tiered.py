@@ -1,0 +1,253 @@
+"""TieredExperts: the ExpertBackend that computes every routed expert through the contract kernels,
+from whichever tier holds it.
+
+Per layer, each (token, k) entry is classified by the residency table: resident -> the slot cache
+(the GPU grouped kernel on CUDA, the numba kernels over the CPU slot tier otherwise); the others -> the
+CPU pool from the host store. The CPU work is submitted first, then the cache's kernel is launched,
+then both are joined, so they overlap. Rows land in one [N*K, E] buffer by entry index and every
+token's k rows are combined with the router weights in k order (`combine_rows`), whatever produced
+them: with the contract's bit-identical rows, the output cannot depend on placement.
+
+Prompt chunks on CUDA (more than DECODE_MAX_TOKENS tokens) stream the non-resident experts through the
+cache's ring slots instead of the CPU pool (DESIGN section 8, prompt path).
+
+Windows: a decode step (a forward of at most DECODE_MAX_TOKENS tokens) is one window. At the start of
+each forward (layer 0) the previous window is closed: pending swaps land, its routing counts go to the
+round planner, and the swaps a round returns are scheduled (victims leave now, newcomers are copied on
+the swap stream and become resident at a later boundary).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from strata_ray.experts.adaptive import AdaptiveTier, Swap
+from strata_ray.experts.host_store import HostStore
+from strata_ray.experts.metrics import TierMetrics
+from strata_ray.experts.profile import Profile, learned_profile, write_profile
+from strata_ray.experts.slot_cache import SlotCache
+from strata_ray.kernels.cpu_pool import CpuPool, default_pool
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.model.moe import combine_rows
+
+DECODE_MAX_TOKENS = 8
+
+
+class LocalRounds:
+    """Adaptive rounds in this process (no Ray, tests): the AdaptiveTier decides at once."""
+
+    def __init__(self, tier: AdaptiveTier):
+        self.tier = tier
+
+    def window_done(self, counts: np.ndarray, resident: np.ndarray, busy: bool) -> list[Swap]:
+        self.tier.record(counts)
+        if not self.tier.window_done():
+            return []
+        rnd = self.tier.run_round(resident, primary_busy=busy)
+        return [] if rnd is None else rnd.primary
+
+
+class CoordinatorRounds:
+    """Adaptive rounds decided by the coordinator actor, off the critical path.
+
+    Counts accumulate here and go to `Coordinator.adapt_round` every `send_every` windows (one request
+    in flight at a time); the swaps it returns are applied at the first window boundary after they
+    arrive. Late answers only delay placement, never change output."""
+
+    def __init__(self, coordinator, n_layers: int, n_expert: int, send_every: int):
+        self.coordinator = coordinator
+        self.send_every = max(1, send_every)
+        self._counts = np.zeros((n_layers, n_expert), dtype=np.int64)
+        self._windows = 0
+        self._inflight = None
+
+    def window_done(self, counts: np.ndarray, resident: np.ndarray, busy: bool) -> list[Swap]:
+        import ray
+
+        self._counts += counts
+        self._windows += 1
+        swaps: list[Swap] = []
+        if self._inflight is not None:
+            ready, _ = ray.wait([self._inflight], timeout=0)
+            if not ready:
+                return []
+            swaps = [Swap(*s) for s in ray.get(self._inflight)]
+            self._inflight = None
+            if swaps:
+                return swaps  # the mask sent next must include them: send next window
+        if self._windows >= self.send_every:
+            self._inflight = self.coordinator.adapt_round.remote(self._counts, self._windows, resident, busy)
+            self._counts = np.zeros_like(self._counts)
+            self._windows = 0
+        return swaps
+
+
+class TieredExperts:
+    def __init__(
+        self,
+        store: HostStore,
+        cache: SlotCache,
+        device: torch.device | str,
+        pool: CpuPool | None = None,
+        rounds=None,
+        prior: Profile | None = None,
+    ):
+        self.store, self.cache, self.residency = store, cache, cache.residency
+        self.device = torch.device(device)
+        self.pool = pool or default_pool()
+        self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
+        self.prior = prior
+        self.n_layers, self.n_expert = self.residency.n_layers, self.residency.n_expert
+        self.metrics = TierMetrics()
+        self.heat = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)  # [L, X] counts since start
+        self._window = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)  # this window's counts
+        self._in_window = False
+        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
+
+    @property
+    def all_resident(self) -> bool:
+        return self.residency.n_resident == self.n_layers * self.n_expert
+
+    # -- the ExpertBackend -----------------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n_tok, k = ids.shape
+        if layer == 0:
+            self.window_boundary()
+            self._in_window = n_tok <= DECODE_MAX_TOKENS
+        ids_h = ids.detach().to("cpu", torch.int64).numpy().reshape(-1)  # [M] (syncs with the device)
+        t0 = time.perf_counter()
+        m = ids_h.size
+        tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
+        trunk = layer < self.n_layers
+        slot = self.residency.layer_slots(layer)[ids_h] if trunk else np.full(m, -1, np.int32)
+        hit = np.flatnonzero(slot >= 0)
+        miss = np.flatnonzero(slot < 0)
+        decode = n_tok <= DECODE_MAX_TOKENS
+        stream_misses = self.cache.is_cuda and not decode and miss.size > 0 and self.cache.ring_slots > 0
+        cpu_misses = miss.size > 0 and not stream_misses
+        need_host_x = cpu_misses or (hit.size > 0 and not self.cache.is_cuda)
+        x_h = x.detach().float().cpu().numpy() if need_host_x else None  # [N, E]
+        rows = torch.empty((m, x.shape[1]), dtype=torch.float32, device=self.device)  # [M, E]
+        cpu_job: Future | None = None
+        if cpu_misses:  # CPU work first: it runs while the cache tier computes
+            cpu_job = self._helper.submit(
+                self._timed_cpu, x_h, tok[miss], ids_h[miss], self.store.layer(layer)
+            )
+        if hit.size:
+            self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows)
+        if stream_misses:
+            self._stream_rows(layer, x, tok[miss], ids_h[miss], miss, rows)
+        host = time.perf_counter() - t0
+        if cpu_job is not None:
+            t1 = time.perf_counter()
+            cpu_rows, cpu_s = cpu_job.result()
+            t2 = time.perf_counter()
+            rows[torch.from_numpy(miss).to(self.device)] = torch.from_numpy(cpu_rows).to(self.device)
+            host += time.perf_counter() - t2
+            if decode:
+                self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
+        out = combine_rows(rows.view(n_tok, k, -1), weights.float())
+        if trunk:
+            self._count(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
+        return out
+
+    def _timed_cpu(self, x_h, tok, exp, layer):
+        t = time.perf_counter()
+        rows = expert_ffn_cpu(x_h, tok, exp, layer, pool=self.pool)
+        return rows, time.perf_counter() - t
+
+    def _cache_rows(self, layer, x, x_h, tok, slot, entries, rows) -> None:
+        view = self.cache.layer_view(layer)
+        if self.cache.is_cuda:
+            from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+            dev = self.device
+            out = expert_ffn_gpu(
+                x, torch.from_numpy(tok).to(dev), torch.from_numpy(slot.astype(np.int64)).to(dev), view
+            )
+            rows[torch.from_numpy(entries).to(dev)] = out
+        else:
+            rows[torch.from_numpy(entries)] = torch.from_numpy(
+                expert_ffn_cpu(x_h, tok, slot, view, pool=self.pool)
+            )
+
+    def _stream_rows(self, layer, x, tok, exp, entries, rows) -> None:
+        """Prompt path: copy the non-resident experts into the ring slots, a ring-full at a time, and
+        compute their entries there (the copies and kernels share the compute stream, so a ring slot
+        is only overwritten after the kernel that read it)."""
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+        dev, ring = self.device, self.cache.ring_slots
+        experts = np.unique(exp)
+        for c0 in range(0, experts.size, ring):
+            batch = experts[c0 : c0 + ring]
+            for i, e in enumerate(batch):
+                self.cache.copy_blob(layer, int(e), self.cache.ring_slot(i), non_blocking=True)
+            ring_of = np.full(self.n_expert, -1, np.int64)
+            ring_of[batch] = self.cache.n_slots + np.arange(batch.size)
+            sel = np.flatnonzero(ring_of[exp] >= 0)
+            out = expert_ffn_gpu(
+                x,
+                torch.from_numpy(tok[sel]).to(dev),
+                torch.from_numpy(ring_of[exp[sel]]).to(dev),
+                self.cache.layer_view(layer),
+            )
+            rows[torch.from_numpy(entries[sel]).to(dev)] = out
+
+    def _count(
+        self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float
+    ) -> None:
+        c = self.metrics.counts
+        if not decode:
+            c.prompt_entries += hits + misses
+            return
+        self._window[layer] += np.bincount(ids_h, minlength=self.n_expert)  # +1 per routed entry
+        c.slot_hits += hits
+        c.cpu_entries += misses
+        c.host_seconds += host
+        if layer == 0:
+            c.windows += 1
+            c.tokens += n_tok
+
+    # -- windows and adaptive rounds ------------------------------------------------------------------
+    def window_boundary(self) -> None:
+        """Close the previous window: land swaps, hand its counts to the rounds, schedule new swaps."""
+        landed = self.cache.land_swaps()
+        if landed:
+            self.metrics.counts.rounds += 1
+        if not self._in_window:
+            return
+        self._in_window = False
+        counts, self._window = self._window, np.zeros_like(self._window)
+        self.heat += counts
+        self.metrics.window_done()
+        if self.rounds is None or self.all_resident:
+            return
+        resident = self.residency.resident_mask(include_pending=True)
+        swaps = self.rounds.window_done(counts, resident, self.cache.swaps_in_flight())
+        if swaps and not self.cache.swaps_in_flight():
+            copies = self.residency.schedule_swaps(swaps)
+            self.cache.issue_swaps(copies)
+            self.metrics.counts.swaps += len(copies)
+
+    def finish(self) -> None:
+        """End of a generation: close the last window, so its counts and swaps are not lost."""
+        self.window_boundary()
+        self.cache.land_swaps()
+
+    # -- the learned profile ---------------------------------------------------------------------------
+    def learned_profile(self) -> Profile:
+        return learned_profile(self.residency.resident_mask(include_pending=True), self.heat, self.prior)
+
+    def save_profile(self, path: str) -> None:
+        write_profile(path, self.learned_profile())
+
+    def summary_line(self) -> str:
+        return self.metrics.line()
+
+    def close(self) -> None:
+        self._helper.shutdown(wait=True)
