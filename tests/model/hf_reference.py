@@ -172,8 +172,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """n greedy tokens by re-running the full sequence each step (no cache path involved)."""
-    seq = list(ids)
-    for _ in range(n):
-        seq.append(int(hf_logits(model, seq)[-1].argmax()))
-    return seq[len(ids):]
+    """n greedy tokens from transformers' own generate (its cache: chunked prefill, recurrent decode)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()

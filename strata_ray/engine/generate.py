@@ -1,0 +1,95 @@
+"""Generation loop over the reference Model: prompt in aligned chunks, then one token at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from strata_ray.engine.sampling import Sampler, SamplingParams
+from strata_ray.model.ops import GDN_CHUNK
+
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prompt forward; a multiple of GDN_CHUNK
+
+
+class GenerationError(ValueError):
+    """A generation request that cannot run. The message is one line."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens, without the stop token
+    prompt_tokens: int
+    prompt_seconds: float  # prompt forward until the first token's logits are ready
+    decode_seconds: float  # everything after: sampling and the one-token forwards
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: top (id, logprob)
+    token_logprobs: list[float] = field(default_factory=list)  # per token: logprob of the chosen id
+    finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    sampling: SamplingParams | Sampler | None = None,
+    stop_ids: Collection[int] = (),
+    on_token: Callable[[int], None] | None = None,
+    logprobs: int = 0,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+) -> GenerationResult:
+    """Run the prompt through `model` in chunks of `prefill_chunk` tokens, then sample up to `max_tokens`
+    tokens one forward at a time. Stops at a sampled id in stop_ids (not emitted), at max_tokens, or when the
+    context is full. on_token(id) is called for every emitted token as soon as it is sampled. logprobs > 0
+    records that many top (id, logprob) pairs of the model's distribution per emitted token."""
+    prompt = [int(t) for t in prompt_ids]
+    hp = model.hp
+    if not prompt:
+        raise GenerationError("the prompt is empty (at least one token is needed)")
+    if max_tokens < 0:
+        raise GenerationError(f"max_tokens must be >= 0, got {max_tokens}")
+    if prefill_chunk <= 0 or prefill_chunk % GDN_CHUNK:
+        raise GenerationError(f"prefill chunk must be a positive multiple of {GDN_CHUNK}: {prefill_chunk}")
+    if len(prompt) > hp.context_length:
+        raise GenerationError(f"prompt of {len(prompt)} tokens exceeds the context ({hp.context_length})")
+    if any(not 0 <= t < hp.n_vocab for t in prompt):
+        raise GenerationError(f"prompt token id out of range [0, {hp.n_vocab})")
+    sampler = sampling if isinstance(sampling, Sampler) else Sampler(sampling)
+    stops = set(stop_ids)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        state = model.new_state()
+        for start in range(0, len(prompt), prefill_chunk):
+            logits = model.forward(prompt[start : start + prefill_chunk], state)
+        last = logits[-1].float().cpu()  # waits for the device
+        t1 = time.perf_counter()
+
+        result = GenerationResult([], len(prompt), t1 - t0, 0.0)
+        while len(result.token_ids) < max_tokens:
+            tok = sampler.sample(last)
+            if tok in stops:
+                result.finish_reason = "stop"
+                break
+            if logprobs > 0:
+                lp = torch.log_softmax(last, dim=-1)
+                top = torch.topk(lp, min(logprobs, lp.shape[0]))
+                result.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+                result.token_logprobs.append(float(lp[tok]))
+            result.token_ids.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if len(result.token_ids) == max_tokens or state.pos >= hp.context_length:
+                break
+            last = model.forward([tok], state)[-1].float().cpu()
+        result.decode_seconds = time.perf_counter() - t1
+    return result

@@ -1,0 +1,102 @@
+"""generate(): chunked prompt + decode on the tiny qwen3next, against transformers' greedy tokens."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from strata_ray.engine.generate import GenerationError, generate
+from strata_ray.engine.sampling import SamplingParams
+from strata_ray.model.forward import Model
+from tests.model import hf_reference as ref
+
+PROMPT = torch.randint(0, ref.VOCAB, (100,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf_model = ref.tiny_qwen3next(seed=4)
+    return hf_model, Model(ref.hparams_of(hf_model), ref.gguf_weights(hf_model))
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny):
+    _, model = tiny
+    return generate(model, PROMPT, 16, SamplingParams(), stop_ids=(), prefill_chunk=64)
+
+
+def test_greedy_matches_transformers(tiny, greedy):
+    hf_model, _ = tiny
+    assert greedy.token_ids == ref.hf_greedy(hf_model, PROMPT, 16)
+    assert greedy.prompt_tokens == 100 and greedy.finish_reason == "length"
+    assert greedy.prompt_seconds > 0 and greedy.decode_seconds > 0
+
+
+def test_prefill_chunk_size_does_not_change_tokens(tiny, greedy):
+    _, model = tiny
+    for chunk in (128, 512):
+        out = generate(model, PROMPT, 16, SamplingParams(), (), prefill_chunk=chunk)
+        assert out.token_ids == greedy.token_ids
+
+
+def test_stop_id_ends_generation_and_is_not_emitted(tiny, greedy):
+    _, model = tiny
+    stop = greedy.token_ids[5]
+    first = greedy.token_ids.index(stop)
+    seen = []
+    out = generate(model, PROMPT, 16, SamplingParams(), {stop}, on_token=seen.append, prefill_chunk=64)
+    assert out.token_ids == greedy.token_ids[:first] == seen
+    assert out.finish_reason == "stop"
+
+
+def test_on_token_streams_every_token_in_order(tiny, greedy):
+    _, model = tiny
+    seen = []
+    out = generate(model, PROMPT, 16, SamplingParams(), (), on_token=seen.append, prefill_chunk=64)
+    assert seen == out.token_ids == greedy.token_ids
+
+
+def test_top_logprobs(tiny):
+    _, model = tiny
+    out = generate(model, PROMPT, 6, SamplingParams(), (), logprobs=3, prefill_chunk=64)
+    assert len(out.top_logprobs) == len(out.token_logprobs) == 6
+    for tok, lp, top in zip(out.token_ids, out.token_logprobs, out.top_logprobs, strict=True):
+        ids, values = zip(*top, strict=True)
+        assert len(top) == 3 and list(values) == sorted(values, reverse=True)
+        assert ids[0] == tok and values[0] == lp  # greedy picks the most likely token
+        assert sum(torch.tensor(values).exp()) <= 1.0 + 1e-6
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    _, model = tiny
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=123)
+    a = generate(model, PROMPT[:30], 12, params, (), prefill_chunk=64).token_ids
+    b = generate(model, PROMPT[:30], 12, params, (), prefill_chunk=64).token_ids
+    assert a == b and len(a) == 12
+
+
+def test_stops_when_the_context_is_full(tiny):
+    hf_model, model = tiny
+    small = Model(dataclasses.replace(model.hp, context_length=104), model.weights)
+    out = generate(small, PROMPT, 50, SamplingParams(), (), prefill_chunk=64)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"  # 100 + 4 fed back fill 104
+
+
+def test_zero_max_tokens_runs_only_the_prompt(tiny):
+    _, model = tiny
+    out = generate(model, PROMPT[:10], 0, SamplingParams(), ())
+    assert out.token_ids == [] and out.prompt_tokens == 10
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_ids=[]), "prompt is empty"),
+    (dict(prefill_chunk=100), "multiple of 64"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(prompt_ids=[ref.VOCAB]), "out of range"),
+])
+def test_bad_requests_are_one_line_errors(tiny, kwargs, message):
+    _, model = tiny
+    args = dict(prompt_ids=[1, 2], max_tokens=2, sampling=SamplingParams(), stop_ids=())
+    args.update(kwargs)
+    with pytest.raises(GenerationError, match=message):
+        generate(model, **args)

@@ -1,0 +1,88 @@
+"""Sampling: greedy = argmax, seeded determinism, and the top-k / top-p / min-p masks."""
+
+import math
+
+import pytest
+import torch
+
+from strata_ray.engine.sampling import (
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    min_p_filter,
+    top_k_filter,
+    top_p_filter,
+)
+
+# probabilities 0.5, 0.3, 0.15, 0.05 placed at shuffled ids so the masks must follow ids, not ranks
+PROBS = {3: 0.5, 0: 0.3, 4: 0.15, 1: 0.05}
+
+
+def _logits() -> torch.Tensor:
+    x = torch.full((6,), float("-inf"))
+    for i, p in PROBS.items():
+        x[i] = math.log(p)
+    return x
+
+
+def _kept(x: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+def test_greedy_is_argmax():
+    gen = torch.Generator().manual_seed(0)
+    sampler = Sampler(SamplingParams())
+    for _ in range(20):
+        logits = torch.randn(1000, generator=gen)
+        assert sampler.sample(logits) == int(logits.argmax())
+
+
+def test_same_seed_same_draws_different_seed_different_draws():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=42)
+    first, second = Sampler(params), Sampler(params)
+    a = [first.sample(logits) for _ in range(40)]
+    b = [second.sample(logits) for _ in range(40)]
+    other = Sampler(SamplingParams(temperature=1.0, seed=7))
+    c = [other.sample(logits) for _ in range(40)]
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 5  # it really samples
+
+
+@pytest.mark.parametrize("k, kept", [(1, {3}), (2, {3, 0}), (3, {3, 0, 4}), (0, {3, 0, 4, 1}),
+                                     (99, {3, 0, 4, 1})])
+def test_top_k_mask(k, kept):
+    assert _kept(top_k_filter(_logits(), k)) == kept
+
+
+@pytest.mark.parametrize("p, kept", [(0.45, {3}), (0.6, {3, 0}), (0.9, {3, 0, 4}), (0.99, {3, 0, 4, 1}),
+                                     (1.0, {3, 0, 4, 1})])
+def test_top_p_mask(p, kept):
+    assert _kept(top_p_filter(_logits(), p)) == kept
+
+
+@pytest.mark.parametrize("p, kept", [(0.0, {3, 0, 4, 1}), (0.2, {3, 0, 4}), (0.5, {3, 0}), (0.7, {3})])
+def test_min_p_mask(p, kept):
+    assert _kept(min_p_filter(_logits(), p)) == kept
+
+
+def test_draws_stay_inside_the_filters_and_follow_the_distribution():
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=3, seed=3))
+    draws = [sampler.sample(_logits()) for _ in range(3000)]
+    assert set(draws) == {3, 0, 4}
+    total = 0.95  # mass left after top-k
+    for i in (3, 0, 4):
+        assert abs(draws.count(i) / len(draws) - PROBS[i] / total) < 0.03
+
+
+def test_low_temperature_concentrates_on_the_argmax():
+    sampler = Sampler(SamplingParams(temperature=0.05, seed=0))
+    assert all(sampler.sample(_logits()) == 3 for _ in range(200))
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(min_p=2.0)])
+def test_invalid_params_are_refused(kwargs):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kwargs)
