@@ -108,6 +108,13 @@ class TieredExperts:
         self._in_window = False
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
 
+    def use_coordinator(self, coordinator, send_every: int) -> None:
+        """Let the coordinator actor decide the adaptive rounds (when this cache has rounds at all)."""
+        if self.rounds is None:
+            return
+        coordinator.configure_rounds.remote(self.n_layers, self.n_expert)
+        self.rounds = CoordinatorRounds(coordinator, self.n_layers, self.n_expert, send_every)
+
     @property
     def all_resident(self) -> bool:
         return self.residency.n_resident == self.n_layers * self.n_expert

@@ -1,0 +1,40 @@
+"""HostStore: zero-copy views of every expert layer (trunk and MTP) and byte-exact blobs."""
+
+import numpy as np
+import pytest
+
+from strata_ray.experts.host_store import HostStore, expert_layers_of, experts_block_quantized
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.synth import write_synth
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False)
+    return GGUFFile(path)
+
+
+def test_layers_cover_trunk_and_mtp(tiny):
+    hp = tiny.hparams
+    assert expert_layers_of(tiny) == list(range(hp.n_layer + hp.n_nextn))
+    assert experts_block_quantized(tiny)
+
+
+def test_views_are_the_file_bytes_without_copies(tiny):
+    store = HostStore(tiny, pin_gib=0)
+    info = tiny.tensor("blk.2.ffn_down_exps.weight")
+    layer = store.layer(2)
+    assert np.shares_memory(layer.down, info.data)  # zero-copy
+    assert layer.gate_type == tiny.tensor("blk.2.ffn_gate_exps.weight").ggml_type
+
+
+def test_blob_is_gate_up_down_in_order(tiny):
+    store = HostStore(tiny, pin_gib=0)
+    lay = store.layouts[1]
+    blob = store.blob_bytes(1, 5)
+    assert len(blob) == lay.nbytes == store.max_blob
+    parts = [tiny.tensor(f"blk.1.ffn_{n}_exps.weight").data[5].tobytes() for n in ("gate", "up", "down")]
+    assert blob == b"".join(parts)
+    assert store.total_bytes == lay.nbytes * tiny.hparams.n_expert * len(store.layers)
+    assert store.pinned_bytes == 0  # no CUDA here (and pin_gib=0)

@@ -1,0 +1,139 @@
+"""TieredExperts on a CPU primary: rows match the kernels' reference, and greedy tokens do not depend on
+placement (cache size, profile, adaptive rounds), which is the point of the arithmetic contract."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.actors.coordinator import Coordinator
+from strata_ray.config import EngineConfig
+from strata_ray.engine.engine import Engine, unavailable_feature
+from strata_ray.experts.build import build_expert_backend, load_tiered_model
+from strata_ray.experts.profile import Profile, ProfileError, read_profile, write_profile
+from strata_ray.kernels.reference import expert_ffn_ref
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.moe import combine_rows
+from strata_ray.model.synth import write_synth
+
+PROMPT = [5, 17, 101, 42, 250, 7, 64, 3, 99, 180]
+DECODE = 8
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
+    return str(path)
+
+
+def config(model_path, **kw):
+    return replace(EngineConfig(model=model_path, device="cpu"), **kw)
+
+
+def greedy(loaded, prompt=PROMPT, n=DECODE):
+    model = loaded.model
+    with torch.inference_mode():
+        state = model.new_state()
+        logits = model.forward(prompt, state)
+        out = []
+        for _ in range(n):
+            out.append(int(logits[-1].argmax()))
+            logits = model.forward([out[-1]], state)
+    return out
+
+
+def test_rows_match_the_kernel_reference(model_path):
+    loaded, tiers = load_tiered_model(
+        config(model_path, expert_cache=10, adapt_every=0), "cpu", progress=False
+    )
+    hp = loaded.hp
+    layer = 2
+    x = torch.randn(3, hp.n_embd, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[0, 5], [3, 0], [7, 6]])
+    w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    assert 0 < (tiers.residency.layer_slots(layer)[ids.numpy()] >= 0).sum() < ids.numel()  # both tiers used
+    got = tiers(layer, x, ids, w)
+    tok = np.repeat(np.arange(3), 2)
+    ref = expert_ffn_ref(
+        x.numpy(), tok, ids.numpy().reshape(-1), tiers.store.layer(layer), quantize_acts=True
+    )
+    want = combine_rows(torch.from_numpy(ref).view(3, 2, -1), w)
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()))
+    # and bit for bit what an all-CPU placement gives
+    _, cpu_only = load_tiered_model(config(model_path, expert_cache=0), "cpu", progress=False)
+    assert torch.equal(got, cpu_only(layer, x, ids, w))
+
+
+def test_greedy_tokens_do_not_depend_on_placement(model_path, tmp_path):
+    hp = GGUFFile(model_path).hparams
+    n_pairs = hp.n_layer * hp.n_expert
+    backwards = Profile(hp.n_layer, hp.n_expert, np.stack(divmod(np.arange(n_pairs)[::-1], hp.n_expert), 1))
+    write_profile(tmp_path / "p.strp", backwards)
+    runs = {
+        "cache 0": config(model_path, expert_cache=0),
+        "all cached": config(model_path, expert_cache=n_pairs),
+        "profile": config(
+            model_path, expert_cache=n_pairs // 3, expert_profile=str(tmp_path / "p.strp"), adapt_every=0
+        ),
+        "adaptive": config(model_path, expert_cache=n_pairs // 3, adapt_every=1, adapt_swaps=8),
+    }
+    tokens, swaps = {}, {}
+    for name, cfg in runs.items():
+        loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
+        tokens[name] = greedy(loaded)
+        tiers.finish()
+        swaps[name] = tiers.metrics.counts.swaps
+    assert swaps["adaptive"] > 0 and swaps["profile"] == 0
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+
+
+def test_learned_profile_saved_after_a_generation(model_path, tmp_path):
+    cfg = config(model_path, expert_cache=12, adapt_every=1, adapt_swaps=4)
+    loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
+    greedy(loaded, n=4)
+    tiers.finish()
+    tiers.save_profile(str(tmp_path / "learned.strp"))
+    saved = read_profile(tmp_path / "learned.strp")
+    hp = loaded.hp
+    assert (saved.n_layers, saved.n_expert, saved.n_ranked) == (
+        hp.n_layer,
+        hp.n_expert,
+        hp.n_layer * hp.n_expert,
+    )
+    resident = set(np.flatnonzero(tiers.residency.resident_mask(include_pending=True).reshape(-1)).tolist())
+    assert set(saved.pair_ids()[: len(resident)].tolist()) == resident  # resident pairs first
+
+
+def test_mismatched_profile_is_refused(model_path, tmp_path):
+    write_profile(tmp_path / "other.strp", Profile(3, 8, np.array([(0, 0)])))
+    file = GGUFFile(model_path)
+    with pytest.raises(ProfileError, match="is for 3 layers x 8 experts, but the model has 4 layers x 8"):
+        build_expert_backend(
+            config(model_path, expert_profile=str(tmp_path / "other.strp")),
+            file,
+            file.hparams,
+            "cpu",
+            progress=False,
+        )
+
+
+def test_engine_builds_the_tiers_and_accepts_the_flags(model_path):
+    cfg = config(model_path, expert_cache=5, vram_budget_mib=100, expert_profile_save="/tmp/x.strp")
+    assert unavailable_feature(cfg) is None
+    engine = Engine(cfg)
+    assert engine.tiers is not None and engine.tiers.residency.n_slots == 5
+    assert engine.loaded.model.experts is engine.tiers
+    assert not any(name.endswith("_exps.weight") for name in engine.loaded.model.weights)
+
+
+def test_coordinator_plans_rounds_from_sent_counts():
+    coord = Coordinator(EngineConfig(adapt_every=2, adapt_swaps=5))
+    coord.configure_rounds(2, 4)
+    resident = np.array([[True, True, False, False], [True, False, False, False]])
+    counts = np.array([[0, 1, 9, 0], [0, 0, 0, 1]])
+    assert coord.adapt_round(counts, 1, resident, False) == []  # 1 window of 2: not due
+    swaps = coord.adapt_round(counts, 1, resident, False)  # usage now [[0, 2, 18, 0], [0, 0, 0, 2]]
+    assert [s[:3] for s in swaps] == [(0, 2, 0), (1, 3, 0)]
+    assert coord.adapt_round(counts, 2, resident, True) == []  # primary still busy: round skipped
