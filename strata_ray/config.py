@@ -77,6 +77,7 @@ class EngineConfig:
     expert_cache_device3: int | str | None = None
     prefill: int | None = None  # prompt chunk; None = auto (<= 8192)
     spec: int = 0  # MTP drafts per verify window
+    arena_pin_gib: float | None = None  # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -328,6 +329,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
             values[name] = parse_value(parse, str(raw_cli), flag)
         elif env.get(env_name(name), "") != "":
             values[name] = parse_value(parse, env[env_name(name)], env_name(name))
+    if env.get("STRATA_ARENA_PIN_GIB", "") != "":
+        values["arena_pin_gib"] = parse_value(float_range(0.0, 1e6), env["STRATA_ARENA_PIN_GIB"],
+                                              "STRATA_ARENA_PIN_GIB")
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

@@ -56,6 +56,28 @@ class Coordinator:
         self.totals.failures += 1
         log.warning("strata coordinator: generation failed: %s", reason)
 
+    def configure_rounds(self, n_layers: int, n_expert: int) -> None:
+        """The primary's expert cache has adaptive rounds: keep their usage table here."""
+        from strata_ray.experts.adaptive import AdaptiveTier
+
+        c = self.config
+        self._rounds = AdaptiveTier(n_layers, n_expert, c.adapt_every, c.adapt_swaps, c.adapt_decay)
+
+    def adapt_round(self, counts, windows: int, resident, busy: bool) -> list[tuple[int, int, int, float]]:
+        """Routed-entry counts [L, X] of the primary's last `windows` windows; when a round is due (every
+        adapt_every windows) plan it against `resident` [L, X] (swaps in flight counted). Returns the
+        swaps as (layer, candidate, victim, gain), best gain first."""
+        tier = getattr(self, "_rounds", None)
+        if tier is None:
+            return []
+        tier.record(counts)
+        before, tier.windows = tier.windows, tier.windows + windows
+        if tier.windows // tier.adapt_every == before // tier.adapt_every:
+            return []
+        rnd = tier.run_round(resident, primary_busy=busy)
+        swaps = [] if rnd is None else rnd.primary
+        return [(s.layer, s.candidate, s.victim, s.gain) for s in swaps]
+
     def status(self) -> dict[str, Any]:
         t = self.totals
         return {

@@ -40,6 +40,9 @@ class Primary:
             log.info("strata primary: loaded %s", info)
             if self.coordinator is not None:
                 self.coordinator.model_loaded.remote(info)
+                tiers = getattr(self.engine, "tiers", None)
+                if tiers is not None:  # adaptive rounds are decided by the coordinator, off the critical path
+                    tiers.use_coordinator(self.coordinator, self.config.adapt_every)
         return self.engine.info()
 
     def generate_stream(self, request: GenerationRequest) -> Iterator:

@@ -59,6 +59,7 @@ class GenerationSummary:
     prompt_seconds: float
     decode_seconds: float
     top_logprobs: list | None = None
+    experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -69,10 +70,11 @@ class GenerationSummary:
         return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def summary_line(self) -> str:
-        return (
+        line = (
             f"prompt: {self.prompt_tokens} tokens, {self.prompt_tokens_per_second:.1f} tok/s | "
             f"generated: {len(self.token_ids)} tokens, {self.decode_tokens_per_second:.1f} tok/s"
         )
+        return line if self.experts is None else f"{line} | {self.experts}"
 
 
 def unavailable_feature(cfg: EngineConfig) -> str | None:
@@ -81,10 +83,6 @@ def unavailable_feature(cfg: EngineConfig) -> str | None:
         ("--peer-device", cfg.peer_active),
         ("--layer-split", cfg.layer_split is not None),
         ("--expert-cache-device1..3", any(h is not None for h in cfg.helper_caches)),
-        ("--expert-profile", cfg.expert_profile is not None),
-        ("--expert-profile-save", cfg.expert_profile_save is not None),
-        ("--expert-cache", cfg.expert_cache is not None),
-        ("--vram-budget-mib", cfg.vram_budget_mib is not None),
         ("--spec", cfg.spec > 0),
     ]
     return next((flag for flag, used in checks if used), None)
@@ -110,15 +108,15 @@ class Engine:
     def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None):
         import torch
 
-        from strata_ray.model.loader import load_model
+        from strata_ray.experts.build import load_tiered_model
 
         self.config = config
         self.device = resolve_device(config.device)
         if config.peer_active:
             check_peer_device_visible(config, torch.cuda.device_count())
         check_supported(config)
-        kwargs = {"progress": progress} if progress and _accepts(load_model, "progress") else {}
-        self.loaded = load_model(config.model, device=self.device, **kwargs)
+        # block-quantized experts: dense weights without them + the expert tiers (contract kernels)
+        self.loaded, self.tiers = load_tiered_model(config, self.device, progress=progress)
         self.tokenizer = self.loaded.tokenizer
         self._stop = threading.Event()
 
@@ -181,6 +179,12 @@ class Engine:
             **kwargs,
         )
         token_ids = tuple(int(t) for t in result.token_ids)
+        experts = None
+        if self.tiers is not None:
+            self.tiers.finish()
+            if self.config.expert_profile_save is not None:
+                self.tiers.save_profile(self.config.expert_profile_save)  # atomic; after every request
+            experts = self.tiers.summary_line()
         return GenerationSummary(
             token_ids=token_ids,
             text=self.text_of(token_ids),
@@ -188,6 +192,7 @@ class Engine:
             prompt_seconds=result.prompt_seconds,
             decode_seconds=result.decode_seconds,
             top_logprobs=result.top_logprobs if request.logprobs else None,
+            experts=experts,
         )
 
     def text_of(self, token_ids) -> str:
