@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from strata_ray.bench import gate, measure, report
 from strata_ray.bench.prompts import PromptBuilder, PromptError, parse_token_count
@@ -124,8 +125,6 @@ def parse_plan(ns) -> measure.BenchPlan:
 
 def fit_contexts(plan: measure.BenchPlan, builder: PromptBuilder) -> measure.BenchPlan:
     """Drop contexts that the model's context cuts to the same size as an earlier one, saying so."""
-    from dataclasses import replace
-
     kept, sizes = [], {}
     for c in plan.contexts:
         n, note = builder.fit(c, plan.gen_tokens)
@@ -166,15 +165,22 @@ def bench_main(argv: Sequence[str]) -> int:
     command = argv[0] if argv and argv[0] in ("gate", "longgate") else "run"
     rest = argv[1:] if command != "run" else argv
     ns = build_parser(command).parse_args(rest)
-    try:
+    try:  # everything the user can get wrong fails here, before a model loads or Ray starts
         cfg = config_from_args(ns, os.environ)
-        if command == "run" and ns.plot:
-            report.check_plot_available()  # before minutes of benchmarking, not after
+        if command == "run":
+            job = BenchJob(parse_plan(ns), parse_sampling(ns))
+            if ns.plot:
+                report.check_plot_available()
+        elif ns.save:
+            job = GateJob(None, parse_sampling(ns), parse_value(int_range(1), ns.max_tokens, "--max-tokens"))
+        else:
+            doc = gate.load(ns.against, command)
+            job = GateJob(doc, parse_sampling(ns, doc.get("sampling")), int(doc["gen_tokens"]))
         with open_target(ns, cfg) as target:
             builder = PromptBuilder(target.tokenizer, target.context_length)
             if command == "run":
-                return run_bench(ns, target, builder, argv)
-            return run_gate(ns, command, target, builder)
+                return run_bench(ns, job, target, builder, argv)
+            return run_gate(ns, command, job, target, builder)
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as e:  # every failure ends in one line
@@ -186,9 +192,21 @@ def bench_main(argv: Sequence[str]) -> int:
         return fail(message, code)
 
 
-def run_bench(ns, target, builder: PromptBuilder, argv: list[str]) -> int:
-    plan = fit_contexts(parse_plan(ns), builder)
-    sampling = parse_sampling(ns)
+@dataclass(frozen=True)
+class BenchJob:
+    plan: measure.BenchPlan
+    sampling: object
+
+
+@dataclass(frozen=True)
+class GateJob:
+    reference: dict | None  # the --against file; None with --save
+    sampling: object
+    gen_tokens: int
+
+
+def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]) -> int:
+    plan, sampling = fit_contexts(job.plan, builder), job.sampling
     with progress_bar(measure.plan_steps(plan), "measuring") as bar:
         results = measure.run_plan(target.runner, builder, plan, sampling,
                                    progress=lambda label: (bar.set_postfix_str(label), bar.update(1)))
@@ -216,8 +234,33 @@ def run_bench(ns, target, builder: PromptBuilder, argv: list[str]) -> int:
     return 0
 
 
-def run_gate(ns, command: str, target, builder: PromptBuilder) -> int:
-    meta = {
+def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> int:
+    gen, sampling = job.gen_tokens, job.sampling
+    if job.reference is None:
+        fixed = builder.gate_prompts(gen) if command == "gate" else builder.longgate_prompts(gen)
+        for p in fixed:
+            if p.note:
+                say(f"note: {p.name}: {p.note}")
+        with progress_bar(len(fixed), command) as bar:
+            outputs = gate.run_prompts(target.runner, fixed, gen, sampling, tick=lambda _n: bar.update(1))
+        gate.save(ns.save, command, gen, sampling, outputs, gate_meta(target))
+        for o in outputs:
+            n = len(o.token_ids) if o.token_ids is not None else len(o.text)
+            sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")
+        sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
+        return 0
+    prompts = gate.saved_prompts(job.reference, builder)
+    with progress_bar(len(prompts), command) as bar:
+        outputs = gate.run_prompts(target.runner, prompts, gen, sampling, tick=lambda _n: bar.update(1))
+    lines, passed = gate.verdict(job.reference, outputs, target.tokenizer)
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+    return 0 if passed else 1
+
+
+def gate_meta(target) -> dict:
+    """Where a gate reference came from (kept in the file, not compared)."""
+    return {
         "mode": target.mode,
         "model": report.model_info(target.file, target.path),
         "server": target.server,
@@ -225,28 +268,3 @@ def run_gate(ns, command: str, target, builder: PromptBuilder) -> int:
         "git": report.git_commit(),
         "versions": report.versions(),
     }
-    if ns.save:
-        gen = parse_value(int_range(1), ns.max_tokens, "--max-tokens")
-        sampling = parse_sampling(ns)
-        fixed = builder.gate_prompts(gen) if command == "gate" else builder.longgate_prompts(gen)
-        for p in fixed:
-            if p.note:
-                say(f"note: {p.name}: {p.note}")
-        with progress_bar(len(fixed), command) as bar:
-            outputs = gate.run_prompts(target.runner, fixed, gen, sampling, tick=lambda _n: bar.update(1))
-        gate.save(ns.save, command, gen, sampling, outputs, meta)
-        for o in outputs:
-            n = len(o.token_ids) if o.token_ids is not None else len(o.text)
-            sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")
-        sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
-        return 0
-    doc = gate.load(ns.against, command)
-    sampling = parse_sampling(ns, doc.get("sampling"))
-    prompts = gate.saved_prompts(doc, builder)
-    with progress_bar(len(prompts), command) as bar:
-        outputs = gate.run_prompts(target.runner, prompts, int(doc["gen_tokens"]), sampling,
-                                   tick=lambda _n: bar.update(1))
-    lines, passed = gate.verdict(doc, outputs, target.tokenizer)
-    sys.stdout.write("\n".join(lines) + "\n")
-    sys.stdout.flush()
-    return 0 if passed else 1

@@ -1,0 +1,266 @@
+"""flashbench end to end on a tiny synthetic model: the bench JSON, the gates, the --url client, the Ray path.
+
+The model is the tiny qwen3next synth preset with its context shortened to 256 tokens, so the ~4K-token
+code gate prompt and the longer bench contexts are cut to fit (and say so), and every run stays short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from strata_ray.bench.cli import bench_main
+from strata_ray.bench.gate import first_difference
+from strata_ray.bench.prompts import PromptBuilder, parse_token_count
+
+CONTEXT = 256
+FAST = ["--gen", "4", "--story-tokens", "6", "--no-warmup"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from strata_ray.model.quants import T
+    from strata_ray.model.synth import build_writer
+    from strata_ray.model.synth_presets import preset_hparams
+
+    path = tmp_path_factory.mktemp("bench") / "tiny-ctx256.gguf"
+    hp = replace(preset_hparams("qwen3next", "tiny"), context_length=CONTEXT)
+    build_writer(path, hp, T["Q4_K"], name="tiny-ctx256").write()
+    return str(path)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = bench_main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- bench -----------------------------------------------------------------------------------------------
+
+
+def test_quick_bench_writes_every_field(model_path, tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    code, out, err = run_cli(capsys, "--local", "--model", model_path, "--quick", "--contexts", "160,1k",
+                             "--json-out", str(out_json), *FAST)
+    assert code == 0, err
+    doc = json.loads(out_json.read_text())
+    for key in ("format", "kind", "mode", "time", "argv", "plan", "engine_flags", "model", "device", "git",
+                "versions", "results"):
+        assert key in doc, key
+    assert doc["mode"] == "local" and doc["plan"]["repeats"] == 1
+    assert doc["engine_flags"]["model"] == model_path and "peer_device" in doc["engine_flags"]
+    assert doc["model"]["arch"] == "qwen3next" and doc["model"]["context_length"] == CONTEXT
+    assert doc["device"]["engine_device"] == "cpu"
+    assert set(doc["versions"]) >= {"torch", "ray", "numpy", "strata_ray"}
+    assert doc["git"] is None or len(doc["git"]["commit"]) == 40
+    small, cut = doc["results"]["contexts"]
+    assert small["prompt_tokens"] == 160 and small["note"] is None
+    assert cut["context"] == 1024 and cut["prompt_tokens"] < CONTEXT and "cut from 1024" in cut["note"]
+    for c in (small, cut):
+        assert c["prefill_tps"] > 0 and c["decode_tps"] >= 0 and len(c["runs"]) == 1
+        assert c["runs"][0]["engine_prompt_s"] > 0
+    assert doc["results"]["story"]["tokens"] == 6 and doc["results"]["story"]["runs"]
+    assert "prefill tok/s" in out and "cut from 1024" in out and "cut from 1024" in err
+
+
+def test_plot_without_matplotlib_is_one_line_before_running(model_path, tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        code, out, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "160",
+                                 "--plot", str(tmp_path / "p.png"), *FAST)
+        assert code == 2 and err.strip().count("\n") == 0 and "matplotlib" in err and out == ""
+        return
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "160", "--repeats", "1",
+                           "--plot", str(tmp_path / "p.png"), *FAST)
+    assert code == 0, err
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "8x")
+    assert code == 2 and "--contexts" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "--local", "--model", str(tmp_path / "missing.gguf"))
+    assert code == 2 and err.count("\n") == 1
+    missing = str(tmp_path / "no.json")
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", missing)
+    assert code == 2 and "file not found" in err and err.count("\n") == 1
+
+
+def test_prompts_have_exact_lengths_and_random_prefixes(model_path):
+    from strata_ray.bench.targets import open_model_file
+
+    file, _, tok = open_model_file(model_path)
+    builder = PromptBuilder(tok, None)  # no context limit: nothing cut
+    a, b = builder.bench_prompt(900, 8), builder.bench_prompt(900, 8)
+    assert len(a.ids) == a.n_tokens == 900 and a.note is None
+    assert a.ids != b.ids and a.content.startswith("[bench-id ")
+    chat, code, math = builder.gate_prompts(256)
+    assert abs(code.n_tokens - 4096) < 64 and chat.ids == builder.gate_prompts(256)[0].ids
+    assert parse_token_count("8k") == 8192 and parse_token_count("1000") == 1000
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
+
+
+# ---- gates -----------------------------------------------------------------------------------------------
+
+
+def test_gate_passes_against_itself_and_fails_on_one_different_token(model_path, tmp_path, capsys):
+    ref = str(tmp_path / "ref.json")
+    sampled = ["--local", "--model", model_path, "--temperature", "1"]
+    code, out, err = run_cli(capsys, "gate", *sampled, "--seed", "1", "--max-tokens", "6", "--save", ref)
+    assert code == 0, err
+    doc = json.loads(open(ref).read())
+    assert doc["kind"] == "gate" and [o["name"] for o in doc["outputs"]] == ["chat", "code", "math"]
+    assert "cut from 4096" in doc["outputs"][1]["note"] and "note: code" in err
+
+    code, out, err = run_cli(capsys, "gate", *sampled, "--against", ref)  # the saved seed: identical
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == "GATE: PASS"
+
+    code, out, err = run_cli(capsys, "gate", *sampled, "--seed", "2", "--against", ref)
+    assert code == 1
+    lines = out.strip().splitlines()
+    n = int(lines[-1].split("(")[1].split()[0])
+    assert lines[-1] == f"GATE: FAIL ({n} of 3 differ)" and n >= 1
+    first = next(ln for ln in lines if "first difference at token" in ln)
+    assert "context" in first and "reference" in first and "now" in first
+
+
+def test_longgate_refuses_a_gate_reference(model_path, tmp_path, capsys):
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": []}))
+    code, _, err = run_cli(capsys, "longgate", "--local", "--model", model_path, "--against", str(ref))
+    assert code == 2 and "gate reference" in err
+
+
+# ---- --url: a real HTTP server over the Engine (until strata_ray/serve lands) ----------------------------
+
+
+class ChatServer(ThreadingHTTPServer):
+    """An OpenAI-style streaming /v1/chat/completions over an Engine; sends token ids when asked (as vLLM)."""
+
+    def __init__(self, engine):
+        super().__init__(("127.0.0.1", 0), ChatHandler)
+        self.engine = engine
+        self.lock = threading.Lock()
+
+
+class ChatHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        self._json({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    def do_POST(self):
+        from strata_ray.engine.engine import GenerationRequest, GenerationSummary
+        from strata_ray.engine.sampling import SamplingParams
+
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        engine = self.server.engine
+        text = engine.tokenizer.apply_chat_template(body["messages"])
+        request = GenerationRequest(
+            prompt_ids=tuple(engine.tokenizer.encode(text)),
+            max_tokens=body["max_tokens"],
+            sampling=SamplingParams(temperature=body["temperature"], seed=body.get("seed")),
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        with self.server.lock:
+            for item in engine.stream(request):
+                if isinstance(item, GenerationSummary):
+                    usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": len(item.token_ids)}
+                    self._event({"choices": [], "usage": usage})
+                else:
+                    choice = {"index": 0, "delta": {"content": item.text}}
+                    if body.get("return_token_ids"):
+                        choice["token_ids"] = list(item.token_ids)
+                    self._event({"choices": [choice]})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, doc):
+        self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+        self.wfile.flush()
+
+    def _json(self, doc):
+        data = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def server_url(model_path):
+    from strata_ray.config import EngineConfig
+    from strata_ray.engine.engine import Engine
+
+    server = ChatServer(Engine(EngineConfig(model=model_path, device="cpu")))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, capsys):
+    out_json = tmp_path / "u.json"
+    code, out, err = run_cli(capsys, "--url", server_url, "--model", model_path, "--contexts", "160",
+                             "--repeats", "1", "--json-out", str(out_json), *FAST)
+    assert code == 0, err
+    doc = json.loads(out_json.read_text())
+    assert doc["mode"] == "url" and doc["server"]["model"] == "tiny" and doc["engine_flags"] is None
+    (c,) = doc["results"]["contexts"]
+    run = c["runs"][0]
+    assert c["prompt_tokens"] == 160 == run["prompt_tokens"]  # the server's usage agrees with our prompt
+    assert run["generated_tokens"] == 4 and c["prefill_tps"] > 0 and run["engine_prompt_s"] is None
+
+
+def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, capsys):
+    ref = str(tmp_path / "ref.json")
+    local = ["--local", "--model", model_path]
+    code, _, err = run_cli(capsys, "gate", *local, "--max-tokens", "5", "--save", ref)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "gate", "--url", server_url, "--model", model_path, "--against", ref)
+    assert code == 0, out + err
+    assert "same token ids" in out and out.strip().splitlines()[-1] == "GATE: PASS"
+
+
+def test_url_that_does_not_answer_is_one_line(capsys):
+    code, _, err = run_cli(capsys, "--url", "http://127.0.0.1:9", "--contexts", "160")
+    assert code == 2 and "cannot connect" in err and err.count("\n") == 1
+
+
+# ---- the default path: the Ray actors `run` uses ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_through_the_ray_actors(model_path, tmp_path):
+    out_json = tmp_path / "ray.json"
+    # A fresh local instance: with its own temp dir, a Ray instance that another process started on this
+    # machine (whose address Ray records under /tmp/ray) is not mistaken for ours.
+    ray_tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "bench", "--address", "local", "--model", model_path,
+         "--contexts", "160", "--repeats", "1", "--json-out", str(out_json), *FAST],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(out_json.read_text())
+    assert doc["mode"] == "ray" and doc["device"]["engine_device"] == "cpu"
+    run = doc["results"]["contexts"][0]["runs"][0]
+    assert run["generated_tokens"] == 4 and run["engine_prompt_s"] > 0
+    assert run["ttft_s"] >= run["engine_prompt_s"]  # what the caller waits for includes the engine's time
