@@ -52,8 +52,28 @@ def residual_gain(n_layer: int) -> float:
 
 
 def expected_cos_u(hp: HParams, layer: int) -> float:
-    """Expected cos(layer's normed MoE input, u): the embedding share, diluted by earlier layer outputs."""
-    return EMBD_COS / math.sqrt(1.0 + min(layer + 0.5, hp.n_layer) / hp.n_layer)
+    """Expected cos(layer's normed MoE input, u): the embedding share, diluted by earlier layer outputs
+    (for the MTP layer: the share eh_proj gives its output, see mtp_shared_int)."""
+    if layer >= hp.n_layer:
+        return _mtp_cos(hp)[1]
+    return EMBD_COS / math.sqrt(1.0 + (layer + 0.5) / hp.n_layer)
+
+
+MTP_COS = 0.5  # wanted cos(eh_proj output, u), so the MTP layer's router is skewed like the trunk's
+
+
+def _mtp_cos(hp: HParams) -> tuple[int, float]:
+    """(int shared part m of eh_proj's Q8_0 values, resulting cos of its output with u).
+
+    eh_proj [E, 2E] = d * (noise [-64, 63] + m * s_i * [s, s]_j); its input [enorm(embd), hnorm(hidden)] has
+    u-cosines c_e (embedding) and c_h (final hidden), each half of norm sqrt(E). Per output the shared part is
+    m * E * (c_e + c_h), the noise part has std 64/sqrt(3) * sqrt(2E): solve for m, round, give the cos."""
+    E = hp.n_embd
+    shared = E * (EMBD_COS + EMBD_COS / math.sqrt(2.0))
+    noise = EMBD_NOISE / math.sqrt(3) * math.sqrt(2 * E)
+    m = max(1, round(noise * MTP_COS / (shared * math.sqrt(1 - MTP_COS**2))))
+    # the MTP block's attention adds about half a trunk layer's share of variance before the router
+    return m, m * shared / math.hypot(noise, m * shared) / math.sqrt(1.0 + 0.5 / hp.n_layer)
 
 
 @functools.cache
@@ -107,8 +127,12 @@ class SynthModel:
     def producer(self, name: str, shape: tuple[int, ...], ggml_type: int):
         if ggml_type == T.F32:
             return lambda: self._float(name, shape)
-        if name == "token_embd.weight" and ggml_type == T.Q8_0:
-            return lambda: self._embedding(name, shape)
+        if name == "token_embd.weight" and ggml_type == T.Q8_0:  # every token shares u
+            ones = np.ones(shape[0], np.int8)
+            return lambda: self._shared_direction(name, shape, ones, self.signs, EMBD_SHARED, 1.0)
+        if name.endswith("nextn.eh_proj.weight") and ggml_type == T.Q8_0:  # maps u in its input to u
+            m, two = _mtp_cos(self.hp)[0], np.concatenate([self.signs, self.signs])
+            return lambda: self._shared_direction(name, shape, self.signs, two, m, 1 / math.sqrt(shape[-1]))
         fan_in = shape[-1]
         writes_residual = name.endswith(
             ("attn_output.weight", "ssm_out.weight", "down_exps.weight", "down_shexp.weight")
@@ -130,16 +154,21 @@ class SynthModel:
         for n in self._row_chunks(shape, shape[-1] // elems * size):
             yield self.blocks.blocks(rng, n, shape[-1], ggml_type, std)
 
-    def _embedding(self, name: str, shape) -> Iterator[np.ndarray]:
-        """Q8_0 rows: uniform int noise plus EMBD_SHARED * sign(u), row rms ~1 (the shared direction)."""
-        rng, E = self.rng(name), shape[-1]
-        shared = (EMBD_SHARED * self.signs.astype(np.int16)).reshape(E // 32, 32)
-        rms_q = math.sqrt(EMBD_NOISE**2 / 3 + EMBD_SHARED**2)
-        for n in self._row_chunks(shape, E // 32 * 34):
-            b = self.blocks.blocks(rng, n, E, T.Q8_0, Q8_0_SD / rms_q)  # d ~ 1/rms_q
-            b = b.reshape(n, E // 32, 34)
+    def _shared_direction(
+        self, name: str, shape, row_signs, col_signs, m: int, rms: float
+    ) -> Iterator[np.ndarray]:
+        """Q8_0 rows: uniform int noise in [-64, 63] plus m * row_sign * col_signs (a rank-1 share along
+        u), element rms ~ rms."""
+        rng, cols = self.rng(name), shape[-1]
+        shared_cols = (m * col_signs.astype(np.int16)).reshape(cols // 32, 32)
+        d = Q8_0_SD * rms / math.hypot(EMBD_NOISE / math.sqrt(3), m)  # blocks() aims its int8 at Q8_0_SD
+        row = 0
+        for n in self._row_chunks(shape, cols // 32 * 34):
+            b = self.blocks.blocks(rng, n, cols, T.Q8_0, d).reshape(n, cols // 32, 34)
             qs = b[:, :, 2:].view(np.int8)
-            qs[...] = (qs.astype(np.int16) >> 1) + shared  # [-64, 63] + [-24, 24] fits int8
+            shared = row_signs[row : row + n, None, None].astype(np.int16) * shared_cols  # [n, cols/32, 32]
+            qs[...] = (qs.astype(np.int16) >> 1) + shared  # |m| <= 63 keeps it in int8
+            row += n
             yield b.reshape(n, -1)
 
     def _float(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -216,6 +245,10 @@ def write_synth(
     return hp
 
 
+def _human_bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + error; the CLI promises one line
         raise SynthError(message)
@@ -268,7 +301,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     size = Path(args.output).stat().st_size
     print(
         f"wrote {args.output}: {hp.arch}, {hp.n_layer} layers (+{hp.n_nextn} MTP), {hp.n_expert} experts "
-        f"{type_name(T[args.expert_type])}, {size / 1e9:.2f} GB"
+        f"{type_name(T[args.expert_type])}, {_human_bytes(size)}"
     )
     return 0
 

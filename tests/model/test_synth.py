@@ -12,6 +12,7 @@ from strata_ray.model.quants import dequantize_tensor
 from strata_ray.model.synth import (
     EMBD_COS,
     SynthModel,
+    expected_cos_u,
     residual_gain,
     synth_main,
     synth_type,
@@ -133,6 +134,29 @@ def test_router_popularity_is_skewed(tiny, arch):
         assert top[-1] > 0.005, (layer, top)
         hot.append(int(np.argmax(mass)))
     assert len(set(hot)) > 1  # each layer has its own popularity order
+
+
+def test_mtp_router_is_skewed_too(tiny):
+    """eh_proj carries u from its inputs (embedding, final hidden) to its output, so the MTP layer's router
+    sees the direction its Zipf bias is aligned with."""
+    f = GGUFFile(tiny["qwen3next"])
+    hp = f.hparams
+    E, L, rng = hp.n_embd, hp.n_layer, np.random.default_rng(0)
+    u = SynthModel(hp, 0).signs / math.sqrt(E)
+
+    def with_cos(c, n=4000):
+        g = rng.standard_normal((n, E))
+        g -= np.outer(g @ u, u)
+        g /= np.linalg.norm(g, axis=1, keepdims=True)
+        return (c * u + math.sqrt(1 - c * c) * g) * math.sqrt(E)
+
+    x = np.concatenate([with_cos(EMBD_COS), with_cos(EMBD_COS / math.sqrt(2))], axis=1)
+    h = x @ dequantize_tensor(f.tensor(f"blk.{L}.nextn.eh_proj.weight")).T
+    assert np.sqrt((h**2).mean()) == pytest.approx(1.0, rel=0.15)
+    assert (h @ u / np.linalg.norm(h, axis=1)).mean() == pytest.approx(expected_cos_u(hp, L), rel=0.2)
+    x = h / np.sqrt((h**2).mean(-1, keepdims=True))
+    mass = _route_mass(dequantize_tensor(f.tensor(f"blk.{L}.ffn_gate_inp.weight")), x, hp.n_expert_used)
+    assert np.sort(mass)[::-1][: hp.n_expert // 4].sum() > 0.4
 
 
 def test_zipf_exponent_hits_target_share():
