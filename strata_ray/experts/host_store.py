@@ -78,6 +78,16 @@ def experts_block_quantized(file) -> bool:
     return bool(types) and all(t in QUANT_TYPES for t in types)
 
 
+def _consume_cuda_error() -> None:
+    """A failed cudaHostRegister leaves the runtime's last error set, and torch's next launch check
+    would report it as its own failure: consume it here with a throwaway launch."""
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        pass
+
+
 class HostStore:
     def __init__(self, file, pin_gib: float | None = None):
         """file: an open GGUFFile with block-quantized experts. pin_gib caps page-locked bytes (None =
@@ -171,6 +181,7 @@ class HostStore:
                     return
             err = int(cudart.cudaHostRegister(lo, hi - lo, CUDA_HOST_REGISTER_READ_ONLY))
             if err != 0:
+                _consume_cuda_error()
                 log.info("host store: page-locking refused (cuda error %d); the rest stays pageable", err)
                 return
             self._registered.append(lo)

@@ -83,6 +83,7 @@ class SlotCache:
         self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._swap_event = None
         self.fill_seconds = 0.0
+        self.fill_line = ""
 
     # -- slot table views ----------------------------------------------------------------------------
     def layer_view(self, b: int) -> ExpertLayer:
@@ -158,6 +159,7 @@ class SlotCache:
             f"({rate:.0f} MB/s)" + ("; slot 0 verified" if verified else "")
         )
         log.info(line)
+        self.fill_line = line
         return line
 
     def verify_slot(self, slot: int) -> bool:

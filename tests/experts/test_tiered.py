@@ -137,3 +137,19 @@ def test_coordinator_plans_rounds_from_sent_counts():
     swaps = coord.adapt_round(counts, 1, resident, False)  # usage now [[0, 2, 18, 0], [0, 0, 0, 2]]
     assert [s[:3] for s in swaps] == [(0, 2, 0), (1, 3, 0)]
     assert coord.adapt_round(counts, 2, resident, True) == []  # primary still busy: round skipped
+
+
+def test_engine_generate_reports_tiers_and_saves_the_learned_profile(model_path, tmp_path):
+    from strata_ray.engine.engine import GenerationRequest
+
+    save = tmp_path / "learned.strp"
+    tokens = []
+    for cache in (0, 12):
+        cfg = config(
+            model_path, expert_cache=cache, adapt_every=1, adapt_swaps=4, expert_profile_save=str(save)
+        )
+        summary = Engine(cfg).generate(GenerationRequest(prompt_ids=tuple(PROMPT), max_tokens=6))
+        assert "cache hits" in summary.summary_line()
+        tokens.append(summary.token_ids)
+    assert tokens[0] == tokens[1]
+    assert read_profile(save).n_layers == GGUFFile(model_path).hparams.n_layer

@@ -1,0 +1,156 @@
+"""Expert-tier benchmark (GPU machine, a script, not a test): decode tok/s at 1K and 8K depth with the
+primary cache sized as on a smaller card, hit rates, CPU-pool time, host overhead per token, and the
+placement roofline (GPU expert bytes / HBM bandwidth vs CPU expert bytes / host bandwidth).
+
+    python scripts/bench_tiers.py --model /tmp/m.gguf [--layers 12] [--card-gib 24] [--decode 32]
+
+Without --model it writes a synthetic qwen3next 80b-a3b (Q4_0 experts) with --layers trunk layers to
+/tmp. A sample of L of the 48 layers emulates the full model on a --card-gib card: the cache gets the
+share of expert bytes the full model would get on that card (card - reserve - fp32 dense weights),
+applied to the sample's expert bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from strata_ray.config import EngineConfig
+from strata_ray.experts.build import build_expert_backend
+from strata_ray.model.forward import Model
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.synth import write_synth
+from strata_ray.model.weights import load_dense_weights
+
+FULL_LAYERS = 48
+HBM_GBS = 4250.0  # measured device copy bandwidth on the H200 (GPU-MACHINE.md)
+HOST_GBS = 61.0  # measured 16-core host memory copy bandwidth
+
+
+def dense_split(file) -> tuple[int, int, int]:
+    """(fp32 bytes of the non-layer dense tensors, fp32 dense bytes per trunk layer, expert bytes)."""
+    glob, per_layer, experts = 0, 0, 0
+    n_layer = file.hparams.n_layer
+    for name, t in file.tensors.items():
+        if name.endswith("_exps.weight"):
+            experts += t.n_bytes if int(name.split(".")[1]) < n_layer else 0
+        elif name.startswith("blk."):
+            per_layer += 4 * int(np.prod(t.shape)) if int(name.split(".")[1]) < n_layer else 0
+        else:
+            glob += 4 * int(np.prod(t.shape))
+    return glob, per_layer // n_layer, experts
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024) -> dict:
+    model = loaded.model
+    rng = np.random.default_rng(depth)
+    prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
+    tiers.metrics.counts = type(tiers.metrics.counts)()
+    with torch.inference_mode():
+        state = model.new_state()
+        t0 = time.perf_counter()
+        for c in range(0, depth, chunk):
+            logits = model.forward(prompt[c : c + chunk], state)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        tok = int(logits[-1].argmax())
+        for _ in range(3):  # warm-up steps (kernel autotune, CPU pool threads)
+            tok = int(model.forward([tok], state)[-1].argmax())
+        tiers.metrics.counts = type(tiers.metrics.counts)()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            tok = int(model.forward([tok], state)[-1].argmax())
+        decode_s = time.perf_counter() - t0
+    tiers.finish()
+    s = tiers.metrics.summary()
+    return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--card-gib", type=float, default=24.0)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--depths", default="1024,8192")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
+    args = ap.parse_args()
+    path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
+    if not os.path.exists(path):
+        t = time.perf_counter()
+        write_synth(
+            path, arch="qwen3next", preset=args.preset, layers=args.layers, expert_type="Q4_0", progress=False
+        )
+        print(f"wrote {path} in {time.perf_counter() - t:.0f} s", flush=True)
+    file = GGUFFile(path)
+    hp = file.hparams
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    glob, per_layer, expert_bytes = dense_split(file)
+    full_dense = glob + per_layer * FULL_LAYERS
+    full_experts = expert_bytes / hp.n_layer * FULL_LAYERS
+    reserve = 700 * 2**20
+    share = max(0.0, (args.card_gib * 2**30 - reserve - full_dense) / full_experts)
+    # dense weights first, to learn the device memory they take; then the budget that leaves the share
+    t = time.perf_counter()
+    with torch.inference_mode():
+        weights = load_dense_weights(file, device=dev, include_experts=False)
+    dense_s = time.perf_counter() - t
+    used = 0  # a CPU dry run: the budget is host memory for the cache alone
+    if dev == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+    budget_mib = int((used + reserve + share * expert_bytes + 64 * 2**20) / 2**20)
+    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib)
+    t = time.perf_counter()
+    tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
+    loaded = SimpleNamespace(model=Model(hp, weights, experts=tiers), hp=hp)
+    print(
+        f"dense weights in {dense_s:.1f} s, tiers in {time.perf_counter() - t:.1f} s; "
+        f"slots {tiers.residency.n_slots} of {hp.n_layer * hp.n_expert} pairs (share {share:.3f}); "
+        f"pinned {tiers.store.pinned_bytes / 2**30:.1f} GiB",
+        flush=True,
+    )
+    blob = tiers.store.max_blob
+    results = []
+    for depth in (int(d) for d in args.depths.split(",")):
+        r = run_depth(loaded, tiers, depth, args.decode)
+        k = hp.n_expert_used
+        gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
+        cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob
+        r["roofline_tok_s"] = 1.0 / max(gpu_bytes / (HBM_GBS * 1e9), cpu_bytes / (HOST_GBS * 1e9))
+        r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+        results.append(r)
+        print(
+            json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in r.items()}), flush=True
+        )
+    report = {
+        "model": path,
+        "layers": hp.n_layer,
+        "card_gib": args.card_gib,
+        "budget_mib": budget_mib,
+        "slots": tiers.residency.n_slots,
+        "pairs": hp.n_layer * hp.n_expert,
+        "blob_bytes": blob,
+        "fill": tiers.cache.fill_seconds,
+        "results": results,
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Expert tiers on CUDA (run on the GPU machine with -m gpu): greedy tokens identical for three cache
+sizes (plus adaptive rounds) and equal to the all-CPU-pool placement; backend rows on CUDA bit-identical
+to the CPU primary's."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.config import EngineConfig
+from strata_ray.experts.build import load_tiered_model
+from strata_ray.model.synth import write_synth
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROMPT = list(range(3, 27))  # 24 tokens: a prompt chunk (> 8) streams misses through the ring slots
+DECODE = 10
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False)
+    return str(path)
+
+
+def greedy(loaded):
+    model = loaded.model
+    with torch.inference_mode():
+        state = model.new_state()
+        logits = model.forward(PROMPT, state)
+        out = []
+        for _ in range(DECODE):
+            out.append(int(logits[-1].argmax()))
+            logits = model.forward([out[-1]], state)
+    return out
+
+
+def test_greedy_tokens_identical_across_cache_sizes_on_cuda(model_path):
+    base = EngineConfig(model=model_path, device="cuda")
+    runs = {
+        "cpu pool only": replace(base, expert_cache=0),
+        "third cached": replace(base, expert_cache=10, adapt_every=0),
+        "third cached, adaptive": replace(base, expert_cache=10, adapt_every=1, adapt_swaps=8),
+        "all cached": replace(base, expert_cache=32),
+    }
+    tokens, swaps = {}, {}
+    for name, cfg in runs.items():
+        loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
+        tokens[name] = greedy(loaded)
+        tiers.finish()
+        swaps[name] = tiers.metrics.counts.swaps
+        assert tiers.cache.is_cuda
+    assert swaps["third cached, adaptive"] > 0
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+
+
+@pytest.mark.parametrize("n_tok", [1, 5, 24])
+def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_tok):
+    _, gpu = load_tiered_model(
+        EngineConfig(model=model_path, device="cuda", expert_cache=12), "cuda", progress=False
+    )
+    _, cpu = load_tiered_model(
+        EngineConfig(model=model_path, device="cpu", expert_cache=0), "cpu", progress=False
+    )
+    hp = gpu.store.hp
+    g = torch.Generator().manual_seed(n_tok)
+    x = torch.randn(n_tok, hp.n_embd, generator=g)
+    ids = torch.stack([torch.randperm(hp.n_expert, generator=g)[: hp.n_expert_used] for _ in range(n_tok)])
+    w = torch.softmax(torch.randn(n_tok, hp.n_expert_used, generator=g), -1)
+    for layer in range(hp.n_layer + hp.n_nextn):  # the MTP layer too (never resident)
+        got = gpu(layer, x.cuda(), ids.cuda(), w.cuda()).cpu()
+        want = cpu(layer, x, ids, w)
+        assert np.array_equal(got.numpy(), want.numpy()), f"layer {layer}"
