@@ -10,39 +10,12 @@ from strata_ray.model.forward import Model
 from tests.model import hf_reference as ref
 
 
-def _mtp_weights(hp, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A hand-built blk.{n_layer}: nextn head + gated full attention + MoE with shared expert."""
-    gen = torch.Generator().manual_seed(seed)
-    E, H, Hkv, D = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim
-    X, I, Is = hp.n_expert, hp.n_ff_exp, hp.n_ff_shexp
-
-    def lin(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen) * scale / math.sqrt(shape[-1])
-
-    def norm(n):
-        return 1 + 0.1 * torch.randn(n, generator=gen)
-
-    p = f"blk.{hp.n_layer}"
-    return {
-        f"{p}.nextn.eh_proj.weight": lin(E, 2 * E), f"{p}.nextn.enorm.weight": norm(E),
-        f"{p}.nextn.hnorm.weight": norm(E), f"{p}.nextn.shared_head_norm.weight": norm(E),
-        f"{p}.attn_norm.weight": norm(E), f"{p}.post_attention_norm.weight": norm(E),
-        f"{p}.attn_q.weight": lin(2 * H * D, E), f"{p}.attn_k.weight": lin(Hkv * D, E),
-        f"{p}.attn_v.weight": lin(Hkv * D, E), f"{p}.attn_output.weight": lin(E, H * D),
-        f"{p}.attn_q_norm.weight": norm(D), f"{p}.attn_k_norm.weight": norm(D),
-        f"{p}.ffn_gate_inp.weight": lin(X, E, scale=2.0), f"{p}.ffn_gate_exps.weight": lin(X, I, E),
-        f"{p}.ffn_up_exps.weight": lin(X, I, E), f"{p}.ffn_down_exps.weight": lin(X, E, I),
-        f"{p}.ffn_gate_inp_shexp.weight": lin(E), f"{p}.ffn_gate_shexp.weight": lin(Is, E),
-        f"{p}.ffn_up_shexp.weight": lin(Is, E), f"{p}.ffn_down_shexp.weight": lin(E, Is),
-    }
-
-
 @pytest.fixture(scope="module")
 def model():
     hf_model = ref.tiny_qwen3next(seed=1)
     hp = dataclasses.replace(ref.hparams_of(hf_model), n_nextn=1)
     weights = ref.gguf_weights(hf_model)
-    weights.update(_mtp_weights(hp))
+    weights.update(ref.mtp_weights(hp))
     return Model(hp, weights)
 
 

@@ -14,7 +14,6 @@ from strata_ray.model.hparams import ModelFormatError
 from strata_ray.model.quants import dequantize, quantize
 from strata_ray.model.weights import load_dense_weights
 from tests.model import hf_reference as ref
-from tests.model.test_mtp import _mtp_weights
 
 T = gguf.GGMLQuantizationType
 PROMPT = torch.randint(0, ref.VOCAB, (40,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -39,7 +38,7 @@ def next_model():
     hf_model = ref.tiny_qwen3next(seed=2)
     hp = dataclasses.replace(ref.hparams_of(hf_model), n_nextn=1)
     weights = ref.gguf_weights(hf_model)
-    weights.update(_mtp_weights(hp, seed=3))
+    weights.update(ref.mtp_weights(hp, seed=3))
     return hp, weights
 
 
