@@ -100,6 +100,8 @@ def build_generate_parser():
     ray_group.add_argument("--keep-actors", action="store_true",
                            help="leave strata:primary and strata:coordinator running on an attached cluster "
                            "(the next run with the same flags reuses them)")
+    ray_group.add_argument("--replace-actors", action="store_true",
+                           help="remove kept engine actors whose flags differ from this run's")
     ray_group.add_argument("--verbose", "-v", action="store_true", help="show Ray's and the actors' logs")
     return parser
 
@@ -202,13 +204,13 @@ def generate_main(argv: Sequence[str]) -> int:
         if ns.keep_actors and session.started:
             say("--keep-actors: a local Ray instance ends with this run (attach to `ray start --head`)")
         actor = launch.COORDINATOR_NAME
-        dep = None if session.started else launch.find_existing(cfg)
+        dep = None if session.started else launch.find_existing(cfg, replace=ns.replace_actors)
         if dep is not None:
             say(f"reusing {launch.PRIMARY_NAME} and {launch.COORDINATOR_NAME} kept by an earlier run")
         else:
             dep = launch.launch(cfg, keep=keep)
         actor = launch.PRIMARY_NAME
-        load_model_remote(dep)
+        load_model_remote(dep, reused=not dep.created)
         summary = stream_generation(dep, request, as_json=ns.json)
         say(summary.summary_line())
         return 0
@@ -238,7 +240,7 @@ def _session_line(session, dashboard: bool) -> str:
             "cluster instead)")
 
 
-def load_model_remote(dep) -> dict:
+def load_model_remote(dep, reused: bool) -> dict:
     """Load the model in the primary; an elapsed-time line on a terminal while it loads."""
     import ray
 
@@ -251,8 +253,9 @@ def load_model_remote(dep) -> dict:
             while not ray.wait([ref], timeout=0.2)[0]:
                 b.refresh()
     info = ray.get(ref)
-    say(f"loaded {os.path.basename(info['path'])} ({info['arch']}, {info['n_layer']} layers, "
-        f"{info['n_expert']} experts) on {info['device']} in {time.monotonic() - started:.1f} s")
+    what = (f"{os.path.basename(info['path'])} ({info['arch']}, {info['n_layer']} layers, "
+            f"{info['n_expert']} experts) on {info['device']}")
+    say(f"model already loaded: {what}" if reused else f"loaded {what} in {time.monotonic() - started:.1f} s")
     return info
 
 

@@ -42,28 +42,57 @@ class Deployment:
 
 
 def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
-    """Attach to a running cluster (address, RAY_ADDRESS or 'auto'); else start a local instance.
+    """Attach to a running cluster, or start a local instance and say so.
 
-    address 'local' always starts a fresh local instance."""
+    address: None = RAY_ADDRESS if set (must answer), else a cluster running on this machine, else a new
+    local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail."""
+    quiet = logging.INFO if verbose else logging.ERROR
+    if address == "local":
+        os.environ.pop("RAY_ADDRESS", None)  # ray.init() would otherwise attach to it
+        return _start_local(dashboard, quiet, verbose)
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target and target != "auto":
+        _use_token_auth_if_available()  # before `import ray`: Ray reads the mode when it loads
     import ray
 
-    quiet = logging.INFO if verbose else logging.WARNING
-    if address != "local":
-        target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if target:
         try:
             ray.init(address=target, namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
-            return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
         except ConnectionError:
-            if address:  # an explicit address that does not answer is an error, not a reason to go local
-                raise LaunchError(f"no Ray cluster answers at {address}") from None
+            raise LaunchError(
+                f"cannot connect to the Ray cluster at {target} (is `ray start --head` running there? "
+                "with token authentication set RAY_AUTH_MODE=token and the cluster's token)"
+            ) from None
+        return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
+    try:
+        ray.init(address="auto", namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
+        return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
+    except ConnectionError:  # no cluster on this machine
+        return _start_local(dashboard, quiet, verbose)
+
+
+def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySession:
+    import ray
+
     ray.init(
         namespace=NAMESPACE,
         include_dashboard=dashboard,
         object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-        logging_level=quiet,
+        logging_level=logging_level,
         log_to_driver=verbose,
     )
     return RaySession(started=True, address=ray.get_runtime_context().gcs_address)
+
+
+def _use_token_auth_if_available() -> None:
+    """Ray (>= 2.5x) auto-enables token auth only for clusters it finds itself ('auto'); for an explicit
+    address it needs RAY_AUTH_MODE=token. When the user has a token and did not choose a mode, use it, as
+    `ray.init(address='auto')` would. Must run before ray is imported (its config caches the mode)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def cluster_device(cfg: EngineConfig) -> str:
@@ -77,22 +106,51 @@ def cluster_device(cfg: EngineConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-def find_existing(cfg: EngineConfig) -> Deployment | None:
-    """Actors left by an earlier `--keep-actors` run: reused when their config equals ours."""
+def _named(name: str):
     import ray
 
     try:
-        primary = ray.get_actor(PRIMARY_NAME, namespace=NAMESPACE)
-        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+        return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return None
-    theirs = ray.get(coordinator.get_config.remote())
-    if theirs != cfg:
+
+
+def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
+    """Actors left by an earlier `--keep-actors` run: reused when their config equals ours; with
+    replace=True removed (with their placement group) when it differs or only one of them is left."""
+    import ray
+
+    primary, coordinator = _named(PRIMARY_NAME), _named(COORDINATOR_NAME)
+    if primary is None and coordinator is None:
+        return None
+    if primary is not None and coordinator is not None:
+        if ray.get(coordinator.get_config.remote()) == cfg:
+            return Deployment(coordinator, primary, None, created=False, detached=True)
+        problem = "runs with another configuration"
+    else:
+        problem = "is left incomplete (one of its actors died)"
+    if not replace:
         raise LaunchError(
-            f"actor {PRIMARY_NAME} already runs in namespace {NAMESPACE} with another configuration "
-            "(another run, a server, or --keep-actors); stop it first (e.g. `ray stop`)"
+            f"the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) {problem}; "
+            "add --replace-actors to remove it"
         )
-    return Deployment(coordinator, primary, None, created=False, detached=True)
+    remove_kept()
+    return None
+
+
+def remove_kept() -> None:
+    """Kill the named engine actors and remove the engine's placement group, whoever created them."""
+    import ray
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    for name in (PRIMARY_NAME, COORDINATOR_NAME):
+        actor = _named(name)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+    try:
+        remove_placement_group(get_placement_group(PLACEMENT_GROUP_NAME))
+    except ValueError:  # no such group
+        pass
 
 
 def launch(cfg: EngineConfig, keep: bool) -> Deployment:
@@ -214,10 +272,9 @@ def death_reason(e: BaseException) -> str:
         return f"its constructor raised {type(init_cause).__name__}: {_first_line(init_cause)}"
     if "ray.kill" in text or "killed by `ray.kill`" in text:
         return "killed by ray.kill"
-    m = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*?)(?: There are some potential|$)", text)
+    m = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*?)(?: There are| Some common|$)", text)
     if m:
-        oom = " (likely out of memory)" if "OOM" in text or "memory" in m.group(2).lower() else ""
-        return f"its worker process exited ({m.group(1)}: {m.group(2).strip()}){oom}"
+        return f"its worker process exited ({m.group(1)}: {m.group(2).strip()[:200]})"
     return text[:300] or type(e).__name__
 
 

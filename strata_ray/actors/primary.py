@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from strata_ray.config import EngineConfig
-from strata_ray.engine.engine import Engine, GenerationRequest, GenerationSummary
+from strata_ray.engine.engine import Engine, GenerationRequest, GenerationStopped, GenerationSummary
 
 log = logging.getLogger("ray")
 
@@ -58,6 +58,8 @@ class Primary:
                     summary = item
                 yield item
             self._report(summary)
+        except GenerationStopped:
+            raise
         except Exception as e:
             if self.coordinator is not None:
                 self.coordinator.record_failure.remote(f"{type(e).__name__}: {e}")
