@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from .act_quant import quantize_act_sums, quantize_block, swiglu
-from .blocks import decode_block
+from .blocks import row_isums, row_scales
 from .contract import Q4_K, QK, ExpertLayer, KernelError
 from .cpu_pool import CpuPool, default_pool
 from .spec import float_weights
@@ -20,22 +20,28 @@ f32 = np.float32
 
 
 @njit(inline="always", nogil=True, cache=True)
-def _row_dot(row, wtype, aq, ad, asum, arow, acc, wi):
-    """acc[j] = contract dot of one weight row with activation row arow[j], for every j."""
-    for j in range(acc.shape[0]):
-        acc[j] = f32(0.0)
-    for b in range(ad.shape[1]):
-        d, dmin, m = decode_block(row, b, wtype, wi)
-        o = b * QK
-        for j in range(arow.shape[0]):
-            a = arow[j]
-            isum = np.int32(0)
-            for i in range(QK):
-                isum += wi[i] * np.int32(aq[a, o + i])
-            t = f32(isum) * (d * ad[a, b])
+def _row_dot(row, wtype, aq, ad, asum, arow, acc, sc):
+    """acc[j] = contract dot of one weight row with activation row arow[j], for every j.
+    aq holds the int8 activation codes as exact f32 values (so block sums vectorise);
+    sc: scratch (isum f32 [2*nb], d f32 [nb], dmin f32 [nb], m int32 [nb])."""
+    isum, d, dmin, m = sc
+    n = aq.shape[1] // ad.shape[1]  # 32, but opaque to LLVM (see blocks.py)
+    row_scales(row, wtype, d, dmin, m)
+    for j in range(arow.shape[0]):
+        a = arow[j]
+        row_isums(row, wtype, aq[a], isum, n)
+        acc_j = f32(0.0)
+        for b in range(ad.shape[1]):
+            t = (isum[b] + f32(0.0)) * (d[b] * ad[a, b])  # + 0 turns a -0 from reassociation into +0
             if wtype == Q4_K:
-                t = t - f32(m * asum[a, b]) * (dmin * ad[a, b])
-            acc[j] = acc[j] + t
+                t = t - f32(m[b] * asum[a, b]) * (dmin[b] * ad[a, b])
+            acc_j = acc_j + t
+        acc[j] = acc_j
+
+
+@njit(nogil=True, cache=True)
+def _scratch(nb):
+    return np.empty(2 * nb, f32), np.empty(nb, f32), np.empty(nb, f32), np.empty(nb, np.int32)
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -56,29 +62,29 @@ def _row_dot_float(row, af, arow, acc):
 @njit(nogil=True, cache=True)
 def gate_up_job(gate, gtype, up, utype, aq, ad, asum, arow, ent, r0, r1, h, hq, hd, hs):
     """Rows [r0, r1) (multiples of 32) of h = swiglu(gate x, up x) for entries ent, quantized into
-    hq/hd/hs at those entries. gate/up uint8 [n_ff, RB]; aq/ad/asum: token activations."""
+    hq (codes as f32)/hd/hs at those entries. gate/up uint8 [n_ff, RB]; aq/ad/asum: token activations."""
     n = arow.shape[0]
     g = np.empty(n, f32)
     u = np.empty(n, f32)
-    wi = np.empty(QK, np.int32)
+    sc = _scratch(ad.shape[1])
     for r in range(r0, r1):
-        _row_dot(gate[r], gtype, aq, ad, asum, arow, g, wi)
-        _row_dot(up[r], utype, aq, ad, asum, arow, u, wi)
+        _row_dot(gate[r], gtype, aq, ad, asum, arow, g, sc)
+        _row_dot(up[r], utype, aq, ad, asum, arow, u, sc)
         for j in range(n):
             h[ent[j], r] = swiglu(g[j], u[j])
     for j in range(n):
         e = ent[j]
         for b in range(r0 // QK, r1 // QK):
-            quantize_block(h[e], b * QK, hq[e], hd[e], hs[e], b)
+            quantize_block(h[e], b * QK, hq[e], hd[e], hs[e], b)  # hq is f32: codes stored exactly
 
 
 @njit(nogil=True, cache=True)
-def down_job(down, dtype, hq, hd, hs, ent, r0, r1, out):
+def down_job(down, dtype, hqf, hd, hs, ent, r0, r1, out):
     """out[ent[j], r] = contract dot of down row r with the entry's quantized hidden vector."""
     acc = np.empty(ent.shape[0], f32)
-    wi = np.empty(QK, np.int32)
+    sc = _scratch(hd.shape[1])
     for r in range(r0, r1):
-        _row_dot(down[r], dtype, hq, hd, hs, ent, acc, wi)
+        _row_dot(down[r], dtype, hqf, hd, hs, ent, acc, sc)
         for j in range(ent.shape[0]):
             out[ent[j], r] = acc[j]
 
@@ -162,7 +168,8 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
                                   for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
         return out
     xq, xd, xs = quantize_act_sums(x)
-    hq = np.empty((m, n_ff), np.int8)
+    xq = xq.astype(f32)  # exact; f32 codes let the block sums vectorise
+    hq = np.empty((m, n_ff), f32)
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
     gate, up, down = np.asarray(layer.gate), np.asarray(layer.up), np.asarray(layer.down)

@@ -152,11 +152,12 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
 
 
 def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
-                   mode: str = "auto") -> torch.Tensor:
+                   mode: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """rows f32 [M, E] (cuda): row m = down(swiglu(gate x, up x)) of slot[m] for token tok[m].
 
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
     mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
+    out: optional f32 [M, E] to write the rows into (every element is written).
     """
     slots.validate()
     if mode == "auto":
@@ -167,7 +168,10 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
         raise KernelError(f"x must be [N, {slots.n_embd}], got {tuple(x.shape)}")
     dev = x.device
     m, n_embd, n_ff = tok.numel(), slots.n_embd, slots.n_ff
-    out = torch.empty((m, n_embd), dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty((m, n_embd), dtype=torch.float32, device=dev)
+    elif tuple(out.shape) != (m, n_embd) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise KernelError(f"out must be a contiguous f32 [{m}, {n_embd}] tensor")
     if m == 0:
         return out
     x = x.contiguous().float()

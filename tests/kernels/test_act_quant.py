@@ -1,0 +1,74 @@
+"""Activation quantization and the fixed exp: numba == numpy spec bit for bit; fexp ~ math.exp."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from strata_ray.kernels.act_quant import fexp_array, quantize_act, quantize_act_sums
+from strata_ray.kernels.contract import TINY, KernelError
+from strata_ray.kernels.spec import act_quant_ref, fexp_ref, rint_ref
+
+
+def _activations(rng, n_rows=64, n=512):
+    x = rng.standard_normal((n_rows, n)) * np.exp(rng.uniform(-30, 8, (n_rows, 1)))
+    x = x.astype(np.float32)
+    x[0, :32] = 0.0  # zero block
+    x[1, 32:64] = 1e-20  # below TINY: a zero block by rule
+    x[2, :32] = np.float32(TINY)  # exactly TINY: live
+    x[3, :32] = np.arange(32, dtype=np.float32) - 15.5  # halves land on ties after scaling
+    x[4, :32] = -7.0  # all equal: q = -127
+    return x
+
+
+def test_numba_matches_spec_bitwise(rng):
+    x = _activations(rng)
+    for got, want in zip(quantize_act_sums(x), act_quant_ref(x), strict=True):
+        assert got.dtype == want.dtype
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_quantization_properties(rng):
+    x = _activations(rng)
+    q, d, s = act_quant_ref(x)
+    assert np.all(q[0, :32] == 0) and d[0, 0] == 0 and s[0, 0] == 0
+    assert np.all(q[1, 32:64] == 0) and d[1, 1] == 0
+    assert d[2, 0] > 0 and np.all(q[2, :32] == 127)
+    assert np.all(q[4, :32] == -127)
+    assert np.abs(q.astype(np.int32)).max() <= 127
+    assert np.array_equal(s, q.reshape(len(x), -1, 32).astype(np.int32).sum(axis=2))
+    # Reconstruction error is at most half a step of each block's scale.
+    rec = q.reshape(len(x), -1, 32) * d[:, :, None]
+    err = np.abs(rec - x.reshape(len(x), -1, 32))
+    live = d > 0
+    assert np.all(err[live] <= d[live][:, None] * 0.5001)
+
+
+def test_quantize_act_interface(rng):
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    q, d = quantize_act(x)
+    assert q.shape == (3, 64) and q.dtype == np.int8 and d.shape == (3, 2) and d.dtype == np.float32
+    with pytest.raises(KernelError, match="multiple of 32"):
+        quantize_act(np.zeros((2, 33), np.float32))
+
+
+def test_rint_is_round_half_even():
+    v = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.49, 3.7], np.float32)
+    assert np.array_equal(rint_ref(v), np.rint(v))
+
+
+def test_fexp_numba_matches_spec_bitwise():
+    x = np.linspace(-120, 120, 100_001, dtype=np.float32)
+    assert np.array_equal(fexp_array(x).view(np.int32), fexp_ref(x).view(np.int32))
+
+
+def test_fexp_close_to_math_exp():
+    x = np.linspace(-86, 88, 200_001, dtype=np.float32)
+    got = fexp_ref(x).astype(np.float64)
+    want = np.array([math.exp(v) for v in x.astype(np.float64)])
+    assert np.max(np.abs(got / want - 1)) < 5e-7
+    # Clamped outside the range, finite and positive everywhere.
+    edge = fexp_ref(np.array([-1e4, -100, 100, 1e4], np.float32))
+    assert np.all(np.isfinite(edge)) and np.all(edge > 0)
