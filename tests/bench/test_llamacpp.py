@@ -1,0 +1,76 @@
+"""The comparison helpers of scripts/compare_llamacpp.sh: --n-cpu-moe for a budget, the side-by-side table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from strata_ray.bench.llamacpp import (
+    MIB,
+    CompareError,
+    expert_bytes_by_layer,
+    main,
+    n_cpu_moe_for_budget,
+    read_llama_bench,
+    side_by_side,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.synth import write_synth
+
+    path = tmp_path_factory.mktemp("llamacpp") / "tiny.gguf"
+    write_synth(path, "qwen3next", "tiny", progress=False)
+    return GGUFFile(path)
+
+
+def test_n_cpu_moe_keeps_the_last_layers_that_fit(tiny):
+    by_layer = expert_bytes_by_layer(tiny)
+    assert sorted(by_layer) == list(range(tiny.hparams.n_layer + tiny.hparams.n_nextn))  # nextn block too
+    per_layer = by_layer[0]
+    dense = sum(i.n_bytes for i in tiny.tensors.values()) - sum(by_layer.values())
+    two_layers_mib = -(-(dense + 2 * per_layer) // MIB)  # rounded up: room for exactly 2 layers of experts
+    assert two_layers_mib * MIB < dense + 3 * per_layer
+    assert n_cpu_moe_for_budget(tiny, two_layers_mib, 0) == len(by_layer) - 2
+    assert n_cpu_moe_for_budget(tiny, 1, 0) == len(by_layer)  # nothing fits: every layer on the CPU
+    assert n_cpu_moe_for_budget(tiny, 1000, 700) == 0  # everything fits
+    assert n_cpu_moe_for_budget(tiny, 1000, 999) == len(by_layer)  # the reserve comes first
+
+
+def test_side_by_side_reads_llama_bench_json_and_ours(tmp_path, capsys):
+    prefill = tmp_path / "prefill.json"
+    decode = tmp_path / "decode.json"
+    prefill.write_text(json.dumps([
+        {"n_prompt": 8192, "n_gen": 0, "n_depth": 0, "avg_ts": 999.0, "samples_ts": [900.0, 1000.0, 1100.0]},
+    ]))
+    decode.write_text(json.dumps([
+        {"n_prompt": 0, "n_gen": 128, "n_depth": 8192, "avg_ts": 50.0, "samples_ts": [50.0, 40.0, 60.0]},
+    ]))
+    llama = read_llama_bench([str(prefill), str(decode)])
+    assert llama == {"prefill": {8192: 1000.0}, "decode": {8192: 50.0}}
+    ours_path = tmp_path / "ours.json"
+    ours_path.write_text(json.dumps(
+        {"results": {"contexts": [{"context": 8192, "prefill_tps": 1500.0, "decode_tps": 25.0}]}}
+    ))
+    assert main(["compare", "--setup", "cpu-experts", "--ours", str(ours_path),
+                 "--llama", str(prefill), str(decode)]) == 0
+    table = capsys.readouterr().out
+    assert "| 8192 | 1500.0 | 1000.0 | 1.50x | 25.0 | 50.0 | 0.50x |" in table
+
+
+def test_a_missing_result_is_named_not_fatal(tmp_path, capsys):
+    log = tmp_path / "ours.log"
+    log.write_text("progress\nstrata_ray bench: --expert-cache is not available yet\n")
+    missing = str(tmp_path / "none.json")
+    assert main(["compare", "--setup", "budget", "--ours", missing, "--ours-log", str(log),
+                 "--llama", missing]) == 0
+    table = capsys.readouterr().out
+    assert "ours: no result (strata_ray bench: --expert-cache is not available yet)" in table
+    assert "llama.cpp: no result" in table
+    with pytest.raises(CompareError, match="not found"):
+        read_llama_bench([missing])
+    only = side_by_side("budget", None, {"prefill": {1024: 10.0}, "decode": {}})
+    assert "| 1024 | n/a | 10.0 | n/a | n/a | n/a | n/a |" in only
