@@ -183,7 +183,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     down = ((slots.down, slots.down_type), (slots.down, slots.down_type))
     if slots.is_float:
         h = torch.empty((m, n_ff), dtype=torch.float32, device=dev)
-        none = torch.empty(0, device=dev)
+        none = torch.zeros(1, dtype=torch.int32, device=dev)  # unused pointer arguments
         _launch_mm((none, none, none, x), tok32, plan, gate_up, h, none, none, none, m, n_ff, n_embd,
                    True, True, mode)
         _launch_mm((none, none, none, h), ident, plan, down, out, none, none, none, m, n_embd, n_ff,
