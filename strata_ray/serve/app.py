@@ -1,0 +1,299 @@
+"""`python -m strata_ray.run serve`: the OpenAI-compatible server, a Ray Serve application.
+
+One deployment, `strata`, with a FastAPI ingress; each replica owns one engine (EngineRunner) and answers
+every endpoint. Everything the user can get wrong (config, flags, model file) fails before Ray starts, with
+one line and exit code 2.
+"""
+
+# no `from __future__ import annotations`: FastAPI must see the real `Request` type of the endpoints that
+# Serve's ingress rewraps, not a string it would have to resolve.
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from strata_ray.serve import openai_api as oa
+from strata_ray.serve import status
+from strata_ray.serve.runner import EngineRunner, Finished
+
+APP_NAME = "strata"
+STATIC = Path(__file__).resolve().parent / "static"
+LOAD_POLL_S = 0.25
+
+api = FastAPI(title="strata-ray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(oa.APIError)
+async def _api_error(_request: Request, e: oa.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(oa.APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that closes its body generator when the client goes away. Starlette stops
+    iterating on a disconnect but leaves the generator suspended until garbage collection; closing it at
+    once is what stops the generation and frees the engine for the next request."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+@serve.deployment(name=APP_NAME, max_ongoing_requests=1000, health_check_period_s=10)
+@serve.ingress(api)
+class StrataServer:
+    def __init__(self, engine_config, api_key: str | None, model_name: str):
+        self.metrics = status.ServeMetrics()
+        self.runner = EngineRunner(engine_config, self.metrics)
+        self.api_key = api_key
+        self.model_name = model_name
+
+    # --- called by serve_main through the deployment handle -----------------------------------------------
+
+    def load_state(self) -> dict:
+        return {"loaded": self.runner.loaded, "error": self.runner.load_error, "info": self.runner.info}
+
+    # --- helpers ------------------------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise oa.unauthorized()
+
+    async def _complete(self, job: oa.Completion, endpoint: str):
+        runner = self.runner
+        await runner.wait_loaded()
+        ids = oa.prompt_ids(job, runner.engine.tokenizer, runner.add_bos, runner.context)
+        room = runner.context - len(ids)
+        max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
+        rid = oa.new_id(job.chat)
+        rec = self.metrics.enqueue(rid, endpoint)
+        events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop)
+        if job.stream:
+            return ClosingStreamingResponse(self._sse(job, rid, events), media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces: list[str] = []
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if isinstance(event, Finished):
+                    return oa.response(job.chat, rid, self.model_name, "".join(pieces), event.finish_reason,
+                                       event.prompt_tokens, event.completion_tokens, event.timings)
+                pieces.append(event)
+        raise oa.server_error("the generation ended without a result")
+
+    async def _sse(self, job: oa.Completion, rid: str, events):
+        model = self.model_name
+        async with contextlib.aclosing(events):
+            try:
+                first = True
+                async for event in events:
+                    if isinstance(event, Finished):
+                        yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason))
+                        if job.include_usage:
+                            yield oa.sse(oa.usage_chunk(job.chat, rid, model, event.prompt_tokens,
+                                                        event.completion_tokens))
+                        break
+                    if first and job.chat:
+                        yield oa.sse(oa.chunk(job.chat, rid, model, role=True))
+                    first = False
+                    yield oa.sse(oa.chunk(job.chat, rid, model, event))
+            except oa.APIError as e:  # headers are sent: the error travels as an SSE event
+                yield oa.sse(e.body())
+            yield oa.sse("[DONE]")
+
+    # --- OpenAI endpoints ---------------------------------------------------------------------------------
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._auth(request)
+        job = oa.parse_chat(oa.parse_json(await request.body()))
+        return await self._complete(job, "/v1/chat/completions")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._auth(request)
+        job = oa.parse_text(oa.parse_json(await request.body()))
+        return await self._complete(job, "/v1/completions")
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._auth(request)
+        return oa.models(self.model_name, self.runner.context, int(self.metrics.started))
+
+    # --- health, status, metrics, page --------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok" if self.runner.load_error is None else "error", "service": "strata",
+                "model": self.model_name, "loaded": self.runner.loaded, "max_context": self.runner.context,
+                "api_key": self.api_key is not None, "error": self.runner.load_error}
+
+    @api.get("/v1/status")
+    async def status_(self, request: Request):
+        self._auth(request)
+        m, r = self.metrics, self.runner
+        return {
+            "service": "strata",
+            "model": self.model_name,
+            "loaded": r.loaded,
+            "error": r.load_error,
+            "engine": r.info,
+            "started": m.started,
+            "uptime_s": time.time() - m.started,
+            "context": {"native": r.context, "max_positions": r.context},
+            "concurrency": {"serving": 1, "queued": m.queued},
+            "activity": {"requests": m.totals.requests, "in_flight": m.queued + (m.current is not None),
+                         "state": m.state, "last_request_at": m.last_request_at},
+            "last_timings": m.last_timings(),
+            "tiers": r.tier_totals,
+            "machine": status.hardware(r.engine.device if r.engine else "cpu"),
+        }
+
+    @api.get("/metrics")
+    async def metrics_(self, request: Request):
+        self._auth(request)
+        doc = self._metrics_doc(request.query_params.get("requests") == "all")
+        if request.query_params.get("format") == "prometheus":
+            return PlainTextResponse(status.prometheus(doc), media_type="text/plain; version=0.0.4")
+        return doc
+
+    def _metrics_doc(self, all_requests: bool) -> dict:
+        m, r = self.metrics, self.runner
+        return {
+            "engine": {"model": self.model_name, "max_context": r.context, **r.info},
+            "loaded": r.loaded,
+            "uptime_s": time.time() - m.started,
+            "live": m.live(),
+            "requests": m.requests(all_requests),
+            "requests_kept": len(m.recent),
+            "totals": vars(m.totals),
+            "tiers": r.tier_totals,
+            "hardware": status.hardware(r.engine.device if r.engine else "cpu"),
+            "time": time.time(),
+        }
+
+    @api.get("/")
+    async def page(self):
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+
+# --- serve_main -------------------------------------------------------------------------------------------
+
+
+def model_name(path: str | None) -> str:
+    from strata_ray.config import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME if path is None else Path(path).name.removesuffix(".gguf")
+
+
+def fail(message: str, code: int = 2) -> int:
+    sys.stderr.write(f"strata_ray: {message}\n")
+    sys.stderr.flush()
+    return code
+
+
+def say(line: str) -> None:
+    sys.stderr.write(f"strata_ray: {line}\n")
+    sys.stderr.flush()
+
+
+def serve_main(argv) -> int:
+    from dataclasses import replace
+
+    from strata_ray.config import ConfigError
+    from strata_ray.engine.engine import check_supported
+    from strata_ray.model.hparams import ModelFormatError
+    from strata_ray.run import check_model_file
+    from strata_ray.serve.config_file import resolve
+
+    try:  # everything the user can get wrong fails here, before Ray starts
+        plan = resolve(argv)
+        engine_cfg = replace(plan.engine, model=check_model_file(plan.engine))
+        check_supported(engine_cfg)
+    except (ConfigError, ModelFormatError) as e:
+        return fail(str(e))
+    os.environ.update(plan.env)  # CUDA_VISIBLE_DEVICES in PCI bus order, STRATA_* switches
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    from strata_ray.actors import launch
+
+    session = None
+    try:
+        session = _connect(plan.address, plan.verbose)
+        if not plan.verbose:
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        engine_cfg = replace(engine_cfg, device=launch.cluster_device(engine_cfg))
+        return _run_server(plan, engine_cfg)
+    except KeyboardInterrupt:
+        say("stopped")
+        return 0
+    except Exception as e:  # every failure ends in one line
+        message, code = launch.describe_failure(e, "the server")
+        return fail(message, code)
+    finally:
+        if session is not None and not session.started:  # an attached cluster keeps its other applications
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+        launch.disconnect(session)
+
+
+def _connect(address: str | None, verbose: bool):
+    """launch.connect, except that 'local' always starts a fresh instance, even while another local cluster
+    runs on this machine (ray.init() without an address would attach to that one)."""
+    from strata_ray.actors import launch
+
+    if address != "local":
+        return launch.connect(address, False, verbose)
+    import ray
+
+    ray.init(address="local", namespace=launch.NAMESPACE, include_dashboard=False,
+             object_store_memory=launch.LOCAL_OBJECT_STORE_BYTES,
+             logging_level=logging.INFO if verbose else logging.WARNING, log_to_driver=verbose)
+    return launch.RaySession(started=True, address=ray.get_runtime_context().gcs_address)
+
+
+def _run_server(plan, engine_cfg) -> int:
+    cfg = plan.serve
+    gpus = max(1, len(cfg.gpu)) if engine_cfg.device == "cuda" else 0
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    name = model_name(engine_cfg.model)
+    app = StrataServer.options(num_replicas=cfg.replicas,
+                               ray_actor_options={"num_cpus": 1, "num_gpus": gpus}).bind(
+        engine_cfg, cfg.api_key, name)
+    handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    started = time.monotonic()
+    while True:
+        state = handle.load_state.remote().result()
+        if state["error"]:
+            return fail(f"the model failed to load: {state['error']}", 1)
+        if state["loaded"]:
+            break
+        time.sleep(LOAD_POLL_S)
+    info = state["info"]
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    say(f"loaded {name} ({info.get('arch')}, {info.get('n_layer')} layers, {info.get('n_expert')} experts) "
+        f"on {info.get('device')} in {time.monotonic() - started:.1f} s")
+    say(f"serving on http://{host}:{cfg.port} (OpenAI API at /v1, chat and monitor at /; Ctrl-C stops)")
+    while True:
+        time.sleep(3600)
+
+
+def _raise_interrupt(_signum, _frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,292 @@
+"""The server's configuration: serve.json merged with the `serve` command line, checked before anything runs.
+
+serve.json keys: model, gpu, args, env, host, port, api_key, layer_split, replicas. `gpu` (an int, a list or
+"0,2") becomes CUDA_VISIBLE_DEVICES in PCI bus order, so engine device N is the Nth card of the list. `args`
+are engine flags (DESIGN section 4). With more than one GPU the server adds `--layer-split auto` (or the
+`layer_split` value) unless `--peer-device` is in the args: then the peer tier uses the second card instead.
+Command-line flags override the file: later engine flags win over the file's `args`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata_ray.config import ConfigError, EngineConfig, add_engine_args, config_from_args
+from strata_ray.config import OneLineArgumentParser as _OneLineParser
+
+PROG = "python -m strata_ray.run serve"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+KEYS = ("model", "gpu", "args", "env", "host", "port", "api_key", "layer_split", "replicas")
+LAYER_SPLIT_OFF = "off"  # layer_split: "off" keeps a multi-GPU config from getting the automatic split
+
+
+class ServeConfigError(ConfigError):
+    """A bad serve.json or serve flag; one line, printed after 'strata_ray: '."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = None
+    gpu: tuple[int, ...] = ()  # nvidia-smi numbering; engine device N is gpu[N]
+    args: tuple[str, ...] = ()  # engine flags as written in the file
+    env: Mapping[str, str] = field(default_factory=dict)  # STRATA_* switches, values as strings
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    layer_split: str | None = None  # None = "auto" when more than one GPU; "off" = never
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """Everything serve_main needs, resolved and validated."""
+
+    serve: ServeConfig
+    engine: EngineConfig
+    engine_argv: tuple[str, ...]  # the engine flags the config resolved to (file args + added + CLI)
+    env: Mapping[str, str]  # variables to set in the server's environment before Ray starts
+    address: str | None = None  # Ray cluster to attach to (None: running cluster, else a local one)
+    verbose: bool = False
+
+
+# --- serve.json values ------------------------------------------------------------------------------------
+
+
+def parse_gpu(value: Any, where: str = "gpu") -> tuple[int, ...]:
+    """2 -> (2,); [0, 2] -> (0, 2); "0,2" -> (0, 2); None, "" or [] -> ()."""
+    allowed = f'{where}: expected a GPU number, a list of them or a string like "0,2"'
+    if value is None or value == "" or value == []:
+        return ()
+    if isinstance(value, bool):
+        raise ServeConfigError(f"{allowed}, got {json.dumps(value)}")
+    if isinstance(value, int):
+        items: list[Any] = [value]
+    elif isinstance(value, str):
+        items = [s.strip() for s in value.split(",")]
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise ServeConfigError(f"{allowed}, got {json.dumps(value)}")
+    gpus = []
+    for item in items:
+        if isinstance(item, str) and item.isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ServeConfigError(f"{allowed}, got {json.dumps(value)}")
+        gpus.append(item)
+    if len(set(gpus)) != len(gpus):
+        raise ServeConfigError(f"{where}: GPU listed twice in {json.dumps(value)}")
+    return tuple(gpus)
+
+
+def _env_value(name: str, v: Any) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, (int, float, str)):
+        return str(v)
+    raise ServeConfigError(f"env: {name} must be a string, number or boolean, got {json.dumps(v)}")
+
+
+def _parse_env(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ServeConfigError('env: expected an object of STRATA_* switches, e.g. {"STRATA_PEER_HOT": 0.45}')
+    bad = [k for k in value if not k.startswith("STRATA_")]
+    if bad:
+        raise ServeConfigError(f"env: only STRATA_* switches are allowed here, got {bad[0]}")
+    return {k: _env_value(k, v) for k, v in value.items()}
+
+
+def _parse_args(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):  # a convenience: "--prefill 512 --spec 2"
+        return tuple(value.split())
+    if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) for a in value):
+        raise ServeConfigError('args: expected a list of engine flags, e.g. ["--prefill", "512"]')
+    return tuple(str(a) for a in value)
+
+
+def _typed(raw: Mapping[str, Any], key: str, kind: type, allowed: str) -> Any:
+    v = raw.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise ServeConfigError(f"{key}: expected {allowed}, got {json.dumps(v)}")
+    return v
+
+
+def _port(v: int | None) -> int | None:
+    if v is not None and not 0 <= v <= 65535:
+        raise ServeConfigError(f"port: expected an integer from 0 to 65535, got {v}")
+    return v
+
+
+def _replicas(v: int | None) -> int | None:
+    if v is not None and v < 1:
+        raise ServeConfigError(f"replicas: expected an integer >= 1, got {v}")
+    return v
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> ServeConfig:
+    """Validate the parsed serve.json. Unknown keys are refused: a typo must not be silently ignored."""
+    if not isinstance(raw, dict):
+        raise ServeConfigError("the config must be a JSON object")
+    unknown = [k for k in raw if k not in KEYS]
+    if unknown:
+        raise ServeConfigError(f"unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
+    layer_split = raw.get("layer_split")
+    if isinstance(layer_split, bool) or (layer_split is not None and not isinstance(layer_split, (str, int))):
+        raise ServeConfigError(f'layer_split: expected "auto", "off" or layer numbers like "24", got '
+                               f"{json.dumps(layer_split)}")
+    return ServeConfig(
+        model=_typed(raw, "model", str, "a path to a GGUF file"),
+        gpu=parse_gpu(raw.get("gpu")),
+        args=_parse_args(raw.get("args")),
+        env=_parse_env(raw.get("env")),
+        host=_typed(raw, "host", str, "a host name or address") or DEFAULT_HOST,
+        port=_port(_typed(raw, "port", int, "an integer from 0 to 65535")) or DEFAULT_PORT,
+        api_key=_typed(raw, "api_key", str, "a string") or None,
+        layer_split=None if layer_split is None else str(layer_split),
+        replicas=_replicas(_typed(raw, "replicas", int, "an integer >= 1")) or 1,
+    )
+
+
+def load_config_file(path: str) -> ServeConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ServeConfigError(f"--config: cannot read {path} ({e.strerror})") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeConfigError(f"--config: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ServeConfigError(f"--config: {path} is not UTF-8 text") from None
+    try:
+        return config_from_dict(raw)
+    except ServeConfigError as e:
+        raise ServeConfigError(f"{path}: {e}") from None
+
+
+# --- what the config becomes ------------------------------------------------------------------------------
+
+
+def has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def engine_args(cfg: ServeConfig) -> list[str]:
+    """The engine flags of a config: its args, its model, and the automatic layer split for several GPUs."""
+    args = list(cfg.args)
+    if cfg.model is not None and not has_flag(args, "--model"):
+        args += ["--model", cfg.model]
+    split = cfg.layer_split or "auto"
+    wants_split = len(cfg.gpu) > 1 and split != LAYER_SPLIT_OFF
+    if wants_split and not has_flag(args, "--layer-split") and not has_flag(args, "--peer-device"):
+        args += ["--layer-split", split]
+    return args
+
+
+def child_env(cfg: ServeConfig, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment the server (and the Ray instance it starts) runs with."""
+    env = dict(base)
+    if cfg.gpu:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # nvidia-smi's numbering, which is what users write
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpu)
+    env.update(cfg.env)
+    return env
+
+
+# --- the serve command line -------------------------------------------------------------------------------
+
+
+def build_serve_parser():
+    parser = _OneLineParser(
+        prog=PROG,
+        description="OpenAI-compatible HTTP server on Ray Serve: /v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /v1/status, /metrics and a chat + monitor page at /. Settings come from "
+        "--config serve.json (keys: " + ", ".join(KEYS) + "); flags given here override the file.",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--config", "-c", metavar="FILE", help="serve.json")
+    server.add_argument("--host", metavar="HOST", help=f"address to listen on (default {DEFAULT_HOST})")
+    server.add_argument("--port", metavar="PORT", help=f"port to listen on (default {DEFAULT_PORT})")
+    server.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    server.add_argument("--gpu", metavar="0,2", help="GPUs to use, nvidia-smi numbering (overrides \"gpu\")")
+    server.add_argument("--replicas", metavar="N", help="engine replicas behind the server (default 1)")
+    server.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
+                        help="Ray cluster to attach to (default: a running one, else a new local instance)")
+    server.add_argument("--verbose", "-v", action="store_true", help="show Ray's and Serve's logs")
+    add_engine_args(parser)
+    return parser
+
+
+def _cli_overrides(ns) -> dict[str, Any]:
+    over: dict[str, Any] = {}
+    if ns.host is not None:
+        over["host"] = ns.host
+    if ns.port is not None:
+        over["port"] = _port(_int_flag("--port", ns.port))
+    if ns.api_key is not None:
+        over["api_key"] = ns.api_key or None
+    if ns.gpu is not None:
+        over["gpu"] = parse_gpu(ns.gpu, "--gpu")
+    if ns.replicas is not None:
+        over["replicas"] = _replicas(_int_flag("--replicas", ns.replicas))
+    return over
+
+
+def _int_flag(flag: str, raw: str) -> int:
+    try:
+        return int(raw, 10)
+    except ValueError:
+        raise ServeConfigError(f"{flag}: invalid value {raw!r} (allowed: an integer)") from None
+
+
+def _engine_cli_args(ns) -> list[str]:
+    """The engine flags given on the serve command line, re-spelled to follow (override) the file's."""
+    from strata_ray.config import ENGINE_FLAGS
+
+    out: list[str] = []
+    for name, (flag, *_rest) in ENGINE_FLAGS.items():
+        value = getattr(ns, name, None)
+        if value is not None:
+            out += [flag, value]
+    return out
+
+
+def resolve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServePlan:
+    """serve argv (+ the file it names) -> ServePlan. Raises ConfigError (one line) on anything invalid."""
+    from dataclasses import replace
+
+    environ = os.environ if environ is None else environ
+    parser = build_serve_parser()
+    ns = parser.parse_args(list(argv))
+    cfg = load_config_file(ns.config) if ns.config else ServeConfig()
+    cfg = replace(cfg, **_cli_overrides(ns))
+    argv_engine = engine_args(cfg) + _engine_cli_args(ns)
+    env = child_env(cfg, environ)
+    engine_ns = _parse_engine_args(argv_engine, "args" if ns.config else "flags")
+    engine = config_from_args(engine_ns, env)
+    changed = {k: v for k, v in env.items() if environ.get(k) != v}
+    return ServePlan(serve=cfg, engine=engine, engine_argv=tuple(argv_engine), env=changed,
+                     address=ns.address, verbose=ns.verbose)
+
+
+class _EngineArgsParser(_OneLineParser):
+    def error(self, message: str):
+        raise ServeConfigError(f"engine {self.prog}: {message}")
+
+
+def _parse_engine_args(args: Sequence[str], where: str):
+    parser = _EngineArgsParser(prog=where, add_help=False)
+    add_engine_args(parser)
+    return parser.parse_args(list(args))

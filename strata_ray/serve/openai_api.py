@@ -1,0 +1,313 @@
+"""OpenAI's wire format: request validation into a `Completion`, and the response, chunk and error shapes.
+
+Pure functions over dicts, so they are tested without a server. Unknown request fields are ignored (clients
+send many); known fields of the wrong type or range get a 400 naming the field (`param`), in OpenAI's
+`{"error": {"message", "type", "param", "code"}}` shape.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape; the message is one line."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code=code)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                    "authentication_error", None, "invalid_api_key")
+
+
+def server_error(message: str) -> APIError:
+    return APIError(500, message, "server_error", None, "engine_failure")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # OpenAI's default; 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A validated /v1/chat/completions or /v1/completions request."""
+
+    chat: bool
+    messages: tuple[dict, ...] = ()  # chat: [{"role", "content": str}]
+    prompt: str | None = None  # /v1/completions: text ...
+    prompt_ids: tuple[int, ...] | None = None  # ... or token ids
+    max_tokens: int | None = None  # None = until the context is full or the model stops
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+    model: str | None = None
+
+
+# --- request parsing --------------------------------------------------------------------------------------
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+        raise APIError(400, f"the request body is not valid JSON ({reason})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _number(body, name, lo, hi, default, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(name, f"expected a number, got {json.dumps(v)}", "invalid_type")
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        raise invalid(name, f"must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {v}")
+    return float(v)
+
+
+def _integer(body, name, lo, default=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise invalid(name, f"expected an integer, got {json.dumps(v)}", "invalid_type")
+    if v < lo:
+        raise invalid(name, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _boolean(body, name, default=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, f"expected true or false, got {json.dumps(v)}", "invalid_type")
+    return v
+
+
+def _sampling(body) -> Sampling:
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    return Sampling(
+        temperature=_number(body, "temperature", 0.0, 100.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        top_k=_integer({"top_k": top_k}, "top_k", 0, 0),
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        seed=_integer(body, "seed", 0),
+    )
+
+
+def _max_tokens(body) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _integer(body, name, 1)
+
+
+def _stop(body) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid("stop", "expected a string or a list of strings", "invalid_type")
+    if len(v) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+    return tuple(s for s in v if s)
+
+
+def _stream(body) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "expected an object", "invalid_type")
+    return stream, _boolean(options, "include_usage") if stream else False
+
+
+def _common(body) -> dict[str, Any]:
+    n = _integer(body, "n", 1, 1)
+    if n != 1:
+        raise invalid("n", "only n=1 is supported (one engine generates one answer at a time)")
+    if body.get("logprobs") not in (None, False, 0):
+        raise invalid("logprobs", "not supported by this server")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", f"expected a string, got {json.dumps(model)}", "invalid_type")
+    stream, include_usage = _stream(body)
+    return dict(max_tokens=_max_tokens(body), sampling=_sampling(body), stop=_stop(body), stream=stream,
+                include_usage=include_usage, model=model)
+
+
+def _content_text(content, where: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text"} parts joined."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                raise invalid(where, 'only text parts ({"type": "text", "text": ...}) are supported')
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(where, f"expected a string or a list of text parts, got {json.dumps(content)}",
+                  "invalid_type")
+
+
+def parse_chat(body: dict[str, Any]) -> Completion:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
+                      "missing_field" if messages is None else "invalid_type")
+    parsed = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, "expected an object with role and content", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {json.dumps(role)}")
+        parsed.append({**{k: v for k, v in m.items() if k != "content"},
+                       "content": _content_text(m.get("content"), f"{where}.content")})
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "expected an object", "invalid_type")
+    return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),
+                      **_common(body))
+
+
+def parse_text(body: dict[str, Any]) -> Completion:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return Completion(chat=False, prompt=prompt, **_common(body))
+    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    if is_ids and prompt:
+        return Completion(chat=False, prompt_ids=tuple(prompt), **_common(body))
+    if prompt is None:
+        raise invalid("prompt", "is required", "missing_field")
+    raise invalid("prompt", "expected a string or a list of token ids (one prompt per request)",
+                  "invalid_type")
+
+
+# --- prompt -> token ids ----------------------------------------------------------------------------------
+
+
+def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[int]:
+    """Token ids of the request's prompt, checked against the vocabulary and the context."""
+    from strata_ray.model.tokenizer import ChatTemplateError
+
+    param = "messages" if job.chat else "prompt"
+    if job.prompt_ids is not None:
+        ids = list(job.prompt_ids)
+        bad = next((t for t in ids if not 0 <= t < tokenizer.n_vocab), None)
+        if bad is not None:
+            raise invalid("prompt", f"token id {bad} is out of range (vocabulary of {tokenizer.n_vocab})")
+    else:
+        text = job.prompt
+        if job.chat:
+            try:
+                text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=True,
+                                                     **job.chat_template_kwargs)
+            except (ChatTemplateError, TypeError) as e:
+                raise invalid("messages", str(e).splitlines()[0]) from None
+        ids = tokenizer.encode(text, add_bos=add_bos)
+    if not ids:
+        raise invalid(param, "the prompt is empty")
+    if len(ids) >= context:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; the model's context is {context} tokens",
+                       param=param, code="context_length_exceeded")
+    return ids
+
+
+# --- responses --------------------------------------------------------------------------------------------
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _choice(chat: bool, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if delta:
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None,
+                "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish}
+
+
+def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
+             completion_tokens: int, timings: dict | None = None) -> dict[str, Any]:
+    doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+           "model": model, "choices": [_choice(chat, text, finish, delta=False)],
+           "usage": usage(prompt_tokens, completion_tokens)}
+    if timings is not None:
+        doc["timings"] = timings
+    return doc
+
+
+def chunk(chat: bool, rid: str, model: str, text: str | None = None, finish: str | None = None,
+          role: bool = False) -> dict[str, Any]:
+    choice = _choice(chat, text, finish, delta=True)
+    if role:
+        choice["delta"] = {"role": "assistant", "content": ""}
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(chat: bool, rid: str, model: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(doc: dict[str, Any] | str) -> str:
+    return f"data: {doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)}\n\n"
+
+
+def models(model: str, context: int, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                         "owned_by": "strata-ray", "max_model_len": context}]}

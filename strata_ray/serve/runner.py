@@ -1,0 +1,192 @@
+"""The engine inside a server replica: loaded in the background, one generation at a time, in arrival order.
+
+Requests wait on an asyncio.Lock, which wakes waiters first come, first served. The engine runs on one
+dedicated thread so the replica's event loop keeps answering /health and /metrics while it generates.
+Tokens cross to the loop through an asyncio.Queue. A request whose consumer goes away (client disconnect,
+stop string) stops its generation at the next token, and the engine is free for the next request as soon as
+that token is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from strata_ray.config import EngineConfig
+from strata_ray.serve import status
+from strata_ray.serve.openai_api import APIError, Sampling, server_error
+from strata_ray.serve.text_stream import TextStream
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a generation."""
+
+    finish_reason: str  # "stop" (end of turn or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    timings: dict
+
+
+class EngineRunner:
+    def __init__(self, config: EngineConfig, metrics: status.ServeMetrics):
+        self.config = config
+        self.metrics = metrics
+        self.engine = None
+        self.info: dict = {}
+        self.load_error: str | None = None
+        self.tier_totals: dict[str, dict[str, float]] = {}
+        self._loaded = threading.Event()
+        self._lock = asyncio.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-engine")
+        self._executor.submit(self._load)
+
+    # --- loading ------------------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        from strata_ray.engine.engine import Engine
+
+        try:
+            if self.config.device != "cuda":
+                _use_all_cores()
+            self.engine = Engine(self.config)
+            self.info = self.engine.info()
+            hp = self.engine.loaded.hp
+            self.tier_totals = status.tier_counters(self.engine) or {
+                self.engine.device: {"experts": hp.n_layer * hp.n_expert, "hits": 0, "lookups": 0,
+                                     "hit_rate": 0.0}}
+            self.metrics.state = "idle"
+        except Exception as e:  # reported by /health and every request; the replica stays up to say so
+            self.load_error = f"{type(e).__name__}: {_first_line(e)}"
+            self.metrics.state = "failed"
+        finally:
+            self._loaded.set()
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+    def wait_loaded_blocking(self, timeout: float | None = None) -> bool:
+        return self._loaded.wait(timeout)
+
+    async def wait_loaded(self) -> None:
+        while not self._loaded.is_set():
+            await asyncio.sleep(0.05)
+        if self.engine is None:
+            raise APIError(503, f"the model failed to load ({self.load_error})", "server_error", None,
+                           "model_not_loaded")
+
+    @property
+    def context(self) -> int:
+        return self.engine.loaded.hp.context_length if self.engine else 0
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self.engine.loaded.file.fields.get("tokenizer.ggml.add_bos_token", False))
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    async def stream(self, rec: status.RequestRecord, prompt_ids: Sequence[int], max_tokens: int,
+                     sampling: Sampling, stop: Sequence[str]) -> AsyncIterator[str | Finished]:
+        """Yields text pieces, then one Finished. Closing it (aclose) cancels; callers must close it.
+        rec must come from metrics.enqueue (it counts as queued until the engine takes it)."""
+        from strata_ray.engine.engine import GenerationRequest
+        from strata_ray.engine.sampling import SamplingParams
+
+        started = False
+        try:
+            async with self._lock:
+                started = True
+                try:
+                    params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p, min_p=sampling.min_p, seed=sampling.seed)
+                except ValueError as e:  # SamplingError: ranges the API check let through
+                    raise APIError(400, _first_line(e), code="invalid_value") from None
+                request = GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
+                                            sampling=params)
+                self.metrics.begin(rec, len(prompt_ids), max_tokens)
+                async for event in self._generate(rec, request, stop):
+                    yield event
+        finally:
+            if not started:
+                self.metrics.dequeue_unstarted()
+
+    async def _generate(self, rec, request, stop: Sequence[str]) -> AsyncIterator[str | Finished]:
+        from strata_ray.engine.engine import GenerationStopped, RequestError
+
+        engine = self.engine
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()  # per request: engine.stop() alone could race with the next request
+
+        def on_token(token_id: int) -> None:  # on the engine thread
+            if cancel.is_set():
+                raise GenerationStopped()
+            loop.call_soon_threadsafe(tokens.put_nowait, token_id)
+
+        before = status.tier_counters(engine)
+        job = loop.run_in_executor(self._executor, engine.generate, request, on_token)
+        job.add_done_callback(lambda _: tokens.put_nowait(None))
+        text = TextStream(engine.tokenizer, stop)
+        finish, error = "cancelled", None
+        try:
+            while (token_id := await tokens.get()) is not None:
+                self.metrics.token(rec)
+                piece = text.push(token_id)
+                if piece:
+                    yield piece
+                if text.stopped and not cancel.is_set():
+                    cancel.set()  # a stop string: end the generation, keep what was said before it
+                    engine.stop()
+            try:
+                summary = job.result()
+                rec.prompt_ms, rec.decode_ms = 1000 * summary.prompt_seconds, 1000 * summary.decode_seconds
+            except GenerationStopped:
+                pass
+            except RequestError as e:
+                finish, error = "error", str(e)
+                raise APIError(400, _first_line(e), param="messages", code="invalid_prompt") from None
+            except Exception as e:
+                finish, error = "error", f"{type(e).__name__}: {_first_line(e)}"
+                raise server_error(f"the engine failed: {error}") from None
+            tail = text.finish()
+            if tail:
+                yield tail
+            length = not text.stopped and rec.generated >= request.max_tokens
+            finish = "length" if length else "stop"
+            yield Finished(finish, len(request.prompt_ids), rec.generated, rec.timings())
+        finally:
+            if job.done():
+                self._finish(rec, finish, error, before)
+            else:  # the consumer left (disconnect): the engine stops at its next token
+                cancel.set()
+                engine.stop()
+                # No await here: Serve may cancel this task again while it cleans up. The next request may
+                # take the lock now; its work queues behind this one's last token on the engine thread.
+                job.add_done_callback(lambda _: self._finish(rec, finish, error, before))
+
+    def _finish(self, rec, finish: str, error: str | None, before) -> None:
+        after = status.tier_counters(self.engine)
+        if before is not None and after is not None:
+            tiers = status.tier_delta(before, after)
+        else:
+            tiers = status.reference_tiers(self.engine, rec.prompt_tokens + rec.generated)
+        status.add_tiers(self.tier_totals, tiers)
+        self.metrics.end(rec, finish, error, tiers)
+
+
+def _use_all_cores() -> None:
+    """Ray sets OMP_NUM_THREADS to the replica's CPU share (1); the CPU engine computes with every core."""
+    import torch
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,110 @@
+"""One real server for the serve tests: `python -m strata_ray.run serve` on 127.0.0.1, a free port, its own
+local Ray instance, the embedded model (or the tiny synth model while the embedded one is absent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-123"
+START_TIMEOUT_S = 180
+
+
+@dataclass
+class Server:
+    url: str
+    api_key: str
+    model_path: Path
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def post(self, path: str, body, **kw) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(self.url + path, data=data, headers={**self.auth, **kw.pop("headers", {})},
+                             timeout=kw.pop("timeout", 120), **kw)
+
+    def get(self, path: str, **kw) -> requests.Response:
+        return requests.get(self.url + path, headers={**self.auth, **kw.pop("headers", {})}, timeout=30, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory) -> Path:
+    from strata_ray.model.loader import default_model_path
+
+    embedded = default_model_path()
+    if embedded.is_file():
+        return embedded
+    from strata_ray.model.synth import write_synth
+
+    path = tmp_path_factory.mktemp("model") / "tiny-next.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine(model_path):
+    """The in-process engine on the same model: the server's greedy output must equal it."""
+    from strata_ray.config import EngineConfig
+    from strata_ray.engine.engine import Engine
+
+    return Engine(EngineConfig(model=str(model_path), device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def server(model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    config = work / "serve.json"
+    config.write_text(json.dumps({"model": str(model_path), "host": "127.0.0.1", "port": port,
+                                  "api_key": API_KEY, "args": ["--device", "cpu"]}))
+    log = work / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "serve", "--config", str(config),
+                                 "--address", "local"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    srv = Server(f"http://127.0.0.1:{port}", API_KEY, model_path, proc, log)
+    try:
+        _wait_ready(srv)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(srv: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if srv.proc.poll() is not None:
+            pytest.fail(f"the server exited with {srv.proc.returncode}: {srv.log.read_text()[-2000:]}")
+        try:
+            if requests.get(srv.url + "/health", timeout=2).json().get("loaded"):
+                return
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server did not become ready in {START_TIMEOUT_S} s: {srv.log.read_text()[-2000:]}")

@@ -1,0 +1,239 @@
+"""The server end to end: real Ray Serve, real HTTP, the real engine (see conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from strata_ray.engine.engine import GenerationRequest
+
+HELLO = [{"role": "user", "content": "What is a Python list?"}]
+
+
+def sse_events(response: requests.Response) -> list:
+    out = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line and line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def greedy_chat(server, messages=HELLO, max_tokens=12, **extra) -> dict:
+    r = server.post("/v1/chat/completions",
+                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# --- answers ---------------------------------------------------------------------------------------------
+
+
+def test_health_needs_no_key_and_says_loaded(server):
+    r = requests.get(server.url + "/health", timeout=10)
+    assert r.status_code == 200
+    doc = r.json()
+    assert doc["loaded"] is True and doc["api_key"] is True and doc["max_context"] > 0
+
+
+def test_greedy_chat_equals_the_engine(server, engine):
+    doc = greedy_chat(server)
+    expected = engine.generate(GenerationRequest(prompt=HELLO[0]["content"], chat=True, max_tokens=12))
+    choice = doc["choices"][0]
+    assert doc["object"] == "chat.completion"
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert doc["usage"]["prompt_tokens"] == expected.prompt_tokens
+    assert doc["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert choice["finish_reason"] == ("length" if len(expected.token_ids) == 12 else "stop")
+    assert doc["timings"]["predicted_n"] == len(expected.token_ids)
+
+
+def test_streaming_equals_non_streaming_with_usage_last(server):
+    whole = greedy_chat(server)
+    r = server.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 12, "temperature": 0,
+                                             "stream": True, "stream_options": {"include_usage": True}},
+                    stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage, finish = events[-2], events[-3]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert finish["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_completions_stream_and_not(server, engine):
+    body = {"prompt": "The Python standard library", "max_tokens": 10, "temperature": 0}
+    doc = server.post("/v1/completions", body).json()
+    expected = engine.generate(GenerationRequest(prompt=body["prompt"], max_tokens=10))
+    assert doc["object"] == "text_completion" and doc["choices"][0]["text"] == expected.text
+    events = sse_events(server.post("/v1/completions", {**body, "stream": True}, stream=True))
+    assert events[-1] == "[DONE]" and not any("usage" in e for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected.text
+
+
+def test_stop_string_cuts_the_text(server):
+    full = greedy_chat(server, max_tokens=24)["choices"][0]["message"]["content"]
+    if len(full) < 8:
+        pytest.skip("the model's answer is too short to cut")
+    stop = full[4:7]
+    doc = greedy_chat(server, max_tokens=24, stop=[stop, "never-in-the-text-\u2603"])
+    assert doc["choices"][0]["message"]["content"] == full[: full.index(stop)]
+    assert doc["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats_with_template_kwargs(server):
+    body = {"messages": HELLO, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
+            "seed": 1234, "chat_template_kwargs": {"enable_thinking": False}}
+    a = server.post("/v1/chat/completions", body).json()
+    b = server.post("/v1/chat/completions", body).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_models(server):
+    doc = server.get("/v1/models").json()
+    assert doc["object"] == "list" and doc["data"][0]["id"] == server.model_path.name.removesuffix(".gguf")
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+
+def assert_error(r: requests.Response, status: int, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_api_key(server):
+    body = json.dumps({"messages": HELLO, "max_tokens": 1})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+        r = requests.post(server.url + "/v1/chat/completions", data=body, headers=headers, timeout=30)
+        assert_error(r, 401, code="invalid_api_key")
+    for path in ("/v1/models", "/v1/status", "/metrics"):
+        assert_error(requests.get(server.url + path, timeout=30), 401)
+
+
+@pytest.mark.parametrize("body, param, code", [
+    (b"{not json", None, "invalid_json"),
+    (b"[1, 2]", None, "invalid_json"),
+    ({"max_tokens": 4}, "messages", "missing_field"),
+    ({"messages": "hello"}, "messages", "invalid_type"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": HELLO, "temperature": "hot"}, "temperature", "invalid_type"),
+    ({"messages": HELLO, "temperature": -1}, "temperature", "invalid_value"),
+    ({"messages": HELLO, "top_p": 0}, "top_p", "invalid_value"),
+    ({"messages": HELLO, "top_k": 2.5}, "top_k", "invalid_type"),
+    ({"messages": HELLO, "min_p": 2}, "min_p", "invalid_value"),
+    ({"messages": HELLO, "seed": "x"}, "seed", "invalid_type"),
+    ({"messages": HELLO, "max_tokens": -5}, "max_tokens", "invalid_value"),
+    ({"messages": HELLO, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"messages": HELLO, "max_tokens": "10"}, "max_tokens", "invalid_type"),
+    ({"messages": HELLO, "stop": 7}, "stop", "invalid_type"),
+    ({"messages": HELLO, "stream": "yes"}, "stream", "invalid_type"),
+    ({"messages": HELLO, "stream": True, "stream_options": []}, "stream_options", "invalid_type"),
+    ({"messages": HELLO, "n": 2}, "n", "invalid_value"),
+    ({"messages": HELLO, "chat_template_kwargs": "x"}, "chat_template_kwargs", "invalid_type"),
+])
+def test_bad_chat_requests(server, body, param, code):
+    assert_error(server.post("/v1/chat/completions", body), 400, param, code)
+
+
+def test_bad_completion_requests(server):
+    ctx = server.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert_error(server.post("/v1/completions", {"max_tokens": 2}), 400, "prompt", "missing_field")
+    assert_error(server.post("/v1/completions", {"prompt": {"a": 1}}), 400, "prompt", "invalid_type")
+    assert_error(server.post("/v1/completions", {"prompt": [10**9]}), 400, "prompt", "invalid_value")
+    assert_error(server.post("/v1/completions", {"prompt": [5] * (ctx + 1)}), 400, "prompt",
+                 "context_length_exceeded")
+    long_text = " ".join(f"w{i}" for i in range(ctx))  # > ctx tokens whatever the merges
+    assert_error(server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}),
+                 400, "messages", "context_length_exceeded")
+    assert_error(server.get("/v1/nowhere"), 404)
+
+
+# --- scheduling ------------------------------------------------------------------------------------------
+
+
+def requests_done(server) -> dict:
+    return server.get("/metrics", params={"requests": "all"}).json()
+
+
+def test_disconnect_cancels_and_frees_the_engine(server):
+    before = requests_done(server)["totals"]
+    r = server.post("/v1/completions", {"prompt": "The Python standard library", "max_tokens": 3000,
+                                        "temperature": 0, "stream": True}, stream=True)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")
+    r.close()  # the client goes away after the first tokens
+    started = time.monotonic()
+    doc = greedy_chat(server, max_tokens=2)
+    assert doc["choices"][0]["finish_reason"] in ("stop", "length")
+    assert time.monotonic() - started < 15, "the cancelled generation kept the engine busy"
+    metrics = requests_done(server)
+    assert metrics["totals"]["cancelled"] == before["cancelled"] + 1
+    cancelled = next(x for x in metrics["requests"] if x["endpoint"] == "/v1/completions")
+    assert cancelled["finish_reason"] == "cancelled" and 0 < cancelled["generated"] < 3000
+    assert metrics["live"]["state"] == "idle" and metrics["live"]["queued"] == 0
+
+
+def test_load_50_requests_from_4_threads(server):
+    before = requests_done(server)["totals"]
+    results: list = []
+    lock = threading.Lock()
+
+    def worker(k: int):
+        for i in range(k, 50, 4):
+            body = {"prompt": f"{i}", "max_tokens": 2, "temperature": 0, "stream": i % 3 == 0}
+            r = server.post("/v1/completions", body, stream=body["stream"])
+            ok = r.status_code == 200 and (sse_events(r)[-1] == "[DONE]" if body["stream"] else
+                                           r.json()["usage"]["completion_tokens"] <= 2)
+            with lock:
+                results.append((i, r.status_code, ok))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=170)
+    assert sorted(i for i, _, _ in results) == list(range(50))
+    assert all(ok for _, _, ok in results), [r for r in results if not r[2]]
+    totals = requests_done(server)["totals"]
+    assert totals["requests"] - before["requests"] == 50
+    assert totals["completed"] - before["completed"] == 50
+
+
+# --- status and metrics ----------------------------------------------------------------------------------
+
+
+def test_status_and_metrics(server):
+    greedy_chat(server, max_tokens=3)
+    st = server.get("/v1/status").json()
+    assert st["loaded"] and st["context"]["native"] > 0 and st["uptime_s"] > 0
+    assert st["activity"]["requests"] >= 1 and st["last_timings"]["prompt_n"] > 0
+    (tier,) = st["tiers"].values()
+    assert tier["experts"] > 0 and tier["lookups"] > 0
+    assert "ram" in st["machine"]
+    m = server.get("/metrics").json()
+    assert {"engine", "live", "requests", "totals", "tiers", "hardware"} <= set(m)
+    last = m["requests"][0]
+    assert last["timings"]["predicted_n"] == last["generated"] and last["tiers"]
+    text = server.get("/metrics", params={"format": "prometheus"})
+    assert text.headers["content-type"].startswith("text/plain")
+    assert "strata_requests_total" in text.text and "strata_tier_hits_total{tier=" in text.text
+
+
+def test_page_is_served(server):
+    r = requests.get(server.url + "/", timeout=10)
+    assert r.status_code == 200 and "<title>strata-ray</title>" in r.text
