@@ -53,6 +53,8 @@ def build_parser(command: str):
     target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
                         "(default: the first one /v1/models lists)")
     target.add_argument("--address", metavar="auto|local|HOST:PORT", help="Ray cluster to attach to (as run)")
+    target.add_argument("--replace-actors", action="store_true",
+                        help="remove engine actors kept by an earlier run with other flags (as run)")
     target.add_argument("--verbose", "-v", action="store_true", help="show Ray's and the actors' logs")
 
     sampling = parser.add_argument_group("sampling (default greedy)")
@@ -211,6 +213,7 @@ def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]
         results = measure.run_plan(target.runner, builder, plan, sampling,
                                    progress=lambda label: (bar.set_postfix_str(label), bar.update(1)))
     plan_doc = {
+        "quick": ns.quick,
         "contexts": list(plan.contexts),
         "gen_tokens": plan.gen_tokens,
         "repeats": plan.repeats,

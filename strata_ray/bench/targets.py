@@ -61,23 +61,25 @@ def local_target(cfg) -> Iterator[Target]:
 
 
 @contextlib.contextmanager
-def ray_target(cfg, address: str | None, verbose: bool) -> Iterator[Target]:
+def ray_target(cfg, address: str | None, verbose: bool, replace_actors: bool) -> Iterator[Target]:
     from strata_ray.actors import launch
+    from strata_ray.engine.engine import check_supported
     from strata_ray.run import check_model_file, load_model_remote
 
-    file, path, tokenizer = open_model_file(cfg.model)  # fails in a second, before Ray starts
+    file, path, tokenizer = open_model_file(cfg.model)  # bad files and flags fail in a second, before Ray
     cfg = replace(cfg, model=check_model_file(cfg))
+    check_supported(cfg)
     session = dep = None
     try:
         session = launch.connect(address, False, verbose)
         say("started a local Ray instance" if session.started else f"attached to Ray at {session.address}")
         cfg = replace(cfg, device=launch.cluster_device(cfg))
-        dep = None if session.started else launch.find_existing(cfg)
+        dep = None if session.started else launch.find_existing(cfg, replace=replace_actors)
         if dep is None:
             dep = launch.launch(cfg, keep=False)
         else:
             say(f"reusing {launch.PRIMARY_NAME} kept by an earlier run")
-        info = load_model_remote(dep)
+        info = load_model_remote(dep, reused=not dep.created)
         yield Target("ray", RayRunner(dep.primary), tokenizer, file, path, file.hparams.context_length,
                      info.get("device"), cfg)
     finally:
@@ -106,4 +108,4 @@ def open_target(ns, cfg):
         return url_target(ns.url, ns.served_model, ns.api, cfg.model)
     if ns.local:
         return local_target(cfg)
-    return ray_target(cfg, ns.address, ns.verbose)
+    return ray_target(cfg, ns.address, ns.verbose, ns.replace_actors)
