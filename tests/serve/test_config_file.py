@@ -1,0 +1,138 @@
+"""serve.json + the serve command line -> ServePlan (no server, no Ray)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from strata_ray.config import REFUSE_PEER_WITH_LAYER_SPLIT, ConfigError
+from strata_ray.serve.config_file import (
+    ServeConfig,
+    ServeConfigError,
+    child_env,
+    config_from_dict,
+    engine_args,
+    parse_gpu,
+    resolve,
+)
+
+
+def write(tmp_path, doc) -> str:
+    path = tmp_path / "serve.json"
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("value, gpus", [
+    (None, ()), ("", ()), ([], ()), (2, (2,)), ([0, 2], (0, 2)), ("0,2", (0, 2)), (" 1 , 3 ", (1, 3)),
+    (["2", 0], (2, 0)),
+])
+def test_gpu_forms(value, gpus):
+    assert parse_gpu(value) == gpus
+
+
+@pytest.mark.parametrize("value", [True, -1, "a,b", [0, 0], [1.5], {"x": 1}, "0,,2"])
+def test_bad_gpu(value):
+    with pytest.raises(ServeConfigError, match="^gpu: "):
+        parse_gpu(value)
+
+
+def test_gpu_list_is_the_visible_devices_in_pci_bus_order():
+    env = child_env(ServeConfig(gpu=(2, 0), env={"STRATA_PEER_HOT": "0.3"}), {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,0",
+                   "STRATA_PEER_HOT": "0.3"}
+    assert "CUDA_VISIBLE_DEVICES" not in child_env(ServeConfig(), {})
+
+
+def test_several_gpus_get_the_automatic_layer_split():
+    assert engine_args(ServeConfig(gpu=(0, 1))) == ["--layer-split", "auto"]
+    assert engine_args(ServeConfig(gpu=(0, 1), layer_split="24")) == ["--layer-split", "24"]
+    assert engine_args(ServeConfig(gpu=(0, 1), layer_split="off")) == []
+    assert engine_args(ServeConfig(gpu=(0,))) == []
+    assert engine_args(ServeConfig(gpu=(0, 1), args=("--layer-split", "16"))) == ["--layer-split", "16"]
+
+
+def test_two_gpus_with_peer_device_get_no_layer_split(tmp_path):
+    args = ["--peer-device", "1", "--expert-profile", "p.strp"]
+    assert engine_args(ServeConfig(gpu=(0, 1), args=tuple(args))) == args
+    assert engine_args(ServeConfig(gpu=(0, 1), args=("--peer-device=1",))) == ["--peer-device=1"]
+    # through the whole resolution too (the profile must exist for the engine config to validate)
+    profile = tmp_path / "p.strp"
+    profile.write_bytes(b"STRP")
+    path = write(tmp_path, {"gpu": "0,1", "args": ["--peer-device", "1", "--expert-profile", str(profile),
+                                                   "--device", "cuda"]})
+    plan = resolve(["--config", path], {})
+    assert "--layer-split" not in plan.engine_argv
+    assert plan.engine.peer_active and plan.engine.layer_split is None
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1" and plan.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_resolve_model_args_env_and_cli_overrides(tmp_path):
+    path = write(tmp_path, {"model": "m.gguf", "port": 9000, "host": "0.0.0.0", "api_key": "k",
+                            "args": ["--prefill", "128"], "env": {"STRATA_SPEC": 2}, "replicas": 2})
+    plan = resolve(["--config", path, "--port", "9100", "--prefill", "256", "--replicas", "1"], {})
+    s = plan.serve
+    assert (s.host, s.port, s.api_key, s.replicas) == ("0.0.0.0", 9100, "k", 1)
+    assert plan.engine.model == "m.gguf" and plan.engine.prefill == 256  # the flag wins over the file
+    assert plan.engine.spec == 2  # STRATA_* from the file's env reaches the engine config
+    assert plan.env == {"STRATA_SPEC": "2"}
+
+
+def test_defaults_without_a_file():
+    plan = resolve([], {})
+    assert (plan.serve.host, plan.serve.port, plan.serve.api_key) == ("127.0.0.1", 8000, None)
+    assert plan.engine.model is None and plan.engine_argv == ()
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("{nope", "is not valid JSON"),
+    ("[1]", "must be a JSON object"),
+    ({"modle": "x"}, "unknown key 'modle'"),
+    ({"port": "80"}, "port: expected an integer"),
+    ({"port": 70000}, "port: expected an integer from 0 to 65535"),
+    ({"replicas": 0}, "replicas: expected an integer >= 1"),
+    ({"args": [["--spec"]]}, "args: expected a list of engine flags"),
+    ({"env": {"PATH": "/x"}}, "env: only STRATA_\\* switches"),
+    ({"env": {"STRATA_SPEC": [1]}}, "env: STRATA_SPEC must be a string, number or boolean"),
+    ({"env": {"STRATA_SPEC": "nine"}}, "STRATA_SPEC: invalid value 'nine'"),
+    ({"args": ["--spec", "99"]}, "--spec: invalid value '99'"),
+    ({"args": ["--no-such-flag"]}, "unrecognized arguments: --no-such-flag"),
+    ({"gpu": [0, 1], "args": ["--peer-device", "1", "--layer-split", "16"]}, None),
+    ({"api_key": 5}, "api_key: expected a string"),
+    ({"layer_split": True}, "layer_split: expected"),
+])
+def test_invalid_configs_are_one_line(tmp_path, doc, message):
+    path = write(tmp_path, doc)
+    with pytest.raises(ConfigError) as info:
+        resolve(["--config", path], {})
+    text = str(info.value)
+    assert "\n" not in text
+    if message is None:  # the engine's own refusal
+        assert text == REFUSE_PEER_WITH_LAYER_SPLIT
+    else:
+        assert re.search(message, text), text
+
+
+def test_missing_file():
+    with pytest.raises(ServeConfigError, match="--config: cannot read /no/such/serve.json"):
+        resolve(["--config", "/no/such/serve.json"], {})
+
+
+def test_config_from_dict_keeps_types():
+    cfg = config_from_dict({"gpu": 1, "args": "--prefill 64", "env": {"STRATA_PEER_DIRECT": False},
+                            "layer_split": 24})
+    assert cfg.gpu == (1,) and cfg.args == ("--prefill", "64")
+    assert cfg.env == {"STRATA_PEER_DIRECT": "0"} and cfg.layer_split == "24"
+
+
+def test_serve_command_exits_2_with_one_line_before_starting(tmp_path):
+    path = write(tmp_path, {"port": "eighty"})
+    done = subprocess.run([sys.executable, "-m", "strata_ray.run", "serve", "--config", path],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f'strata_ray: {path}: port: expected an integer from 0 to '
+                                                '65535, got "eighty"']

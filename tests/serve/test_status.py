@@ -1,0 +1,48 @@
+"""ServeMetrics bookkeeping and the Prometheus text (no server)."""
+
+from __future__ import annotations
+
+from strata_ray.serve import status
+
+
+def test_request_lifecycle_and_totals():
+    m = status.ServeMetrics()
+    m.state = "idle"
+    rec = m.enqueue("r1", "/v1/completions")
+    assert m.queued == 1 and m.live()["queued"] == 1
+    m.begin(rec, prompt_tokens=10, max_tokens=5)
+    assert m.queued == 0 and m.live()["state"] == "reading"
+    for _ in range(3):
+        m.token(rec)
+    assert m.live()["state"] == "generating" and m.live()["generated"] == 3
+    m.end(rec, "length", tiers={"cpu": {"experts": 4, "hits": 2, "lookups": 2, "hit_rate": 1.0}})
+    assert m.live()["state"] == "idle" and m.totals.completed == 1 and m.totals.output_tokens == 3
+    (doc,) = m.requests(all_kept=False)
+    assert doc["timings"]["prompt_n"] == 10 and doc["timings"]["predicted_n"] == 3
+
+
+def test_a_cancelled_request_ending_late_leaves_the_next_one_current():
+    m = status.ServeMetrics()
+    first, second = m.enqueue("a", "x"), m.enqueue("b", "x")
+    m.begin(first, 1, 1)
+    m.begin(second, 1, 1)  # the engine took the next request before the cancelled one's last token
+    m.end(first, "cancelled")
+    assert m.current is second and m.totals.cancelled == 1
+
+
+def test_tiers_accumulate():
+    totals: dict = {}
+    status.add_tiers(totals, {"gpu": {"experts": 8, "hits": 3, "lookups": 4}})
+    status.add_tiers(totals, {"gpu": {"experts": 8, "hits": 1, "lookups": 4}})
+    assert totals["gpu"] == {"experts": 8, "hits": 4, "lookups": 8, "hit_rate": 0.5}
+
+
+def test_prometheus_text():
+    m = status.ServeMetrics()
+    doc = {"loaded": True, "uptime_s": 1.0, "totals": vars(m.totals), "live": m.live(),
+           "tiers": {"cpu": {"experts": 4, "hits": 2, "lookups": 2}}, "hardware": status.hardware("cpu")}
+    text = status.prometheus(doc)
+    assert "# TYPE strata_requests_total counter" in text
+    assert 'strata_tier_hits_total{tier="cpu"} 2' in text
+    for line in text.splitlines():
+        assert line.startswith("#") or len(line.split(" ")) == 2
