@@ -1,8 +1,9 @@
-"""numba block readers for one GGUF weight row: per-32-block exact integer dots and scales.
+"""numba block readers for one GGUF weight row: integer weights, exact block dots, scales.
 
-numba has no float16 arrays, so fp16 scales are decoded from their bits (exactly). row_isums gives
-each block's I (the contract's integer dot, sub-block scales applied, held exactly in f32) and
-row_scales its (d, dmin, m): block b contributes I * (d*ad) - float(m*s) * (dmin*ad) (min: Q4_K).
+numba has no float16 arrays, so fp16 scales are decoded from their bits (exactly). unpack_row +
+block_isums give each block's I (the contract's integer dot, sub-block scales applied, held
+exactly in f32) and row_scales its (d, dmin, m): block b contributes
+I * (d*ad) - float(m*s) * (dmin*ad) (the min term for Q4_K only).
 """
 
 from __future__ import annotations
@@ -39,14 +40,58 @@ def s8(b):
     return (np.int32(b) ^ 128) - 128
 
 
-# The _isums_* functions may reassociate freely (fastmath): every product and partial sum is an
-# integer below 2^24 held exactly in f32, so any order gives the same exact integer. Their inner
-# trip count n (= 32) arrives as a runtime value: with a constant, LLVM fully unrolls the loop into
-# scalar code before the loop vectoriser sees it (measured 10x slower).
+@njit(nogil=True, cache=True)
+def unpack_row(row, ggml_type, w, n):
+    """w f32 [K] = the row's integer weights with sub-block scales applied (exact small integers).
+    n = 32 from runtime data (lets LLVM vectorise the inner loops, see block_isums)."""
+    nb = w.shape[0] // n
+    half = n // 2
+    if ggml_type == Q8_0:
+        for b in range(nb):
+            o = b * 34 + 2
+            for i in range(n):
+                w[b * 32 + i] = f32((np.int32(row[o + i]) ^ 128) - 128)
+    elif ggml_type == Q4_0:
+        for b in range(nb):
+            o = b * 18 + 2
+            for i in range(half):
+                w[b * 32 + i] = f32((np.int32(row[o + i]) & 0xF) - 8)
+            for i in range(half):
+                w[b * 32 + half + i] = f32((np.int32(row[o + i]) >> 4) - 8)
+    elif ggml_type == Q4_K:
+        for sb in range(nb // 8):
+            o = sb * 144
+            for j in range(8):
+                if j < 4:
+                    sc = np.int32(row[o + 4 + j]) & 63
+                else:
+                    sc = (np.int32(row[o + 8 + j]) & 0xF) | ((np.int32(row[o + j]) >> 6) << 4)
+                q_o = o + 16 + 32 * (j // 2)
+                shift = 4 * (j % 2)
+                base = sb * 256 + j * 32
+                for i in range(n):
+                    w[base + i] = f32(((np.int32(row[q_o + i]) >> shift) & 0xF) * sc)
+    elif ggml_type == Q6_K:
+        for sb in range(nb // 8):
+            o = sb * 210
+            for h in range(2):
+                for r in range(4):
+                    ql_o, qh_o = o + 64 * h + 32 * (r % 2), o + 128 + 32 * h
+                    lo_shift, hi_shift = 4 * (r // 2), 2 * r
+                    sc0 = s8(row[o + 192 + 8 * h + 2 * r])
+                    sc1 = s8(row[o + 193 + 8 * h + 2 * r])
+                    base = sb * 256 + 128 * h + 32 * r
+                    for k in range(2):
+                        sc = sc0 if k == 0 else sc1
+                        for i in range(k * half, k * half + half):
+                            q = ((np.int32(row[ql_o + i]) >> lo_shift) & 0xF) | (
+                                ((np.int32(row[qh_o + i]) >> hi_shift) & 3) << 4)
+                            w[base + i] = f32((q - 32) * sc)
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _isums_q8_0(row, a, out, n):
+def block_isums_q8_0(row, a, out, n):
+    """block_isums straight from Q8_0 bytes (no unpack pass: faster for this type)."""
     for b in range(out.shape[0]):
         o, p = b * 34 + 2, b * n
         s = f32(0.0)
@@ -56,78 +101,18 @@ def _isums_q8_0(row, a, out, n):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _isums_q4_0(row, a, out, n):
-    half = n // 2
+def block_isums(w, a, out, n):
+    """out[b] = sum_i w[b*n + i] * a[b*n + i]: exact integer dots of unpacked weights and f32 codes.
+
+    fastmath (reassociation) is safe here: every product and partial sum is an integer below 2^24,
+    exact in f32 in any order. n (= 32) must arrive as a runtime value: with a constant, LLVM
+    unrolls the loop into scalar code before the loop vectoriser sees it (measured 10x slower)."""
     for b in range(out.shape[0]):
-        o, p = b * 18 + 2, b * n
+        p = b * n
         s = f32(0.0)
-        for i in range(half):
-            s += f32((np.int32(row[o + i]) & 0xF) - 8) * a[p + i]
-        for i in range(half):
-            s += f32((np.int32(row[o + i]) >> 4) - 8) * a[p + half + i]
+        for i in range(n):
+            s += w[p + i] * a[p + i]
         out[b] = s
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _isums_q4_k(row, a, out, n):
-    """Per 32-block: sum of nibble * activation (sub-block scale applied by the caller)."""
-    for b in range(out.shape[0]):
-        j = b % 8
-        o, p = (b // 8) * 144 + 16 + 32 * (j // 2), b * n
-        s = f32(0.0)
-        if j % 2 == 0:
-            for i in range(n):
-                s += f32(np.int32(row[o + i]) & 0xF) * a[p + i]
-        else:
-            for i in range(n):
-                s += f32(np.int32(row[o + i]) >> 4) * a[p + i]
-        out[b] = s
-
-
-@njit(nogil=True, fastmath=True, cache=True)
-def _isums_q6_k(row, a, out, n):
-    """Per 16-sub-block: sum of (q - 32) * activation; out has 2 entries per 32-block."""
-    half = n // 2
-    for b in range(out.shape[0] // 2):
-        j = b % 8
-        h, r = j // 4, j % 4
-        o = (b // 8) * 210
-        ql_o, qh_o, p = o + 64 * h + 32 * (r % 2), o + 128 + 32 * h, b * n
-        lo_shift, hi_shift = 4 * (r // 2), 2 * r
-        for k in range(2):
-            s = f32(0.0)
-            for i in range(k * half, k * half + half):
-                q = ((np.int32(row[ql_o + i]) >> lo_shift) & 0xF) | (
-                    ((np.int32(row[qh_o + i]) >> hi_shift) & 3) << 4)
-                s += f32(q - 32) * a[p + i]
-            out[2 * b + k] = s
-
-
-@njit(inline="always", nogil=True, cache=True)
-def row_isums(row, ggml_type, a, out, n):
-    """out[b] = exact integer dot I of 32-block b of a weight row with int-valued f32 activations a,
-    sub-block scales applied, held in f32. out: f32 [2 * nb] scratch (Q6_K needs two per block)."""
-    nb = a.shape[0] // n
-    if ggml_type == Q8_0:
-        _isums_q8_0(row, a, out[:nb], n)
-    elif ggml_type == Q4_0:
-        _isums_q4_0(row, a, out[:nb], n)
-    elif ggml_type == Q4_K:
-        _isums_q4_k(row, a, out[:nb], n)
-        for b in range(nb):
-            j = b % 8
-            sc_o = (b // 8) * 144 + 4
-            if j < 4:
-                sc = np.int32(row[sc_o + j]) & 63
-            else:
-                sc = (np.int32(row[sc_o + j + 4]) & 0xF) | ((np.int32(row[sc_o + j - 4]) >> 6) << 4)
-            out[b] = out[b] * f32(sc)  # exact: < 2^24
-    elif ggml_type == Q6_K:
-        _isums_q6_k(row, a, out[:2 * nb], n)
-        for b in range(nb):
-            j = b % 8
-            sc_o = (b // 8) * 210 + 192 + 8 * (j // 4) + 2 * (j % 4)
-            out[b] = out[2 * b] * f32(s8(row[sc_o])) + out[2 * b + 1] * f32(s8(row[sc_o + 1]))  # exact
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -11,8 +11,8 @@ import numpy as np
 from numba import njit
 
 from .act_quant import quantize_act_sums, quantize_block, swiglu
-from .blocks import row_isums, row_scales
-from .contract import Q4_K, QK, ExpertLayer, KernelError
+from .blocks import block_isums, block_isums_q8_0, row_scales, unpack_row
+from .contract import Q4_K, Q8_0, QK, ExpertLayer, KernelError
 from .cpu_pool import CpuPool, default_pool
 from .spec import float_weights
 
@@ -23,13 +23,18 @@ f32 = np.float32
 def _row_dot(row, wtype, aq, ad, asum, arow, acc, sc):
     """acc[j] = contract dot of one weight row with activation row arow[j], for every j.
     aq holds the int8 activation codes as exact f32 values (so block sums vectorise);
-    sc: scratch (isum f32 [2*nb], d f32 [nb], dmin f32 [nb], m int32 [nb])."""
-    isum, d, dmin, m = sc
-    n = aq.shape[1] // ad.shape[1]  # 32, but opaque to LLVM (see blocks.py)
+    sc: scratch (w f32 [K], isum f32 [nb], d f32 [nb], dmin f32 [nb], m int32 [nb])."""
+    w, isum, d, dmin, m = sc
+    n = aq.shape[1] // ad.shape[1]  # 32, but opaque to LLVM (see blocks.block_isums)
     row_scales(row, wtype, d, dmin, m)
+    if wtype != Q8_0:
+        unpack_row(row, wtype, w, n)
     for j in range(arow.shape[0]):
         a = arow[j]
-        row_isums(row, wtype, aq[a], isum, n)
+        if wtype == Q8_0:
+            block_isums_q8_0(row, aq[a], isum, n)
+        else:
+            block_isums(w, aq[a], isum, n)
         acc_j = f32(0.0)
         for b in range(ad.shape[1]):
             t = (isum[b] + f32(0.0)) * (d[b] * ad[a, b])  # + 0 turns a -0 from reassociation into +0
@@ -41,7 +46,8 @@ def _row_dot(row, wtype, aq, ad, asum, arow, acc, sc):
 
 @njit(nogil=True, cache=True)
 def _scratch(nb):
-    return np.empty(2 * nb, f32), np.empty(nb, f32), np.empty(nb, f32), np.empty(nb, np.int32)
+    return (np.empty(nb * QK, f32), np.empty(nb, f32), np.empty(nb, f32), np.empty(nb, f32),
+            np.empty(nb, np.int32))
 
 
 @njit(inline="always", nogil=True, cache=True)
