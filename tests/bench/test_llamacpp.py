@@ -74,3 +74,16 @@ def test_a_missing_result_is_named_not_fatal(tmp_path, capsys):
         read_llama_bench([missing])
     only = side_by_side("budget", None, {"prefill": {1024: 10.0}, "decode": {}})
     assert "| 1024 | n/a | 10.0 | n/a | n/a | n/a | n/a |" in only
+
+
+def test_script_stages_fail_in_one_line(tmp_path):
+    import pathlib
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "compare_llamacpp.sh"
+    env = {"PATH": "/usr/bin:/bin", "BUILD": str(tmp_path / "no-build"), "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr == "compare_llamacpp: unknown stage 'nope' (fetch, build, run or all)\n"
+    done = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, timeout=30)
+    assert done.returncode == 2 and "no llama-bench at" in done.stderr and done.stderr.count("\n") == 1
