@@ -125,8 +125,15 @@ def _sampling(body) -> Sampling:
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
         top_k=_integer({"top_k": top_k}, "top_k", 0, 0),
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
-        seed=_integer(body, "seed", 0),
+        seed=_seed(body),
     )
+
+
+def _seed(body) -> int | None:
+    seed = _integer(body, "seed", 0)
+    if seed is not None and seed >= 2**64:  # torch.Generator takes 64 bits
+        raise invalid("seed", f"must be < 2**64, got {seed}")
+    return seed
 
 
 def _max_tokens(body) -> int | None:

@@ -137,6 +137,7 @@ def test_api_key(server):
     ({"messages": HELLO, "top_k": 2.5}, "top_k", "invalid_type"),
     ({"messages": HELLO, "min_p": 2}, "min_p", "invalid_value"),
     ({"messages": HELLO, "seed": "x"}, "seed", "invalid_type"),
+    ({"messages": HELLO, "seed": 2**70}, "seed", "invalid_value"),
     ({"messages": HELLO, "max_tokens": -5}, "max_tokens", "invalid_value"),
     ({"messages": HELLO, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"messages": HELLO, "max_tokens": "10"}, "max_tokens", "invalid_type"),
