@@ -52,6 +52,8 @@ def build_parser(command: str):
                         help="with --url: /v1/chat/completions (default) or /v1/completions")
     target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
                         "(default: the first one /v1/models lists)")
+    target.add_argument("--api-key", metavar="KEY", help="with --url: sent as 'Authorization: Bearer KEY' "
+                        "(default: $OPENAI_API_KEY)")
     target.add_argument("--address", metavar="auto|local|HOST:PORT", help="Ray cluster to attach to (as run)")
     target.add_argument("--replace-actors", action="store_true",
                         help="remove engine actors kept by an earlier run with other flags (as run)")
@@ -179,7 +181,8 @@ def bench_main(argv: Sequence[str]) -> int:
             doc = gate.load(ns.against, command)
             job = GateJob(doc, parse_sampling(ns, doc.get("sampling")), int(doc["gen_tokens"]))
         with open_target(ns, cfg) as target:
-            builder = PromptBuilder(target.tokenizer, target.context_length)
+            add_bos = bool(target.file and target.file.fields.get("tokenizer.ggml.add_bos_token", False))
+            builder = PromptBuilder(target.tokenizer, target.context_length, add_bos)
             if command == "run":
                 return run_bench(ns, job, target, builder, argv)
             return run_gate(ns, command, job, target, builder)

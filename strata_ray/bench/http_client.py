@@ -29,10 +29,12 @@ def base_url(url: str) -> str:
 
 
 class HttpRunner:
-    def __init__(self, url: str, model: str | None = None, api: str = "chat", token_ids: bool = True):
+    def __init__(self, url: str, model: str | None = None, api: str = "chat", token_ids: bool = True,
+                 api_key: str | None = None):
         if api not in ("chat", "completions"):
             raise ValueError(f"api must be chat or completions, not {api!r}")
         self.base = base_url(url)
+        self.api_key = api_key
         self.api = api
         self.token_ids = token_ids
         self.model = model or self.first_model()
@@ -41,9 +43,10 @@ class HttpRunner:
 
     def _open(self, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode("utf-8")
-        req = urllib.request.Request(
-            self.base + path, data=data, headers={"Content-Type": "application/json", "Accept": "*/*"}
-        )
+        headers = {"Content-Type": "application/json", "Accept": "*/*"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base + path, data=data, headers=headers)
         try:
             return urllib.request.urlopen(req, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as e:

@@ -109,9 +109,10 @@ class TokenCorpus:
 class PromptBuilder:
     """Builds prompts for one model. tokenizer None = estimate lengths (a foreign server)."""
 
-    def __init__(self, tokenizer=None, context_length: int | None = None):
+    def __init__(self, tokenizer=None, context_length: int | None = None, add_bos: bool = False):
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.add_bos = add_bos  # as the engine tokenizes a prompt (GGUF tokenizer.ggml.add_bos_token)
         self._corpus = TokenCorpus(tokenizer, corpus_documents()) if tokenizer else None
         self._code = TokenCorpus(tokenizer, code_documents()) if tokenizer else None
         self._char_corpus: str | None = None
@@ -141,7 +142,7 @@ class PromptBuilder:
         tok = self.tokenizer
         rendered = tok.apply_chat_template([{"role": "user", "content": head + PLACEHOLDER + tail}])
         before, _, after = rendered.partition(PLACEHOLDER)
-        return tok.encode(before), tok.encode(after), head, tail
+        return tok.encode(before, add_bos=self.add_bos), tok.encode(after), head, tail
 
     def assemble(self, name: str, head: str, tail: str, corpus: TokenCorpus | None, n_tokens: int,
                  note: str | None = None) -> Prompt:
@@ -173,7 +174,7 @@ class PromptBuilder:
             estimate = int(len(content) / CHARS_PER_TOKEN) + 10
             return Prompt(name, content, None, estimate, note)
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
-        ids = self.tokenizer.encode(rendered)
+        ids = self.tokenizer.encode(rendered, add_bos=self.add_bos)
         return Prompt(name, content, tuple(ids), len(ids), note)
 
     # ---- the prompts -----------------------------------------------------------------------------------

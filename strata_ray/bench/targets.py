@@ -88,13 +88,14 @@ def ray_target(cfg, address: str | None, verbose: bool, replace_actors: bool) ->
 
 
 @contextlib.contextmanager
-def url_target(url: str, served_model: str | None, api: str, model: str | None) -> Iterator[Target]:
+def url_target(url: str, served_model: str | None, api: str, model: str | None,
+               api_key: str | None) -> Iterator[Target]:
     from strata_ray.bench.http_client import HttpRunner
 
     file = path = tokenizer = None
     if model is not None:
         file, path, tokenizer = open_model_file(model)
-    runner = HttpRunner(url, served_model, api)
+    runner = HttpRunner(url, served_model, api, api_key=api_key)
     say(f"driving {runner.base} (model {runner.model!r}, {api} API)"
         + ("" if tokenizer else "; prompt lengths estimated (pass --model for exact ones)"))
     context = None if file is None else file.hparams.context_length
@@ -105,7 +106,8 @@ def url_target(url: str, served_model: str | None, api: str, model: str | None) 
 def open_target(ns, cfg):
     """The context manager for the target the flags ask for."""
     if ns.url:
-        return url_target(ns.url, ns.served_model, ns.api, cfg.model)
+        api_key = ns.api_key if ns.api_key is not None else os.environ.get("OPENAI_API_KEY")
+        return url_target(ns.url, ns.served_model, ns.api, cfg.model, api_key)
     if ns.local:
         return local_target(cfg)
     return ray_target(cfg, ns.address, ns.verbose, ns.replace_actors)

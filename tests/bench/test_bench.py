@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import threading
+import time
+import urllib.request
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -142,85 +144,60 @@ def test_longgate_refuses_a_gate_reference(model_path, tmp_path, capsys):
     assert code == 2 and "gate reference" in err
 
 
-# ---- --url: a real HTTP server over the Engine (until strata_ray/serve lands) ----------------------------
+# ---- --url: the project's OpenAI-compatible server (`run serve`), started for these tests --------------
 
 
-class ChatServer(ThreadingHTTPServer):
-    """An OpenAI-style streaming /v1/chat/completions over an Engine; sends token ids when asked (as vLLM)."""
-
-    def __init__(self, engine):
-        super().__init__(("127.0.0.1", 0), ChatHandler)
-        self.engine = engine
-        self.lock = threading.Lock()
+API_KEY = "bench-test-key"
 
 
-class ChatHandler(BaseHTTPRequestHandler):
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_GET(self):
-        self._json({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    def do_POST(self):
-        from strata_ray.engine.engine import GenerationRequest, GenerationSummary
-        from strata_ray.engine.sampling import SamplingParams
-
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        engine = self.server.engine
-        text = engine.tokenizer.apply_chat_template(body["messages"])
-        request = GenerationRequest(
-            prompt_ids=tuple(engine.tokenizer.encode(text)),
-            max_tokens=body["max_tokens"],
-            sampling=SamplingParams(temperature=body["temperature"], seed=body.get("seed")),
-        )
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        with self.server.lock:
-            for item in engine.stream(request):
-                if isinstance(item, GenerationSummary):
-                    usage = {"prompt_tokens": item.prompt_tokens, "completion_tokens": len(item.token_ids)}
-                    self._event({"choices": [], "usage": usage})
-                else:
-                    choice = {"index": 0, "delta": {"content": item.text}}
-                    if body.get("return_token_ids"):
-                        choice["token_ids"] = list(item.token_ids)
-                    self._event({"choices": [choice]})
-        self.wfile.write(b"data: [DONE]\n\n")
-
-    def _event(self, doc):
-        self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
-        self.wfile.flush()
-
-    def _json(self, doc):
-        data = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def server_url(model_path):
-    from strata_ray.config import EngineConfig
-    from strata_ray.engine.engine import Engine
-
-    server = ChatServer(Engine(EngineConfig(model=model_path, device="cpu")))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+def server_url(model_path, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    config = work / "serve.json"
+    config.write_text(json.dumps({"model": model_path, "host": "127.0.0.1", "port": port, "api_key": API_KEY,
+                                  "args": ["--device", "cpu"]}))
+    log = work / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "serve", "--config", str(config),
+                                 "--address", "local"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the server exited: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if json.loads(r.read()).get("loaded"):
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, capsys):
     out_json = tmp_path / "u.json"
-    code, out, err = run_cli(capsys, "--url", server_url, "--model", model_path, "--contexts", "160",
-                             "--repeats", "1", "--json-out", str(out_json), *FAST)
+    code, out, err = run_cli(capsys, "--url", server_url, "--api-key", API_KEY, "--model", model_path,
+                             "--contexts", "160", "--repeats", "1", "--json-out", str(out_json), *FAST)
     assert code == 0, err
     doc = json.loads(out_json.read_text())
-    assert doc["mode"] == "url" and doc["server"]["model"] == "tiny" and doc["engine_flags"] is None
+    assert doc["mode"] == "url" and doc["server"]["model"] and doc["engine_flags"] is None
     (c,) = doc["results"]["contexts"]
     run = c["runs"][0]
     assert c["prompt_tokens"] == 160 == run["prompt_tokens"]  # the server's usage agrees with our prompt
@@ -232,9 +209,15 @@ def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, cap
     local = ["--local", "--model", model_path]
     code, _, err = run_cli(capsys, "gate", *local, "--max-tokens", "5", "--save", ref)
     assert code == 0, err
-    code, out, err = run_cli(capsys, "gate", "--url", server_url, "--model", model_path, "--against", ref)
+    code, out, err = run_cli(capsys, "gate", "--url", server_url, "--api-key", API_KEY, "--model", model_path,
+                             "--against", ref)
     assert code == 0, out + err
-    assert "same token ids" in out and out.strip().splitlines()[-1] == "GATE: PASS"
+    assert "same text" in out and out.strip().splitlines()[-1] == "GATE: PASS"  # the server sends no ids
+
+
+def test_url_without_the_api_key_is_one_line(model_path, server_url, capsys):
+    code, _, err = run_cli(capsys, "--url", server_url, "--api-key", "wrong", "--contexts", "160", *FAST)
+    assert code == 2 and "HTTP 401" in err and err.count("\n") == 1
 
 
 def test_url_that_does_not_answer_is_one_line(capsys):
