@@ -221,12 +221,11 @@ def serve_main(argv) -> int:
     from strata_ray.config import ConfigError
     from strata_ray.engine.engine import check_supported
     from strata_ray.model.hparams import ModelFormatError
-    from strata_ray.run import check_model_file
     from strata_ray.serve.config_file import resolve
 
     try:  # everything the user can get wrong fails here, before Ray starts
         plan = resolve(argv)
-        engine_cfg = replace(plan.engine, model=check_model_file(plan.engine))
+        engine_cfg = replace(plan.engine, model=check_model_file(plan.engine.model))
         check_supported(engine_cfg)
     except (ConfigError, ModelFormatError) as e:
         return fail(str(e))
@@ -252,6 +251,16 @@ def serve_main(argv) -> int:
             with contextlib.suppress(Exception):
                 serve.delete(APP_NAME)
         launch.disconnect(session)
+
+
+def check_model_file(path: str | None) -> str | None:
+    """Open the GGUF here so a bad file fails in a second, before Ray starts. Returns the absolute path
+    (None = the embedded default, resolved again in the replica)."""
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import resolve_model_path
+
+    GGUFFile(resolve_model_path(path))  # ModelFormatError with the one-line reason
+    return None if path is None else os.path.abspath(path)
 
 
 def _connect(address: str | None, verbose: bool):
