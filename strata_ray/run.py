@@ -165,14 +165,20 @@ def check_peer_visible_here(cfg) -> None:
         check_peer_device_visible(cfg, torch.cuda.device_count())
 
 
-def check_model_file(cfg) -> str | None:
-    """Open the GGUF in the driver so a bad file fails in a second, before any Ray work.
-    Returns the absolute path (None = the embedded default, resolved again where the primary runs)."""
+def check_model_file(cfg):
+    """Open the GGUF in the driver so a bad file fails in a second, before any Ray work. Returns the
+    absolute path (None = the embedded default, resolved again where the primary runs) and the HParams."""
     from strata_ray.model.gguf_file import GGUFFile
     from strata_ray.model.loader import resolve_model_path
 
-    GGUFFile(resolve_model_path(cfg.model))  # raises ModelFormatError with the one-line reason
-    return None if cfg.model is None else os.path.abspath(cfg.model)
+    hp = GGUFFile(resolve_model_path(cfg.model)).hparams  # ModelFormatError with the one-line reason
+    return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
+
+
+def check_prompt_ids(request, n_vocab: int) -> None:
+    bad = next((i for i in request.prompt_ids or () if i >= n_vocab), None)
+    if bad is not None:
+        raise ConfigError(f"--prompt-ids: token id {bad} is out of range (the model has {n_vocab} tokens)")
 
 
 def generate_main(argv: Sequence[str]) -> int:
@@ -181,13 +187,15 @@ def generate_main(argv: Sequence[str]) -> int:
     try:  # everything the user can get wrong fails here, in a second, before Ray starts
         ns = build_generate_parser().parse_args(list(argv))
         cfg = config_from_args(ns, os.environ)
-        cfg = replace(cfg, model=check_model_file(cfg))
+        model_path, hp = check_model_file(cfg)
+        cfg = replace(cfg, model=model_path)
         if ns.address == "local":
             check_peer_visible_here(cfg)
         from strata_ray.engine.engine import check_supported
 
         check_supported(cfg)
         request = parse_request(ns)
+        check_prompt_ids(request, hp.n_vocab)
     except (ConfigError, ModelFormatError) as e:
         return fail(str(e))
     from strata_ray.actors import launch

@@ -75,6 +75,7 @@ def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySessi
     import ray
 
     ray.init(
+        address="local",  # never a cluster that `ray start` left on this machine
         namespace=NAMESPACE,
         include_dashboard=dashboard,
         object_store_memory=LOCAL_OBJECT_STORE_BYTES,
@@ -257,10 +258,13 @@ def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
 
 
 def _is_user_error(cause: BaseException) -> bool:
+    """ValueErrors are user errors only when they are the engine's request errors (one-line messages)."""
     from strata_ray.engine.engine import RequestError
+    from strata_ray.engine.generate import GenerationError
+    from strata_ray.engine.sampling import SamplingError
 
     if isinstance(cause, ValueError):
-        return isinstance(cause, RequestError)
+        return isinstance(cause, (RequestError, GenerationError, SamplingError))
     return True
 
 

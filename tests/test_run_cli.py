@@ -1,0 +1,184 @@
+"""`python -m strata_ray.run` as a user runs it: a tiny synthetic model, real Ray actors on the CPU.
+
+The reference for the token ids is the reference forward with every routed expert computed by the
+numpy spec of the arithmetic contract (strata_ray/kernels/spec.py), in this process, without Ray.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.kernels.contract import ExpertLayer
+from strata_ray.kernels.spec import expert_ffn_spec
+from strata_ray.model.forward import Model
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.hparams import ModelFormatError
+from strata_ray.model.moe import combine_rows
+from strata_ray.model.synth import write_synth
+from strata_ray.model.tokenizer import Tokenizer
+from strata_ray.model.weights import load_dense_weights
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Hello, world"
+MAX_TOKENS = 24
+SUMMARY = re.compile(r"^strata_ray: prompt: \d+ tokens, [\d.]+ tok/s \| generated: \d+ tokens, [\d.]+ tok/s")
+
+
+def run_cli(*args, stdin=None, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], input=stdin, capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run_cli") / "tiny.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
+    return str(path)
+
+
+class SpecExperts:
+    """ExpertBackend computing every routed row with the numpy spec of the arithmetic contract."""
+
+    def __init__(self, file: GGUFFile):
+        self.file = file
+
+    def layer(self, b: int) -> ExpertLayer:
+        names = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+        g, u, d = (self.file.tensor(f"blk.{b}.{n}.weight") for n in names)
+        return ExpertLayer(g.data, u.data, d.data, g.ggml_type, u.ggml_type, d.ggml_type)
+
+    def __call__(self, layer, x, ids, weights):
+        n, k = ids.shape  # x [N, E], ids/weights [N, K]
+        tok = np.repeat(np.arange(n, dtype=np.int32), k)
+        rows = expert_ffn_spec(x.numpy(), tok, ids.reshape(-1).numpy().astype(np.int32), self.layer(layer))
+        return combine_rows(torch.from_numpy(rows).view(n, k, -1), weights)  # [N, E]
+
+
+def reference_greedy(path: str, prompt_ids: list[int], n: int) -> list[int]:
+    file = GGUFFile(path)
+    with torch.inference_mode():
+        dense = load_dense_weights(file, include_experts=False)
+        model = Model(file.hparams, dense, experts=SpecExperts(file))
+        state = model.new_state()
+        logits = model.forward(prompt_ids, state)[-1]
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = model.forward([out[-1]], state)[-1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def json_run(tiny_model):
+    ids = Tokenizer.from_gguf(GGUFFile(tiny_model)).encode(PROMPT)
+    r = run_cli("--model", tiny_model, "--address", "local", "--prompt-ids", ",".join(map(str, ids)),
+                "--max-tokens", str(MAX_TOKENS), "--json", "--logprobs", "3")
+    return ids, r
+
+
+def test_json_token_ids_equal_the_reference_forward(tiny_model, json_run):
+    ids, r = json_run
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)  # exactly one JSON object on stdout
+    ref = reference_greedy(tiny_model, ids, MAX_TOKENS)
+    got = doc["token_ids"]
+    stop_ids = Tokenizer.from_gguf(GGUFFile(tiny_model)).stop_ids
+    assert got == ref[: len(got)]
+    assert len(got) == MAX_TOKENS or ref[len(got)] in stop_ids
+    assert doc["prompt_tokens"] == len(ids) and doc["generated_tokens"] == len(got)
+    assert set(doc["timings"]) >= {"prompt_seconds", "decode_seconds", "prompt_tokens_per_second",
+                                   "decode_tokens_per_second"}
+    assert len(doc["logprobs"]) == len(got)
+    for chosen, top in zip(got, doc["logprobs"], strict=True):
+        assert len(top) == 3 and top[0]["token_id"] == chosen  # greedy picks the most likely token
+        assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith("strata_ray: started a local Ray instance")
+    assert lines[1].startswith("strata_ray: loaded tiny.gguf (qwen3next, 4 layers, 8 experts) on cpu")
+    assert SUMMARY.match(lines[-1])
+
+
+def test_text_streams_to_stdout(tiny_model, json_run):
+    r = run_cli("--model", tiny_model, "--address", "local", "--max-tokens", str(MAX_TOKENS), stdin=PROMPT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == json.loads(json_run[1].stdout)["text"] and r.stdout
+    assert SUMMARY.match(r.stderr.splitlines()[-1])
+
+
+def expected_line(path) -> str:
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile(path)
+    assert "\n" not in str(e.value)
+    return f"strata_ray: {e.value}\n"
+
+
+def test_missing_model_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    r = run_cli("--model", str(path))
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"strata_ray: model file not found: {path}\n", "")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("these are not the weights you are looking for\n" * 20)
+    r = run_cli("--model", str(path))
+    assert (r.returncode, r.stderr) == (2, f"strata_ray: not a GGUF file: {path}\n")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001])  # tensor data cut / header cut
+def test_truncated_gguf(tiny_model, tmp_path, keep):
+    data = Path(tiny_model).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    want = expected_line(path)
+    assert want.startswith(f"strata_ray: truncated or corrupt GGUF file: {path}")
+    r = run_cli("--model", str(path))
+    assert (r.returncode, r.stderr) == (2, want)
+
+
+def test_unknown_architecture(tmp_path):
+    import gguf
+
+    path = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = run_cli("--model", str(path))
+    assert (r.returncode, r.stderr) == (
+        2, "strata_ray: unsupported model architecture 'llama' (supported: qwen3next, qwen3moe)\n")
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--max-tokens", "0"], "--max-tokens: invalid value '0' (allowed: an integer >= 1)"),
+        (["--temperature", "-1"], "--temperature: invalid value '-1' (allowed: a number >= 0 and <= 100)"),
+        (["--top-p", "0"], "--top-p: invalid value '0' (allowed: a number > 0 and <= 1)"),
+        (["--top-k", "x"], "--top-k: invalid value 'x' (allowed: an integer >= 0)"),
+        (["--logprobs", "50"], "--logprobs: invalid value '50' (allowed: an integer from 0 to 20)"),
+        (["--prompt-ids", "1,x"],
+         "--prompt-ids: invalid value '1,x' (allowed: comma-separated token ids >= 0, e.g. 1,2,3)"),
+        (["--prompt-ids", "1,288"], "--prompt-ids: token id 288 is out of range (the model has 288 tokens)"),
+        (["--prompt-file", "/no/such/prompt.txt"],
+         "--prompt-file: cannot read /no/such/prompt.txt (No such file or directory)"),
+        (["--prompt", "a", "--prompt-ids", "1"],
+         "argument --prompt-ids: not allowed with argument --prompt/-p (see --help)"),
+    ],
+)
+def test_bad_flag_values(tiny_model, args, line):
+    r = run_cli("--model", tiny_model, *args)
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"strata_ray: {line}\n", "")
+
