@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -64,6 +65,7 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024) -> di
             logits = model.forward(prompt[c : c + chunk], state)
         sync()
         prefill_s = time.perf_counter() - t0
+        print(f"depth {depth}: prefill {prefill_s:.1f} s", flush=True)
         tok = int(logits[-1].argmax())
         for _ in range(3):  # warm-up steps (kernel autotune, CPU pool threads)
             tok = int(model.forward([tok], state)[-1].argmax())
@@ -87,7 +89,9 @@ def main() -> None:
     ap.add_argument("--depths", default="1024,8192")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
+    ap.add_argument("--pin-gib", type=float, default=None, help="cap on the page-locked host store")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
     if not os.path.exists(path):
         t = time.perf_counter()
@@ -113,7 +117,8 @@ def main() -> None:
         free, total = torch.cuda.mem_get_info()
         used = total - free
     budget_mib = int((used + reserve + share * expert_bytes + 64 * 2**20) / 2**20)
-    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib)
+    print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
+    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib)
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     loaded = SimpleNamespace(model=Model(hp, weights, experts=tiers), hp=hp)

@@ -11,7 +11,7 @@ A blob is one pair's bytes in a fixed order, gate | up | down: the unit a cache 
 from __future__ import annotations
 
 import logging
-import warnings
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,13 +55,6 @@ class BlobLayout:
         return self.gate_bytes + self.up_bytes + self.down_bytes
 
 
-def _torch_view(a: np.ndarray) -> torch.Tensor:
-    """Zero-copy torch view of a (possibly read-only) memmap array; torch only warns about writability."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
 def expert_layers_of(file) -> list[int]:
     """Block indices (trunk and MTP) that hold routed experts, in order."""
     hp = file.hparams
@@ -95,14 +88,12 @@ class HostStore:
         self.file = file
         self.hp = file.hparams
         self.layers: dict[int, ExpertLayer] = {}  # numpy views [X, rows, RB]
-        self.torch_layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layouts: dict[int, BlobLayout] = {}
         for b in expert_layers_of(file):
             gate, up, down, types = self._views(b)
             layer = ExpertLayer(gate, up, down, *types)
             layer.validate()
             self.layers[b] = layer
-            self.torch_layers[b] = (_torch_view(gate), _torch_view(up), _torch_view(down))
             self.layouts[b] = BlobLayout(
                 layer.n_embd, layer.n_ff, gate.shape[2], up.shape[2], down.shape[2], *types
             )
@@ -148,14 +139,15 @@ class HostStore:
     def layer(self, b: int) -> ExpertLayer:
         return self.layers[b]
 
-    def blob_parts(self, b: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pair's gate, up, down bytes as flat uint8 CPU tensors (views of the map)."""
-        g, u, d = self.torch_layers[b]
-        return g[e].reshape(-1), u[e].reshape(-1), d[e].reshape(-1)
+    def blob_parts(self, b: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pair's gate, up, down bytes as flat uint8 arrays (views of the map). numpy, not torch:
+        torch's CPU copy from a memmap-backed tensor is orders of magnitude slower than numpy's."""
+        lay = self.layers[b]
+        return lay.gate[e].reshape(-1), lay.up[e].reshape(-1), lay.down[e].reshape(-1)
 
     def blob_bytes(self, b: int, e: int) -> bytes:
         """The pair's blob (gate | up | down), for byte-for-byte checks."""
-        return b"".join(p.numpy().tobytes() for p in self.blob_parts(b, e))
+        return b"".join(p.tobytes() for p in self.blob_parts(b, e))
 
     # -- pinning -------------------------------------------------------------------------------------
     def _pin(self, pin_gib: float | None) -> None:
@@ -163,10 +155,11 @@ class HostStore:
         cap = None if pin_gib is None else int(pin_gib * 2**30)
         page = 4096
         spans = []
-        for b in self.layers:
-            for t in self.torch_layers[b]:  # the last byte a view reaches: sum((shape - 1) * stride)
-                end = t.data_ptr() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-                spans.append((t.data_ptr() // page * page, (end + page - 1) // page * page))
+        for lay in self.layers.values():
+            for a in (lay.gate, lay.up, lay.down):  # the last byte a view reaches: sum((shape - 1) * stride)
+                start = a.__array_interface__["data"][0]
+                end = start + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True)) + 1
+                spans.append((start // page * page, (end + page - 1) // page * page))
         merged: list[list[int]] = []
         for lo, hi in sorted(spans):
             if merged and lo <= merged[-1][1]:
@@ -174,6 +167,7 @@ class HostStore:
             else:
                 merged.append([lo, hi])
         cudart = torch.cuda.cudart()
+        t0 = time.perf_counter()
         for lo, hi in merged:
             if cap is not None and self.pinned_bytes + (hi - lo) > cap:
                 hi = lo + (cap - self.pinned_bytes) // page * page
@@ -186,6 +180,9 @@ class HostStore:
                 return
             self._registered.append(lo)
             self.pinned_bytes += hi - lo
+        log.info(
+            "host store: page-locked %.1f GiB in %.1f s", self.pinned_bytes / 2**30, time.perf_counter() - t0
+        )
 
     def close(self) -> None:
         if self._registered and torch.cuda.is_available():

@@ -28,6 +28,7 @@ from strata_ray.kernels.contract import ExpertLayer
 log = logging.getLogger("strata_ray.experts")
 
 MIB = 2**20
+STAGING = 8  # pinned staging buffers for blob copies
 
 
 class SlotCacheError(RuntimeError):
@@ -84,6 +85,9 @@ class SlotCache:
         self._swap_event = None
         self.fill_seconds = 0.0
         self.fill_line = ""
+        self._staging: list[torch.Tensor] | None = None  # pinned blob buffers (CUDA)
+        self._staging_events: list = []
+        self._next_staging = 0
 
     # -- slot table views ----------------------------------------------------------------------------
     def layer_view(self, b: int) -> ExpertLayer:
@@ -119,12 +123,35 @@ class SlotCache:
 
     # -- copies --------------------------------------------------------------------------------------
     def copy_blob(self, layer: int, expert: int, slot: int, non_blocking: bool = False) -> None:
-        """Byte-exact copy of the pair's gate | up | down into `slot` (on the current stream)."""
+        """Byte-exact copy of the pair's gate | up | down into `slot`. On CUDA through a ring of pinned
+        staging buffers (numpy fills one, the H2D copy runs on the current stream, an event guards
+        the buffer's reuse), so copies run at pinned speed whether or not the map is page-locked."""
+        parts = self.store.blob_parts(layer, expert)
+        if not self.is_cuda:
+            dst = self.storage.numpy()[slot]
+            off = 0
+            for p in parts:
+                dst[off : off + p.size] = p
+                off += p.size
+            return
+        if self._staging is None:
+            self._staging = [
+                torch.empty(self.blob, dtype=torch.uint8, pin_memory=True) for _ in range(STAGING)
+            ]
+            self._staging_events = [None] * STAGING
+        i = self._next_staging
+        self._next_staging = (i + 1) % STAGING
+        if self._staging_events[i] is not None:
+            self._staging_events[i].synchronize()  # the copy that last read this buffer is done
+        buf = self._staging[i].numpy()
         off = 0
-        for part in self.store.blob_parts(layer, expert):
-            n = part.numel()
-            self.storage[slot, off : off + n].copy_(part, non_blocking=non_blocking)
-            off += n
+        for p in parts:
+            buf[off : off + p.size] = p
+            off += p.size
+        self.storage[slot, :off].copy_(self._staging[i][:off], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._staging_events[i] = event
 
     def _pair(self, pid: int) -> tuple[int, int]:
         return divmod(int(pid), self.store.n_expert)
