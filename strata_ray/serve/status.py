@@ -163,10 +163,23 @@ class ServeMetrics:
 
 
 def tier_counters(engine) -> dict[str, dict[str, int]] | None:
-    """Cumulative expert counters per tier, {tier: {"experts", "hits", "lookups"}}, from an engine with tiers
-    (`expert_tiers()`); None for the reference engine, see reference_tiers."""
+    """Cumulative expert counters per tier, {tier: {"experts", "hits", "lookups"}}, or None for an engine
+    without tiers (float experts: see reference_tiers). An engine may report its own through
+    `expert_tiers()`; otherwise they are read from its TieredExperts (`engine.tiers`): the primary cache
+    computes its slot hits, the CPU pool every other routed entry of the decode windows."""
     report = getattr(engine, "expert_tiers", None)
-    return {name: dict(v) for name, v in report().items()} if callable(report) else None
+    if callable(report):
+        return {name: dict(v) for name, v in report().items()}
+    tiers = getattr(engine, "tiers", None)
+    if tiers is None:
+        return None
+    c = tiers.metrics.counts
+    resident = int(tiers.residency.n_resident)
+    return {
+        "primary": {"experts": resident, "hits": c.slot_hits, "lookups": c.entries},
+        "cpu": {"experts": tiers.n_layers * tiers.n_expert - resident, "hits": c.cpu_entries,
+                "lookups": c.entries},
+    }
 
 
 def reference_tiers(engine, tokens: int) -> dict[str, dict[str, float]]:
