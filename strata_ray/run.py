@@ -106,26 +106,33 @@ def build_generate_parser():
     return parser
 
 
-def parse_request(ns):
-    """The generation request from the parsed flags (prompt text is read here; tokenized in the primary)."""
-    from strata_ray.engine.engine import GenerationRequest
-    from strata_ray.engine.sampling import SamplingParams
-
-    seed = None if ns.seed is None else parse_value(int_range(0), ns.seed, "--seed")
-    sampling = SamplingParams(
+def parse_request(ns, n_vocab: int):
+    """The generation request from the parsed flags (prompt text is read here, tokenized in the primary).
+    Every value is checked before torch is imported, so a bad flag fails fast."""
+    sampling = dict(
         temperature=parse_value(float_range(0.0, 100.0), ns.temperature, "--temperature"),
         top_k=parse_value(int_range(0), ns.top_k, "--top-k"),
         top_p=parse_value(float_range(0.0, 1.0, lo_open=True), ns.top_p, "--top-p"),
         min_p=parse_value(float_range(0.0, 1.0), ns.min_p, "--min-p"),
-        seed=seed,
+        seed=None if ns.seed is None else parse_value(int_range(0), ns.seed, "--seed"),
     )
-    max_tokens = parse_value(int_range(1), ns.max_tokens, "--max-tokens")
-    logprobs = parse_value(int_range(0, 20), ns.logprobs, "--logprobs")
+    common = dict(
+        max_tokens=parse_value(int_range(1), ns.max_tokens, "--max-tokens"),
+        logprobs=parse_value(int_range(0, 20), ns.logprobs, "--logprobs"),
+    )
     if ns.prompt_ids is not None:
         ids = parse_value(_token_ids, ns.prompt_ids, "--prompt-ids")
-        return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, logprobs=logprobs)
-    return GenerationRequest(prompt=read_prompt(ns), chat=ns.chat, max_tokens=max_tokens, sampling=sampling,
-                             logprobs=logprobs)
+        bad = next((i for i in ids if i >= n_vocab), None)
+        if bad is not None:
+            raise ConfigError(f"--prompt-ids: token id {bad} is out of range (vocabulary of {n_vocab})")
+        prompt = dict(prompt_ids=ids)
+    else:
+        prompt = dict(prompt=read_prompt(ns), chat=ns.chat)
+
+    from strata_ray.engine.engine import GenerationRequest
+    from strata_ray.engine.sampling import SamplingParams
+
+    return GenerationRequest(**prompt, **common, sampling=SamplingParams(**sampling))
 
 
 def read_prompt(ns) -> str:
@@ -175,11 +182,6 @@ def check_model_file(cfg):
     return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
 
 
-def check_prompt_ids(request, n_vocab: int) -> None:
-    bad = next((i for i in request.prompt_ids or () if i >= n_vocab), None)
-    if bad is not None:
-        raise ConfigError(f"--prompt-ids: token id {bad} is out of range (the model has {n_vocab} tokens)")
-
 
 def generate_main(argv: Sequence[str]) -> int:
     from strata_ray.model.hparams import ModelFormatError
@@ -189,13 +191,12 @@ def generate_main(argv: Sequence[str]) -> int:
         cfg = config_from_args(ns, os.environ)
         model_path, hp = check_model_file(cfg)
         cfg = replace(cfg, model=model_path)
+        request = parse_request(ns, hp.n_vocab)
         if ns.address == "local":
             check_peer_visible_here(cfg)
         from strata_ray.engine.engine import check_supported
 
         check_supported(cfg)
-        request = parse_request(ns)
-        check_prompt_ids(request, hp.n_vocab)
     except (ConfigError, ModelFormatError) as e:
         return fail(str(e))
     from strata_ray.actors import launch

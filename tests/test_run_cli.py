@@ -171,7 +171,7 @@ def test_unknown_architecture(tmp_path):
         (["--logprobs", "50"], "--logprobs: invalid value '50' (allowed: an integer from 0 to 20)"),
         (["--prompt-ids", "1,x"],
          "--prompt-ids: invalid value '1,x' (allowed: comma-separated token ids >= 0, e.g. 1,2,3)"),
-        (["--prompt-ids", "1,288"], "--prompt-ids: token id 288 is out of range (the model has 288 tokens)"),
+        (["--prompt-ids", "1,288"], "--prompt-ids: token id 288 is out of range (vocabulary of 288)"),
         (["--prompt-file", "/no/such/prompt.txt"],
          "--prompt-file: cannot read /no/such/prompt.txt (No such file or directory)"),
         (["--prompt", "a", "--prompt-ids", "1"],
