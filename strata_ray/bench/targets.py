@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -62,12 +63,14 @@ def local_target(cfg) -> Iterator[Target]:
 
 @contextlib.contextmanager
 def ray_target(cfg, address: str | None, verbose: bool, replace_actors: bool) -> Iterator[Target]:
+    import ray
+
     from strata_ray.actors import launch
     from strata_ray.engine.engine import check_supported
-    from strata_ray.run import check_model_file, load_model_remote
 
     file, path, tokenizer = open_model_file(cfg.model)  # bad files and flags fail in a second, before Ray
-    cfg = replace(cfg, model=check_model_file(cfg))
+    if cfg.model is not None:
+        cfg = replace(cfg, model=os.path.abspath(cfg.model))  # the actor's working directory differs
     check_supported(cfg)
     session = dep = None
     try:
@@ -79,7 +82,10 @@ def ray_target(cfg, address: str | None, verbose: bool, replace_actors: bool) ->
             dep = launch.launch(cfg, keep=False)
         else:
             say(f"reusing {launch.PRIMARY_NAME} kept by an earlier run")
-        info = load_model_remote(dep, reused=not dep.created)
+        started = time.monotonic()
+        info = ray.get(dep.primary.load.remote())
+        say(f"{launch.PRIMARY_NAME} has {os.path.basename(info['path'])} on {info['device']} "
+            f"(ready in {time.monotonic() - started:.1f} s)")
         yield Target("ray", RayRunner(dep.primary), tokenizer, file, path, file.hparams.context_length,
                      info.get("device"), cfg)
     finally:

@@ -191,6 +191,7 @@ def server_url(model_path, tmp_path_factory):
             proc.wait()
 
 
+@pytest.mark.slow  # starts the server: Ray Serve takes ~30 s to come up
 def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, capsys):
     out_json = tmp_path / "u.json"
     code, out, err = run_cli(capsys, "--url", server_url, "--api-key", API_KEY, "--model", model_path,
@@ -204,6 +205,7 @@ def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, ca
     assert run["generated_tokens"] == 4 and c["prefill_tps"] > 0 and run["engine_prompt_s"] is None
 
 
+@pytest.mark.slow
 def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, capsys):
     ref = str(tmp_path / "ref.json")
     local = ["--local", "--model", model_path]
@@ -215,6 +217,7 @@ def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, cap
     assert "same text" in out and out.strip().splitlines()[-1] == "GATE: PASS"  # the server sends no ids
 
 
+@pytest.mark.slow
 def test_url_without_the_api_key_is_one_line(model_path, server_url, capsys):
     code, _, err = run_cli(capsys, "--url", server_url, "--api-key", "wrong", "--contexts", "160", *FAST)
     assert code == 2 and "HTTP 401" in err and err.count("\n") == 1
