@@ -1,0 +1,157 @@
+"""`run` attached to a cluster started with `ray start --head`: named actors in namespace strata, kept actors
+reused, Ctrl-C never stops the cluster, and an actor that dies ends the command with one line.
+
+One cluster for the module. It is started with `ray start --block` in its own session, so tearing it down
+stops exactly the processes it started (never `ray stop`, which would stop every cluster on the machine).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from strata_ray.actors.launch import COORDINATOR_NAME, NAMESPACE, PRIMARY_NAME
+from strata_ray.model.synth import write_synth
+
+REPO = Path(__file__).resolve().parents[2]
+CURRENT_CLUSTER_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def client_env(address: str) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "RAY_ADDRESS": address}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("attach")
+    port, dashboard_port = free_port(), free_port()
+    log = open(tmp / "ray_start.log", "w")
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in (tmp / "ray_start.log").read_text():
+            assert head.poll() is None and time.monotonic() < deadline, (tmp / "ray_start.log").read_text()
+            time.sleep(0.5)
+        model = tmp / "tiny.gguf"
+        write_synth(model, arch="qwen3next", preset="tiny", progress=False)
+        yield address, str(model)
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # anything of its session still alive
+        except ProcessLookupError:
+            pass
+        log.close()
+        if CURRENT_CLUSTER_FILE.exists() and CURRENT_CLUSTER_FILE.read_text().strip().endswith(f":{port}"):
+            CURRENT_CLUSTER_FILE.unlink()  # do not leave other Ray users pointing at a stopped cluster
+
+
+def run_cli(address, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], capture_output=True, text=True,
+                          env=client_env(address), cwd=REPO, timeout=timeout)
+
+
+def strata_actors(address: str) -> dict[str, str]:
+    """name -> state of the actors in namespace strata, through the state API (as the dashboard sees them)."""
+    code = (
+        "import json\n"
+        "from ray.util.state import list_actors\n"
+        f"actors = list_actors(address={address!r}, filters=[('ray_namespace', '=', {NAMESPACE!r})])\n"
+        "print(json.dumps({a.name: a.state for a in actors if a.state != 'DEAD'}))\n"
+    )
+    env = {**client_env(address), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_attaches_and_places_named_actors(cluster):
+    address, model = cluster
+    args = ["--model", model, "--prompt", "def main():", "--max-tokens", "12", "--json"]
+    r = run_cli(address, *args, "--keep-actors")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("strata_ray: attached to the running Ray cluster at ")
+    first = json.loads(r.stdout)
+    assert strata_actors(address) == {PRIMARY_NAME: "ALIVE", COORDINATOR_NAME: "ALIVE"}
+
+    # the kept actors serve the next run with the same flags, with the same tokens
+    r = run_cli(address, *args)
+    assert r.returncode == 0, r.stderr
+    assert f"strata_ray: reusing {PRIMARY_NAME} and {COORDINATOR_NAME} kept by an earlier run" in r.stderr
+    assert json.loads(r.stdout)["token_ids"] == first["token_ids"]
+
+    # other flags: refused in one line, unless asked to replace them
+    r = run_cli(address, *args, "--prefill", "64")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == (
+        f"strata_ray: the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) runs with "
+        "another configuration; add --replace-actors to remove it")
+    r = run_cli(address, *args, "--prefill", "64", "--replace-actors")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == first["token_ids"]  # the prompt chunk does not change tokens
+    assert strata_actors(address) == {}  # not kept: removed at the end of the run
+
+
+def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
+    address, model = cluster
+    p = subprocess.Popen(
+        [sys.executable, "-m", "strata_ray.run", "--model", model, "--prompt", "x", "--max-tokens", "100000",
+         "--temperature", "1", "--seed", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=client_env(address), cwd=REPO,
+    )
+    deadline = time.monotonic() + 180
+    while strata_actors(address) != {PRIMARY_NAME: "ALIVE", COORDINATOR_NAME: "ALIVE"}:
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(1)
+    time.sleep(3)  # let it load and generate
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.splitlines()[-1] == "strata_ray: interrupted", err
+    assert strata_actors(address) == {}
+    r = run_cli(address, "--model", model, "--prompt", "x", "--max-tokens", "2")  # the cluster still runs
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_dying_actor_is_reported_in_one_line(cluster):
+    """The message run prints for an actor whose process dies (OOM kill, segfault): one line, exit 1."""
+    address, _ = cluster
+    code = (
+        "import json, os, ray\n"
+        "from strata_ray.actors.launch import describe_failure\n"
+        "ray.init(namespace='strata-test', logging_level='ERROR')\n"
+        "@ray.remote(num_cpus=0)\n"
+        "class Doomed:\n"
+        "    def die(self):\n"
+        "        os._exit(1)\n"
+        "try:\n"
+        "    ray.get(Doomed.remote().die.remote())\n"
+        "except Exception as e:\n"
+        f"    print(json.dumps(describe_failure(e, {PRIMARY_NAME!r})))\n"
+    )
+    env = {**client_env(address), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    message, exit_code = json.loads(r.stdout.strip().splitlines()[-1])
+    assert exit_code == 1 and "\n" not in message
+    assert message.startswith(f"{PRIMARY_NAME} died: its worker process exited ("), message
