@@ -1,0 +1,103 @@
+"""Engine without Ray: prompts (text, chat, ids), streaming batches, stop(), request errors."""
+
+import threading
+
+import pytest
+
+from strata_ray.actors.coordinator import Coordinator
+from strata_ray.actors.primary import Primary
+from strata_ray.config import EngineConfig
+from strata_ray.engine.engine import (
+    Engine,
+    FeatureNotAvailable,
+    GenerationRequest,
+    GenerationStopped,
+    GenerationSummary,
+    RequestError,
+    TokenBatch,
+    check_supported,
+)
+from strata_ray.model.synth import write_synth
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
+    return Engine(EngineConfig(model=str(path), device="cpu"), progress=False)
+
+
+def test_text_prompt_and_chat_template(engine):
+    tok = engine.tokenizer
+    assert engine.prompt_ids(GenerationRequest(prompt="Hi there")) == tok.encode("Hi there")
+    chat = engine.prompt_ids(GenerationRequest(prompt="Hi there", chat=True))
+    assert tok.decode(chat) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    assert engine.prompt_ids(GenerationRequest(prompt_ids=(5, 6, 7))) == [5, 6, 7]  # as given, no BOS
+
+
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (GenerationRequest(prompt=""), "the prompt is empty"),
+        (GenerationRequest(prompt_ids=(1, 100000)),
+         "prompt token id 100000 is out of range (vocabulary of 288 tokens)"),
+        (GenerationRequest(prompt="x" * 5000), "the prompt has 5000 tokens; the model's context is 4096"),
+    ],
+)
+def test_request_errors_are_one_line(engine, request_, message):
+    with pytest.raises(RequestError) as e:
+        engine.prompt_ids(request_)
+    assert str(e.value) == message
+
+
+def test_stream_batches_add_up_to_the_summary(engine):
+    request = GenerationRequest(prompt="import os", max_tokens=20)
+    items = list(engine.stream(request, flush_seconds=0.0))
+    *batches, summary = items
+    assert isinstance(summary, GenerationSummary) and all(isinstance(b, TokenBatch) for b in batches)
+    assert tuple(t for b in batches for t in b.token_ids) == summary.token_ids
+    assert "".join(b.text for b in batches) == summary.text
+    assert summary.token_ids == engine.generate(request).token_ids  # streaming does not change tokens
+    assert summary.prompt_tokens == len(engine.tokenizer.encode("import os"))
+    assert summary.summary_line().startswith(f"prompt: {summary.prompt_tokens} tokens, ")
+
+
+def test_batches_group_tokens_within_the_flush_interval(engine):
+    items = list(engine.stream(GenerationRequest(prompt="a", max_tokens=12), flush_seconds=60.0))
+    assert len(items) == 2  # one batch with every token, then the summary
+
+
+def test_stop_ends_a_running_generation(engine):
+    stream = engine.stream(GenerationRequest(prompt="a", max_tokens=4000), flush_seconds=0.0)
+    first = next(stream)
+    assert isinstance(first, TokenBatch)
+    threading.Timer(0.05, engine.stop).start()
+    with pytest.raises(GenerationStopped):
+        for _ in stream:
+            pass
+
+
+def test_closing_the_stream_stops_the_worker(engine):
+    stream = engine.stream(GenerationRequest(prompt="a", max_tokens=4000), flush_seconds=0.0)
+    next(stream)
+    stream.close()  # joins the generation thread: it must end promptly
+    assert not any(t.name == "strata-generate" for t in threading.enumerate())
+
+
+def test_primary_and_coordinator_without_ray(engine):
+    coordinator = Coordinator(engine.config)
+    primary = Primary(engine.config)
+    primary.engine = engine  # reuse the loaded model
+    items = list(primary.generate_stream(GenerationRequest(prompt="x", max_tokens=5)))
+    summary = items[-1]
+    coordinator.record_generation(summary.prompt_tokens, len(summary.token_ids), summary.prompt_seconds,
+                                  summary.decode_seconds)
+    status = coordinator.status()
+    assert status["generations"] == 1 and status["generated_tokens"] == len(summary.token_ids)
+
+
+def test_flags_whose_engine_part_is_missing_say_so():
+    with pytest.raises(FeatureNotAvailable) as e:
+        check_supported(EngineConfig(layer_split="auto"))
+    assert str(e.value) == "--layer-split is not available yet"
+    check_supported(EngineConfig())
