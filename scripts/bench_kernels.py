@@ -11,7 +11,10 @@ the int8 tensor-core peak.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -68,6 +71,30 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
                          f"{dt * 1e3:.2f} ms", f"{gbs:.1f} GB/s"))
 
 
+def device_seconds(fn, reps: int) -> tuple[float, float]:
+    """(all GPU kernels, expert kernels) device seconds per fn() call, from the CUDA profiler:
+    pure kernel time, free of Python launch gaps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total = ours = 0.0
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if ev.key.startswith("Memcpy") or ev.key.startswith("Memset") or us <= 0:
+            continue
+        total += us
+        if "_expert_mm_kernel" in ev.key or "_act_quant_kernel" in ev.key:
+            ours += us
+    return total / reps / 1e6, ours / reps / 1e6
+
+
 def bench_gpu(rows: list, quick: bool) -> dict:
     import torch
 
@@ -96,37 +123,31 @@ def bench_gpu(rows: list, quick: bool) -> dict:
         per = expert_bytes(host)
         del host
         for n_tok in (1, 2, 4, 8):
-            # 8 entry sets over disjoint experts, replayed round-robin so L2 (50 MB) cannot serve them.
-            graphs, n_exp = [], []
+            # 8 entry sets over different experts, run round-robin so L2 (50 MB) cannot serve them.
+            calls, n_exp = [], []
             x = torch.randn(n_tok, E, device=dev)
+            tok = torch.from_numpy(np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)).to(dev)
             for _ in range(8):
-                pool_ids = rng.permutation(n_slots)
                 # tokens share experts like real routing: each picks 10 of the same 10 * min(T, 4)
-                cand = pool_ids[:TOP_K * min(n_tok, 4)]
+                cand = rng.permutation(n_slots)[:TOP_K * min(n_tok, 4)]
                 ids = np.concatenate([rng.permutation(cand)[:TOP_K] for _ in range(n_tok)])
                 n_exp.append(len(set(ids.tolist())))
-                tok = torch.from_numpy(np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)).to(dev)
-                slot = torch.from_numpy(ids.astype(np.int32)).to(dev)
-                out = torch.empty(len(ids), E, device=dev)
-                expert_ffn_gpu(x, tok, slot, slots, mode="decode", out=out)  # compile
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    expert_ffn_gpu(x, tok, slot, slots, mode="decode", out=out)
-                graphs.append(graph)
-            reps = 20 if quick else 100
-            t0.record()
-            for _ in range(reps):
-                for graph in graphs:
-                    graph.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            dt = t0.elapsed_time(t1) / 1e3 / (reps * len(graphs))
+                calls.append((tok, torch.from_numpy(ids.astype(np.int32)).to(dev)))
+            for tok_, slot in calls:
+                expert_ffn_gpu(x, tok_, slot, slots, mode="decode")  # compile, warm
+            reps = 5 if quick else 20
+            def run_all(x=x, calls=calls, slots=slots):
+                for t, s_ in calls:
+                    expert_ffn_gpu(x, t, s_, slots, mode="decode")
+
+            dev_s, kern_s = device_seconds(run_all, reps)
+            dt = kern_s / len(calls)
             experts = float(np.mean(n_exp))
             gbs = experts * per / dt / 1e9
             pct = 100 * gbs / info["hbm_copy_gbs"]
             rows.append(("gpu decode", type_name(wtype), f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
-                         f"{dt * 1e6:.1f} us", f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
+                         f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us)",
+                         f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
         x = torch.randn(n_tok, E, device=dev)
@@ -134,14 +155,8 @@ def bench_gpu(rows: list, quick: bool) -> dict:
         slot = torch.stack([torch.randperm(n_slots, device=dev)[:TOP_K] for _ in range(n_tok)]).reshape(-1)
         slot = slot.to(torch.int32)
         expert_ffn_gpu(x, tok, slot, slots, mode="prompt")
-        torch.cuda.synchronize()
-        reps = 3 if quick else 10
-        t0.record()
-        for _ in range(reps):
-            expert_ffn_gpu(x, tok, slot, slots, mode="prompt")
-        t1.record()
-        torch.cuda.synchronize()
-        dt = t0.elapsed_time(t1) / 1e3 / reps
+        _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt"),
+                               3 if quick else 10)
         tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
         pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
@@ -152,12 +167,46 @@ def bench_gpu(rows: list, quick: bool) -> dict:
     return info
 
 
+def graph_probe(which: str) -> None:
+    """Capture expert_ffn_gpu (which=full) or only its Triton launches (which=kernels) in a CUDA
+    graph, replay, compare with eager. Run in a subprocess: a fault poisons the CUDA context."""
+    import torch
+
+    import strata_ray.kernels.expert_gpu as eg
+
+    dev = torch.device("cuda")
+    host = random_layer(np.random.default_rng(3), 16, E, N_FF, (Q8_0,) * 3)
+    slots = ExpertLayer(*(torch.from_numpy(w).to(dev) for w in (host.gate, host.up, host.down)),
+                        Q8_0, Q8_0, Q8_0)
+    x = torch.randn(2, E, device=dev)
+    tok = torch.tensor([0] * 10 + [1] * 10, dtype=torch.int32, device=dev)
+    slot = torch.tensor(list(range(10)) + list(range(5, 15)), dtype=torch.int32, device=dev)
+    want = eg.expert_ffn_gpu(x, tok, slot, slots, mode="decode")
+    if which == "kernels":
+        plan = eg.plan_tiles(slot, 2, 16)
+        eg.plan_tiles = lambda *a: plan
+    out = torch.empty_like(want)
+    eg.expert_ffn_gpu(x, tok, slot, slots, mode="decode", out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eg.expert_ffn_gpu(x, tok, slot, slots, mode="decode", out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    print(f"graph-{which}: {'PASS' if torch.equal(out, want) else 'MISMATCH'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--section-out", help="write the markdown section to this file")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--graph-probe", choices=["kernels", "full"])
     args = ap.parse_args()
+    if args.graph_probe:
+        graph_probe(args.graph_probe)
+        return
     rows: list = []
     info: dict = {}
     pool = CpuPool()
@@ -171,13 +220,22 @@ def main() -> None:
     if has_gpu:
         info = bench_gpu(rows, args.quick)
     bench_cpu(rows, pool, args.quick)
+    probes = []
+    if has_gpu:
+        for which in ("kernels", "full"):
+            r = subprocess.run([sys.executable, __file__, "--graph-probe", which], capture_output=True,
+                               text=True, timeout=300)
+            lines = (r.stdout + r.stderr).strip().splitlines()
+            probes.append(next((ln for ln in lines if ln.startswith("graph-")),
+                               f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "
              f"{time.strftime('%Y-%m-%d')}, {info.get('gpu', 'no GPU')}, {cpu_count()} CPU threads "
              f"({platform.processor() or platform.machine()}).", "",
              f"- HBM device copy: {info.get('hbm_copy_gbs', 0):.0f} GB/s (read + write)" if info else
              "- HBM device copy: n/a",
-             f"- host memcpy ({pool.n_threads} threads): {host_gbs:.1f} GB/s (read + write)", "",
+             f"- host memcpy ({pool.n_threads} threads): {host_gbs:.1f} GB/s (read + write)",
+             *[f"- CUDA graph capture probe: {p}" for p in probes], "",
              "| kernel | weights | case | time/call | throughput |", "|---|---|---|---:|---:|"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
     text = "\n".join(lines) + "\n"
