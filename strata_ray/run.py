@@ -106,9 +106,9 @@ def build_generate_parser():
     return parser
 
 
-def parse_request(ns, n_vocab: int):
-    """The generation request from the parsed flags (prompt text is read here, tokenized in the primary).
-    Every value is checked before torch is imported, so a bad flag fails fast."""
+def request_values(ns, n_vocab: int) -> dict:
+    """Checked values of the generation flags, without torch (a bad flag fails fast) and before the prompt
+    is read from a file or stdin."""
     sampling = dict(
         temperature=parse_value(float_range(0.0, 100.0), ns.temperature, "--temperature"),
         top_k=parse_value(int_range(0), ns.top_k, "--top-k"),
@@ -125,14 +125,19 @@ def parse_request(ns, n_vocab: int):
         bad = next((i for i in ids if i >= n_vocab), None)
         if bad is not None:
             raise ConfigError(f"--prompt-ids: token id {bad} is out of range (vocabulary of {n_vocab})")
-        prompt = dict(prompt_ids=ids)
-    else:
-        prompt = dict(prompt=read_prompt(ns), chat=ns.chat)
+        common["prompt_ids"] = ids
+    return {"sampling": sampling, **common}
 
+
+def build_request(ns, values: dict):
+    """The GenerationRequest; prompt text is read here (tokenized in the primary)."""
     from strata_ray.engine.engine import GenerationRequest
     from strata_ray.engine.sampling import SamplingParams
 
-    return GenerationRequest(**prompt, **common, sampling=SamplingParams(**sampling))
+    values = dict(values, sampling=SamplingParams(**values["sampling"]))
+    if "prompt_ids" not in values:
+        values.update(prompt=read_prompt(ns), chat=ns.chat)
+    return GenerationRequest(**values)
 
 
 def read_prompt(ns) -> str:
@@ -191,12 +196,13 @@ def generate_main(argv: Sequence[str]) -> int:
         cfg = config_from_args(ns, os.environ)
         model_path, hp = check_model_file(cfg)
         cfg = replace(cfg, model=model_path)
-        request = parse_request(ns, hp.n_vocab)
+        values = request_values(ns, hp.n_vocab)
         if ns.address == "local":
             check_peer_visible_here(cfg)
         from strata_ray.engine.engine import check_supported
 
         check_supported(cfg)
+        request = build_request(ns, values)
     except (ConfigError, ModelFormatError) as e:
         return fail(str(e))
     from strata_ray.actors import launch

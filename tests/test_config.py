@@ -154,7 +154,7 @@ def run_cli(*args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=120)
+                          env=env, cwd=REPO, timeout=120, stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.parametrize(

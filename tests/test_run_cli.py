@@ -35,7 +35,8 @@ def run_cli(*args, stdin=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], input=stdin, capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=timeout)
+                          text=True, env=env, cwd=REPO, timeout=timeout,
+                          **({} if stdin is not None else {"stdin": subprocess.DEVNULL}))
 
 
 @pytest.fixture(scope="session")

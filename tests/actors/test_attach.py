@@ -69,7 +69,7 @@ def cluster(tmp_path_factory):
 
 def run_cli(address, *args, timeout=300):
     return subprocess.run([sys.executable, "-m", "strata_ray.run", *args], capture_output=True, text=True,
-                          env=client_env(address), cwd=REPO, timeout=timeout)
+                          env=client_env(address), cwd=REPO, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def strata_actors(address: str) -> dict[str, str]:
