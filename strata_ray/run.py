@@ -187,7 +187,6 @@ def check_model_file(cfg):
     return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
 
 
-
 def generate_main(argv: Sequence[str]) -> int:
     from strata_ray.model.hparams import ModelFormatError
 
@@ -220,6 +219,7 @@ def generate_main(argv: Sequence[str]) -> int:
             say("--keep-actors: a local Ray instance ends with this run (attach to `ray start --head`)")
         actor = launch.COORDINATOR_NAME
         dep = None if session.started else launch.find_existing(cfg, replace=ns.replace_actors)
+        actor = None
         if dep is not None:
             say(f"reusing {launch.PRIMARY_NAME} and {launch.COORDINATOR_NAME} kept by an earlier run")
         else:
@@ -232,6 +232,8 @@ def generate_main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         if dep is not None and not dep.created:
             dep.primary.stop.remote()  # kept actors live on: end only our generation
+        if sys.stdout.isatty():
+            sys.stdout.write("\n")  # end the half-printed line before the message
         sys.stdout.flush()
         return fail("interrupted", 130)
     except Exception as e:  # every failure ends in one line
