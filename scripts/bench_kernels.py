@@ -113,6 +113,41 @@ def graph_seconds(fn, reps: int) -> float:
     return t0.elapsed_time(t1) / 1e3 / reps
 
 
+def decode_sweep(rows, slots, per, info, rng, n_slots, quick) -> None:
+    """Decode tile tuning: unroll x warps; every setting must give the bits of the first."""
+    import torch
+
+    import strata_ray.kernels.expert_gpu as eg
+
+    dev = torch.device("cuda")
+    defaults = eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS
+    for n_tok in (1, 4):
+        x = torch.randn(n_tok, E, device=dev)
+        tok = torch.from_numpy(np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)).to(dev)
+        calls = [(tok, torch.from_numpy(np.concatenate(
+            [rng.permutation(cand)[:TOP_K] for _ in range(n_tok)]).astype(np.int32)).to(dev))
+            for cand in (rng.permutation(n_slots)[:TOP_K * n_tok] for _ in range(8))]
+        first = None
+        for unroll in (1, 4, 16):
+            for warps in (2, 4, 8):
+                eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS = unroll, warps
+                outs = [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode") for t, s_ in calls]
+                first = first or outs
+                same = all(torch.equal(a, b) for a, b in zip(first, outs, strict=True))
+
+                def run_all(x=x, calls=calls):
+                    for t, s_ in calls:
+                        eg.expert_ffn_gpu(x, t, s_, slots, mode="decode")
+
+                _, kern = device_seconds(run_all, 3 if quick else 10)
+                dt = kern / len(calls)
+                gbs = TOP_K * n_tok * per / dt / 1e9 if n_tok == 1 else None
+                thr = f"{gbs:.0f} GB/s" if gbs else f"{dt * 1e6:.1f} us"
+                rows.append(("gpu decode sweep", "Q4_0", f"{n_tok} tok, unroll {unroll}, {warps} warps",
+                             f"{dt * 1e6:.1f} us", f"{thr}, bits {'same' if same else 'DIFFER'}"))
+    eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS = defaults
+
+
 def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
     import torch
 
@@ -169,6 +204,8 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
             rows.append(("gpu decode", type_name(wtype), f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
                          f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
                          f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
+        if wtype == Q4_0:
+            decode_sweep(rows, slots, per, info, rng, n_slots, quick)
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
         x = torch.randn(n_tok, E, device=dev)

@@ -116,6 +116,39 @@ def down_float_job(down, h, ent, r0, r1, out):
             out[ent[j], r] = acc[j]
 
 
+@njit(nogil=True, cache=True)
+def gate_up_batch(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, jobs, h, hq, hd, hs):
+    """Run gate_up_job for jobs [J, 3] = (group, r0, r1); group g = entries ents[g_start[g]:g_start[g+1]]
+    of expert g_exp[g]. One call per thread keeps Python dispatch off the critical path."""
+    for k in range(jobs.shape[0]):
+        g = jobs[k, 0]
+        ent = ents[g_start[g]:g_start[g + 1]]
+        arow = np.empty(ent.shape[0], np.int64)
+        for j in range(ent.shape[0]):
+            arow[j] = tok[ent[j]]
+        e = g_exp[g]
+        r0, r1 = jobs[k, 1], jobs[k, 2]
+        gate_up_job(gate[e], gtype, up[e], utype, aq, ad, asum, arow, ent, r0, r1, h, hq, hd, hs)
+
+
+@njit(nogil=True, cache=True)
+def down_batch(down, dtype, hqf, hd, hs, ents, g_start, g_exp, jobs, out):
+    for k in range(jobs.shape[0]):
+        g = jobs[k, 0]
+        ent = ents[g_start[g]:g_start[g + 1]]
+        down_job(down[g_exp[g]], dtype, hqf, hd, hs, ent, jobs[k, 1], jobs[k, 2], out)
+
+
+def _jobs(n_groups: int, n_rows: int, chunk: int) -> np.ndarray:
+    """int64 [J, 3] of (group, r0, r1)."""
+    return np.array([(g, r0, r1) for g in range(n_groups) for r0, r1 in _row_ranges(n_rows, chunk)], np.int64)
+
+
+def _per_thread(jobs: np.ndarray, n_threads: int) -> list[np.ndarray]:
+    """Deal jobs round-robin (neighbouring row ranges of one expert land on different threads)."""
+    return [np.ascontiguousarray(jobs[i::n_threads]) for i in range(min(n_threads, len(jobs)))]
+
+
 def group_entries(exp: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """[(expert, its entry indices ascending)] in expert order."""
     order = np.argsort(exp, kind="stable")
@@ -179,9 +212,13 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
     gate, up, down = np.asarray(layer.gate), np.asarray(layer.up), np.asarray(layer.down)
-    pool.run(gate_up_job, [(gate[e], layer.gate_type, up[e], layer.up_type, xq, xd, xs, tok[ent], ent,
-                            r0, r1, h, hq, hd, hs)
-                           for e, ent in groups for r0, r1 in _row_ranges(n_ff, up_chunk)])
-    pool.run(down_job, [(down[e], layer.down_type, hq, hd, hs, ent, r0, r1, out)
-                        for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
+    ents = np.concatenate([ent for _, ent in groups])
+    g_start = np.cumsum([0] + [len(ent) for _, ent in groups]).astype(np.int64)
+    g_exp = np.array([e for e, _ in groups], np.int64)
+    n = pool.n_threads
+    pool.run(gate_up_batch, [(gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp,
+                              jobs, h, hq, hd, hs)
+                             for jobs in _per_thread(_jobs(len(groups), n_ff, up_chunk), n)])
+    pool.run(down_batch, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, jobs, out)
+                          for jobs in _per_thread(_jobs(len(groups), n_embd, down_chunk), n)])
     return out

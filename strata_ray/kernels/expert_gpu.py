@@ -20,6 +20,9 @@ from .contract import QK, ExpertLayer, KernelError
 from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
 
 DECODE_MAX_TOKENS = 8
+# Decode tile tuning (bits do not depend on these): 32-blocks per unrolled loop step, warps.
+DECODE_UNROLL_MAX = 4
+DECODE_WARPS = 4
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 
 
@@ -135,7 +138,7 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
     br = 64 if use_dot and r % 64 == 0 else 32
     unroll = 1
     if not use_dot:
-        while unroll < 4 and (k // QK) % (unroll * 2) == 0:
+        while unroll < DECODE_UNROLL_MAX and (k // QK) % (unroll * 2) == 0:
             unroll *= 2
     (w1, t1), (w2, t2) = mats
     if is_float:
@@ -148,7 +151,7 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
                             w1, w2, w1.stride(0), w2.stride(0), w1.stride(1), w2.stride(1),
                             out, hq, hd, hs, m, r, k, k // QK,
                             T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
-                            USE_DOT=use_dot, num_warps=4, **_OPTS)
+                            USE_DOT=use_dot, num_warps=4 if use_dot else DECODE_WARPS, **_OPTS)
 
 
 def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
