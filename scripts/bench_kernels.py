@@ -128,8 +128,8 @@ def decode_sweep(rows, slots, per, info, rng, n_slots, quick) -> None:
             [rng.permutation(cand)[:TOP_K] for _ in range(n_tok)]).astype(np.int32)).to(dev))
             for cand in (rng.permutation(n_slots)[:TOP_K * n_tok] for _ in range(8))]
         first = None
-        for unroll in (1, 4, 16):
-            for warps in (2, 4, 8):
+        for unroll in (4, 16):
+            for warps in (4, 8):
                 eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS = unroll, warps
                 outs = [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode") for t, s_ in calls]
                 first = first or outs
