@@ -77,11 +77,27 @@ def topic_documents() -> list[str]:
     return docs
 
 
+# Functions that other libraries replace at import time (torch patches inspect.getfile), so whether they are
+# present would depend on what was imported first: always left out.
+EXCLUDED_MEMBERS = frozenset({"inspect.getfile"})
+
+
+def _original(module, name: str) -> object:
+    """The module's own object for `name`: sys keeps the interpreter's hooks as sys.__excepthook__ etc.,
+    which test runners and debuggers replace in the live sys.excepthook."""
+    obj = vars(module)[name]
+    if name.endswith("hook"):
+        obj = vars(module).get(f"__{name}__", obj)
+    return obj
+
+
 def _own_members(module) -> list[object]:
     """Classes and functions defined in `module` (not re-exported), then their methods, sorted by name."""
     out = []
     for name in sorted(vars(module)):
-        obj = vars(module)[name]
+        if f"{module.__name__}.{name}" in EXCLUDED_MEMBERS:
+            continue
+        obj = _original(module, name)
         if not (inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
             continue
         if getattr(obj, "__module__", None) != module.__name__ or name.startswith("_"):
@@ -103,14 +119,14 @@ def docstring_documents(modules: tuple[str, ...] = DOC_MODULES) -> list[str]:
     """Docstrings of `modules` in a fixed order, cleaned (inspect.cleandoc) and deduplicated."""
     docs, seen = [], set()
     for name in modules:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+        with warnings.catch_warnings():  # deprecated modules and aliases (typing.io) warn when touched
+            warnings.simplefilter("ignore")
+            try:
                 module = importlib.import_module(name)
-        except Exception:  # a module missing from this build of Python is simply skipped
-            continue
-        for obj in [module, *_own_members(module)]:
-            raw = getattr(obj, "__doc__", None)
+            except Exception:  # a module missing from this build of Python is simply skipped
+                continue
+            raws = [getattr(obj, "__doc__", None) for obj in [module, *_own_members(module)]]
+        for raw in raws:
             if not isinstance(raw, str):
                 continue
             text = inspect.cleandoc(raw).strip()
