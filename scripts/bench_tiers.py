@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--depths", default="1024,8192")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
-    ap.add_argument("--pin-gib", type=float, default=None, help="cap on the page-locked host store")
+    ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"

@@ -1,9 +1,9 @@
 """The host store: every routed expert's gate/up/down bytes, straight from the memory-mapped GGUF.
 
 Nothing is copied: each layer's `ffn_{gate,up,down}_exps` (or fused `ffn_gate_up_exps`) is a zero-copy
-view of the file map, uint8 [X, rows, row_bytes], which the CPU pool reads in place. When CUDA exists the
-map is page-locked (cudaHostRegister, read-only flag) layer by layer up to `pin_gib`, so blob copies into
-GPU slots run at full PCIe speed; where the OS refuses, the layer stays pageable (still correct, slower).
+view of the file map, uint8 [X, rows, row_bytes], which the CPU pool reads in place. With CUDA and
+`pin_gib` (STRATA_ARENA_PIN_GIB) set, whole layers up to that cap move into page-locked torch memory;
+blob copies of the rest go through the slot cache's pinned staging buffers.
 
 A blob is one pair's bytes in a fixed order, gate | up | down: the unit a cache slot holds.
 """
@@ -21,8 +21,6 @@ from strata_ray.kernels.contract import QUANT_TYPES, ExpertLayer, type_name
 from strata_ray.model.hparams import ModelFormatError
 
 log = logging.getLogger("strata_ray.experts")
-
-CUDA_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the file map may be read-only
 
 
 @dataclass(frozen=True)
@@ -71,20 +69,10 @@ def experts_block_quantized(file) -> bool:
     return bool(types) and all(t in QUANT_TYPES for t in types)
 
 
-def _consume_cuda_error() -> None:
-    """A failed cudaHostRegister leaves the runtime's last error set, and torch's next launch check
-    would report it as its own failure: consume it here with a throwaway launch."""
-    try:
-        torch.ones(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-    except RuntimeError:
-        pass
-
-
 class HostStore:
     def __init__(self, file, pin_gib: float | None = None):
-        """file: an open GGUFFile with block-quantized experts. pin_gib caps page-locked bytes (None =
-        the whole store; 0 = none). Pinning is attempted only when CUDA is available."""
+        """file: an open GGUFFile with block-quantized experts. pin_gib: GiB of whole expert
+        layers copied into page-locked memory (None or 0 = none); only when CUDA is available."""
         self.file = file
         self.hp = file.hparams
         self.layers: dict[int, ExpertLayer] = {}  # numpy views [X, rows, RB]
@@ -100,7 +88,7 @@ class HostStore:
         if not self.layers:
             raise ModelFormatError("the model has no routed-expert tensors (ffn_*_exps)")
         self.pinned_bytes = 0
-        self._registered: list[int] = []
+        self._pinned: list[torch.Tensor] = []  # page-locked copies of whole layers (CUDA only)
         if torch.cuda.is_available():
             self._pin(pin_gib)
 
@@ -151,43 +139,34 @@ class HostStore:
 
     # -- pinning -------------------------------------------------------------------------------------
     def _pin(self, pin_gib: float | None) -> None:
-        """cudaHostRegister the expert tensors' pages (merged page ranges, layer order) within the cap."""
-        cap = None if pin_gib is None else int(pin_gib * 2**30)
-        page = 4096
-        spans = []
-        for lay in self.layers.values():
-            for a in (lay.gate, lay.up, lay.down):  # the last byte a view reaches: sum((shape - 1) * stride)
-                start = a.__array_interface__["data"][0]
-                end = start + sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True)) + 1
-                spans.append((start // page * page, (end + page - 1) // page * page))
-        merged: list[list[int]] = []
-        for lo, hi in sorted(spans):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        cudart = torch.cuda.cudart()
+        """Move whole layers (layer order) into page-locked torch host memory, up to pin_gib.
+
+        Not cudaHostRegister on the file map: on the H200 machine registering a multi-GiB private file
+        mapping did not return within minutes. Unpinned layers still copy at pinned speed through the
+        slot cache's pinned staging buffers; pinning here only saves that host-side hop."""
+        if not pin_gib:
+            return
+        cap = int(pin_gib * 2**30)
         t0 = time.perf_counter()
-        for lo, hi in merged:
-            if cap is not None and self.pinned_bytes + (hi - lo) > cap:
-                hi = lo + (cap - self.pinned_bytes) // page * page
-                if hi <= lo:
-                    return
-            err = int(cudart.cudaHostRegister(lo, hi - lo, CUDA_HOST_REGISTER_READ_ONLY))
-            if err != 0:
-                _consume_cuda_error()
-                log.info("host store: page-locking refused (cuda error %d); the rest stays pageable", err)
-                return
-            self._registered.append(lo)
-            self.pinned_bytes += hi - lo
+        for b, lay in list(self.layers.items()):
+            arrays = (lay.gate, lay.up, lay.down)
+            size = sum(a.nbytes for a in arrays)
+            if self.pinned_bytes + size > cap:
+                break
+            copies = []
+            for a in arrays:
+                t = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)
+                t.numpy()[...] = a
+                self._pinned.append(t)
+                copies.append(t.numpy())
+            self.layers[b] = ExpertLayer(*copies, lay.gate_type, lay.up_type, lay.down_type)
+            self.pinned_bytes += size
         log.info(
-            "host store: page-locked %.1f GiB in %.1f s", self.pinned_bytes / 2**30, time.perf_counter() - t0
+            "host store: %.1f GiB of experts in pinned memory (%.1f s)",
+            self.pinned_bytes / 2**30,
+            time.perf_counter() - t0,
         )
 
     def close(self) -> None:
-        if self._registered and torch.cuda.is_available():
-            cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        self._registered = []
+        self._pinned = []
         self.pinned_bytes = 0
