@@ -113,7 +113,9 @@ class HParams:
         if f"{arch}.attention.recurrent_layers" in fields:
             rec = tuple(bool(x) for x in fields[f"{arch}.attention.recurrent_layers"])[:n_layer]
             if len(rec) != n_layer:
-                raise ModelFormatError(f"GGUF key {arch}.attention.recurrent_layers is shorter than block_count")
+                raise ModelFormatError(
+                    f"GGUF key {arch}.attention.recurrent_layers is shorter than block_count"
+                )
         else:
             interval = int(opt("full_attention_interval", 4))
             rec = tuple((i + 1) % interval != 0 for i in range(n_layer))
