@@ -204,3 +204,20 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def random_prompt(n: int, seed: int = 1) -> list[int]:
+    """n token ids drawn uniformly from the tiny vocabulary, fixed by seed."""
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def model_greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens from our Model: the prompt in one call, then one token per call."""
+    with torch.inference_mode():
+        state = model.new_state()
+        logits = model.forward(ids, state)
+        got = []
+        for _ in range(n):
+            got.append(int(logits[-1].argmax()))
+            logits = model.forward([got[-1]], state)
+    return got

@@ -16,8 +16,7 @@ def tiny():
     return hf_model, Model(hp, ref.gguf_weights(hf_model))
 
 
-def _prompt(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, ref.VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+_prompt = ref.random_prompt
 
 
 def test_logits_match_transformers_at_every_position(tiny):
@@ -34,13 +33,7 @@ def test_greedy_tokens_match_transformers(tiny):
     hf_model, model = tiny
     ids = _prompt(64, seed=2)
     expected = ref.hf_greedy(hf_model, ids, 32)
-    with torch.inference_mode():
-        state = model.new_state()
-        logits = model.forward(ids, state)
-        got = []
-        for _ in range(32):
-            got.append(int(logits[-1].argmax()))
-            logits = model.forward([got[-1]], state)
+    got = ref.model_greedy(model, ids, 32)
     assert got == expected
     assert len(set(got)) > 3  # a degenerate model repeating one token would prove little
 
