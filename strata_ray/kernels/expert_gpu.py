@@ -8,9 +8,18 @@ BR output rows of one tile, so a slot's weight rows are read once per tile.
 
 Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, several 32-blocks
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
+
+Two kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument):
+- "wide" (default): decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
+  chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out
+  of one reduction and only the fp32 terms are added one block at a time, in block order. The
+  prompt tiles are larger, and int->float uses an exact magic-number conversion.
+- "simple": the first kernels (one 32-block per step), kept for one release to A/B on the GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -18,11 +27,18 @@ import triton.language as tl
 
 from .contract import QK, ExpertLayer, KernelError
 from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
+from .triton_chunks import mm_chunked
 
 DECODE_MAX_TOKENS = 8
-# Decode tile tuning (bits do not depend on these): 32-blocks per unrolled loop step, warps.
+VARIANTS = ("wide", "simple")
+# "simple" decode tile tuning (bits do not depend on these): 32-blocks per unrolled step, warps.
 DECODE_UNROLL_MAX = 4
 DECODE_WARPS = 4
+# "wide" tile tuning (bits do not depend on these). gu_* = gate+up launch, down_* = down launch;
+# br rows per program (gu_br a multiple of 32: the program requantizes its h blocks), nb 32-blocks
+# per chunk (power of 2), prompt_bt entries per prompt tile.
+WIDE = dict(gu_br=32, gu_nb=8, gu_warps=8, down_br=16, down_nb=8, down_warps=4, decode_stages=1,
+            prompt_bt=64, prompt_br=128, prompt_warps=8, prompt_stages=3)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 
 
@@ -44,7 +60,8 @@ def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
                       W1, W2, stride1, stride2, RB1, RB2,
                       OUT, HQ, HD, HS, M, R, K, n_blocks,
                       T1: tl.constexpr, T2: tl.constexpr, GATED: tl.constexpr, IS_FLOAT: tl.constexpr,
-                      BT: tl.constexpr, BR: tl.constexpr, UNROLL: tl.constexpr, USE_DOT: tl.constexpr):
+                      BT: tl.constexpr, BR: tl.constexpr, UNROLL: tl.constexpr, USE_DOT: tl.constexpr,
+                      FAST_I2F: tl.constexpr):
     pid_r = tl.program_id(0)
     start = tl.load(TILE_START + tl.program_id(1))
     if start < 0:
@@ -72,9 +89,9 @@ def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
                 a = tl.load(AQ + arow[:, None] * K + b * 32 + k, mask=valid[:, None], other=0)
                 ad = tl.load(AD + arow * n_blocks + b, mask=valid, other=0.0)
                 asum = tl.load(AS + arow * n_blocks + b, mask=valid, other=0)
-                acc1 = block_step(acc1, w1, b, a, ad, asum, T1, USE_DOT)
+                acc1 = block_step(acc1, w1, b, a, ad, asum, T1, USE_DOT, FAST_I2F)
                 if GATED:
-                    acc2 = block_step(acc2, w2, b, a, ad, asum, T2, USE_DOT)
+                    acc2 = block_step(acc2, w2, b, a, ad, asum, T2, USE_DOT, FAST_I2F)
     if GATED:
         h = swiglu(acc1, acc2)  # [BT, BR]
         if IS_FLOAT:
@@ -86,6 +103,42 @@ def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
             hoffs = ent[:, None] * (R // 32) + cols[None, :]
             tl.store(HD + hoffs, tl.reshape(d, (BT, BR // 32)), mask=valid[:, None])
             tl.store(HS + hoffs, tl.reshape(s, (BT, BR // 32)), mask=valid[:, None])
+    else:
+        tl.store(OUT + ent[:, None] * R + rows[None, :], acc1, mask=valid[:, None])
+
+
+@triton.jit
+def _expert_mm_wide_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
+                           W1, W1H, W2, W2H, stride1, stride2, RB1, RB2,
+                           OUT, HQ, HD, HS, M, R, K, n_blocks,
+                           T1: tl.constexpr, T2: tl.constexpr, GATED: tl.constexpr,
+                           BT: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """Decode tile (quantized weights): BR rows of one slot for its <= BT entries, NB-block chunks."""
+    pid_r = tl.program_id(0)
+    start = tl.load(TILE_START + tl.program_id(1))
+    if start < 0:
+        return
+    offs = start + tl.arange(0, BT)
+    in_range = offs < M
+    slot0 = tl.load(SORTED_SLOT + start)
+    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
+    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
+    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
+    base1 = slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1  # [BR] byte offsets
+    base2 = slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    acc1 = tl.zeros((BT, BR), tl.float32)
+    acc2 = tl.zeros((BT, BR), tl.float32)
+    acc1, acc2 = mm_chunked(acc1, acc2, W1, W1H, W2, W2H, base1, base2, AQ, AD, AS, arow, valid, K,
+                            n_blocks, T1, T2, GATED, BT, NB)
+    if GATED:
+        h = swiglu(acc1, acc2)  # [BT, BR]
+        q, d, s = quant_blocks(tl.reshape(h, (BT * (BR // 32), 32)))
+        tl.store(HQ + ent[:, None] * R + rows[None, :], tl.reshape(q, (BT, BR)), mask=valid[:, None])
+        cols = pid_r * (BR // 32) + tl.arange(0, BR // 32)
+        hoffs = ent[:, None] * (R // 32) + cols[None, :]
+        tl.store(HD + hoffs, tl.reshape(d, (BT, BR // 32)), mask=valid[:, None])
+        tl.store(HS + hoffs, tl.reshape(s, (BT, BR // 32)), mask=valid[:, None])
     else:
         tl.store(OUT + ent[:, None] * R + rows[None, :], acc1, mask=valid[:, None])
 
@@ -132,37 +185,74 @@ def _float_view(w: torch.Tensor, t: int) -> torch.Tensor:
     return w.view({F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[t])
 
 
-def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode):
+def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode, variant):
     order, sorted_slot, tile_start = plan[:3]
     bt, use_dot = plan[3], mode == "prompt"
-    br = 64 if use_dot and r % 64 == 0 else 32
+    wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)
+    (w1, t1), (w2, t2) = mats
+    aq, ad, asum, af = act
+    if wide and not use_dot:
+        br = WIDE["gu_br"] if gated else WIDE["down_br"]
+        nb = min(WIDE["gu_nb"] if gated else WIDE["down_nb"], triton.next_power_of_2(k // QK))
+        grid = _grid(r, br, tile_start)
+        # the same bytes as 16-bit words (every block size and row width is even)
+        w1h, w2h = w1.view(torch.int16), w2.view(torch.int16)
+        _expert_mm_wide_kernel[grid](aq, ad, asum, act_row, order, sorted_slot, tile_start,
+                                     w1, w1h, w2, w2h, w1.stride(0), w2.stride(0), w1.stride(1),
+                                     w2.stride(1), out, hq, hd, hs, m, r, k, k // QK,
+                                     T1=t1, T2=t2, GATED=gated, BT=bt, BR=br, NB=nb,
+                                     num_warps=WIDE["gu_warps"] if gated else WIDE["down_warps"],
+                                     num_stages=WIDE["decode_stages"], **_OPTS)
+        return
+    if use_dot:
+        br = WIDE["prompt_br"] if wide else 64
+        while r % br:
+            br //= 2
+        br = max(br, 32)
+        warps, stages = (WIDE["prompt_warps"], WIDE["prompt_stages"]) if wide else (4, None)
+    else:
+        br, warps, stages = 32, DECODE_WARPS, None
     unroll = 1
     if not use_dot:
         while unroll < DECODE_UNROLL_MAX and (k // QK) % (unroll * 2) == 0:
             unroll *= 2
-    (w1, t1), (w2, t2) = mats
     if is_float:
         w1, w2 = _float_view(w1, t1), _float_view(w2, t2)
-    aq, ad, asum, af = act
-    grid = (r // br, tile_start.numel())
-    if grid[1] > 65535:
-        raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
-    _expert_mm_kernel[grid](aq, ad, asum, af, act_row, order, sorted_slot, tile_start,
-                            w1, w2, w1.stride(0), w2.stride(0), w1.stride(1), w2.stride(1),
-                            out, hq, hd, hs, m, r, k, k // QK,
-                            T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
-                            USE_DOT=use_dot, num_warps=4 if use_dot else DECODE_WARPS, **_OPTS)
+    opts = dict(_OPTS, **({"num_stages": stages} if stages else {}))
+    _expert_mm_kernel[_grid(r, br, tile_start)](
+        aq, ad, asum, af, act_row, order, sorted_slot, tile_start,
+        w1, w2, w1.stride(0), w2.stride(0), w1.stride(1), w2.stride(1),
+        out, hq, hd, hs, m, r, k, k // QK,
+        T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
+        USE_DOT=use_dot, FAST_I2F=wide, num_warps=warps, **opts)
+
+
+def _grid(r: int, br: int, tile_start: torch.Tensor) -> tuple[int, int]:
+    if tile_start.numel() > 65535:
+        raise KernelError(f"too many entry tiles in one launch ({tile_start.numel()})")
+    return (r // br, tile_start.numel())
+
+
+def kernel_variant(variant: str | None = None) -> str:
+    """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else "wide"."""
+    v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or "wide"
+    if v not in VARIANTS:
+        raise KernelError(f"unknown expert kernel variant {v!r} (wide or simple)")
+    return v
 
 
 def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
-                   mode: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+                   mode: str = "auto", out: torch.Tensor | None = None,
+                   variant: str | None = None) -> torch.Tensor:
     """rows f32 [M, E] (cuda): row m = down(swiglu(gate x, up x)) of slot[m] for token tok[m].
 
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
     mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
     out: optional f32 [M, E] to write the rows into (every element is written).
+    variant: "wide" or "simple" kernels (default: STRATA_KERNEL_VARIANT, else "wide"); same bits.
     """
     slots.validate()
+    variant = kernel_variant(variant)
     if mode == "auto":
         mode = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prompt"
     if mode not in ("decode", "prompt"):
@@ -178,7 +268,10 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     if m == 0:
         return out
     x = x.contiguous().float()
-    bt = min(triton.next_power_of_2(x.shape[0]), DECODE_MAX_TOKENS) if mode == "decode" else 64
+    if mode == "decode":
+        bt = min(triton.next_power_of_2(x.shape[0]), DECODE_MAX_TOKENS)
+    else:
+        bt = WIDE["prompt_bt"] if variant == "wide" and not slots.is_float else 64
     plan = (*plan_tiles(slot, bt, slots.gate.shape[0]), bt)
     tok32 = tok.to(torch.int32).contiguous()
     ident = torch.arange(m, dtype=torch.int32, device=dev)
@@ -188,14 +281,16 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
         h = torch.empty((m, n_ff), dtype=torch.float32, device=dev)
         none = torch.zeros(1, dtype=torch.int32, device=dev)  # unused pointer arguments
         _launch_mm((none, none, none, x), tok32, plan, gate_up, h, none, none, none, m, n_ff, n_embd,
-                   True, True, mode)
+                   True, True, mode, variant)
         _launch_mm((none, none, none, h), ident, plan, down, out, none, none, none, m, n_embd, n_ff,
-                   False, True, mode)
+                   False, True, mode, variant)
         return out
     xq, xd, xs = quantize_act_gpu(x)
     hq = torch.empty((m, n_ff), dtype=torch.int8, device=dev)
     hd = torch.empty((m, n_ff // QK), dtype=torch.float32, device=dev)
     hs = torch.empty((m, n_ff // QK), dtype=torch.int32, device=dev)
-    _launch_mm((xq, xd, xs, x), tok32, plan, gate_up, out, hq, hd, hs, m, n_ff, n_embd, True, False, mode)
-    _launch_mm((hq, hd, hs, x), ident, plan, down, out, hq, hd, hs, m, n_embd, n_ff, False, False, mode)
+    _launch_mm((xq, xd, xs, x), tok32, plan, gate_up, out, hq, hd, hs, m, n_ff, n_embd, True, False, mode,
+               variant)
+    _launch_mm((hq, hd, hs, x), ident, plan, down, out, hq, hd, hs, m, n_embd, n_ff, False, False, mode,
+               variant)
     return out

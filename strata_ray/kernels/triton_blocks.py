@@ -72,6 +72,26 @@ def quant_blocks(x):
     return qi.to(tl.int8), d, tl.sum(qi, axis=1)
 
 
+F32_MAGIC_BITS = tl.constexpr(0x4B400000)  # bits of 1.5 * 2^23
+F32_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def i2f_small(i):
+    """Exact float(i) for |i| < 2^22 without the quarter-rate int->float conversion instruction:
+    1.5 * 2^23 + i is formed in the mantissa bits, then 1.5 * 2^23 is subtracted (exact)."""
+    return (i + F32_MAGIC_BITS).to(tl.float32, bitcast=True) - F32_MAGIC
+
+
+@triton.jit
+def to_f32(i, FAST: tl.constexpr):
+    """float(i), exact for every block dot of the contract (|i| < 2^24); FAST only where |i| < 2^22."""
+    if FAST:
+        return i2f_small(i)
+    else:
+        return i.to(tl.float32)
+
+
 @triton.jit
 def idot(a, w, USE_DOT: tl.constexpr):
     """a int8 [BT, 32], w int8 [BR, 32] -> exact int32 [BT, BR]."""
@@ -82,21 +102,22 @@ def idot(a, w, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr):
+def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr, FAST_I2F: tl.constexpr):
     """acc [BT, BR] += contribution of 32-block b of weight rows starting at byte pointers w [BR],
-    for activation blocks a int8 [BT, 32] with scales ad f32 [BT] and sums asum int32 [BT]."""
+    for activation blocks a int8 [BT, 32] with scales ad f32 [BT] and sums asum int32 [BT].
+    FAST_I2F: int->float by the exact magic-number trick (Q8_0/Q4_0/Q4_K dots stay below 2^22)."""
     k = tl.arange(0, 32)[None, :]
     if T == T_Q8_0:
         blk = w + b * 34
         wq = tl.load(blk[:, None] + 2 + k).to(tl.int8, bitcast=True)
         s = f16_at(blk)[None, :] * ad[:, None]
-        acc = acc + idot(a, wq, USE_DOT).to(tl.float32) * s
+        acc = acc + to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
     elif T == T_Q4_0:
         blk = w + b * 18
         byte = tl.load(blk[:, None] + 2 + (k % 16)).to(tl.int32)
         wq = (tl.where(k < 16, byte & 0xF, byte >> 4) - 8).to(tl.int8)
         s = f16_at(blk)[None, :] * ad[:, None]
-        acc = acc + idot(a, wq, USE_DOT).to(tl.float32) * s
+        acc = acc + to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
     elif T == T_Q4_K:
         j = b % 8
         sb = w + (b // 8) * 144
@@ -110,8 +131,8 @@ def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr):
         wq = ((qb >> (4 * (j % 2))) & 0xF).to(tl.int8)
         big = idot(a, wq, USE_DOT) * sc[None, :]
         msum = m[None, :] * asum[:, None]
-        t1 = big.to(tl.float32) * (f16_at(sb)[None, :] * ad[:, None])
-        t2 = msum.to(tl.float32) * (f16_at(sb + 2)[None, :] * ad[:, None])
+        t1 = to_f32(big, FAST_I2F) * (f16_at(sb)[None, :] * ad[:, None])
+        t2 = to_f32(msum, FAST_I2F) * (f16_at(sb + 2)[None, :] * ad[:, None])
         acc = acc + (t1 - t2)
     else:  # Q6_K
         j = b % 8
