@@ -1,8 +1,11 @@
 """CPU expert kernels (numba, nogil) under the arithmetic contract, run on the CPU pool.
 
-Weights are read in place (numpy views of the memory-mapped GGUF). Work is split into jobs of
-(expert group, output-row range) so that few experts still keep every core busy; each job reads
-each of its weight rows once for all tokens routed to that expert.
+Weights are read in place (numpy views of the memory-mapped GGUF). The entries are grouped by
+expert; each phase (gate+up+SwiGLU, then down) is one numba call per pool thread, and thread t
+takes the t-th equal, contiguous share of the (expert group, 32-row tile) space. So a call costs
+two pool handoffs whatever the number of experts, and every weight row is read once for all the
+tokens routed to its expert. Row results do not depend on the split (batch invariance): each
+(row, entry) dot runs the same operation sequence wherever it lands.
 """
 
 from __future__ import annotations
@@ -11,43 +14,112 @@ import numpy as np
 from numba import njit
 
 from .act_quant import quantize_act_sums, quantize_block, swiglu
-from .blocks import block_isums, block_isums_q8_0, row_scales, unpack_row
-from .contract import Q4_K, Q8_0, QK, ExpertLayer, KernelError
+from .blocks import row_ints, row_scales
+from .contract import Q4_K, QK, ExpertLayer, KernelError
 from .cpu_pool import CpuPool, default_pool
 from .spec import float_weights
 
 f32 = np.float32
 
 
+ROWS = 16  # weight rows per tile: the ordered block sums run as one 16-lane vector (lane = row)
+
+
 @njit(inline="always", nogil=True, cache=True)
-def _row_dot(row, wtype, aq, ad, asum, arow, acc, sc):
-    """acc[j] = contract dot of one weight row with activation row arow[j], for every j.
-    aq holds the int8 activation codes as exact f32 values (so block sums vectorise);
-    sc: scratch (w f32 [K], isum f32 [nb], d f32 [nb], dmin f32 [nb], m int32 [nb])."""
-    w, isum, d, dmin, m = sc
-    n = aq.shape[1] // ad.shape[1]  # 32, but opaque to LLVM (see blocks.block_isums)
-    row_scales(row, wtype, d, dmin, m)
-    if wtype != Q8_0:
-        unpack_row(row, wtype, w, n)
+def _tile_dot(w, r0, wtype, sc, aq, ad, asum, arow, acc):
+    """acc[j, i] = contract dot of weight row w[r0 + i] with activation row arow[j], i < ROWS.
+
+    Blocks are added in increasing order for each row, each term rounded as written in contract.py
+    step 2. The block terms are independent, so they are computed first (vectorisable) into
+    t[b, i]; the ordered sums then run for ROWS rows side by side, which hides the add latency
+    that a one-row chain would expose. sc: scratch from _scratch(nb)."""
+    isum, t, d, dmin, m, s = sc
+    nb = isum.shape[0]
+    for i in range(ROWS):
+        row_scales(w[r0 + i], wtype, d[i], dmin[i], m[i])
     for j in range(arow.shape[0]):
         a = arow[j]
-        if wtype == Q8_0:
-            block_isums_q8_0(row, aq[a], isum, n)
-        else:
-            block_isums(w, aq[a], isum, n)
-        acc_j = f32(0.0)
-        for b in range(ad.shape[1]):
-            t = (isum[b] + f32(0.0)) * (d[b] * ad[a, b])  # + 0 turns a -0 from reassociation into +0
+        a_d, a_s = ad[a], asum[a]
+        for i in range(ROWS):
+            row_ints(w[r0 + i], wtype, aq[a], a_s, isum)
+            d_i = d[i]
             if wtype == Q4_K:
-                t = t - f32(m[b] * asum[a, b]) * (dmin[b] * ad[a, b])
-            acc_j = acc_j + t
-        acc[j] = acc_j
+                dmin_i, m_i = dmin[i], m[i]
+                for b in range(nb):
+                    t[b, i] = f32(isum[b]) * (d_i[b] * a_d[b]) - f32(m_i[b] * a_s[b]) * (dmin_i[b] * a_d[b])
+            else:
+                for b in range(nb):
+                    t[b, i] = f32(isum[b]) * (d_i[b] * a_d[b])
+        for i in range(ROWS):
+            s[i] = f32(0.0)
+        for b in range(nb):
+            for i in range(ROWS):
+                s[i] = s[i] + t[b, i]
+        for i in range(ROWS):
+            acc[j, i] = s[i]
 
 
 @njit(nogil=True, cache=True)
 def _scratch(nb):
-    return (np.empty(nb * QK, f32), np.empty(nb, f32), np.empty(nb, f32), np.empty(nb, f32),
-            np.empty(nb, np.int32))
+    """(isum int32 [nb], t f32 [nb, ROWS], d f32 [ROWS, nb], dmin f32 [ROWS, nb], m int32 [ROWS, nb],
+    s f32 [ROWS])."""
+    return (np.empty(nb, np.int32), np.empty((nb, ROWS), f32), np.empty((ROWS, nb), f32),
+            np.zeros((ROWS, nb), f32), np.zeros((ROWS, nb), np.int32), np.empty(ROWS, f32))
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _share(n_tiles, t, n_threads):
+    """Thread t's contiguous share [start, end) of n_tiles tiles (sizes differ by at most one)."""
+    return (n_tiles * t) // n_threads, (n_tiles * (t + 1)) // n_threads
+
+
+@njit(nogil=True, cache=True)
+def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_threads,
+                  h, hq, hd, hs):
+    """Thread t's share of h = swiglu(gate x, up x) over (group, 32-row tile), quantized into
+    hq int8 / hd / hs at the entries' rows. Group g = entries ents[g_start[g]:g_start[g+1]] of expert
+    g_exp[g]; gate/up uint8 [X, n_ff, RB]; aq/ad/asum: the tokens' quantized activations."""
+    n_ff, nb = gate.shape[1], ad.shape[1]
+    tiles = n_ff // QK
+    sc = _scratch(nb)
+    g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
+    arow = np.empty(ents.shape[0], np.int64)
+    k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
+    for k in range(k0, k1):
+        g, tile = k // tiles, k % tiles
+        ent = ents[g_start[g]:g_start[g + 1]]
+        n = ent.shape[0]
+        for j in range(n):
+            arow[j] = tok[ent[j]]
+        e = g_exp[g]
+        for r0 in range(tile * QK, tile * QK + QK, ROWS):
+            _tile_dot(gate[e], r0, gtype, sc, aq, ad, asum, arow[:n], g_acc)
+            _tile_dot(up[e], r0, utype, sc, aq, ad, asum, arow[:n], u_acc)
+            for j in range(n):
+                for i in range(ROWS):
+                    h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
+        for j in range(n):
+            quantize_block(h[ent[j]], tile * QK, hq[ent[j]], hd[ent[j]], hs[ent[j]], tile)
+
+
+@njit(nogil=True, cache=True)
+def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out):
+    """Thread t's share of out[entry, r] = contract dot of down row r with the entry's quantized h."""
+    n_embd, nb = down.shape[1], hd.shape[1]
+    tiles = n_embd // QK
+    sc = _scratch(nb)
+    acc = np.empty((ents.shape[0], ROWS), f32)
+    k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
+    for k in range(k0, k1):
+        g, tile = k // tiles, k % tiles
+        ent = ents[g_start[g]:g_start[g + 1]]
+        n = ent.shape[0]
+        e = g_exp[g]
+        for r0 in range(tile * QK, tile * QK + QK, ROWS):
+            _tile_dot(down[e], r0, dtype, sc, hq, hd, hs, ent, acc)
+            for j in range(n):
+                for i in range(ROWS):
+                    out[ent[j], r0 + i] = acc[j, i]
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -63,36 +135,6 @@ def _row_dot_float(row, af, arow, acc):
             for i in range(QK):
                 t = t + af[a, o + i] * row[o + i]
             acc[j] = acc[j] + t
-
-
-@njit(nogil=True, cache=True)
-def gate_up_job(gate, gtype, up, utype, aq, ad, asum, arow, ent, r0, r1, h, hq, hd, hs):
-    """Rows [r0, r1) (multiples of 32) of h = swiglu(gate x, up x) for entries ent, quantized into
-    hq (codes as f32)/hd/hs at those entries. gate/up uint8 [n_ff, RB]; aq/ad/asum: token activations."""
-    n = arow.shape[0]
-    g = np.empty(n, f32)
-    u = np.empty(n, f32)
-    sc = _scratch(ad.shape[1])
-    for r in range(r0, r1):
-        _row_dot(gate[r], gtype, aq, ad, asum, arow, g, sc)
-        _row_dot(up[r], utype, aq, ad, asum, arow, u, sc)
-        for j in range(n):
-            h[ent[j], r] = swiglu(g[j], u[j])
-    for j in range(n):
-        e = ent[j]
-        for b in range(r0 // QK, r1 // QK):
-            quantize_block(h[e], b * QK, hq[e], hd[e], hs[e], b)  # hq is f32: codes stored exactly
-
-
-@njit(nogil=True, cache=True)
-def down_job(down, dtype, hqf, hd, hs, ent, r0, r1, out):
-    """out[ent[j], r] = contract dot of down row r with the entry's quantized hidden vector."""
-    acc = np.empty(ent.shape[0], f32)
-    sc = _scratch(hd.shape[1])
-    for r in range(r0, r1):
-        _row_dot(down[r], dtype, hqf, hd, hs, ent, acc, sc)
-        for j in range(ent.shape[0]):
-            out[ent[j], r] = acc[j]
 
 
 @njit(nogil=True, cache=True)
@@ -116,39 +158,6 @@ def down_float_job(down, h, ent, r0, r1, out):
             out[ent[j], r] = acc[j]
 
 
-@njit(nogil=True, cache=True)
-def gate_up_batch(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, jobs, h, hq, hd, hs):
-    """Run gate_up_job for jobs [J, 3] = (group, r0, r1); group g = entries ents[g_start[g]:g_start[g+1]]
-    of expert g_exp[g]. One call per thread keeps Python dispatch off the critical path."""
-    for k in range(jobs.shape[0]):
-        g = jobs[k, 0]
-        ent = ents[g_start[g]:g_start[g + 1]]
-        arow = np.empty(ent.shape[0], np.int64)
-        for j in range(ent.shape[0]):
-            arow[j] = tok[ent[j]]
-        e = g_exp[g]
-        r0, r1 = jobs[k, 1], jobs[k, 2]
-        gate_up_job(gate[e], gtype, up[e], utype, aq, ad, asum, arow, ent, r0, r1, h, hq, hd, hs)
-
-
-@njit(nogil=True, cache=True)
-def down_batch(down, dtype, hqf, hd, hs, ents, g_start, g_exp, jobs, out):
-    for k in range(jobs.shape[0]):
-        g = jobs[k, 0]
-        ent = ents[g_start[g]:g_start[g + 1]]
-        down_job(down[g_exp[g]], dtype, hqf, hd, hs, ent, jobs[k, 1], jobs[k, 2], out)
-
-
-def _jobs(n_groups: int, n_rows: int, chunk: int) -> np.ndarray:
-    """int64 [J, 3] of (group, r0, r1)."""
-    return np.array([(g, r0, r1) for g in range(n_groups) for r0, r1 in _row_ranges(n_rows, chunk)], np.int64)
-
-
-def _per_thread(jobs: np.ndarray, n_threads: int) -> list[np.ndarray]:
-    """Deal jobs round-robin (neighbouring row ranges of one expert land on different threads)."""
-    return [np.ascontiguousarray(jobs[i::n_threads]) for i in range(min(n_threads, len(jobs)))]
-
-
 def group_entries(exp: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """[(expert, its entry indices ascending)] in expert order."""
     order = np.argsort(exp, kind="stable")
@@ -162,7 +171,7 @@ def _row_ranges(n_rows: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _chunk_rows(n_groups: int, n_rows: int, n_threads: int) -> int:
-    """Rows per job (a multiple of 32): about 4 jobs per thread over the whole phase."""
+    """Rows per float job (a multiple of 32): about 4 jobs per thread over the whole phase."""
     per_group = max(1, (4 * n_threads + n_groups - 1) // n_groups)
     return max(QK, (n_rows // per_group) // QK * QK)
 
@@ -176,6 +185,24 @@ def _check_entries(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
         raise KernelError("a token index is out of range")
     if len(exp) and (exp.min() < 0 or exp.max() >= layer.gate.shape[0]):
         raise KernelError(f"an expert index is out of range (layer holds {layer.gate.shape[0]})")
+
+
+def _float_ffn(x, tok, groups, layer: ExpertLayer, pool: CpuPool, out: np.ndarray) -> None:
+    n_embd, n_ff = layer.n_embd, layer.n_ff
+    up_chunk = _chunk_rows(len(groups), n_ff, pool.n_threads)
+    down_chunk = _chunk_rows(len(groups), n_embd, pool.n_threads)
+    h = np.empty((len(tok), n_ff), f32)
+    mats = ((layer.gate, layer.gate_type), (layer.up, layer.up_type), (layer.down, layer.down_type))
+    views = {e: [float_weights(np.asarray(w[e]), t) for w, t in mats] for e, _ in groups}
+    pool.run(gate_up_float_job, [(views[e][0], views[e][1], x, tok[ent], ent, r0, r1, h)
+                                 for e, ent in groups for r0, r1 in _row_ranges(n_ff, up_chunk)])
+    pool.run(down_float_job, [(views[e][2], h, ent, r0, r1, out)
+                              for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
+
+
+def _contiguous(w) -> np.ndarray:
+    """The block bytes as a C-contiguous numpy array (a view when already contiguous)."""
+    return np.ascontiguousarray(np.asarray(w))
 
 
 def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
@@ -195,30 +222,23 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     if m == 0:
         return out
     groups = group_entries(exp)
-    up_chunk = _chunk_rows(len(groups), n_ff, pool.n_threads)
-    down_chunk = _chunk_rows(len(groups), n_embd, pool.n_threads)
-    h = np.empty((m, n_ff), f32)
     if layer.is_float:
-        mats = ((layer.gate, layer.gate_type), (layer.up, layer.up_type), (layer.down, layer.down_type))
-        views = {e: [float_weights(np.asarray(w[e]), t) for w, t in mats] for e, _ in groups}
-        pool.run(gate_up_float_job, [(views[e][0], views[e][1], x, tok[ent], ent, r0, r1, h)
-                                     for e, ent in groups for r0, r1 in _row_ranges(n_ff, up_chunk)])
-        pool.run(down_float_job, [(views[e][2], h, ent, r0, r1, out)
-                                  for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
+        _float_ffn(x, tok, groups, layer, pool, out)
         return out
     xq, xd, xs = quantize_act_sums(x)
-    xq = xq.astype(f32)  # exact; f32 codes let the block sums vectorise
-    hq = np.empty((m, n_ff), f32)
+    h = np.empty((m, n_ff), f32)
+    hq = np.empty((m, n_ff), np.int8)
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
-    gate, up, down = np.asarray(layer.gate), np.asarray(layer.up), np.asarray(layer.down)
+    gate, up, down = _contiguous(layer.gate), _contiguous(layer.up), _contiguous(layer.down)
     ents = np.concatenate([ent for _, ent in groups])
     g_start = np.cumsum([0] + [len(ent) for _, ent in groups]).astype(np.int64)
     g_exp = np.array([e for e, _ in groups], np.int64)
-    n = pool.n_threads
-    pool.run(gate_up_batch, [(gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp,
-                              jobs, h, hq, hd, hs)
-                             for jobs in _per_thread(_jobs(len(groups), n_ff, up_chunk), n)])
-    pool.run(down_batch, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, jobs, out)
-                          for jobs in _per_thread(_jobs(len(groups), n_embd, down_chunk), n)])
+    # One job per thread, never more threads than 32-row tiles.
+    n = min(pool.n_threads, len(groups) * n_ff // QK)
+    pool.run(gate_up_share, [(gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp,
+                              t, n, h, hq, hd, hs) for t in range(n)])
+    n = min(pool.n_threads, len(groups) * n_embd // QK)
+    pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n, out)
+                          for t in range(n)])
     return out

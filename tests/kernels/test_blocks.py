@@ -1,4 +1,4 @@
-"""Block readers: fp16 decoding exact, numba integer weights == numpy spec, spec ~ gguf-py."""
+"""Block readers: fp16 decoding exact, numba integer block dots and scales == numpy spec, spec ~ gguf-py."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from conftest import TYPE_SETS, layer_for
 
-from strata_ray.kernels.blocks import f16_to_f32, row_scales, unpack_row
+from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0
 from strata_ray.kernels.reference import dequantize_rows
-from strata_ray.kernels.spec import decode_int_blocks
+from strata_ray.kernels.spec import act_quant_ref, decode_int_blocks
 
 
 def test_f16_every_finite_half_exact():
@@ -22,16 +22,24 @@ def test_f16_every_finite_half_exact():
 
 
 @pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
-def test_unpack_matches_spec_and_gguf(wtype):
+def test_block_dots_and_scales_match_spec_and_gguf(wtype, rng):
     name = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}[wtype]
     rows = layer_for(name).gate[0][:8]  # [8, RB]
     wi, d, dmin, m = decode_int_blocks(rows, wtype)
     nb = wi.shape[1]
+    # Extreme codes (+-127 everywhere, zero blocks) as well as random ones.
+    x = rng.standard_normal((4, nb * 32)).astype(np.float32)
+    x[1] = 1.0
+    x[2] = -1.0
+    x[3, :64] = 0.0
+    q, _, s = act_quant_ref(x)
     for r in range(len(rows)):
-        w = np.empty(nb * 32, np.float32)
-        unpack_row(rows[r], wtype, w, 32)
-        assert np.array_equal(w, wi[r].reshape(-1).astype(np.float32))
-        got = (np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.int32))
+        for a in range(len(x)):
+            got = np.empty(nb, np.int32)
+            row_block_ints(rows[r], wtype, q[a], s[a], got)
+            want = (wi[r] * q[a].reshape(nb, 32).astype(np.int32)).sum(axis=1)
+            assert np.array_equal(got, want)
+        got = (np.empty(nb, np.float32), np.zeros(nb, np.float32), np.zeros(nb, np.int32))
         row_scales(rows[r], wtype, *got)
         for g, want in zip(got, (d[r], dmin[r], m[r]), strict=True):
             assert np.array_equal(g, want)

@@ -1,0 +1,82 @@
+"""CPU expert kernel benchmark: GB/s of expert bytes read vs host memcpy, per thread count.
+
+`python scripts/bench_cpu_kernels.py [--threads 1,2] [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4]`
+Shape: Qwen3-Next-80B-A3B experts (E = 2048, n_ff = 512, top-10). Calls rotate over 6 entry sets of
+an expert pool larger than the L3 cache, so the weights come from DRAM. GB/s = bytes of every
+distinct expert's gate+up+down read per call / time per call; memcpy is counted read + write, the
+same way as scripts/bench_kernels.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, type_name
+from strata_ray.kernels.cpu_pool import CpuPool
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.random_weights import random_layer
+
+E, N_FF, TOP_K = 2048, 512, 10
+TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+
+
+def host_copy_gbs(pool: CpuPool, n_bytes: int) -> float:
+    """Threaded host memcpy, (read + write) bytes per second (best of 5)."""
+    src = np.ones(n_bytes, np.uint8)
+    dst = np.empty_like(src)
+    cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
+    jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    pool.run(np.copyto, jobs)
+    best = 1e9
+    for _ in range(5):
+        t = time.perf_counter()
+        pool.run(np.copyto, jobs)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best / 1e9
+
+
+def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, rng) -> tuple[float, float]:
+    """(ms per call, GB/s) for n_tok tokens x top-10 over a pool of n_expert experts."""
+    layer = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
+    per = sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down))
+    x = rng.standard_normal((n_tok, E)).astype(np.float32)
+    tok = np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)
+    calls = []
+    for _ in range(6):
+        s = rng.choice(n_expert, TOP_K, replace=False)
+        exp = np.concatenate([rng.permutation(s) for _ in range(n_tok)]).astype(np.int32)
+        calls.append((tok, exp))
+    expert_ffn_cpu(x, *calls[0], layer, pool=pool)  # compile / warm
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter()
+        for tk, ex in calls:
+            expert_ffn_cpu(x, tk, ex, layer, pool=pool)
+        best = min(best, (time.perf_counter() - t) / len(calls))
+    return best * 1e3, TOP_K * per / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--experts", type=int, default=64, help="expert pool size (keep it > L3)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    for n_threads in (int(t) for t in args.threads.split(",")):
+        with CpuPool(n_threads) as pool:
+            print(f"threads {n_threads}: host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s (read + write)")
+            for name in args.types.split(","):
+                for n_tok in (int(t) for t in args.tokens.split(",")):
+                    ms, gbs = bench_type(TYPES[name], pool, n_tok, args.experts, args.reps, rng)
+                    case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{TOP_K}"
+                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
