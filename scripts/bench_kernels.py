@@ -90,7 +90,7 @@ def device_seconds(fn, reps: int) -> tuple[float, float]:
         if ev.key.startswith("Memcpy") or ev.key.startswith("Memset") or us <= 0:
             continue
         total += us
-        if "_expert_mm_kernel" in ev.key or "_act_quant_kernel" in ev.key:
+        if "_expert_mm" in ev.key or "_act_quant_kernel" in ev.key:
             ours += us
     return total / reps / 1e6, ours / reps / 1e6
 
@@ -113,45 +113,78 @@ def graph_seconds(fn, reps: int) -> float:
     return t0.elapsed_time(t1) / 1e3 / reps
 
 
-def decode_sweep(rows, slots, per, info, rng, n_slots, quick) -> None:
-    """Decode tile tuning: unroll x warps; every setting must give the bits of the first."""
+WIDE_DECODE_SWEEP = [  # wide-kernel decode knobs (bits must not change)
+    {}, {"gu_nb": 16}, {"gu_warps": 4}, {"down_br": 32}, {"down_nb": 16}, {"decode_stages": 2},
+    {"gu_nb": 16, "gu_warps": 4, "down_br": 32},
+]
+WIDE_PROMPT_SWEEP = [{}, {"prompt_br": 64}, {"prompt_bt": 128}, {"prompt_warps": 4}, {"prompt_stages": 2}]
+
+
+def _calls(rng, n_slots, n_tok, dev):
+    import torch
+
+    tok = torch.from_numpy(np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)).to(dev)
+    return [(tok, torch.from_numpy(np.concatenate(
+        [rng.permutation(cand)[:TOP_K] for _ in range(n_tok)]).astype(np.int32)).to(dev))
+        for cand in (rng.permutation(n_slots)[:TOP_K * n_tok] for _ in range(8))]
+
+
+def decode_sweep(rows, slots, wname, per, rng, n_slots, quick) -> None:
+    """Wide decode tile tuning; every setting must give the bits of the simple kernel."""
     import torch
 
     import strata_ray.kernels.expert_gpu as eg
 
     dev = torch.device("cuda")
-    defaults = eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS
+    defaults = dict(eg.WIDE)
     for n_tok in (1, 4):
         x = torch.randn(n_tok, E, device=dev)
-        tok = torch.from_numpy(np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)).to(dev)
-        calls = [(tok, torch.from_numpy(np.concatenate(
-            [rng.permutation(cand)[:TOP_K] for _ in range(n_tok)]).astype(np.int32)).to(dev))
-            for cand in (rng.permutation(n_slots)[:TOP_K * n_tok] for _ in range(8))]
-        first = None
-        for unroll in (4, 16):
-            for warps in (4, 8):
-                eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS = unroll, warps
-                outs = [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode") for t, s_ in calls]
-                first = first or outs
-                same = all(torch.equal(a, b) for a, b in zip(first, outs, strict=True))
+        calls = _calls(rng, n_slots, n_tok, dev)
+        want = [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="simple") for t, s_ in calls]
+        for knobs in WIDE_DECODE_SWEEP:
+            eg.WIDE.update(defaults, **knobs)
+            outs = [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="wide") for t, s_ in calls]
+            same = all(torch.equal(a, b) for a, b in zip(want, outs, strict=True))
 
-                def run_all(x=x, calls=calls):
-                    for t, s_ in calls:
-                        eg.expert_ffn_gpu(x, t, s_, slots, mode="decode")
+            def run_all(x=x, calls=calls):
+                for t, s_ in calls:
+                    eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="wide")
 
-                _, kern = device_seconds(run_all, 3 if quick else 10)
-                dt = kern / len(calls)
-                gbs = TOP_K * n_tok * per / dt / 1e9 if n_tok == 1 else None
-                thr = f"{gbs:.0f} GB/s" if gbs else f"{dt * 1e6:.1f} us"
-                rows.append(("gpu decode sweep", "Q4_0", f"{n_tok} tok, unroll {unroll}, {warps} warps",
-                             f"{dt * 1e6:.1f} us", f"{thr}, bits {'same' if same else 'DIFFER'}"))
-    eg.DECODE_UNROLL_MAX, eg.DECODE_WARPS = defaults
+            _, kern = device_seconds(run_all, 3 if quick else 10)
+            dt = kern / len(calls)
+            experts = np.mean([len(set(s_.tolist())) for _, s_ in calls])
+            gbs = experts * per / dt / 1e9
+            label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
+            rows.append(("gpu decode sweep (wide)", wname, f"{n_tok} tok; {label}",
+                         f"{dt * 1e6:.1f} us", f"{gbs:.0f} GB/s, bits {'same' if same else 'DIFFER'}"))
+    eg.WIDE.update(defaults)
+
+
+def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
+    """Wide prompt tile tuning; every setting must give the bits of the simple kernel."""
+    import torch
+
+    import strata_ray.kernels.expert_gpu as eg
+
+    defaults = dict(eg.WIDE)
+    want = eg.expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="simple")
+    for knobs in WIDE_PROMPT_SWEEP[1:]:
+        eg.WIDE.update(defaults, **knobs)
+        same = torch.equal(want, eg.expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="wide"))
+        _, dt = device_seconds(functools.partial(eg.expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
+                                                 variant="wide"), 3 if quick else 10)
+        tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
+        pct = f" ({100 * tops / peak:.0f}%)" if peak else ""
+        label = ", ".join(f"{k}={v}" for k, v in knobs.items())
+        rows.append(("gpu prompt sweep (wide)", wname, label, f"{dt * 1e3:.2f} ms",
+                     f"{tops:.0f} TOP/s{pct}, bits {'same' if same else 'DIFFER'}"))
+    eg.WIDE.update(defaults)
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
     import torch
 
-    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+    from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
 
     dev = torch.device("cuda")
     info = {"gpu": torch.cuda.get_device_name(0)}
@@ -186,40 +219,47 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
                 ids = np.concatenate([rng.permutation(cand)[:TOP_K] for _ in range(n_tok)])
                 n_exp.append(len(set(ids.tolist())))
                 calls.append((tok, torch.from_numpy(ids.astype(np.int32)).to(dev)))
-            for tok_, slot in calls:
-                expert_ffn_gpu(x, tok_, slot, slots, mode="decode")  # compile, warm
-            reps = 5 if quick else 20
-            def run_all(x=x, calls=calls, slots=slots):
-                for t, s_ in calls:
-                    expert_ffn_gpu(x, t, s_, slots, mode="decode")
+            for variant in VARIANTS:
+                for tok_, slot in calls:
+                    expert_ffn_gpu(x, tok_, slot, slots, mode="decode", variant=variant)  # compile, warm
+                reps = 5 if quick else 20
 
-            dev_s, kern_s = device_seconds(run_all, reps)
-            dt = kern_s / len(calls)
-            graph_note = ""
-            if use_graphs:
-                graph_note = f", graph {graph_seconds(run_all, reps) / len(calls) * 1e6:.1f} us"
-            experts = float(np.mean(n_exp))
-            gbs = experts * per / dt / 1e9
-            pct = 100 * gbs / info["hbm_copy_gbs"]
-            rows.append(("gpu decode", type_name(wtype), f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
-                         f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
-                         f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
-        if wtype == Q4_0:
-            decode_sweep(rows, slots, per, info, rng, n_slots, quick)
+                def run_all(x=x, calls=calls, slots=slots, variant=variant):
+                    for t, s_ in calls:
+                        expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant)
+
+                dev_s, kern_s = device_seconds(run_all, reps)
+                dt = kern_s / len(calls)
+                graph_note = ""
+                if use_graphs:
+                    graph_note = f", graph {graph_seconds(run_all, reps) / len(calls) * 1e6:.1f} us"
+                experts = float(np.mean(n_exp))
+                gbs = experts * per / dt / 1e9
+                pct = 100 * gbs / info["hbm_copy_gbs"]
+                rows.append((f"gpu decode ({variant})", type_name(wtype),
+                             f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
+                             f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
+                             f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
+        if wtype in (Q4_0, Q8_0):
+            decode_sweep(rows, slots, type_name(wtype), per, rng, n_slots, quick)
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
         x = torch.randn(n_tok, E, device=dev)
         tok = torch.arange(n_tok, device=dev, dtype=torch.int32).repeat_interleave(TOP_K)
         slot = torch.stack([torch.randperm(n_slots, device=dev)[:TOP_K] for _ in range(n_tok)]).reshape(-1)
         slot = slot.to(torch.int32)
-        expert_ffn_gpu(x, tok, slot, slots, mode="prompt")
-        _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt"),
-                               3 if quick else 10)
-        tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
-        pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
-        rows.append(("gpu prompt", type_name(wtype), f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
-                     f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}"))
+        for variant in VARIANTS:
+            expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant)
+            _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
+                                                     variant=variant), 3 if quick else 10)
+            tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
+            pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
+            rows.append((f"gpu prompt ({variant})", type_name(wtype),
+                         f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
+                         f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}"))
+        if wtype == Q4_0:
+            prompt_sweep(rows, slots, type_name(wtype), x, tok, slot, peak, quick)
         del slots
         torch.cuda.empty_cache()
     return info
