@@ -51,3 +51,18 @@ def test_block_dots_and_scales_match_spec_and_gguf(wtype, rng):
 
 def test_type_sets_cover_every_quant_type():
     assert {t for ts in TYPE_SETS.values() for t in ts} == {Q8_0, Q4_0, Q4_K, Q6_K}
+
+
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0])
+@pytest.mark.parametrize("n", [96, 320])
+def test_block_dots_rows_not_a_multiple_of_8_blocks(wtype, n, rng):
+    """Rows of 3 and 10 blocks: the one-block tail path of the grouped dots."""
+    from strata_ray.kernels.random_weights import random_blocks
+
+    rows = random_blocks(rng, wtype, (4, n))
+    wi, _, _, _ = decode_int_blocks(rows, wtype)
+    q, _, s = act_quant_ref(rng.standard_normal((1, n)).astype(np.float32))
+    for r in range(len(rows)):
+        got = np.empty(n // 32, np.int32)
+        row_block_ints(rows[r], wtype, q[0], s[0], got)
+        assert np.array_equal(got, (wi[r] * q[0].reshape(-1, 32).astype(np.int32)).sum(axis=1))
