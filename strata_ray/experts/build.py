@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
 from strata_ray.experts.profile import check_shape, read_profile
@@ -24,8 +25,9 @@ RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob)
 PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 
-def build_expert_backend(config, loaded_file, hp, device, progress: bool = True) -> TieredExperts:
+def build_expert_backend(config, loaded_file, hp, device, progress=True) -> TieredExperts:
     """TieredExperts over `loaded_file` (an open GGUFFile) on `device`, sized and filled per `config`.
+    progress: a LoadProgress (stages and fill count reported to it), or a bool for SlotCache.fill.
 
     Raises ProfileError (one line) for an unreadable or mismatched --expert-profile."""
     device = torch.device(device)
@@ -33,12 +35,15 @@ def build_expert_backend(config, loaded_file, hp, device, progress: bool = True)
     if config.expert_profile is not None:
         profile = read_profile(config.expert_profile)
         check_shape(profile, hp)
+    reporter = progress if isinstance(progress, LoadProgress) else None
+    if reporter is not None:
+        reporter.stage("host store")
     store = HostStore(loaded_file, pin_gib=getattr(config, "arena_pin_gib", None))
     n_slots = cache_slots(config, store, device)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
     ring = RING_SLOTS if device.type == "cuda" else 0
     cache = SlotCache(store, residency, device, ring_slots=ring)
-    cache.fill(profile, progress=progress)
+    cache.fill(profile, progress=reporter.fill if reporter is not None else progress)
     rounds = None
     if config.adapt_every > 0 and config.adapt_swaps > 0 and 0 < n_slots < hp.n_layer * hp.n_expert:
         rounds = LocalRounds(
@@ -47,22 +52,28 @@ def build_expert_backend(config, loaded_file, hp, device, progress: bool = True)
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile)
 
 
-def load_tiered_model(config, device: str, progress=None):
+def load_tiered_model(config, device: str, progress: LoadProgress | bool | None = None):
     """(LoadedModel, TieredExperts | None). Block-quantized experts -> dense weights without experts +
-    TieredExperts; otherwise the plain `load_model` (float experts, no tiers)."""
+    TieredExperts; otherwise the plain `load_model` (float experts, no tiers). progress: a LoadProgress
+    that follows the stages and the cache fill; None or False: no progress is shown."""
     from strata_ray.model.forward import Model
     from strata_ray.model.gguf_file import GGUFFile
     from strata_ray.model.loader import LoadedModel, load_model, resolve_model_path
     from strata_ray.model.tokenizer import Tokenizer
     from strata_ray.model.weights import load_dense_weights
 
+    reporter = progress if isinstance(progress, LoadProgress) else None
+    stage = reporter.stage if reporter is not None else (lambda _name: None)
     path = resolve_model_path(config.model)
     file = GGUFFile(path)
     if not experts_block_quantized(file):
+        stage("weights")
         return load_model(config.model, device=device), None
+    stage("dense weights")
     with torch.inference_mode():
         weights = load_dense_weights(file, device=device, include_experts=False)
-    tiers = build_expert_backend(config, file, file.hparams, device, progress=progress is not False)
+    tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
+    stage("tokenizer")
     model = Model(file.hparams, weights, experts=tiers)
     loaded = LoadedModel(
         file=file, hp=file.hparams, model=model, tokenizer=Tokenizer.from_gguf(file), path=path

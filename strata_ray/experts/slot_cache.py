@@ -15,7 +15,9 @@ boundary, after the event (`land_swaps`).
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,6 +56,18 @@ def cache_slots(config, store: HostStore, device: torch.device) -> int:
     else:
         return 0
     return int(min(max(0, free - reserve) // store.max_blob, n_pairs))
+
+
+def _fill_reporter(progress, total: int):
+    """(callback or None, tqdm bar to close or None) for SlotCache.fill's `progress` argument."""
+    if callable(progress):
+        return (progress, None) if total else (None, None)
+    if not progress or not total or not sys.stderr.isatty():
+        return None, None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="expert cache", unit="slot", leave=False)
+    return (lambda done, _total: bar.update(done - bar.n)), bar
 
 
 def default_order(n_layers: int, n_expert: int) -> Profile:
@@ -156,22 +170,21 @@ class SlotCache:
     def _pair(self, pid: int) -> tuple[int, int]:
         return divmod(int(pid), self.store.n_expert)
 
-    def fill(self, profile: Profile | None, progress: bool = True) -> str:
+    def fill(self, profile: Profile | None, progress: bool | Callable[[int, int], None] = True) -> str:
         """Admit pairs in profile order (never evicting), copy their blobs, verify slot 0. Returns the
-        log line (also logged)."""
+        log line (also logged). progress: a (done, total) callback, or True for a tqdm bar when stderr
+        is a terminal (never in a log file), False for none."""
         res = self.residency
         order = profile if profile is not None else default_order(res.n_layers, res.n_expert)
         t0 = time.perf_counter()
         copies = res.admit_in_rank_order(order)
-        bar = None
-        if progress and copies:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(copies), desc="expert cache", unit="slot", leave=False)
+        report, bar = _fill_reporter(progress, len(copies))
+        if report is not None:
+            report(0, len(copies))  # the bar appears before the first (possibly slow) copies
         for i, c in enumerate(copies):
             self.copy_blob(*self._pair(c.pair), c.slot, non_blocking=True)
-            if bar is not None and (i % 64 == 63 or i == len(copies) - 1):
-                bar.update(i + 1 - bar.n)
+            if report is not None and (i % 64 == 63 or i == len(copies) - 1):
+                report(i + 1, len(copies))
         if bar is not None:
             bar.close()
         if self.is_cuda:
