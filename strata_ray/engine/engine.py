@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata_ray.config import ConfigError, EngineConfig, check_peer_device_visible
+from strata_ray.engine.progress import LoadProgress, local_progress
 from strata_ray.engine.sampling import SamplingParams
 
 FLUSH_SECONDS = 0.02
@@ -60,6 +61,7 @@ class GenerationSummary:
     decode_seconds: float
     top_logprobs: list | None = None
     experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
+    expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -105,7 +107,9 @@ def resolve_device(device: str) -> str:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: Callable[[int, int], None] | None = None):
+    def __init__(self, config: EngineConfig, progress: LoadProgress | bool | None = None):
+        """progress: a LoadProgress to report the load to (the primary actor; its driver draws the bars),
+        None for bars drawn here when stderr is a terminal, False for none."""
         import torch
 
         from strata_ray.experts.build import load_tiered_model
@@ -115,8 +119,14 @@ class Engine:
         if config.peer_active:
             check_peer_device_visible(config, torch.cuda.device_count())
         check_supported(config)
-        # block-quantized experts: dense weights without them + the expert tiers (contract kernels)
-        self.loaded, self.tiers = load_tiered_model(config, self.device, progress=progress)
+        reporter, bars = local_progress(progress)
+        try:  # block-quantized experts: dense weights without them + the expert tiers (contract kernels)
+            self.loaded, self.tiers = load_tiered_model(config, self.device, progress=reporter)
+        finally:
+            if reporter is not None:
+                reporter.finish()
+            if bars is not None:
+                bars.close()
         self.tokenizer = self.loaded.tokenizer
         self._stop = threading.Event()
 
@@ -131,7 +141,13 @@ class Engine:
             "n_vocab": hp.n_vocab,
             "has_mtp": hp.has_mtp,
             "device": self.device,
+            "expert_cache": self._fill_line(),
         }
+
+    def _fill_line(self) -> str | None:
+        """The cache's 'pre-filled N of S slots ...' line; None without tiers or cache slots."""
+        has_slots = self.tiers is not None and self.tiers.cache.n_slots > 0
+        return self.tiers.cache.fill_line if has_slots else None
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         n_vocab = self.loaded.hp.n_vocab
@@ -179,12 +195,13 @@ class Engine:
             **kwargs,
         )
         token_ids = tuple(int(t) for t in result.token_ids)
-        experts = None
+        experts = expert_stats = None
         if self.tiers is not None:
             self.tiers.finish()
             if self.config.expert_profile_save is not None:
                 self.tiers.save_profile(self.config.expert_profile_save)  # atomic; after every request
             experts = self.tiers.summary_line()
+            expert_stats = self.tiers.metrics.summary()
         return GenerationSummary(
             token_ids=token_ids,
             text=self.text_of(token_ids),
@@ -193,6 +210,7 @@ class Engine:
             decode_seconds=result.decode_seconds,
             top_logprobs=result.top_logprobs if request.logprobs else None,
             experts=experts,
+            expert_stats=expert_stats,
         )
 
     def text_of(self, token_ids) -> str:
