@@ -56,6 +56,7 @@ class TierMetrics:
         return {
             **asdict(c),
             "hit_rate": c.hit_rate,
+            "tier_rates": {"cache": c.hit_rate, "cpu": c.cpu_entries / c.entries if c.entries else 0.0},
             "host_ms_per_token": c.per_token_ms(c.host_seconds),
             "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
         }
