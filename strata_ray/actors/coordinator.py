@@ -1,7 +1,8 @@
 """Coordinator: the engine's control-plane bookkeeping (config of record, run statistics, metrics).
 
 A plain class; launch.py runs it as the Ray actor `strata:coordinator`. The primary reports once per
-generation (never per token). Expert statistics and adaptive rounds join it when the tiers land.
+generation (never per token); with an adaptive expert cache it also plans the rounds from the counts the
+primary sends every few windows (`adapt_round`), off the primary's critical path, and counts them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from typing import Any
 from strata_ray.config import EngineConfig
 
 log = logging.getLogger("ray")
+
+
+@dataclass
+class AdaptiveTotals:
+    """The adaptive rounds this coordinator planned for the primary's cache."""
+
+    rounds: int = 0  # rounds run (a due round skipped while the primary was busy is not counted)
+    swaps: int = 0  # swaps those rounds returned
+    windows: int = 0  # decode windows whose counts arrived
 
 
 @dataclass
@@ -31,6 +41,8 @@ class Coordinator:
         self.config = config
         self.model_info: dict[str, Any] = {}
         self.totals = RunTotals()
+        self.adaptive = AdaptiveTotals()
+        self._rounds = None  # AdaptiveTier, once the primary's cache has adaptive rounds
         self.started_at = time.time()
         self._metrics = _RayMetrics.create()
 
@@ -39,7 +51,8 @@ class Coordinator:
 
     def model_loaded(self, info: dict[str, Any]) -> None:
         self.model_info = dict(info)
-        log.info("strata coordinator: model loaded %s", info)
+        shown = {k: v for k, v in info.items() if k != "expert_cache"}  # the primary logs that line itself
+        log.info("strata coordinator: model loaded %s", shown)
 
     def record_generation(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float,
                           decode_seconds: float) -> None:
@@ -67,15 +80,21 @@ class Coordinator:
         """Routed-entry counts [L, X] of the primary's last `windows` windows; when a round is due (every
         adapt_every windows) plan it against `resident` [L, X] (swaps in flight counted). Returns the
         swaps as (layer, candidate, victim, gain), best gain first."""
-        tier = getattr(self, "_rounds", None)
+        tier = self._rounds
         if tier is None:
             return []
         tier.record(counts)
+        self.adaptive.windows += windows
         before, tier.windows = tier.windows, tier.windows + windows
         if tier.windows // tier.adapt_every == before // tier.adapt_every:
             return []
         rnd = tier.run_round(resident, primary_busy=busy)
         swaps = [] if rnd is None else rnd.primary
+        if rnd is not None:
+            self.adaptive.rounds += 1
+            self.adaptive.swaps += len(swaps)
+            if self._metrics:
+                self._metrics.record_round(len(swaps))
         return [(s.layer, s.candidate, s.victim, s.gain) for s in swaps]
 
     def status(self) -> dict[str, Any]:
@@ -84,6 +103,7 @@ class Coordinator:
             "model": self.model_info,
             "uptime_seconds": time.time() - self.started_at,
             **asdict(t),
+            "adaptive": asdict(self.adaptive),
             "prompt_tokens_per_second": t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0,
             "decode_tokens_per_second": t.generated_tokens / t.decode_seconds if t.decode_seconds else 0.0,
         }
@@ -110,6 +130,13 @@ class _RayMetrics:
         self.generated_tokens = Counter("strata_generated_tokens", description="tokens generated")
         self.prefill_tps = Gauge("strata_prefill_tokens_per_second", description="last prompt's tok/s")
         self.decode_tps = Gauge("strata_decode_tokens_per_second", description="last generation's tok/s")
+        self.adapt_rounds = Counter("strata_adaptive_rounds", description="adaptive rounds planned")
+        self.adapt_swaps = Counter("strata_adaptive_round_swaps", description="swaps the rounds planned")
+
+    def record_round(self, swaps: int) -> None:
+        self.adapt_rounds.inc()
+        if swaps:
+            self.adapt_swaps.inc(swaps)
 
     def record(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float, decode_seconds: float):
         if prompt_tokens:
