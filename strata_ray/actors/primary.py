@@ -15,6 +15,7 @@ from typing import Any
 
 from strata_ray.config import EngineConfig
 from strata_ray.engine.engine import Engine, GenerationRequest, GenerationStopped, GenerationSummary
+from strata_ray.engine.progress import LoadProgress
 
 log = logging.getLogger("ray")
 
@@ -29,21 +30,28 @@ class Primary:
         self.coordinator = coordinator  # a Ray actor handle, or None outside Ray
         self.engine: Engine | None = None
         self._busy = threading.Lock()
+        self._progress = LoadProgress()  # read by load_progress() while load() runs
 
     def load(self) -> dict[str, Any]:
         """Load the model (idempotent); returns its description. Errors reach the caller as task errors."""
         if self.engine is None:
             if self.config.device != "cuda":
                 _use_all_cores()
-            self.engine = Engine(self.config)
+            self.engine = Engine(self.config, progress=self._progress)  # bars are the driver's
             info = self.engine.info()
-            log.info("strata primary: loaded %s", info)
+            log.info("strata primary: loaded %s", {k: v for k, v in info.items() if k != "expert_cache"})
+            if info["expert_cache"]:
+                log.info("strata primary: %s", info["expert_cache"])  # the driver says it unless --verbose
             if self.coordinator is not None:
                 self.coordinator.model_loaded.remote(info)
                 tiers = getattr(self.engine, "tiers", None)
                 if tiers is not None:  # adaptive rounds are decided by the coordinator, off the critical path
                     tiers.use_coordinator(self.coordinator, self.config.adapt_every)
         return self.engine.info()
+
+    def load_progress(self) -> dict[str, Any]:
+        """Where load() is (LoadProgress.snapshot()); the driver polls it to draw its progress bars."""
+        return self._progress.snapshot()
 
     def generate_stream(self, request: GenerationRequest) -> Iterator:
         """Yields TokenBatch items then one GenerationSummary (run as a Ray streaming generator)."""
