@@ -240,13 +240,15 @@ def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
     cluster), 1 for an engine failure (an actor that died or raised)."""
     from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
+    from strata_ray.experts.profile import ProfileError
     from strata_ray.model.hparams import ModelFormatError
 
     cause = e
     while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
         cause = cause.cause
     who = actor or "the driver"
-    if isinstance(cause, (ConfigError, ModelFormatError, LaunchError, ValueError)) and _is_user_error(cause):
+    user_errors = (ConfigError, ModelFormatError, ProfileError, LaunchError, ValueError)
+    if isinstance(cause, user_errors) and _is_user_error(cause):
         return _first_line(cause), 2
     if isinstance(cause, OutOfMemoryError):
         return f"{who} was killed by Ray's memory monitor (out of memory)", 1
