@@ -24,6 +24,7 @@ from strata_ray.config import (
     int_range,
     parse_value,
 )
+from strata_ray.engine.progress import terminal_bars
 
 PROG = "python -m strata_ray.run"
 DEFAULT_PROMPT = "The Python standard library"
@@ -187,14 +188,32 @@ def check_model_file(cfg):
     return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
 
 
+def check_profile_files(cfg, hp):
+    """--expert-profile must be an STRP for this model's shape, --expert-profile-save must go to an
+    existing folder; both become absolute (the primary's working directory is not ours). Returns cfg."""
+    from strata_ray.experts.profile import check_shape, read_profile
+
+    paths = {}
+    if cfg.expert_profile is not None:
+        paths["expert_profile"] = os.path.abspath(cfg.expert_profile)
+        check_shape(read_profile(paths["expert_profile"]), hp)  # ProfileError: the one line
+    if cfg.expert_profile_save is not None:
+        paths["expert_profile_save"] = os.path.abspath(cfg.expert_profile_save)
+        folder = os.path.dirname(paths["expert_profile_save"])
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--expert-profile-save: folder not found: {folder}")
+    return replace(cfg, **paths)
+
+
 def generate_main(argv: Sequence[str]) -> int:
+    from strata_ray.experts.profile import ProfileError
     from strata_ray.model.hparams import ModelFormatError
 
     try:  # everything the user can get wrong fails here, in a second, before Ray starts
         ns = build_generate_parser().parse_args(list(argv))
         cfg = config_from_args(ns, os.environ)
         model_path, hp = check_model_file(cfg)
-        cfg = replace(cfg, model=model_path)
+        cfg = check_profile_files(replace(cfg, model=model_path), hp)
         values = request_values(ns, hp.n_vocab)
         if ns.address == "local":
             check_peer_visible_here(cfg)
@@ -202,7 +221,7 @@ def generate_main(argv: Sequence[str]) -> int:
 
         check_supported(cfg)
         request = build_request(ns, values)
-    except (ConfigError, ModelFormatError) as e:
+    except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     from strata_ray.actors import launch
 
@@ -225,7 +244,7 @@ def generate_main(argv: Sequence[str]) -> int:
         else:
             dep = launch.launch(cfg, keep=keep)
         actor = launch.PRIMARY_NAME
-        load_model_remote(dep, reused=not dep.created)
+        load_model_remote(dep, reused=not dep.created, verbose=ns.verbose)
         summary = stream_generation(dep, request, as_json=ns.json)
         say(summary.summary_line())
         return 0
@@ -257,22 +276,30 @@ def _session_line(session, dashboard: bool) -> str:
             "cluster instead)")
 
 
-def load_model_remote(dep, reused: bool) -> dict:
-    """Load the model in the primary; an elapsed-time line on a terminal while it loads."""
+def load_model_remote(dep, reused: bool, verbose: bool = False) -> dict:
+    """Load the model in the primary. On a terminal, progress bars (load stage, cache fill) drawn from the
+    primary's load_progress(), polled through its second concurrency slot. Then the load line and the
+    cache's fill line (with --verbose that one already comes through Ray's log forwarding)."""
     import ray
 
     started = time.monotonic()
     ref = dep.primary.load.remote()
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-
-        with tqdm(desc="strata_ray: loading the model", bar_format="{desc} {elapsed}", file=sys.stderr) as b:
+    bars = terminal_bars(sys.stderr)
+    if bars is not None:
+        try:
             while not ray.wait([ref], timeout=0.2)[0]:
-                b.refresh()
+                bars.update(ray.get(dep.primary.load_progress.remote()))
+            bars.update(ray.get(dep.primary.load_progress.remote()))  # the final state: a full fill bar
+        except ray.exceptions.RayError:
+            pass  # the primary failed: ray.get(ref) below says how
+        finally:
+            bars.close()
     info = ray.get(ref)
     what = (f"{os.path.basename(info['path'])} ({info['arch']}, {info['n_layer']} layers, "
             f"{info['n_expert']} experts) on {info['device']}")
     say(f"model already loaded: {what}" if reused else f"loaded {what} in {time.monotonic() - started:.1f} s")
+    if info.get("expert_cache") and not reused and not verbose:
+        say(info["expert_cache"])
     return info
 
 
@@ -295,14 +322,19 @@ def stream_generation(dep, request, as_json: bool):
     if summary is None:
         raise RuntimeError("the primary ended the stream without a summary")
     if as_json:
-        out.write(json.dumps(summary_json(summary), ensure_ascii=False) + "\n")
+        adaptive = None
+        if summary.expert_stats is not None:  # the rounds the coordinator planned (CoordinatorRounds)
+            adaptive = ray.get(dep.coordinator.status.remote()).get("adaptive")
+        out.write(json.dumps(summary_json(summary, adaptive), ensure_ascii=False) + "\n")
     elif out.isatty() and not summary.text.endswith("\n"):
         out.write("\n")
     out.flush()
     return summary
 
 
-def summary_json(s) -> dict:
+def summary_json(s, adaptive: dict | None = None) -> dict:
+    """The --json object. `experts` (tiered models): the tiers' counters since load (hit rate per tier,
+    CPU entries, swaps, host ms per token) and, under `coordinator`, the adaptive rounds it planned."""
     doc = {
         "token_ids": list(s.token_ids),
         "text": s.text,
@@ -315,6 +347,8 @@ def summary_json(s) -> dict:
             "decode_tokens_per_second": s.decode_tokens_per_second,
         },
     }
+    if s.expert_stats is not None:
+        doc["experts"] = {**s.expert_stats, **({"coordinator": adaptive} if adaptive is not None else {})}
     if s.top_logprobs is not None:
         doc["logprobs"] = [_top_entries(t) for t in s.top_logprobs]
     return doc
