@@ -1,0 +1,243 @@
+"""Expert tiers through the real runtime: `python -m strata_ray.run` with the primary and the coordinator
+as Ray actors, on the CPU, where the cache "slots" are a second CPU tier running the same kernels.
+
+Greedy token ids must not depend on placement (no cache, a partial cache filled from a profile, every
+pair cached, adaptive rounds planned by the coordinator actor); `--expert-profile-save` writes the
+learned STRP; a profile of another shape is refused before Ray starts; the load progress bars reach the
+driver's stderr only when it is a terminal; the cache's fill line reaches the user once.
+
+One Ray cluster (`ray start --head --block`, in its own session) and one tiny model for the module: each
+run attaches to it, which costs seconds instead of a local instance's startup per run.
+"""
+
+import fcntl
+import json
+import os
+import pty
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_ray.experts.profile import Profile, check_shape, read_profile, write_profile
+from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.synth import write_synth
+
+REPO = Path(__file__).resolve().parents[2]
+CURRENT_CLUSTER_FILE = Path("/tmp/ray/ray_current_cluster")
+PROMPT_IDS = "5,17,101,42,250,7,64,3"
+MAX_TOKENS = 10
+FILL_LINE = re.compile(
+    r"^strata_ray: pre-filled (\d+) of (\d+) slots from (the profile|the default order) in [\d.]+ s "
+    r"\(\d+ MB/s\); slot 0 verified$"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def client_env(address: str | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    return env if address is None else {**env, "RAY_ADDRESS": address}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiers_actors")
+    port = free_port()
+    log = open(tmp / "ray_start.log", "w")
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+         "--include-dashboard", "false"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        model = tmp / "tiny.gguf"
+        write_synth(model, arch="qwen3next", preset="tiny", progress=False)  # while Ray starts
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in (tmp / "ray_start.log").read_text():
+            assert head.poll() is None and time.monotonic() < deadline, (tmp / "ray_start.log").read_text()
+            time.sleep(0.3)
+        yield f"127.0.0.1:{port}", str(model)
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # anything of its session still alive
+        except ProcessLookupError:
+            pass
+        log.close()
+        if CURRENT_CLUSTER_FILE.exists() and CURRENT_CLUSTER_FILE.read_text().strip().endswith(f":{port}"):
+            CURRENT_CLUSTER_FILE.unlink()  # do not leave other Ray users pointing at a stopped cluster
+
+
+def run_cli(address, *args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "--prompt-ids", PROMPT_IDS, "--max-tokens", str(MAX_TOKENS),
+         "--json", *args],
+        capture_output=True, text=True, env=client_env(address), cwd=REPO, timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def run_cli_on_a_terminal(address, *args, timeout=300) -> tuple[int, str, str]:
+    """run with stderr on a pseudo-terminal (stdout a pipe): (exit code, stdout, what the terminal got)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # tqdm sizes bars to it
+    got = bytearray()
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "strata_ray.run", "--prompt-ids", PROMPT_IDS, "--max-tokens",
+             str(MAX_TOKENS), "--json", *args],
+            stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, text=True,
+            env=client_env(address), cwd=REPO, timeout=timeout,
+        )
+    finally:
+        os.close(slave)
+        reader.join(timeout=10)
+        os.close(master)
+    return p.returncode, p.stdout, got.decode("utf-8", "replace")
+
+
+def pairs(model: str) -> int:
+    hp = GGUFFile(model).hparams
+    return hp.n_layer * hp.n_expert
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory):
+    """The placements, each through `run`: name -> (CompletedProcess or terminal result, parsed JSON)."""
+    address, model = cluster
+    tmp = tmp_path_factory.mktemp("profiles")
+    n_pairs = pairs(model)
+    partial = n_pairs // 3
+    learned, relearned = str(tmp / "learned.strp"), str(tmp / "relearned.strp")
+    out = {"partial": partial, "learned": learned, "relearned": relearned}
+    base = ("--model", model, "--device", "cpu")
+    for name, args in {
+        "cache 0": ("--expert-cache", "0"),
+        # adaptive rounds planned by the coordinator; the learned profile saved at the end
+        "adaptive": ("--expert-cache", str(partial), "--adapt-every", "1", "--adapt-swaps", "8",
+                     "--expert-profile-save", learned),
+        # a later run filled from that profile (no rounds: its residents are exactly the profile's head)
+        "profile": ("--expert-cache", str(partial), "--expert-profile", learned, "--adapt-every", "0",
+                    "--expert-profile-save", relearned),
+    }.items():
+        r = run_cli(address, *base, *args)
+        assert r.returncode == 0, r.stderr
+        out[name] = (r, json.loads(r.stdout))
+    code, stdout, terminal = run_cli_on_a_terminal(address, *base, "--expert-cache", str(n_pairs))
+    assert code == 0, terminal
+    out["all cached"] = (terminal, json.loads(stdout))
+    return out
+
+
+def test_greedy_token_ids_do_not_depend_on_placement(runs):
+    ids = {name: runs[name][1]["token_ids"] for name in ("cache 0", "adaptive", "profile", "all cached")}
+    assert len(ids["cache 0"]) == MAX_TOKENS
+    assert len({tuple(v) for v in ids.values()}) == 1, ids
+
+
+def test_json_reports_the_tiers(runs):
+    none, everything = runs["cache 0"][1]["experts"], runs["all cached"][1]["experts"]
+    assert none["slot_hits"] == 0 and none["cpu_entries"] > 0
+    assert none["tier_rates"] == {"cache": 0.0, "cpu": 1.0}
+    assert everything["cpu_entries"] == 0 and everything["tier_rates"] == {"cache": 1.0, "cpu": 0.0}
+    assert everything["swaps"] == 0 and everything["host_ms_per_token"] > 0
+    partial = runs["profile"][1]["experts"]
+    assert 0 < partial["tier_rates"]["cache"] < 1 and partial["swaps"] == 0
+    for name in ("cache 0", "all cached", "profile"):
+        assert runs[name][1]["experts"]["coordinator"]["rounds"] == 0  # no rounds without a partial cache
+
+
+def test_adaptive_rounds_run_in_the_coordinator_actor(runs):
+    r, doc = runs["adaptive"]
+    experts = doc["experts"]
+    assert experts["swaps"] > 0, experts
+    coordinator = experts["coordinator"]  # CoordinatorRounds: the coordinator planned every round
+    assert coordinator["rounds"] > 0 and coordinator["swaps"] >= experts["swaps"], experts
+    assert coordinator["windows"] > 0
+    summary = r.stderr.splitlines()[-1]
+    swaps = int(re.search(r"experts: [\d.]+% cache hits, \d+ CPU entries, (\d+) swaps, host", summary)[1])
+    assert swaps == experts["swaps"]
+
+
+def test_profile_save_writes_a_profile_for_the_model(runs, cluster):
+    _, model = cluster
+    hp = GGUFFile(model).hparams
+    learned = read_profile(runs["learned"])
+    check_shape(learned, hp)
+    assert learned.n_ranked == hp.n_layer * hp.n_expert
+    # the run filled from it had exactly its head resident (no rounds), and saves those pairs first
+    head = set(learned.pair_ids()[: runs["partial"]].tolist())
+    relearned = read_profile(runs["relearned"])
+    assert set(relearned.pair_ids()[: runs["partial"]].tolist()) == head
+    assert not os.path.exists(runs["learned"] + ".tmp")
+
+
+def test_fill_line_reaches_the_user_once(runs):
+    lines = [ln for ln in runs["profile"][0].stderr.splitlines() if "pre-filled" in ln]
+    assert len(lines) == 1 and FILL_LINE.match(lines[0]), lines
+    m = FILL_LINE.match(lines[0])
+    assert (int(m[1]), int(m[2]), m[3]) == (runs["partial"], runs["partial"], "the profile")
+    assert FILL_LINE.match(next(ln for ln in runs["adaptive"][0].stderr.splitlines() if "pre-filled" in ln))
+    assert "pre-filled" not in runs["cache 0"][0].stderr  # no slots: nothing to say
+
+
+def test_no_progress_bars_when_stderr_is_not_a_terminal(runs):
+    for name in ("cache 0", "adaptive", "profile"):
+        err = runs[name][0].stderr
+        assert "\r" not in err and "loading the model" not in err and "slot/s" not in err, err
+        assert all(ln.startswith("strata_ray: ") for ln in err.splitlines()), err
+
+
+def test_progress_bars_on_a_terminal(runs):
+    terminal = runs["all cached"][0]
+    assert "strata_ray: loading the model" in terminal
+    assert re.search(r"strata_ray: filling the expert cache: +100%\|[^|]*\| (\d+)/\1 ", terminal), terminal
+    assert len(re.findall(r"pre-filled \d+ of \d+ slots", terminal)) == 1
+    assert "from the default order" in terminal
+
+
+def test_a_profile_for_another_shape_is_refused_before_ray(cluster, tmp_path):
+    _, model = cluster
+    hp = GGUFFile(model).hparams
+    other = tmp_path / "other.strp"
+    write_profile(other, Profile(hp.n_layer + 1, hp.n_expert, np.array([(0, 0), (hp.n_layer, 1)])))
+    started = time.monotonic()
+    r = run_cli(None, "--address", "local", "--model", model, "--expert-profile", str(other))
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"strata_ray: expert profile {other} is for {hp.n_layer + 1} layers x {hp.n_expert} experts, "
+        f"but the model has {hp.n_layer} layers x {hp.n_expert} experts\n"
+    )
+    assert r.stdout == "" and time.monotonic() - started < 15  # no Ray instance was started
