@@ -287,8 +287,14 @@ def load_model_remote(dep, reused: bool, verbose: bool = False) -> dict:
     bars = terminal_bars(sys.stderr)
     if bars is not None:
         try:
+            asked = None  # one load_progress() call in flight; the bars keep ticking while it waits
             while not ray.wait([ref], timeout=0.2)[0]:
-                bars.update(ray.get(dep.primary.load_progress.remote()))
+                asked = asked or dep.primary.load_progress.remote()
+                if ray.wait([asked], timeout=0)[0]:
+                    bars.update(ray.get(asked))
+                    asked = None
+                else:
+                    bars.refresh()
             bars.update(ray.get(dep.primary.load_progress.remote()))  # the final state: a full fill bar
         except ray.exceptions.RayError:
             pass  # the primary failed: ray.get(ref) below says how

@@ -70,6 +70,10 @@ class TerminalBars:
             self._fill.update(snap["fill_done"] - self._fill.n)
             self._fill.refresh()  # update() redraws at most every 0.1 s: a finished fill must show 100%
 
+    def refresh(self) -> None:
+        """Redraw (the elapsed time moves on while no new snapshot has arrived)."""
+        self._load.refresh()
+
     def close(self) -> None:
         if self._fill is not None:
             self._fill.close()
