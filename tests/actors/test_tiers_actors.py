@@ -241,3 +241,19 @@ def test_a_profile_for_another_shape_is_refused_before_ray(cluster, tmp_path):
         f"but the model has {hp.n_layer} layers x {hp.n_expert} experts\n"
     )
     assert r.stdout == "" and time.monotonic() - started < 15  # no Ray instance was started
+
+
+def test_a_profile_save_into_a_missing_folder_is_refused_before_ray(cluster, tmp_path):
+    _, model = cluster
+    target = tmp_path / "missing" / "learned.strp"
+    r = run_cli(None, "--address", "local", "--model", model, "--expert-profile-save", str(target))
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"strata_ray: --expert-profile-save: folder not found: {target.parent}\n"
+
+
+def test_a_profile_error_in_the_primary_is_the_users():
+    from strata_ray.actors.launch import PRIMARY_NAME, describe_failure
+    from strata_ray.experts.profile import ProfileError
+
+    line = "expert profile p.strp is for 3 layers x 8 experts, but the model has 4 layers x 8 experts"
+    assert describe_failure(ProfileError(line), PRIMARY_NAME) == (line, 2)
