@@ -137,6 +137,7 @@ def test_coordinator_plans_rounds_from_sent_counts():
     swaps = coord.adapt_round(counts, 1, resident, False)  # usage now [[0, 2, 18, 0], [0, 0, 0, 2]]
     assert [s[:3] for s in swaps] == [(0, 2, 0), (1, 3, 0)]
     assert coord.adapt_round(counts, 2, resident, True) == []  # primary still busy: round skipped
+    assert coord.status()["adaptive"] == {"rounds": 1, "swaps": 2, "windows": 4}  # the skipped one uncounted
 
 
 def test_engine_generate_reports_tiers_and_saves_the_learned_profile(model_path, tmp_path):
