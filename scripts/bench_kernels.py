@@ -114,10 +114,10 @@ def graph_seconds(fn, reps: int) -> float:
 
 
 WIDE_DECODE_SWEEP = [  # wide-kernel decode knobs (bits must not change)
-    {}, {"gu_nb": 16}, {"gu_warps": 4}, {"down_br": 32}, {"down_nb": 16}, {"decode_stages": 2},
-    {"gu_nb": 16, "gu_warps": 4, "down_br": 32},
+    {}, {"gu_nb": 4}, {"gu_nb": 16}, {"gu_nb": 4, "gu_warps": 4}, {"down_br": 32}, {"down_nb": 16},
+    {"decode_stages": 2},
 ]
-WIDE_PROMPT_SWEEP = [{}, {"prompt_br": 64}, {"prompt_bt": 128}, {"prompt_warps": 4}, {"prompt_stages": 2}]
+WIDE_PROMPT_SWEEP = [{}, {"prompt_br": 128}, {"prompt_bt": 128}, {"prompt_warps": 4}, {"prompt_stages": 2}]
 
 
 def _calls(rng, n_slots, n_tok, dev):
