@@ -7,6 +7,8 @@ the header, key/values and tensor infos, then this module writes each tensor's b
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +33,10 @@ DEFAULT_CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# chunks the background writer may hold at once (one queued + one being written): a producer that reuses its
+# buffers must rotate through IN_FLIGHT + 1 of them
+IN_FLIGHT = 2
 
 # llama.cpp refuses a gpt2 vocabulary without merges, so the plain byte-level vocab carries this one.
 MINIMAL_MERGES = ("Ġ Ġ",)
@@ -280,6 +286,8 @@ class ModelWriter:
 
     def write(self, progress: bool = False) -> None:
         """Write the file (to PATH.part, renamed on success so a failed run leaves no half file)."""
+        if self.path.exists() and not self.path.is_file():  # e.g. /dev/null: the rename would replace it
+            raise GGUFWriteError(f"{self.path} exists and is not a regular file")
         tmp = self.path.with_name(self.path.name + ".part")
         w = gguf.GGUFWriter(tmp, self.hp.arch)
         for key, value in self.fields().items():
@@ -292,18 +300,23 @@ class ModelWriter:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc=f"writing {self.path.name}")
+        behind = None
         try:
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             fout = w.fout[0]
             w.write_padding(fout, fout.tell())
+            behind = _WriteBehind(fout)
             for e in self._entries.values():
-                self._write_tensor(fout, e, bar)
-                w.write_padding(fout, e.n_bytes)
+                self._write_tensor(behind, e, bar)
+                behind.put(bytes(-e.n_bytes % w.data_alignment))
+            behind.finish()
             w.close()
             os.replace(tmp, self.path)
         except BaseException:
+            if behind is not None:
+                behind.stop()
             w.close()
             tmp.unlink(missing_ok=True)
             raise
@@ -311,7 +324,7 @@ class ModelWriter:
             if bar is not None:
                 bar.close()
 
-    def _write_tensor(self, fout, e: _Entry, bar) -> None:
+    def _write_tensor(self, behind: _WriteBehind, e: _Entry, bar) -> None:
         made = e.producer()
         chunks = [made] if isinstance(made, np.ndarray) else made
         written = 0
@@ -319,7 +332,7 @@ class ModelWriter:
             blocks = self._as_blocks(e, np.asarray(chunk))
             if written + blocks.nbytes > e.n_bytes:
                 break
-            fout.write(memoryview(np.ascontiguousarray(blocks)).cast("B"))
+            behind.put(memoryview(np.ascontiguousarray(blocks)).cast("B"))
             written += blocks.nbytes
             if bar is not None:
                 bar.update(blocks.nbytes)
@@ -340,6 +353,42 @@ class ModelWriter:
         if a.shape[-1] != e.shape[-1]:
             raise GGUFWriteError(f"tensor {e.name}: rows of {a.shape[-1]} values, expected {e.shape[-1]}")
         return quantize(a.astype(np.float32, copy=False), e.ggml_type)
+
+
+class _WriteBehind:
+    """Writes chunks on a background thread, so the next chunk is made while the kernel copies this one
+    (file.write releases the GIL). Holds at most IN_FLIGHT chunks; the first write error is raised on the
+    next put() or at finish()."""
+
+    def __init__(self, fout):
+        self._fout = fout
+        self._queue: queue.Queue = queue.Queue(maxsize=IN_FLIGHT - 1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gguf-write-behind", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            if self._error is None:  # after an error keep draining, so put() never blocks forever
+                try:
+                    self._fout.write(chunk)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                    self._error = e
+
+    def put(self, chunk) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(chunk)
+
+    def finish(self) -> None:
+        """Wait until everything is written; raise the write error if there was one."""
+        self.stop()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
 
 
 def write_model(

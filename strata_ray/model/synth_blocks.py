@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from .gguf_writer import IN_FLIGHT
 from .quants import BLOCK
 
 SUPPORTED = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)
@@ -32,16 +33,18 @@ class RandomBlocks:
 
     def __init__(self, seed: int):
         self._pool = np.random.default_rng([seed, 0xB10C]).bit_generator.random_raw(_POOL_WORDS)
-        self._scratch = np.empty(
-            0, dtype=np.uint64
-        )  # reused: first-touch page faults cost as much as the XOR
+        # reused buffers (first-touch page faults cost as much as the XOR), in a ring: a streaming writer
+        # may still hold the previous IN_FLIGHT chunks while the next one is made
+        self._ring = [np.empty(0, dtype=np.uint64) for _ in range(IN_FLIGHT + 1)]
+        self._turn = 0
 
     def random_bytes(self, rng: np.random.Generator, n_bytes: int) -> np.ndarray:
-        """uint8 [n_bytes] of random-looking bytes, a view valid until the next call."""
+        """uint8 [n_bytes] of random-looking bytes, a view valid for the next IN_FLIGHT calls."""
         n_words = -(-n_bytes // 8)
-        if self._scratch.size < n_words:
-            self._scratch = np.empty(n_words, dtype=np.uint64)
-        words = self._scratch[:n_words]
+        self._turn = (self._turn + 1) % len(self._ring)
+        if self._ring[self._turn].size < n_words:
+            self._ring[self._turn] = np.empty(n_words, dtype=np.uint64)
+        words = self._ring[self._turn][:n_words]
         for start in range(0, words.size, _PIECE_WORDS):
             piece = words[start : start + _PIECE_WORDS]
             offset = int(rng.integers(0, _POOL_WORDS - piece.size + 1))
@@ -53,19 +56,23 @@ class RandomBlocks:
         self, rng: np.random.Generator, n_rows: int, row_len: int, ggml_type: int, std: float
     ) -> np.ndarray:
         """uint8 [n_rows, row_bytes]: rows of row_len random values of ggml_type with mean 0, std ~std.
-        A view into a scratch buffer, valid until the next call: write it out (or copy it) first."""
+        A view into a scratch buffer, valid for the next IN_FLIGHT calls (the writer's queue depth)."""
         t = T(ggml_type)
         elems, size = BLOCK[t]
         n_blocks = n_rows * (row_len // elems)
         raw = self.random_bytes(rng, n_blocks * size)
         if t == T.Q8_0:  # -128 never comes out of ggml's encoder: keep qs in [-127, 127]
             np.maximum(raw.view(np.int8), -127, out=raw.view(np.int8))
-        b = raw.reshape(n_blocks, size)
         start, table = _header_table(rng, t, std)
+        # the headers as strided words (not bytes): a per-block copy of 2 uint64 instead of 16 uint8
+        word = next(w for w in (8, 4, 2, 1) if start % w == 0 and size % w == 0 and table.shape[1] % w == 0)
+        wtype = np.dtype(f"<u{word}")
+        headers = np.ndarray((n_blocks, table.shape[1] // word), wtype, raw.data, start, (size, word))
         # which header a block gets: 12 random bits of the block, taken before they are overwritten
-        idx = np.ascontiguousarray(b[:, start : start + 2]).view(np.uint16)[:, 0] & (N_HEADERS - 1)
-        b[:, start : start + table.shape[1]] = table[idx]
-        return b.reshape(n_rows, -1)
+        first = np.ndarray((n_blocks,), np.dtype("<u2"), raw.data, start, (size,))
+        idx = first & (N_HEADERS - 1)
+        headers[...] = table.view(wtype)[idx]
+        return raw.reshape(n_rows, -1)
 
 
 def _header_table(rng: np.random.Generator, t: T, std: float) -> tuple[int, np.ndarray]:
