@@ -1,3 +1,4 @@
+import os
 from dataclasses import replace
 
 import gguf
@@ -184,3 +185,28 @@ def test_writer_refuses_bad_declarations(tmp_path):
         mw2 = ModelWriter(tmp_path / "y.gguf", _tiny_hp(288), tok)
         mw2.add("a.weight", (4, 32), T.Q8_0, lambda: np.zeros((4, 33), np.uint8))
         mw2.write()
+
+
+def test_writer_refuses_to_replace_a_non_regular_file(tmp_path):
+    """The .part + rename scheme would replace a device or FIFO (say /dev/null) with the model file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    mw = ModelWriter(fifo, _tiny_hp(288), byte_level_tokenizer_spec().padded(288))
+    with pytest.raises(GGUFWriteError, match="not a regular file"):
+        mw.write()
+    assert fifo.is_fifo() and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_producer_error_midway_stops_the_writer_and_leaves_no_file(tmp_path):
+    """Many chunks through the write-behind thread: a producer failing midway stops the file cleanly."""
+    mw = ModelWriter(tmp_path / "f.gguf", _tiny_hp(288), byte_level_tokenizer_spec().padded(288))
+
+    def chunks():
+        for _ in range(5):
+            yield np.ones((2, 32), np.float32)
+        raise OSError("disk gone")
+
+    mw.add("a.weight", (20, 32), T.Q8_0, chunks)
+    with pytest.raises(OSError, match="disk gone"):
+        mw.write()
+    assert list(tmp_path.iterdir()) == []
