@@ -10,11 +10,14 @@ Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, s
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 
 Two kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument):
-- "wide" (default): decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
+- "wide": decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
   chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out
   of one reduction and only the fp32 terms are added one block at a time, in block order. The
   prompt tiles are larger, and int->float uses an exact magic-number conversion.
-- "simple": the first kernels (one 32-block per step), kept for one release to A/B on the GPU.
+- "simple" (default): the first kernels (one 32-block per step). They are the default because they are
+  the ones proven bit-identical to the CPU on the H200; "wide" passed the bitwise checks only under
+  Triton's CPU interpreter so far and becomes the default once `pytest -m gpu` and the benchmark have
+  run it on a GPU (docs/BENCHMARKS.md, Kernels).
 """
 
 from __future__ import annotations
@@ -236,8 +239,8 @@ def _grid(r: int, br: int, tile_start: torch.Tensor) -> tuple[int, int]:
 
 
 def kernel_variant(variant: str | None = None) -> str:
-    """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else "wide"."""
-    v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or "wide"
+    """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else "simple"."""
+    v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or "simple"
     if v not in VARIANTS:
         raise KernelError(f"unknown expert kernel variant {v!r} (wide or simple)")
     return v
@@ -251,7 +254,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
     mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
     out: optional f32 [M, E] to write the rows into (every element is written).
-    variant: "wide" or "simple" kernels (default: STRATA_KERNEL_VARIANT, else "wide"); same bits.
+    variant: "wide" or "simple" kernels (default: STRATA_KERNEL_VARIANT, else "simple"); same bits.
     """
     slots.validate()
     variant = kernel_variant(variant)

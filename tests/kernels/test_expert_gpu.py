@@ -24,12 +24,12 @@ def _to_slots(layer: ExpertLayer, rng):
     return ExpertLayer(*up, layer.gate_type, layer.up_type, layer.down_type), slot_of
 
 
-def _gpu_rows(x, tok, exp, slots, slot_of, mode):
+def _gpu_rows(x, tok, exp, slots, slot_of, mode, variant=None):
     from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
     out = torch.full((len(tok), N_EMBD), float("nan"), device="cuda")  # poisoned
     rows = expert_ffn_gpu(torch.from_numpy(x).cuda(), torch.from_numpy(tok).cuda(),
-                          torch.from_numpy(slot_of[exp]).cuda(), slots, mode=mode, out=out)
+                          torch.from_numpy(slot_of[exp]).cuda(), slots, mode=mode, out=out, variant=variant)
     assert rows.data_ptr() == out.data_ptr()
     return rows.cpu().numpy()
 
@@ -39,8 +39,9 @@ CASES = [  # (tokens, entries, top-k; 0 = random pairs)
 ]
 
 
+@pytest.mark.parametrize("variant", ["simple", "wide"])
 @pytest.mark.parametrize("name", [*TYPE_SETS, *FLOAT_SETS])
-def test_gpu_rows_equal_cpu_rows(name):
+def test_gpu_rows_equal_cpu_rows(name, variant):
     rng = np.random.default_rng(7)
     layer = layer_for(name)
     slots, slot_of = _to_slots(layer, rng)
@@ -49,13 +50,14 @@ def test_gpu_rows_equal_cpu_rows(name):
         tok, exp = entries(rng, n_tok, n_ent, 37, k=k)
         cpu = expert_ffn_cpu(x, tok, exp, layer)
         for mode in ("decode", "prompt"):
-            gpu = _gpu_rows(x, tok, exp, slots, slot_of, mode)
-            assert not np.isnan(gpu).any(), (name, n_tok, mode)
-            assert np.array_equal(gpu.view(np.int32), cpu.view(np.int32)), (name, n_tok, n_ent, mode)
+            gpu = _gpu_rows(x, tok, exp, slots, slot_of, mode, variant)
+            assert not np.isnan(gpu).any(), (name, n_tok, mode, variant)
+            assert np.array_equal(gpu.view(np.int32), cpu.view(np.int32)), (name, n_tok, n_ent, mode, variant)
 
 
+@pytest.mark.parametrize("variant", ["simple", "wide"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K+Q6_K"])
-def test_one_hot_expert_and_duplicates(name):
+def test_one_hot_expert_and_duplicates(name, variant):
     """200 entries on one slot (many tiles of one expert) and repeated (token, expert) entries."""
     rng = np.random.default_rng(8)
     layer = layer_for(name)
@@ -65,7 +67,8 @@ def test_one_hot_expert_and_duplicates(name):
     exp = np.concatenate([np.full(200, 3), np.full(5, 3)]).astype(np.int32)
     cpu = expert_ffn_cpu(x, tok, exp, layer)
     for mode in ("decode", "prompt"):
-        assert np.array_equal(_gpu_rows(x, tok, exp, slots, slot_of, mode).view(np.int32), cpu.view(np.int32))
+        rows = _gpu_rows(x, tok, exp, slots, slot_of, mode, variant)
+        assert np.array_equal(rows.view(np.int32), cpu.view(np.int32)), (mode, variant)
 
 
 def test_act_quant_gpu_equals_cpu():
