@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from strata_ray.config import (
@@ -30,8 +31,11 @@ def config(argv, env=None):
 
 @pytest.fixture()
 def profile(tmp_path):
+    """A valid STRP for the tiny synth preset (4 layers x 8 experts): run checks it before starting Ray."""
+    from strata_ray.experts.profile import rank_from_counts, write_profile
+
     p = tmp_path / "p.strp"
-    p.write_bytes(b"STRP")  # existence is all config checks; the format is the profile reader's job
+    write_profile(p, rank_from_counts(np.ones((4, 8), dtype=np.int64)))
     return str(p)
 
 

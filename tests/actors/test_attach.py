@@ -124,7 +124,9 @@ def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
     while strata_actors(address) != {PRIMARY_NAME: "ALIVE", COORDINATOR_NAME: "ALIVE"}:
         assert p.poll() is None and time.monotonic() < deadline
         time.sleep(1)
-    time.sleep(3)  # let it load and generate
+    # Interrupt while it generates: right after the first streamed text. (With this seed the model samples
+    # its end-of-text token after ~390 tokens, a couple of seconds in, so a fixed sleep could miss.)
+    assert p.stdout.read(1) != ""
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.splitlines()[-1] == "strata_ray: interrupted", err
