@@ -8,63 +8,28 @@ stops exactly the processes it started (never `ray stop`, which would stop every
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from strata_ray.actors.launch import COORDINATOR_NAME, NAMESPACE, PRIMARY_NAME
 from strata_ray.model.synth import write_synth
-
-REPO = Path(__file__).resolve().parents[2]
-CURRENT_CLUSTER_FILE = Path("/tmp/ray/ray_current_cluster")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def client_env(address: str) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "RAY_ADDRESS": address}
+from tests.actors.ray_head import REPO, client_env, ray_head
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("attach")
-    port, dashboard_port = free_port(), free_port()
-    log = open(tmp / "ray_start.log", "w")
-    head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in (tmp / "ray_start.log").read_text():
-            assert head.poll() is None and time.monotonic() < deadline, (tmp / "ray_start.log").read_text()
-            time.sleep(0.5)
-        model = tmp / "tiny.gguf"
+    model = tmp / "tiny.gguf"
+
+    def write_model():
         write_synth(model, arch="qwen3next", preset="tiny", progress=False)
+
+    # the dashboard serves the state API that list_actors reads
+    with ray_head(tmp, dashboard=True, while_starting=write_model) as address:
         yield address, str(model)
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of its session still alive
-        except ProcessLookupError:
-            pass
-        log.close()
-        if CURRENT_CLUSTER_FILE.exists() and CURRENT_CLUSTER_FILE.read_text().strip().endswith(f":{port}"):
-            CURRENT_CLUSTER_FILE.unlink()  # do not leave other Ray users pointing at a stopped cluster
 
 
 def run_cli(address, *args, timeout=300):

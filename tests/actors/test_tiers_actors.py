@@ -15,15 +15,12 @@ import json
 import os
 import pty
 import re
-import signal
-import socket
 import struct
 import subprocess
 import sys
 import termios
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,9 +28,8 @@ import pytest
 from strata_ray.experts.profile import Profile, check_shape, read_profile, write_profile
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
+from tests.actors.ray_head import REPO, client_env, ray_head
 
-REPO = Path(__file__).resolve().parents[2]
-CURRENT_CLUSTER_FILE = Path("/tmp/ray/ray_current_cluster")
 PROMPT_IDS = "5,17,101,42,250,7,64,3"
 MAX_TOKENS = 10
 FILL_LINE = re.compile(
@@ -42,49 +38,15 @@ FILL_LINE = re.compile(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def client_env(address: str | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("RAY_ADDRESS", None)
-    return env if address is None else {**env, "RAY_ADDRESS": address}
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiers_actors")
-    port = free_port()
-    log = open(tmp / "ray_start.log", "w")
-    head = subprocess.Popen(
-        ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
-         "--include-dashboard", "false"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    try:
-        model = tmp / "tiny.gguf"
-        write_synth(model, arch="qwen3next", preset="tiny", progress=False)  # while Ray starts
-        deadline = time.monotonic() + 120
-        while "Ray runtime started" not in (tmp / "ray_start.log").read_text():
-            assert head.poll() is None and time.monotonic() < deadline, (tmp / "ray_start.log").read_text()
-            time.sleep(0.3)
-        yield f"127.0.0.1:{port}", str(model)
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of its session still alive
-        except ProcessLookupError:
-            pass
-        log.close()
-        if CURRENT_CLUSTER_FILE.exists() and CURRENT_CLUSTER_FILE.read_text().strip().endswith(f":{port}"):
-            CURRENT_CLUSTER_FILE.unlink()  # do not leave other Ray users pointing at a stopped cluster
+    model = tmp / "tiny.gguf"
+    def write_model():
+        write_synth(model, arch="qwen3next", preset="tiny", progress=False)
+
+    with ray_head(tmp, while_starting=write_model) as address:
+        yield address, str(model)
 
 
 def run_cli(address, *args, timeout=300):

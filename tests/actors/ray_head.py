@@ -1,0 +1,68 @@
+"""A private Ray cluster for a test module: `ray start --head --block` in its own session.
+
+Tearing it down stops exactly the processes it started (never `ray stop`, which would stop every cluster
+on the machine), and `run` subprocesses attach to it through RAY_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CURRENT_CLUSTER_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def client_env(address: str | None) -> dict:
+    """Environment of a `run` subprocess: this checkout, no GPU, attached to `address` (None: no cluster)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    return env if address is None else {**env, "RAY_ADDRESS": address}
+
+
+@contextlib.contextmanager
+def ray_head(tmp: Path, dashboard: bool = False, while_starting=None) -> Iterator[str]:
+    """Start the head, run `while_starting()` meanwhile, wait until it is up; yields its address."""
+    port = free_port()
+    dash = (["--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port())] if dashboard
+            else ["--include-dashboard", "false"])
+    log_path = tmp / "ray_start.log"
+    log = open(log_path, "w")
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+         *dash],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        if while_starting is not None:
+            while_starting()
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log_path.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.3)
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops its processes on SIGTERM
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # anything of its session still alive
+        except ProcessLookupError:
+            pass
+        log.close()
+        if CURRENT_CLUSTER_FILE.exists() and CURRENT_CLUSTER_FILE.read_text().strip().endswith(f":{port}"):
+            CURRENT_CLUSTER_FILE.unlink()  # do not leave other Ray users pointing at a stopped cluster
