@@ -78,6 +78,7 @@ class EngineConfig:
     prefill: int | None = None  # prompt chunk; None = auto (<= 8192)
     spec: int = 0  # MTP drafts per verify window
     arena_pin_gib: float | None = None  # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store
+    kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -332,6 +333,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_ARENA_PIN_GIB", "") != "":
         values["arena_pin_gib"] = parse_value(float_range(0.0, 1e6), env["STRATA_ARENA_PIN_GIB"],
                                               "STRATA_ARENA_PIN_GIB")
+    if env.get("STRATA_KERNEL_VARIANT", "") != "":
+        values["kernel_variant"] = parse_value(_choice("wide", "simple"), env["STRATA_KERNEL_VARIANT"],
+                                               "STRATA_KERNEL_VARIANT")
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

@@ -193,3 +193,12 @@ def test_cli_refuses_an_invisible_peer_device(profile, tmp_path):
 def test_cli_help_exits_0():
     r = run_cli("--help")
     assert r.returncode == 0 and "--peer-prefill-rows" in r.stdout and "strata-tiny-next" in r.stdout
+
+
+def test_kernel_variant_is_an_env_switch_carried_by_the_config():
+    """Actors never read the environment: STRATA_KERNEL_VARIANT reaches the kernels through EngineConfig."""
+    assert config([]).kernel_variant == "simple"  # the variant proven on the H200
+    assert config([], {"STRATA_KERNEL_VARIANT": "wide"}).kernel_variant == "wide"
+    with pytest.raises(ConfigError) as e:
+        config([], {"STRATA_KERNEL_VARIANT": "fast"})
+    assert str(e.value) == "STRATA_KERNEL_VARIANT: invalid value 'fast' (allowed: wide or simple)"

@@ -49,7 +49,8 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
         rounds = LocalRounds(
             AdaptiveTier(hp.n_layer, hp.n_expert, config.adapt_every, config.adapt_swaps, config.adapt_decay)
         )
-    return TieredExperts(store, cache, device, rounds=rounds, prior=profile)
+    return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
+                         kernel_variant=getattr(config, "kernel_variant", "simple"))
 
 
 def load_tiered_model(config, device: str, progress: LoadProgress | bool | None = None):

@@ -95,8 +95,10 @@ class TieredExperts:
         pool: CpuPool | None = None,
         rounds=None,
         prior: Profile | None = None,
+        kernel_variant: str = "simple",
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
+        self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
         self.device = torch.device(device)
         self.pool = pool or default_pool()
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
@@ -174,7 +176,8 @@ class TieredExperts:
 
             dev = self.device
             out = expert_ffn_gpu(
-                x, torch.from_numpy(tok).to(dev), torch.from_numpy(slot.astype(np.int64)).to(dev), view
+                x, torch.from_numpy(tok).to(dev), torch.from_numpy(slot.astype(np.int64)).to(dev), view,
+                variant=self.kernel_variant,
             )
             rows[torch.from_numpy(entries).to(dev)] = out
         else:
@@ -202,6 +205,7 @@ class TieredExperts:
                 torch.from_numpy(tok[sel]).to(dev),
                 torch.from_numpy(ring_of[exp[sel]]).to(dev),
                 self.cache.layer_view(layer),
+                variant=self.kernel_variant,
             )
             rows[torch.from_numpy(entries[sel]).to(dev)] = out
 
