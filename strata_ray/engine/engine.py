@@ -17,6 +17,7 @@ from typing import Any
 
 from strata_ray.config import ConfigError, EngineConfig, check_peer_device_visible
 from strata_ray.engine.progress import LoadProgress, local_progress
+from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import SamplingParams
 
 FLUSH_SECONDS = 0.02
@@ -53,7 +54,7 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
-class GenerationSummary:
+class GenerationSummary(TokenRates):
     token_ids: tuple[int, ...]
     text: str
     prompt_tokens: int
@@ -63,13 +64,6 @@ class GenerationSummary:
     experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
     expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
 
-    @property
-    def prompt_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def summary_line(self) -> str:
         line = (

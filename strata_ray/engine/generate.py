@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.model.ops import GDN_CHUNK
 
@@ -19,7 +20,7 @@ class GenerationError(ValueError):
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(TokenRates):
     token_ids: list[int]  # generated tokens, without the stop token
     prompt_tokens: int
     prompt_seconds: float  # prompt forward until the first token's logits are ready
@@ -28,13 +29,6 @@ class GenerationResult:
     token_logprobs: list[float] = field(default_factory=list)  # per token: logprob of the chosen id
     finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
 
-    @property
-    def prompt_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
 def generate(
