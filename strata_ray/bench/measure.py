@@ -110,14 +110,19 @@ class LocalRunner:
         clock = ArrivalClock()
         request = _request(prompt, max_tokens, sampling)
         summary = self.engine.generate(request, on_token=lambda _t: clock.arrived(1))
-        return clock.timing(
-            summary.prompt_tokens,
-            len(summary.token_ids),
-            engine_prompt_s=summary.prompt_seconds,
-            engine_decode_s=summary.decode_seconds,
-            token_ids=tuple(summary.token_ids),
-            text=summary.text,
-        )
+        return _timing(clock, summary)
+
+
+def _timing(clock: ArrivalClock, summary) -> RunTiming:
+    """The caller's arrival times plus the engine's own timings and output from its summary."""
+    return clock.timing(
+        summary.prompt_tokens,
+        len(summary.token_ids),
+        engine_prompt_s=summary.prompt_seconds,
+        engine_decode_s=summary.decode_seconds,
+        token_ids=tuple(summary.token_ids),
+        text=summary.text,
+    )
 
 
 class RayRunner:
@@ -142,14 +147,7 @@ class RayRunner:
                 summary = item
         if summary is None:
             raise RuntimeError("the primary ended the stream without a summary")
-        return clock.timing(
-            summary.prompt_tokens,
-            len(summary.token_ids),
-            engine_prompt_s=summary.prompt_seconds,
-            engine_decode_s=summary.decode_seconds,
-            token_ids=tuple(summary.token_ids),
-            text=summary.text,
-        )
+        return _timing(clock, summary)
 
 
 # ---- the plan --------------------------------------------------------------------------------------------
