@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
 from strata_ray.engine.engine import GenerationRequest
 
+REPO = Path(__file__).resolve().parents[2]
 HELLO = [{"role": "user", "content": "What is a Python list?"}]
 
 
@@ -77,6 +82,20 @@ def test_completions_stream_and_not(server, engine):
     events = sse_events(server.post("/v1/completions", {**body, "stream": True}, stream=True))
     assert events[-1] == "[DONE]" and not any("usage" in e for e in events[:-1])
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected.text
+
+
+def test_greedy_text_equals_run_json(server, model_path):
+    """The server and `python -m strata_ray.run --json` give the same greedy text for the same prompt."""
+    prompt = "The for statement"
+    doc = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0}).json()
+    run = subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "--model", str(model_path), "--prompt", prompt,
+         "--max-tokens", "16", "--json", "--address", "local", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert run.returncode == 0, run.stderr
+    assert doc["choices"][0]["text"] == json.loads(run.stdout)["text"]
 
 
 def test_stop_string_cuts_the_text(server):
