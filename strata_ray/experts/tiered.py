@@ -140,6 +140,17 @@ class TieredExperts:
         cpu_misses = miss.size > 0 and not stream_misses
         need_host_x = cpu_misses or (hit.size > 0 and not self.cache.is_cuda)
         x_h = x.detach().float().cpu().numpy() if need_host_x else None  # [N, E]
+        if cpu_misses and miss.size == m and not self.cache.is_cuda:
+            # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
+            # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
+            t1 = time.perf_counter()
+            cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool)  # [M, E]
+            if decode:
+                self.metrics.counts.cpu_seconds += time.perf_counter() - t1
+            out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
+            if trunk:
+                self._count(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
+            return out
         rows = torch.empty((m, x.shape[1]), dtype=torch.float32, device=self.device)  # [M, E]
         cpu_job: Future | None = None
         if cpu_misses:  # CPU work first: it runs while the cache tier computes
