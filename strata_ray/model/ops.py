@@ -81,6 +81,8 @@ def causal_conv1d(x: Tensor, w: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     Returns (y [T, C], new state [K-1, C]).
     """
     K = w.shape[1]
+    if x.shape[0] == 0:  # no new inputs: unfold needs at least K rows; the state stays as it is
+        return x, state
     xp = torch.cat((state, x), dim=0)  # [T+K-1, C]
     windows = xp.unfold(0, K, 1)  # [T, C, K]
     y = (windows * w).sum(-1)

@@ -50,6 +50,19 @@ def test_prompt_in_chunks_then_decode_equals_one_pass(tiny):
     torch.testing.assert_close(torch.cat(parts), full, atol=2e-5, rtol=1e-5)
 
 
+def test_forward_of_no_tokens_changes_nothing(tiny):
+    _, model = tiny
+    ids = _prompt(5, seed=6)
+    with torch.inference_mode():
+        state = model.new_state()
+        model.forward(ids[:3], state)
+        empty = model.forward([], state)
+        rest = model.forward(ids[3:], state)
+        full = model.forward(ids, model.new_state())
+    assert empty.shape == (0, ref.VOCAB) and state.pos == 5
+    torch.testing.assert_close(rest, full[3:], atol=2e-5, rtol=1e-5)
+
+
 def test_state_clone_rolls_back(tiny):
     _, model = tiny
     ids = _prompt(70, seed=4)

@@ -85,6 +85,14 @@ def test_causal_conv1d_state_carries_over():
     assert torch.equal(st, st_full) and torch.equal(st_full, x[-(K - 1):])
 
 
+def test_causal_conv1d_of_no_tokens_keeps_the_state():
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(0, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    state = torch.randn(3, 6, generator=gen)
+    y, st = ops.causal_conv1d(x, w, state)
+    assert y.shape == (0, 6) and torch.equal(st, state)
+
+
 def test_gdn_is_differentiable():
     q, k, v, g, beta, S0 = _inputs(70, seed=2)
     v.requires_grad_(True)
