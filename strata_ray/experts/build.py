@@ -59,7 +59,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     that follows the stages and the cache fill; None or False: no progress is shown."""
     from strata_ray.model.forward import Model
     from strata_ray.model.gguf_file import GGUFFile
-    from strata_ray.model.loader import LoadedModel, load_model, resolve_model_path
+    from strata_ray.model.loader import LoadedModel, load_model_file, resolve_model_path
     from strata_ray.model.tokenizer import Tokenizer
     from strata_ray.model.weights import load_dense_weights
 
@@ -69,7 +69,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     file = GGUFFile(path)
     if not experts_block_quantized(file):
         stage("weights")
-        return load_model(config.model, device=device), None
+        return load_model_file(file, device=device), None  # the file is open: no second header parse
     stage("dense weights")
     with torch.inference_mode():
         weights = load_dense_weights(file, device=device, include_experts=False)

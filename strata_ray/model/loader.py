@@ -43,16 +43,19 @@ class LoadedModel:
 
 def load_model(path: str | os.PathLike | None = None, device: str = "cpu") -> LoadedModel:
     """Open, check and load a GGUF for the reference forward. Raises ModelFormatError (one line)."""
+    return load_model_file(GGUFFile(resolve_model_path(path)), device)
+
+
+def load_model_file(file: GGUFFile, device: str = "cpu") -> LoadedModel:
+    """`load_model` for a GGUFFile that is already open (its header is not parsed again)."""
     import torch
 
     from strata_ray.model.forward import Model
     from strata_ray.model.tokenizer import Tokenizer
     from strata_ray.model.weights import load_dense_weights
 
-    resolved = resolve_model_path(path)
-    file = GGUFFile(resolved)
     tokenizer = Tokenizer.from_gguf(file)
     with torch.inference_mode():
         weights = load_dense_weights(file, device=device, include_experts=True)
     model = Model(file.hparams, weights)
-    return LoadedModel(file=file, hp=file.hparams, model=model, tokenizer=tokenizer, path=resolved)
+    return LoadedModel(file=file, hp=file.hparams, model=model, tokenizer=tokenizer, path=file.path)
