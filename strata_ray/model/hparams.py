@@ -65,24 +65,37 @@ class HParams:
             )
 
         def need(key: str) -> Any:
+            """The key's number (a per-layer array must be uniform); ModelFormatError otherwise."""
             full = f"{arch}.{key}"
             if full not in fields:
                 raise ModelFormatError(f"missing GGUF key {full}")
             v = fields[full]
             if isinstance(v, (list, tuple)):  # per-layer arrays: engine needs them uniform
-                if len(set(v)) != 1:
+                if not v or any(x != v[0] for x in v):
                     raise ModelFormatError(f"GGUF key {full} varies per layer; not supported")
                 v = v[0]
+            if not isinstance(v, (int, float)):
+                raise ModelFormatError(f"GGUF key {full} is {v!r}, not a number")
             return v
 
         def opt(key: str, default: Any) -> Any:
             return need(key) if f"{arch}.{key}" in fields else default
 
-        block_count = int(need("block_count"))
+        def positive(key: str) -> int:
+            v = int(need(key))
+            if v <= 0:
+                raise ModelFormatError(f"GGUF key {arch}.{key} is {v}; it must be positive")
+            return v
+
+        block_count = positive("block_count")
         n_nextn = int(opt("nextn_predict_layers", 0))
         n_layer = block_count - n_nextn
-        n_embd = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
+        if not 0 <= n_nextn < block_count:
+            raise ModelFormatError(
+                f"GGUF key {arch}.nextn_predict_layers is {n_nextn}: no trunk left of {block_count} blocks"
+            )
+        n_embd = positive("embedding_length")
+        n_head = positive("attention.head_count")
         head_dim = int(opt("attention.key_length", n_embd // n_head))
         tokens = fields.get("tokenizer.ggml.tokens")
         n_vocab = int(opt("vocab_size", len(tokens) if tokens is not None else 0))
@@ -96,17 +109,22 @@ class HParams:
             n_layer=n_layer,
             n_nextn=n_nextn,
             n_head=n_head,
-            n_head_kv=int(need("attention.head_count_kv")),
+            n_head_kv=positive("attention.head_count_kv"),
             head_dim=head_dim,
-            n_expert=int(need("expert_count")),
-            n_expert_used=int(need("expert_used_count")),
-            n_ff_exp=int(need("expert_feed_forward_length")),
+            n_expert=positive("expert_count"),
+            n_expert_used=positive("expert_used_count"),
+            n_ff_exp=positive("expert_feed_forward_length"),
             n_ff_shexp=int(opt("expert_shared_feed_forward_length", 0)),
             rms_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_freq_base=float(opt("rope.freq_base", 10000.0)),
             n_rot=int(opt("rope.dimension_count", head_dim)),
             context_length=int(need("context_length")),
         )
+        if common["n_expert_used"] > common["n_expert"]:
+            raise ModelFormatError(
+                f"GGUF key {arch}.expert_used_count is {common['n_expert_used']}, more than the "
+                f"{common['n_expert']} experts"
+            )
         if arch == "qwen3moe":
             return HParams(**common)
 
@@ -117,14 +135,15 @@ class HParams:
                     f"GGUF key {arch}.attention.recurrent_layers is shorter than block_count"
                 )
         else:
-            interval = int(opt("full_attention_interval", 4))
+            has_interval = f"{arch}.full_attention_interval" in fields
+            interval = positive("full_attention_interval") if has_interval else 4
             rec = tuple((i + 1) % interval != 0 for i in range(n_layer))
         return HParams(
             **common,
-            ssm_conv_kernel=int(need("ssm.conv_kernel")),
-            ssm_d_state=int(need("ssm.state_size")),
-            ssm_n_group=int(need("ssm.group_count")),
-            ssm_dt_rank=int(need("ssm.time_step_rank")),
-            ssm_d_inner=int(need("ssm.inner_size")),
+            ssm_conv_kernel=positive("ssm.conv_kernel"),
+            ssm_d_state=positive("ssm.state_size"),
+            ssm_n_group=positive("ssm.group_count"),
+            ssm_dt_rank=positive("ssm.time_step_rank"),
+            ssm_d_inner=positive("ssm.inner_size"),
             recurrent=rec,
         )
