@@ -10,6 +10,7 @@ and still share pages with the file; nothing is ever written back.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -207,7 +208,7 @@ def _parse_header(buf: mmap.mmap, path: Path) -> tuple[dict[str, object], list[T
             raise _Corrupt(
                 f"tensor {name} row of {ne[0]} is not a multiple of the {qtype.name} block {block}"
             )
-        n_elems = int(np.prod(ne, dtype=np.uint64)) if ne else 1
+        n_elems = math.prod(ne)  # python ints: a garbage shape must not wrap around to a small size
         n_bytes = n_elems // block * type_size
         start = data_start + rel
         if start + n_bytes > cur.size:

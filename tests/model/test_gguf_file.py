@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -223,6 +224,16 @@ def test_error_corrupt_counts(tmp_path):
     p = tmp_path / "bad.gguf"
     p.write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match=r"^truncated or corrupt GGUF file: .*\(implausible counts"):
+        GGUFFile(p)
+
+
+def test_error_shape_too_large_for_the_file(tmp_path):
+    name = b"t"
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", len(name)) + name
+    head += struct.pack("<I3Q", 3, 2**32, 2**32, 2**8) + struct.pack("<IQ", Q.F32, 0)  # 2^72 elements
+    p = tmp_path / "huge.gguf"
+    p.write_bytes(head + bytes(-len(head) % 32 + 64))
+    with pytest.raises(ModelFormatError, match=r"^truncated or corrupt GGUF file: .*\(data of tensor t runs"):
         GGUFFile(p)
 
 
