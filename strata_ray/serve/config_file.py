@@ -164,12 +164,12 @@ def load_config_file(path: str) -> ServeConfig:
             text = f.read()
     except OSError as e:
         raise ServeConfigError(f"--config: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError:  # raised by read(), not by json.loads of a str
+        raise ServeConfigError(f"--config: {path} is not UTF-8 text") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ServeConfigError(f"--config: {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except UnicodeDecodeError:
-        raise ServeConfigError(f"--config: {path} is not UTF-8 text") from None
     try:
         return config_from_dict(raw)
     except ServeConfigError as e:

@@ -117,6 +117,13 @@ def test_invalid_configs_are_one_line(tmp_path, doc, message):
         assert re.search(message, text), text
 
 
+def test_config_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "serve.json"
+    path.write_bytes(b'\xff\xfe{"port": 9000}')
+    with pytest.raises(ServeConfigError, match=f"^--config: {path} is not UTF-8 text$"):
+        resolve(["--config", str(path)], {})
+
+
 def test_missing_file():
     with pytest.raises(ServeConfigError, match="--config: cannot read /no/such/serve.json"):
         resolve(["--config", "/no/such/serve.json"], {})
