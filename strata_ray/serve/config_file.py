@@ -123,8 +123,9 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type, allowed: str) -> Any:
 
 
 def _port(v: int | None) -> int | None:
-    if v is not None and not 0 <= v <= 65535:
-        raise ServeConfigError(f"port: expected an integer from 0 to 65535, got {v}")
+    # not 0: the server must listen where its "serving on" line says (and 0 in the file read as "unset")
+    if v is not None and not 1 <= v <= 65535:
+        raise ServeConfigError(f"port: expected an integer from 1 to 65535, got {v}")
     return v
 
 
@@ -151,7 +152,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> ServeConfig:
         args=_parse_args(raw.get("args")),
         env=_parse_env(raw.get("env")),
         host=_typed(raw, "host", str, "a host name or address") or DEFAULT_HOST,
-        port=_port(_typed(raw, "port", int, "an integer from 0 to 65535")) or DEFAULT_PORT,
+        port=_port(_typed(raw, "port", int, "an integer from 1 to 65535")) or DEFAULT_PORT,
         api_key=_typed(raw, "api_key", str, "a string") or None,
         layer_split=None if layer_split is None else str(layer_split),
         replicas=_replicas(_typed(raw, "replicas", int, "an integer >= 1")) or 1,

@@ -93,7 +93,8 @@ def test_defaults_without_a_file():
     ("[1]", "must be a JSON object"),
     ({"modle": "x"}, "unknown key 'modle'"),
     ({"port": "80"}, "port: expected an integer"),
-    ({"port": 70000}, "port: expected an integer from 0 to 65535"),
+    ({"port": 70000}, "port: expected an integer from 1 to 65535"),
+    ({"port": 0}, "port: expected an integer from 1 to 65535, got 0"),
     ({"replicas": 0}, "replicas: expected an integer >= 1"),
     ({"args": [["--spec"]]}, "args: expected a list of engine flags"),
     ({"env": {"PATH": "/x"}}, "env: only STRATA_\\* switches"),
@@ -124,6 +125,11 @@ def test_config_that_is_not_utf8_is_one_line(tmp_path):
         resolve(["--config", str(path)], {})
 
 
+def test_port_0_on_the_command_line_is_refused_like_in_the_file():
+    with pytest.raises(ServeConfigError, match="^port: expected an integer from 1 to 65535, got 0$"):
+        resolve(["--port", "0"], {})
+
+
 def test_missing_file():
     with pytest.raises(ServeConfigError, match="--config: cannot read /no/such/serve.json"):
         resolve(["--config", "/no/such/serve.json"], {})
@@ -141,5 +147,5 @@ def test_serve_command_exits_2_with_one_line_before_starting(tmp_path):
     done = subprocess.run([sys.executable, "-m", "strata_ray.run", "serve", "--config", path],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f'strata_ray: {path}: port: expected an integer from 0 to '
+    assert done.stderr.strip().splitlines() == [f'strata_ray: {path}: port: expected an integer from 1 to '
                                                 '65535, got "eighty"']
