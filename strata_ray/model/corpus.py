@@ -18,6 +18,9 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from strata_ray.model.gguf_writer import SPECIAL_TOKENS
+from strata_ray.model.tokenizer import PRE_TOKENIZER_REGEX
+
 # Well-documented, side-effect-free modules (no GUI, no network at import, no easter eggs).
 DOC_MODULES: tuple[str, ...] = tuple(sorted((
     "abc", "argparse", "ast", "asyncio.base_events", "asyncio.events", "asyncio.futures", "asyncio.locks",
@@ -152,13 +155,9 @@ def words(text: str) -> set[str]:
 
 # --- the byte-level BPE tokenizer learned from the corpus -------------------------------------------
 
-# The qwen2 pre-tokenizer split (llama.cpp `qwen2`, HF Qwen2Tokenizer); the engine's tokenizer rebuilds
-# exactly this pipeline from the GGUF keys, so training with it makes the two encode identically.
-QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The qwen2 pre-tokenizer split (llama.cpp `qwen2`, HF Qwen2Tokenizer): the very regex the engine's
+# tokenizer rebuilds from the GGUF keys, so training with it makes the two encode identically.
+QWEN2_SPLIT = PRE_TOKENIZER_REGEX["qwen2"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

@@ -19,20 +19,13 @@ import numpy as np
 
 from .hparams import HParams
 from .quants import BLOCK, quantize, type_name
+from .tokenizer import CHATML_TEMPLATE, CONTROL, NORMAL, UNUSED, byte_encoder
 
 T = gguf.GGMLQuantizationType
 
-# token_type values (llama.cpp llama_token_type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
-DEFAULT_CHATML = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+DEFAULT_CHATML = CHATML_TEMPLATE  # the reader's fallback template, written out explicitly
 
 # chunks the background writer may hold at once (one queued + one being written): a producer that reuses its
 # buffers must rotate through IN_FLIGHT + 1 of them
@@ -133,30 +126,14 @@ class TokenizerSpec:
         return self.tokens.index(text)
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (space -> 'Ġ', newline -> 'Ċ')."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def byte_level_tokenizer_spec(
     extra_merges: Iterable[str] = (), chat_template: str | None = DEFAULT_CHATML
 ) -> TokenizerSpec:
     """Ids 0..255 = the bytes (GPT-2 spelling), then one token per merge ("a b" -> "ab"), then the ChatML
     control tokens. bos = pad = <|endoftext|>, eos = <|im_end|> (as in Qwen3 instruct files)."""
     merges = list(extra_merges) or list(MINIMAL_MERGES)
-    tokens = list(bytes_to_unicode().values())
+    spelling = byte_encoder()  # GPT-2's byte -> printable character map (space -> 'Ġ')
+    tokens = [spelling[b] for b in range(256)]
     known = set(tokens)
     for m in merges:
         left, sep, right = m.partition(" ")
