@@ -23,6 +23,7 @@ from strata_ray.config import (
     float_range,
     int_range,
     parse_value,
+    seed_value,
 )
 from strata_ray.engine.progress import terminal_bars
 
@@ -115,7 +116,7 @@ def request_values(ns, n_vocab: int) -> dict:
         top_k=parse_value(int_range(0), ns.top_k, "--top-k"),
         top_p=parse_value(float_range(0.0, 1.0, lo_open=True), ns.top_p, "--top-p"),
         min_p=parse_value(float_range(0.0, 1.0), ns.min_p, "--min-p"),
-        seed=None if ns.seed is None else parse_value(int_range(0), ns.seed, "--seed"),
+        seed=None if ns.seed is None else parse_value(seed_value, ns.seed, "--seed"),
     )
     common = dict(
         max_tokens=parse_value(int_range(1), ns.max_tokens, "--max-tokens"),

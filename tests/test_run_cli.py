@@ -170,6 +170,8 @@ def test_unknown_architecture(tmp_path):
         (["--top-p", "0"], "--top-p: invalid value '0' (allowed: a number > 0 and <= 1)"),
         (["--top-k", "x"], "--top-k: invalid value 'x' (allowed: an integer >= 0)"),
         (["--logprobs", "50"], "--logprobs: invalid value '50' (allowed: an integer from 0 to 20)"),
+        (["--seed", str(2**64)],  # torch's generator takes 64 bits: refused here, not by the primary
+         f"--seed: invalid value '{2**64}' (allowed: an integer from 0 to {2**64 - 1})"),
         (["--prompt-ids", "1,x"],
          "--prompt-ids: invalid value '1,x' (allowed: comma-separated token ids >= 0, e.g. 1,2,3)"),
         (["--prompt-ids", "1,288"], "--prompt-ids: token id 288 is out of range (vocabulary of 288)"),

@@ -25,6 +25,7 @@ from strata_ray.config import (
     float_range,
     int_range,
     parse_value,
+    seed_value,
 )
 
 PROG = "python -m strata_ray.run bench"
@@ -107,7 +108,7 @@ def parse_sampling(ns, saved: dict | None = None):
         top_k=pick(ns.top_k, "top_k", int_range(0), "--top-k", 0),
         top_p=pick(ns.top_p, "top_p", float_range(0.0, 1.0, lo_open=True), "--top-p", 1.0),
         min_p=saved.get("min_p", 0.0),
-        seed=pick(ns.seed, "seed", int_range(0), "--seed", None),
+        seed=pick(ns.seed, "seed", seed_value, "--seed", None),
     )
 
 

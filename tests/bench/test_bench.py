@@ -98,6 +98,12 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     assert code == 2 and "file not found" in err and err.count("\n") == 1
 
 
+def test_a_seed_beyond_64_bits_is_one_line_before_the_model_loads(model_path, capsys):
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--seed", str(2**64))
+    assert (code, err) == (2, f"strata_ray bench: --seed: invalid value '{2**64}' "
+                              f"(allowed: an integer from 0 to {2**64 - 1})\n")
+
+
 def test_prompts_have_exact_lengths_and_random_prefixes(model_path):
     from strata_ray.bench.targets import open_model_file
 
