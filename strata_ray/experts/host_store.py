@@ -99,14 +99,16 @@ class HostStore:
             n_ff = fused.data.shape[1] // 2
             gate, up = fused.data[:, :n_ff], fused.data[:, n_ff:]
             gt = ut = fused.ggml_type
+            infos = [fused]
         else:
             g, u = self.file.tensor(f"{p}.ffn_gate_exps.weight"), self.file.tensor(f"{p}.ffn_up_exps.weight")
             gate, up, gt, ut = g.data, u.data, g.ggml_type, u.ggml_type
+            infos = [g, u]
         d = self.file.tensor(f"{p}.ffn_down_exps.weight")
-        for name, t in (("gate/up", gt), ("up", ut), ("down", d.ggml_type)):
-            if t not in QUANT_TYPES:
+        for info in (*infos, d):
+            if info.ggml_type not in QUANT_TYPES:
                 raise ModelFormatError(
-                    f"{p} ffn_{name}_exps is {type_name(t)}; the expert tiers need "
+                    f"{info.name} is {type_name(info.ggml_type)}; the expert tiers need "
                     "Q8_0, Q4_0, Q4_K or Q6_K experts"
                 )
         return gate, up, d.data, (gt, ut, d.ggml_type)

@@ -4,8 +4,12 @@ import numpy as np
 import pytest
 
 from strata_ray.experts.host_store import HostStore, expert_layers_of, experts_block_quantized
+from strata_ray.kernels.contract import F16, Q8_0
 from strata_ray.model.gguf_file import GGUFFile
+from strata_ray.model.gguf_writer import ModelWriter, byte_level_tokenizer_spec
+from strata_ray.model.hparams import ModelFormatError
 from strata_ray.model.synth import write_synth
+from strata_ray.model.synth_presets import preset_hparams
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +42,18 @@ def test_blob_is_gate_up_down_in_order(tiny):
     assert blob == b"".join(parts)
     assert store.total_bytes == lay.nbytes * tiny.hparams.n_expert * len(store.layers)
     assert store.pinned_bytes == 0  # no CUDA here (and pin_gib=0)
+
+
+@pytest.mark.parametrize("float_part", ["gate", "up", "down"])
+def test_float_expert_tensor_is_refused_by_name(tmp_path, float_part):
+    hp = preset_hparams("qwen3moe", "tiny")
+    mw = ModelWriter(tmp_path / "m.gguf", hp, byte_level_tokenizer_spec().padded(hp.n_vocab))
+    x, e, f = hp.n_expert, hp.n_embd, hp.n_ff_exp
+    for part, shape in (("gate", (x, f, e)), ("up", (x, f, e)), ("down", (x, e, f))):
+        mw.add(f"blk.0.ffn_{part}_exps.weight", shape, F16 if part == float_part else Q8_0,
+               lambda shape=shape: np.zeros(shape, np.float32))
+    mw.write()
+    with pytest.raises(ModelFormatError) as err:
+        HostStore(GGUFFile(tmp_path / "m.gguf"))
+    assert str(err.value) == (f"blk.0.ffn_{float_part}_exps.weight is F16; the expert tiers need "
+                              "Q8_0, Q4_0, Q4_K or Q6_K experts")
