@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata_ray.experts.pairs import pair_ids
+from strata_ray.experts.pairs import pair_ids, pairs_of
 
 MAGIC = b"STRP"
 VERSION = 1
@@ -163,7 +163,7 @@ def rank_from_counts(counts: np.ndarray) -> Profile:
     fill = _fill_order(n_layers, n_expert)
     fill = fill[flat[fill] <= 0]
     order = np.concatenate([counted, fill])
-    return Profile(n_layers, n_expert, np.stack(divmod(order, n_expert), axis=1))
+    return Profile(n_layers, n_expert, pairs_of(order, n_expert))
 
 
 def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | None = None) -> Profile:
@@ -184,4 +184,4 @@ def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | Non
     ids = np.arange(n)
     # lexsort: the last key is the primary one
     order = np.lexsort((ids, prior_rank, -heat.reshape(-1), ~resident.reshape(-1)))
-    return Profile(n_layers, n_expert, np.stack(divmod(order, n_expert), axis=1))
+    return Profile(n_layers, n_expert, pairs_of(order, n_expert))

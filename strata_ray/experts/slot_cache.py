@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from strata_ray.experts.host_store import HostStore
+from strata_ray.experts.pairs import pair_of
 from strata_ray.experts.profile import Profile, rank_from_counts
 from strata_ray.experts.residency import Residency, SlotCopy
 from strata_ray.kernels.contract import ExpertLayer
@@ -168,7 +169,7 @@ class SlotCache:
         self._staging_events[i] = event
 
     def _pair(self, pid: int) -> tuple[int, int]:
-        return divmod(int(pid), self.store.n_expert)
+        return pair_of(pid, self.store.n_expert)
 
     def fill(self, profile: Profile | None, progress: bool | Callable[[int, int], None] = True) -> str:
         """Admit pairs in profile order (never evicting), copy their blobs, verify slot 0. Returns the
