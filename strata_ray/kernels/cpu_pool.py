@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 
 def cpu_count() -> int:
@@ -17,7 +17,7 @@ def cpu_count() -> int:
 
 
 class CpuPool:
-    """n threads; `run(fn, jobs)` calls fn(*job) for every job and returns when all are done.
+    """n threads; `run(fn, jobs)` calls fn(*job) for every job and returns (or raises) when all are done.
 
     The kernels release the GIL (numba nogil=True), so the threads run truly in parallel.
     """
@@ -32,8 +32,9 @@ class CpuPool:
                 fn(*job)
             return
         futures = [self._executor.submit(fn, *job) for job in jobs]
+        wait(futures)  # all of them, even after a failure: no job may still write the caller's arrays
         for f in futures:
-            f.result()  # re-raises a job's exception here
+            f.result()  # re-raises the first failed job's exception
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

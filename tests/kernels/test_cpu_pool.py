@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -31,6 +32,22 @@ def test_job_error_propagates():
 
     with CpuPool(2) as pool, pytest.raises(ValueError, match="bad job 3"):
         pool.run(job, [(i,) for i in range(6)])
+
+
+def test_a_failed_job_waits_for_the_others():
+    """The error reaches the caller only once every job has finished (they write the caller's arrays)."""
+    done = threading.Event()
+
+    def job(i):
+        if i == 0:
+            raise ValueError("bad job 0")
+        time.sleep(0.2)
+        done.set()
+
+    with CpuPool(2) as pool:
+        with pytest.raises(ValueError, match="bad job 0"):
+            pool.run(job, [(0,), (1,)])
+        assert done.is_set()
 
 
 def test_default_pool_is_shared():
