@@ -89,7 +89,40 @@ def load(path: str, kind: str) -> dict:
     if doc.get("kind") != kind:
         other = doc.get("kind")
         raise GateFileError(f"--against: {path} is a {other} reference (use `bench {other} --against`)")
+    problem = _malformed(doc)
+    if problem is not None:
+        raise GateFileError(
+            f"--against: {path} is not a valid gate reference ({problem}); make one with --save")
     return doc
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _malformed(doc: dict) -> str | None:
+    """What in a reference's fields would break the run or the comparison (None: nothing)."""
+    if not _is_int(doc["gen_tokens"]) or doc["gen_tokens"] < 1:
+        return f"gen_tokens {json.dumps(doc['gen_tokens'])} is not an integer >= 1"
+    if not doc["outputs"]:
+        return "no outputs to compare"  # would pass without comparing anything
+    for i, o in enumerate(doc["outputs"]):
+        ids = o.get("token_ids") if isinstance(o, dict) else None
+        if not (isinstance(o, dict) and isinstance(o.get("name"), str) and isinstance(o.get("prompt"), str)
+                and isinstance(o.get("text", ""), str) and isinstance(o.get("note"), (str, type(None)))
+                and (ids is None or (isinstance(ids, list) and all(_is_int(t) for t in ids)))):
+            return f"outputs[{i}] is not an object with name, prompt, text and token_ids"
+    sampling = doc.get("sampling", {})
+    if not isinstance(sampling, dict):
+        return "sampling is not an object"
+    numbers = {"temperature": (int, float), "top_p": (int, float), "min_p": (int, float), "top_k": int}
+    for key, kinds in numbers.items():
+        v = sampling.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, kinds)):
+            return f"sampling.{key} {json.dumps(v)} is not a number"
+    if sampling.get("seed") is not None and not _is_int(sampling["seed"]):
+        return f"sampling.seed {json.dumps(sampling['seed'])} is not an integer"
+    return None
 
 
 def saved_prompts(doc: dict, builder: PromptBuilder) -> list[Prompt]:

@@ -143,6 +143,32 @@ def test_gate_passes_against_itself_and_fails_on_one_different_token(model_path,
     assert "context" in first and "reference" in first and "now" in first
 
 
+GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": [1, 2], "text": "ab",
+               "note": None}
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"gen_tokens": "x"}, 'gen_tokens "x" is not an integer >= 1'),
+    ({"gen_tokens": -3}, "gen_tokens -3 is not an integer >= 1"),
+    ({"outputs": []}, "no outputs to compare"),
+    ({"outputs": [1]}, "outputs[0] is not an object with name, prompt, text and token_ids"),
+    ({"outputs": [{"name": "a"}]}, "outputs[0] is not an object with name, prompt, text and token_ids"),
+    ({"outputs": [{**GOOD_OUTPUT, "token_ids": ["1"]}]},
+     "outputs[0] is not an object with name, prompt, text and token_ids"),
+    ({"sampling": 3}, "sampling is not an object"),
+    ({"sampling": {"temperature": "hot"}}, 'sampling.temperature "hot" is not a number'),
+    ({"sampling": {"seed": 1.5}}, "sampling.seed 1.5 is not an integer"),
+])
+def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_path, tmp_path, capsys, fields,
+                                                                       problem):
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": [GOOD_OUTPUT], **fields}))
+    code, out, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", str(ref))
+    assert (code, out) == (2, "")
+    assert err == (f"strata_ray bench: --against: {ref} is not a valid gate reference ({problem}); "
+                   "make one with --save\n")
+
+
 def test_longgate_refuses_a_gate_reference(model_path, tmp_path, capsys):
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": []}))
