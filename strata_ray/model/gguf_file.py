@@ -164,7 +164,11 @@ def _parse_shard(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
     try:
         return _parse_header(buf, path)
     except _Corrupt as e:
-        raise ModelFormatError(f"truncated or corrupt GGUF file: {path} ({e})") from None
+        problem = str(e)
+    # Outside the except block, so the error does not carry the parser's frames (and their views of the
+    # map) as its context: the map is closed now rather than whenever the error object goes away.
+    buf.close()
+    raise ModelFormatError(f"truncated or corrupt GGUF file: {path} ({problem})")
 
 
 def _parse_header(buf: mmap.mmap, path: Path) -> tuple[dict[str, object], list[TensorInfo]]:

@@ -237,6 +237,20 @@ def test_error_shape_too_large_for_the_file(tmp_path):
         GGUFFile(p)
 
 
+def test_corrupt_file_is_unmapped_at_once(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(write_gguf(tmp_path / "m.gguf").read_bytes()[:-8])  # tensor data cut short
+    before = len(list(Path("/proc/self/fd").iterdir()))
+    errors = []
+    for _ in range(3):
+        try:
+            GGUFFile(p)
+        except ModelFormatError as e:
+            errors.append(e)  # a caller that keeps the error must not keep the file mapped
+    assert len(errors) == 3 and errors[0].__context__ is None
+    assert len(list(Path("/proc/self/fd").iterdir())) == before
+
+
 def test_error_unknown_arch(tmp_path):
     def extra(w):
         w.add_uint32("llama.block_count", 2)
