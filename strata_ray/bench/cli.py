@@ -113,12 +113,13 @@ def parse_sampling(ns, saved: dict | None = None):
 
 
 def parse_plan(ns) -> measure.BenchPlan:
-    raw = ns.contexts or (QUICK_CONTEXTS if ns.quick else DEFAULT_CONTEXTS)
+    # `is None`, not falsy: an empty --contexts "" or --repeats "" is refused, not taken as the default
+    raw = ns.contexts if ns.contexts is not None else (QUICK_CONTEXTS if ns.quick else DEFAULT_CONTEXTS)
     contexts = tuple(parse_value(parse_token_count, c, "--contexts") for c in raw.split(","))
     if ns.quick and ns.repeats is None:
         repeats = 1
     else:
-        repeats = parse_value(int_range(1), ns.repeats or "3", "--repeats")
+        repeats = parse_value(int_range(1), "3" if ns.repeats is None else ns.repeats, "--repeats")
     return measure.BenchPlan(
         contexts=contexts,
         gen_tokens=parse_value(int_range(1), ns.gen, "--gen"),

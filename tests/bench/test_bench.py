@@ -98,6 +98,15 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     assert code == 2 and "file not found" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flag, line", [
+    ("--contexts", "--contexts: invalid value '' (allowed: token counts such as 8192 or 8k (k = 1024))"),
+    ("--repeats", "--repeats: invalid value '' (allowed: an integer >= 1)"),
+])
+def test_an_empty_contexts_or_repeats_is_refused_not_the_default(model_path, capsys, flag, line):
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, flag, "")
+    assert (code, err) == (2, f"strata_ray bench: {line}\n")
+
+
 def test_a_seed_beyond_64_bits_is_one_line_before_the_model_loads(model_path, capsys):
     code, _, err = run_cli(capsys, "--local", "--model", model_path, "--seed", str(2**64))
     assert (code, err) == (2, f"strata_ray bench: --seed: invalid value '{2**64}' "
