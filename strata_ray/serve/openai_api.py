@@ -88,7 +88,7 @@ def _number(body, name, lo, hi, default, lo_open=False):
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise invalid(name, f"expected a number, got {json.dumps(v)}", "invalid_type")
-    if (v <= lo if lo_open else v < lo) or v > hi:
+    if not (v > lo if lo_open else v >= lo) or not v <= hi:  # written so that NaN (json.loads takes it) fails
         raise invalid(name, f"must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {v}")
     return float(v)
 

@@ -42,6 +42,14 @@ def test_text_prompts():
     assert info.value.param == "prompt"
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+def test_nan_sampling_values_are_refused_naming_the_field(field):
+    body = oa.parse_json(b'{"messages": [{"role": "user", "content": "hi"}], "%s": NaN}' % field.encode())
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat(body)
+    assert (info.value.status, info.value.param, info.value.code) == (400, field, "invalid_value")
+
+
 @pytest.mark.parametrize("raw", [b"", b"{", b"\xff\xfe", b"null", b"3"])
 def test_bad_json(raw):
     with pytest.raises(oa.APIError) as info:
