@@ -249,14 +249,14 @@ def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
     who = actor or "the driver"
     user_errors = (ConfigError, ModelFormatError, ProfileError, LaunchError, ValueError)
     if isinstance(cause, user_errors) and _is_user_error(cause):
-        return _first_line(cause), 2
+        return first_line(cause), 2
     if isinstance(cause, OutOfMemoryError):
         return f"{who} was killed by Ray's memory monitor (out of memory)", 1
     if isinstance(cause, RayActorError):
         return f"{who} died: {death_reason(cause)}", 1
     if cause is not e or actor is not None:
-        return f"{who} failed: {type(cause).__name__}: {_first_line(cause)}", 1
-    return f"{type(cause).__name__}: {_first_line(cause)}", 1
+        return f"{who} failed: {type(cause).__name__}: {first_line(cause)}", 1
+    return f"{type(cause).__name__}: {first_line(cause)}", 1
 
 
 def _is_user_error(cause: BaseException) -> bool:
@@ -275,7 +275,7 @@ def death_reason(e: BaseException) -> str:
     text = " ".join(str(getattr(e, "error_msg", "") or e).split())
     init_cause = getattr(e, "cause", None)  # actor __init__ raised
     if init_cause is not None and init_cause is not e:
-        return f"its constructor raised {type(init_cause).__name__}: {_first_line(init_cause)}"
+        return f"its constructor raised {type(init_cause).__name__}: {first_line(init_cause)}"
     if "ray.kill" in text or "killed by `ray.kill`" in text:
         return "killed by ray.kill"
     m = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*?)(?: There are| Some common|$)", text)
@@ -284,6 +284,7 @@ def death_reason(e: BaseException) -> str:
     return text[:300] or type(e).__name__
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of an exception's message (its type name when it has none)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return lines[0] if lines else type(e).__name__

@@ -36,7 +36,7 @@ class Primary:
         """Load the model (idempotent); returns its description. Errors reach the caller as task errors."""
         if self.engine is None:
             if self.config.device != "cuda":
-                _use_all_cores()
+                use_all_cores()
             self.engine = Engine(self.config, progress=self._progress)  # bars are the driver's
             info = self.engine.info()
             log.info("strata primary: loaded %s", {k: v for k, v in info.items() if k != "expert_cache"})
@@ -89,8 +89,9 @@ class Primary:
             )
 
 
-def _use_all_cores() -> None:
-    """Ray sets OMP_NUM_THREADS to the actor's CPU share (1); the CPU primary computes with every core."""
+def use_all_cores() -> None:
+    """Ray sets OMP_NUM_THREADS to the actor's CPU share (1); a CPU engine (the primary, a serve replica)
+    computes with every core."""
     import torch
 
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -10,12 +10,12 @@ that token is done.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from strata_ray.actors.launch import first_line
 from strata_ray.config import EngineConfig
 from strata_ray.serve import status
 from strata_ray.serve.openai_api import APIError, Sampling, server_error
@@ -48,11 +48,12 @@ class EngineRunner:
     # --- loading ------------------------------------------------------------------------------------------
 
     def _load(self) -> None:
+        from strata_ray.actors.primary import use_all_cores
         from strata_ray.engine.engine import Engine
 
         try:
             if self.config.device != "cuda":
-                _use_all_cores()
+                use_all_cores()
             self.engine = Engine(self.config)
             self.info = self.engine.info()
             hp = self.engine.loaded.hp
@@ -61,7 +62,7 @@ class EngineRunner:
                                      "hit_rate": 0.0}}
             self.metrics.state = "idle"
         except Exception as e:  # reported by /health and every request; the replica stays up to say so
-            self.load_error = f"{type(e).__name__}: {_first_line(e)}"
+            self.load_error = f"{type(e).__name__}: {first_line(e)}"
             self.metrics.state = "failed"
         finally:
             self._loaded.set()
@@ -105,7 +106,7 @@ class EngineRunner:
                     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                                             top_p=sampling.top_p, min_p=sampling.min_p, seed=sampling.seed)
                 except ValueError as e:  # SamplingError: ranges the API check let through
-                    raise APIError(400, _first_line(e), code="invalid_value") from None
+                    raise APIError(400, first_line(e), code="invalid_value") from None
                 request = GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
                                             sampling=params)
                 self.metrics.begin(rec, len(prompt_ids), max_tokens)
@@ -149,9 +150,9 @@ class EngineRunner:
                 pass
             except RequestError as e:
                 finish, error = "error", str(e)
-                raise APIError(400, _first_line(e), param="messages", code="invalid_prompt") from None
+                raise APIError(400, first_line(e), param="messages", code="invalid_prompt") from None
             except Exception as e:
-                finish, error = "error", f"{type(e).__name__}: {_first_line(e)}"
+                finish, error = "error", f"{type(e).__name__}: {first_line(e)}"
                 raise server_error(f"the engine failed: {error}") from None
             tail = text.finish()
             if tail:
@@ -177,16 +178,3 @@ class EngineRunner:
             tiers = status.reference_tiers(self.engine, rec.prompt_tokens + rec.generated)
         status.add_tiers(self.tier_totals, tiers)
         self.metrics.end(rec, finish, error, tiers)
-
-
-def _use_all_cores() -> None:
-    """Ray sets OMP_NUM_THREADS to the replica's CPU share (1); the CPU engine computes with every core."""
-    import torch
-
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, n))
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
