@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from strata_ray.run import check_model_file, check_profile_files
 from strata_ray.serve import openai_api as oa
 from strata_ray.serve import status
 from strata_ray.serve.runner import EngineRunner, Finished
@@ -220,14 +221,16 @@ def serve_main(argv) -> int:
 
     from strata_ray.config import ConfigError
     from strata_ray.engine.engine import check_supported
+    from strata_ray.experts.profile import ProfileError
     from strata_ray.model.hparams import ModelFormatError
     from strata_ray.serve.config_file import resolve
 
-    try:  # everything the user can get wrong fails here, before Ray starts
+    try:  # everything the user can get wrong fails here, before Ray starts (the same checks as `run`)
         plan = resolve(argv)
-        engine_cfg = replace(plan.engine, model=check_model_file(plan.engine.model))
+        model_path, hp = check_model_file(plan.engine)
+        engine_cfg = check_profile_files(replace(plan.engine, model=model_path), hp)
         check_supported(engine_cfg)
-    except (ConfigError, ModelFormatError) as e:
+    except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     os.environ.update(plan.env)  # CUDA_VISIBLE_DEVICES in PCI bus order, STRATA_* switches
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -251,16 +254,6 @@ def serve_main(argv) -> int:
             with contextlib.suppress(Exception):
                 serve.delete(APP_NAME)
         launch.disconnect(session)
-
-
-def check_model_file(path: str | None) -> str | None:
-    """Open the GGUF here so a bad file fails in a second, before Ray starts. Returns the absolute path
-    (None = the embedded default, resolved again in the replica)."""
-    from strata_ray.model.gguf_file import GGUFFile
-    from strata_ray.model.loader import resolve_model_path
-
-    GGUFFile(resolve_model_path(path))  # ModelFormatError with the one-line reason
-    return None if path is None else os.path.abspath(path)
 
 
 def _connect(address: str | None, verbose: bool):

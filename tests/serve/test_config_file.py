@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,8 @@ from strata_ray.serve.config_file import (
     parse_gpu,
     resolve,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write(tmp_path, doc) -> str:
@@ -149,3 +153,23 @@ def test_serve_command_exits_2_with_one_line_before_starting(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f'strata_ray: {path}: port: expected an integer from 1 to '
                                                 '65535, got "eighty"']
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "no folder"])
+def test_serve_checks_the_profile_files_before_starting_like_run(tmp_path, case):
+    import numpy as np
+
+    from strata_ray.experts.profile import rank_from_counts, write_profile
+
+    profile = tmp_path / "p.strp"
+    write_profile(profile, rank_from_counts(np.ones((4, 8), dtype=np.int64)))  # the embedded model: 4 x 16
+    if case == "wrong shape":
+        args, line = ["--expert-profile", "p.strp"], (
+            f"expert profile {profile} is for 4 layers x 8 experts, but the model has 4 layers x 16 experts")
+    else:
+        args, line = ["--expert-profile-save", "no/p.strp"], (
+            f"--expert-profile-save: folder not found: {tmp_path / 'no'}")
+    done = subprocess.run([sys.executable, "-m", "strata_ray.run", "serve", "--address", "local", *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (done.returncode, done.stderr) == (2, f"strata_ray: {line}\n")
