@@ -12,7 +12,6 @@ import hmac
 import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from strata_ray.run import check_model_file, check_profile_files
+from strata_ray.run import check_model_file, check_profile_files, fail, say
 from strata_ray.serve import openai_api as oa
 from strata_ray.serve import status
 from strata_ray.serve.runner import EngineRunner, Finished
@@ -205,17 +204,6 @@ def model_name(path: str | None) -> str:
     return DEFAULT_MODEL_NAME if path is None else Path(path).name.removesuffix(".gguf")
 
 
-def fail(message: str, code: int = 2) -> int:
-    sys.stderr.write(f"strata_ray: {message}\n")
-    sys.stderr.flush()
-    return code
-
-
-def say(line: str) -> None:
-    sys.stderr.write(f"strata_ray: {line}\n")
-    sys.stderr.flush()
-
-
 def serve_main(argv) -> int:
     from dataclasses import replace
 
@@ -238,7 +226,7 @@ def serve_main(argv) -> int:
 
     session = None
     try:
-        session = _connect(plan.address, plan.verbose)
+        session = launch.connect(plan.address, False, plan.verbose)
         if not plan.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         engine_cfg = replace(engine_cfg, device=launch.cluster_device(engine_cfg))
@@ -254,21 +242,6 @@ def serve_main(argv) -> int:
             with contextlib.suppress(Exception):
                 serve.delete(APP_NAME)
         launch.disconnect(session)
-
-
-def _connect(address: str | None, verbose: bool):
-    """launch.connect, except that 'local' always starts a fresh instance, even while another local cluster
-    runs on this machine (ray.init() without an address would attach to that one)."""
-    from strata_ray.actors import launch
-
-    if address != "local":
-        return launch.connect(address, False, verbose)
-    import ray
-
-    ray.init(address="local", namespace=launch.NAMESPACE, include_dashboard=False,
-             object_store_memory=launch.LOCAL_OBJECT_STORE_BYTES,
-             logging_level=logging.INFO if verbose else logging.WARNING, log_to_driver=verbose)
-    return launch.RaySession(started=True, address=ray.get_runtime_context().gcs_address)
 
 
 def _run_server(plan, engine_cfg) -> int:
