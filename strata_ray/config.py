@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DEFAULT_MODEL_NAME = "strata-tiny-next"
@@ -366,8 +366,7 @@ def _with_peer_env(cfg: EngineConfig, env: Mapping[str, str]) -> EngineConfig:
     for var, (name, parse) in PEER_ENV_SWITCHES.items():
         if env.get(var, "") != "":
             values[name] = parse_value(parse, env[var], var)
-    return EngineConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "peer_env"},
-                        peer_env=PeerEnv(**values))
+    return replace(cfg, peer_env=PeerEnv(**values))
 
 
 def check_peer_device_visible(cfg: EngineConfig, n_visible: int) -> None:
