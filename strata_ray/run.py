@@ -122,7 +122,11 @@ def request_values(ns, n_vocab: int) -> dict:
         max_tokens=parse_value(int_range(1), ns.max_tokens, "--max-tokens"),
         logprobs=parse_value(int_range(0, 20), ns.logprobs, "--logprobs"),
     )
+    if common["logprobs"] and not ns.json:
+        raise ConfigError("--logprobs needs --json (the log-probabilities are printed in the JSON object)")
     if ns.prompt_ids is not None:
+        if ns.chat:
+            raise ConfigError("--chat cannot be combined with --prompt-ids (token ids are used as given)")
         ids = parse_value(_token_ids, ns.prompt_ids, "--prompt-ids")
         bad = next((i for i in ids if i >= n_vocab), None)
         if bad is not None:

@@ -179,6 +179,10 @@ def test_unknown_architecture(tmp_path):
          "--prompt-file: cannot read /no/such/prompt.txt (No such file or directory)"),
         (["--prompt", "a", "--prompt-ids", "1"],
          "argument --prompt-ids: not allowed with argument --prompt/-p (see --help)"),
+        (["--prompt-ids", "1,2", "--chat"],
+         "--chat cannot be combined with --prompt-ids (token ids are used as given)"),
+        (["--prompt", "a", "--logprobs", "3"],
+         "--logprobs needs --json (the log-probabilities are printed in the JSON object)"),
     ],
 )
 def test_bad_flag_values(tiny_model, args, line):
