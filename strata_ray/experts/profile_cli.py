@@ -71,8 +71,9 @@ def record_routing(model, token_ids: Sequence[int], chunk: int, context: int, pr
     inner, model.experts = model.experts, recorder
     ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
     try:
+        show = progress and sys.stderr.isatty()  # no bar garbage in logs and pipes
         with torch.inference_mode(), tqdm(total=len(ids), unit="tok", desc="profile", file=sys.stderr,
-                                          disable=not progress, dynamic_ncols=True) as bar:
+                                          disable=not show, dynamic_ncols=True) as bar:
             for start in range(0, len(ids), context):
                 state = model.new_state()  # a fresh sequence every `context` tokens
                 window = ids[start : start + context]

@@ -276,7 +276,9 @@ class ModelWriter:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc=f"writing {self.path.name}")
+            # disable=None: drawn only when stderr is a terminal (no bar garbage in logs and pipes)
+            bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc=f"writing {self.path.name}",
+                       disable=None)
         behind = None
         try:
             w.write_header_to_file()
