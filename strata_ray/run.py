@@ -249,7 +249,9 @@ def generate_main(argv: Sequence[str]) -> int:
         else:
             dep = launch.launch(cfg, keep=keep)
         actor = launch.PRIMARY_NAME
+        keep_asked, keep = keep, False  # actors whose model failed to load are never kept
         load_model_remote(dep, reused=not dep.created, verbose=ns.verbose)
+        keep = keep_asked
         summary = stream_generation(dep, request, as_json=ns.json)
         say(summary.summary_line())
         return 0
