@@ -30,11 +30,11 @@ from strata_ray.experts.host_store import HostStore
 from strata_ray.experts.metrics import TierMetrics
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
+from strata_ray.kernels.contract import DECODE_MAX_TOKENS
 from strata_ray.kernels.cpu_pool import CpuPool, default_pool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.model.moe import combine_rows
 
-DECODE_MAX_TOKENS = 8
 # Expert calls reading less than this run on the calling thread: on the 2-core VM a pool handoff costs
 # more than it saves below ~2 MB (1 token x top-4 of 0.2-0.4 MB experts: 0.35 ms alone vs 0.47 ms on 2
 # threads; 8 experts of 2.6 MB: 4.7 ms alone vs 2.5 ms). Rows do not depend on the thread count.

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 QK = 32  # activation block (values)
+DECODE_MAX_TOKENS = 8  # a launch of at most this many tokens is a decode/verify window (GEMV-like tiles)
 
 # GGML type ids (gguf.GGMLQuantizationType values), named by GGUF type name.
 F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 14, 30

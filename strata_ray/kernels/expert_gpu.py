@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import QK, ExpertLayer, KernelError
+from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
 from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
-DECODE_MAX_TOKENS = 8
 VARIANTS = ("wide", "simple")
 # "simple" decode tile tuning (bits do not depend on these): 32-blocks per unrolled step, warps.
 DECODE_UNROLL_MAX = 4
