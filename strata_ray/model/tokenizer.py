@@ -250,6 +250,9 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         tb = self.token_bytes
+        bad = next((i for i in ids if not 0 <= i < len(tb)), None)
+        if bad is not None:  # a negative id would silently index from the end
+            raise ValueError(f"token id {bad} is out of range (vocabulary of {len(tb)} tokens)")
         if skip_special:
             ids = [i for i in ids if self.token_types[i] != CONTROL]
         return b"".join(tb[i] for i in ids).decode("utf-8", errors="replace")

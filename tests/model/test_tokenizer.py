@@ -213,3 +213,10 @@ def test_unsupported_tokenizer_model(gguf_path):
     with pytest.raises(ModelFormatError) as e:
         Tokenizer.from_gguf(f)
     assert str(e.value) == "unsupported tokenizer model 'llama' (supported: gpt2 byte-level BPE)"
+
+
+@pytest.mark.parametrize("bad", [-1, 10**6])
+def test_decode_refuses_out_of_range_ids_in_one_line(tok, bad):
+    with pytest.raises(ValueError) as e:
+        tok.decode([1, bad])
+    assert str(e.value) == f"token id {bad} is out of range (vocabulary of {tok.n_vocab} tokens)"
