@@ -38,7 +38,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     reporter = progress if isinstance(progress, LoadProgress) else None
     if reporter is not None:
         reporter.stage("host store")
-    store = HostStore(loaded_file, pin_gib=getattr(config, "arena_pin_gib", None))
+    store = HostStore(loaded_file, pin_gib=config.arena_pin_gib)
     n_slots = cache_slots(config, store, device)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
     ring = RING_SLOTS if device.type == "cuda" else 0
@@ -50,7 +50,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
             AdaptiveTier(hp.n_layer, hp.n_expert, config.adapt_every, config.adapt_swaps, config.adapt_decay)
         )
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
-                         kernel_variant=getattr(config, "kernel_variant", "simple"))
+                         kernel_variant=config.kernel_variant)
 
 
 def load_tiered_model(config, device: str, progress: LoadProgress | bool | None = None):
