@@ -31,11 +31,13 @@ def config(argv, env=None):
 
 @pytest.fixture()
 def profile(tmp_path):
-    """A valid STRP for the tiny synth preset (4 layers x 8 experts): run checks it before starting Ray."""
+    """A valid STRP for the tiny synth preset: run checks it against the model before starting Ray."""
     from strata_ray.experts.profile import rank_from_counts, write_profile
+    from strata_ray.model.synth_presets import preset_hparams
 
+    hp = preset_hparams("qwen3next", "tiny")
     p = tmp_path / "p.strp"
-    write_profile(p, rank_from_counts(np.ones((4, 8), dtype=np.int64)))
+    write_profile(p, rank_from_counts(np.ones((hp.n_layer, hp.n_expert), dtype=np.int64)))
     return str(p)
 
 
