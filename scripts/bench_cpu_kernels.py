@@ -1,6 +1,7 @@
 """CPU expert kernel benchmark: GB/s of expert bytes read vs host memcpy, per thread count.
 
-`python scripts/bench_cpu_kernels.py [--threads 1,2] [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4]`
+`python scripts/bench_cpu_kernels.py [--threads 1,2] [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4]
+[--drivers numba,pool]`
 Shape: Qwen3-Next-80B-A3B experts (E = 2048, n_ff = 512, top-10). Calls rotate over 6 entry sets of
 an expert pool larger than the L3 cache, so the weights come from DRAM. GB/s = bytes of every
 distinct expert's gate+up+down read per call / time per call; memcpy is counted read + write, the
@@ -66,11 +67,14 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--experts", type=int, default=64, help="expert pool size (keep it > L3)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
+                    "Python thread), or both: numba,pool")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    for n_threads in (int(t) for t in args.threads.split(",")):
-        with CpuPool(n_threads) as pool:
-            print(f"threads {n_threads}: host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s (read + write)")
+    for n_threads, driver in ((int(t), d) for t in args.threads.split(",") for d in args.drivers.split(",")):
+        with CpuPool(n_threads, numba_parallel=driver == "numba") as pool:
+            print(f"threads {n_threads} ({driver}): host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s "
+                  "(read + write)")
             for name in args.types.split(","):
                 for n_tok in (int(t) for t in args.tokens.split(",")):
                     ms, gbs = bench_type(TYPES[name], pool, n_tok, args.experts, args.reps, rng)

@@ -181,7 +181,8 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
     eg.WIDE.update(defaults)
 
 
-def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
+def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True
+              ) -> dict:
     import torch
 
     from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
@@ -202,7 +203,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
     del buf, dst
     rng = np.random.default_rng(1)
     n_slots = 256
-    for wtype in (Q4_0, Q8_0, Q4_K):
+    for wtype in types:
         host = random_layer(rng, n_slots, E, N_FF, (wtype,) * 3)
         slots = ExpertLayer(*(torch.from_numpy(w).to(dev) for w in (host.gate, host.up, host.down)),
                             wtype, wtype, wtype)
@@ -240,7 +241,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
                              f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
                              f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
                              f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
-        if wtype in (Q4_0, Q8_0):
+        if sweeps and wtype in (Q4_0, Q8_0):
             decode_sweep(rows, slots, type_name(wtype), per, rng, n_slots, quick)
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
@@ -258,11 +259,19 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool) -> dict:
             rows.append((f"gpu prompt ({variant})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
                          f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}"))
-        if wtype == Q4_0:
+        if sweeps and wtype == Q4_0:
             prompt_sweep(rows, slots, type_name(wtype), x, tok, slot, peak, quick)
         del slots
         torch.cuda.empty_cache()
     return info
+
+
+class _Printing(list):
+    """A row list that prints each row as it lands, so a run cut short by a time limit still reports."""
+
+    def append(self, row) -> None:
+        print("| " + " | ".join(row) + " |", flush=True)
+        super().append(row)
 
 
 def graph_probe(which: str) -> None:
@@ -301,6 +310,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the wide kernels' knob sweeps")
     args = ap.parse_args()
     if args.graph_probe:
         graph_probe(args.graph_probe)
@@ -323,7 +334,9 @@ def main() -> None:
             lines = (r.stdout + r.stderr).strip().splitlines()
             probes.append(next((ln for ln in lines if ln.startswith("graph-")),
                                f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
-        info = bench_gpu(rows, args.quick, use_graphs=probes[-1].endswith("PASS"))
+        types = tuple({"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K}[t] for t in args.types.split(","))
+        info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
+                         sweeps=not args.no_sweep)
     bench_cpu(rows, pool, args.quick)
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "

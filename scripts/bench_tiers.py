@@ -13,9 +13,11 @@ applied to the sample's expert bytes.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import logging
 import os
+import pstats
 import time
 from types import SimpleNamespace
 
@@ -24,6 +26,7 @@ import torch
 
 from strata_ray.config import EngineConfig
 from strata_ray.experts.build import build_expert_backend
+from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
@@ -53,7 +56,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024) -> dict:
+def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False) -> dict:
     model = loaded.model
     rng = np.random.default_rng(depth)
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
@@ -71,10 +74,17 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024) -> di
             tok = int(model.forward([tok], state)[-1].argmax())
         tiers.metrics.counts = type(tiers.metrics.counts)()
         sync()
+        prof = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
+        if prof:
+            prof.enable()
         for _ in range(n_decode):
             tok = int(model.forward([tok], state)[-1].argmax())
         decode_s = time.perf_counter() - t0
+        if prof:
+            prof.disable()
+            print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     tiers.finish()
     s = tiers.metrics.summary()
     return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s}
@@ -90,6 +100,10 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
     ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory")
+    ap.add_argument("--cpu-threads", type=int, default=None, help="CPU pool threads (default: every core)")
+    ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
+                    help="numba: one parallel numba call per expert call; pool: a Python thread per share")
+    ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
@@ -121,6 +135,7 @@ def main() -> None:
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib)
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
+    tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")
     loaded = SimpleNamespace(model=Model(hp, weights, experts=tiers), hp=hp)
     print(
         f"dense weights in {dense_s:.1f} s, tiers in {time.perf_counter() - t:.1f} s; "
@@ -131,7 +146,7 @@ def main() -> None:
     blob = tiers.store.max_blob
     results = []
     for depth in (int(d) for d in args.depths.split(",")):
-        r = run_depth(loaded, tiers, depth, args.decode)
+        r = run_depth(loaded, tiers, depth, args.decode, profile=args.profile and not results)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob
@@ -143,6 +158,8 @@ def main() -> None:
         )
     report = {
         "model": path,
+        "cpu_threads": tiers.pool.n_threads,
+        "cpu_driver": args.cpu_driver,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,
         "budget_mib": budget_mib,

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata_ray.experts.prefault import prefault
 from strata_ray.kernels.contract import QUANT_TYPES, ExpertLayer, type_name
+from strata_ray.kernels.cpu_pool import cpu_count
 from strata_ray.model.hparams import ModelFormatError
 
 log = logging.getLogger("strata_ray.experts")
@@ -70,9 +72,10 @@ def experts_block_quantized(file) -> bool:
 
 
 class HostStore:
-    def __init__(self, file, pin_gib: float | None = None):
+    def __init__(self, file, pin_gib: float | None = None, prefault_pages: bool = True):
         """file: an open GGUFFile with block-quantized experts. pin_gib: GiB of whole expert
-        layers copied into page-locked memory (None or 0 = none); only when CUDA is available."""
+        layers copied into page-locked memory (None or 0 = none); only when CUDA is available.
+        prefault_pages: map every expert page in now (see prefault.py), not on first use in decode."""
         self.file = file
         self.hp = file.hparams
         self.layers: dict[int, ExpertLayer] = {}  # numpy views [X, rows, RB]
@@ -91,6 +94,13 @@ class HostStore:
         self._pinned: list[torch.Tensor] = []  # page-locked copies of whole layers (CUDA only)
         if torch.cuda.is_available():
             self._pin(pin_gib)
+        if prefault_pages:
+            mapped = [a for lay in self.layers.values() for a in (lay.gate, lay.up, lay.down)]
+            seconds = prefault(mapped, threads=min(8, cpu_count()))
+            if seconds:
+                n = sum(a.nbytes for a in mapped)
+                log.info("host store: %.1f GiB of expert pages mapped in %.1f s (%.1f GB/s)", n / 2**30,
+                         seconds, n / max(seconds, 1e-9) / 1e9)
 
     def _views(self, b: int):
         p = f"blk.{b}"

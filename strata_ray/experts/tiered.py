@@ -115,6 +115,7 @@ class TieredExperts:
         self._window = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)  # this window's counts
         self._in_window = False
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
+        self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host <-> device copies (CUDA)
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
         """Let the coordinator actor decide the adaptive rounds (when this cache has rounds at all)."""
@@ -133,7 +134,9 @@ class TieredExperts:
         if layer == 0:
             self.window_boundary()
             self._in_window = n_tok <= DECODE_MAX_TOKENS
-        ids_h = ids.detach().to("cpu", torch.int64).numpy().reshape(-1)  # [M] (syncs with the device)
+        decode = n_tok <= DECODE_MAX_TOKENS
+        # decode: x comes along for the CPU tier (8 KB a token), in the same single sync as the ids
+        ids_h, x_h = self._to_host(ids, x, with_x=decode or not self.cache.is_cuda)  # [M], [N, E]
         t0 = time.perf_counter()
         m = ids_h.size
         tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
@@ -141,11 +144,10 @@ class TieredExperts:
         slot = self.residency.layer_slots(layer)[ids_h] if trunk else np.full(m, -1, np.int32)
         hit = np.flatnonzero(slot >= 0)
         miss = np.flatnonzero(slot < 0)
-        decode = n_tok <= DECODE_MAX_TOKENS
         stream_misses = self.cache.is_cuda and not decode and miss.size > 0 and self.cache.ring_slots > 0
         cpu_misses = miss.size > 0 and not stream_misses
-        need_host_x = cpu_misses or (hit.size > 0 and not self.cache.is_cuda)
-        x_h = x.detach().float().cpu().numpy() if need_host_x else None  # [N, E]
+        if cpu_misses and x_h is None:  # a prompt chunk on CUDA without ring slots
+            x_h = x.detach().float().cpu().numpy()
         if cpu_misses and miss.size == m and not self.cache.is_cuda:
             # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
@@ -163,8 +165,9 @@ class TieredExperts:
             cpu_job = self._helper.submit(
                 self._timed_cpu, x_h, tok[miss], ids_h[miss], self.store.layer(layer)
             )
+        on_device = self._upload(tok[hit], slot[hit], hit, miss) if self.cache.is_cuda else None
         if hit.size:
-            self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows)
+            self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows, on_device)
         if stream_misses:
             self._stream_rows(layer, x, tok[miss], ids_h[miss], miss, rows)
         host = time.perf_counter() - t0
@@ -172,7 +175,10 @@ class TieredExperts:
             t1 = time.perf_counter()
             cpu_rows, cpu_s = cpu_job.result()
             t2 = time.perf_counter()
-            rows[torch.from_numpy(miss).to(self.device)] = torch.from_numpy(cpu_rows).to(self.device)
+            if self.cache.is_cuda:
+                rows[on_device[3]] = self._staged_rows(cpu_rows)
+            else:
+                rows[torch.from_numpy(miss)] = torch.from_numpy(cpu_rows)
             host += time.perf_counter() - t2
             if decode:
                 self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
@@ -191,17 +197,54 @@ class TieredExperts:
         rows = expert_ffn_cpu(x_h, tok, exp, layer, pool=self._pool_for(exp))
         return rows, time.perf_counter() - t
 
-    def _cache_rows(self, layer, x, x_h, tok, slot, entries, rows) -> None:
+    # -- host <-> device, through pinned staging buffers -------------------------------------------
+    def _staging(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer of at least numel elements, kept and grown per name. Reuse is safe: every
+        layer starts with a stream sync (`_to_host`), after which the last layer's copies are done."""
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0), 1024), dtype=dtype,
+                              pin_memory=True)
+            self._pinned[name] = buf
+        return buf[:numel]
+
+    def _to_host(self, ids: torch.Tensor, x: torch.Tensor, with_x: bool):
+        """(ids int64 [M], x f32 [N, E] or None) as numpy. On CUDA: both copies into pinned buffers and one
+        stream sync, instead of one blocking copy each. x_h is a view of a staging buffer: it is only
+        valid during this layer (the CPU job that reads it is joined before the layer returns)."""
+        if self.device.type != "cuda":
+            return (ids.detach().to(torch.int64).reshape(-1).numpy(),
+                    x.detach().float().numpy() if with_x else None)
+        ids_pin = self._staging("ids", ids.numel(), torch.int64)
+        ids_pin.copy_(ids.detach().reshape(-1), non_blocking=True)
+        x_pin = None
+        if with_x:
+            x_pin = self._staging("x", x.numel(), torch.float32).view(x.shape)
+            x_pin.copy_(x.detach(), non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return ids_pin.numpy().copy(), (x_pin.numpy() if x_pin is not None else None)
+
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 device tensors of these host index arrays, in one pinned host-to-device copy."""
+        sizes = [a.size for a in arrays]
+        pin = self._staging("index", sum(sizes), torch.int64)
+        np.concatenate([a.astype(np.int64, copy=False) for a in arrays], out=pin.numpy())
+        return list(torch.split(pin.to(self.device, non_blocking=True), sizes))
+
+    def _staged_rows(self, cpu_rows: np.ndarray) -> torch.Tensor:
+        """The CPU tier's rows f32 [m, E] on the device, copied through a pinned buffer."""
+        pin = self._staging("rows", cpu_rows.size, torch.float32)
+        pin.numpy()[:] = cpu_rows.reshape(-1)
+        return pin.view(cpu_rows.shape).to(self.device, non_blocking=True)
+
+    def _cache_rows(self, layer, x, x_h, tok, slot, entries, rows, on_device=None) -> None:
         view = self.cache.layer_view(layer)
         if self.cache.is_cuda:
             from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
-            dev = self.device
-            out = expert_ffn_gpu(
-                x, torch.from_numpy(tok).to(dev), torch.from_numpy(slot.astype(np.int64)).to(dev), view,
-                variant=self.kernel_variant,
-            )
-            rows[torch.from_numpy(entries).to(dev)] = out
+            tok_d, slot_d, entries_d = on_device[:3]
+            out = expert_ffn_gpu(x, tok_d, slot_d, view, variant=self.kernel_variant)
+            rows[entries_d] = out
         else:
             rows[torch.from_numpy(entries)] = torch.from_numpy(
                 expert_ffn_cpu(x_h, tok, slot, view, pool=self._pool_for(slot))

@@ -11,12 +11,12 @@ tokens routed to its expert. Row results do not depend on the split (batch invar
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .act_quant import quantize_act_sums, quantize_block, swiglu
 from .blocks import row_ints, row_scales
 from .contract import Q4_K, QK, ExpertLayer, KernelError
-from .cpu_pool import CpuPool, default_pool
+from .cpu_pool import CpuPool, default_pool, numba_threads
 from .spec import float_weights
 
 f32 = np.float32
@@ -120,6 +120,19 @@ def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out)
             for j in range(n):
                 for i in range(ROWS):
                     out[ent[j], r0 + i] = acc[j, i]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _ffn_parallel(gate, gtype, up, utype, down, dtype, aq, ad, asum, tok, ents, g_start, g_exp, n_up, n_down,
+                  h, hq, hd, hs, out):
+    """Both phases in one call on numba's own threads: share t of each phase is one prange iteration
+    (static schedule: one share per thread), and the implicit barrier between the loops is the phase
+    boundary. One dispatch from Python instead of a pool handoff per share and phase, which at 16
+    threads cost more than the shares' arithmetic for a decode token."""
+    for t in prange(n_up):
+        gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_up, h, hq, hd, hs)
+    for t in prange(n_down):
+        down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -234,11 +247,16 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     ents = np.concatenate([ent for _, ent in groups])
     g_start = np.cumsum([0] + [len(ent) for _, ent in groups]).astype(np.int64)
     g_exp = np.array([e for e, _ in groups], np.int64)
-    # One job per thread, never more threads than 32-row tiles.
-    n = min(pool.n_threads, len(groups) * n_ff // QK)
-    pool.run(gate_up_share, [(gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp,
-                              t, n, h, hq, hd, hs) for t in range(n)])
-    n = min(pool.n_threads, len(groups) * n_embd // QK)
-    pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n, out)
-                          for t in range(n)])
+    # One share per thread, never more shares than 32-row tiles.
+    n_up = min(pool.n_threads, len(groups) * n_ff // QK)
+    n_down = min(pool.n_threads, len(groups) * n_embd // QK)
+    args = (gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp)
+    if pool.n_threads > 1 and pool.numba_parallel:
+        with numba_threads(max(n_up, n_down)):
+            _ffn_parallel(gate, layer.gate_type, up, layer.up_type, down, layer.down_type, xq, xd, xs, tok,
+                          ents, g_start, g_exp, n_up, n_down, h, hq, hd, hs, out)
+        return out
+    pool.run(gate_up_share, [(*args, t, n_up, h, hq, hd, hs) for t in range(n_up)])
+    pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
+                          for t in range(n_down)])
     return out

@@ -54,6 +54,21 @@ def test_batch_invariance(name, rng):
                            expert_ffn_cpu(x, np.arange(200, dtype=np.int32), e, layer))
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
+def test_numba_threads_and_python_pool_give_the_same_bits(name, rng):
+    """The numba parallel driver, the Python-thread pool and one thread split the (expert, tile) space
+    differently (3 and 5 shares here); the rows may not change."""
+    layer = layer_for(name)
+    x = rng.standard_normal((33, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, 33, 0, 37, k=3)
+    with CpuPool(1) as one:
+        want = expert_ffn_cpu(x, tok, exp, layer, pool=one)
+    for n in (3, 5):
+        for numba_parallel in (True, False):
+            with CpuPool(n, numba_parallel=numba_parallel) as pool:
+                assert _bits_equal(expert_ffn_cpu(x, tok, exp, layer, pool=pool), want), (n, numba_parallel)
+
+
 def test_reads_memory_mapped_bytes_in_place(tmp_path, rng):
     layer = layer_for("Q8_0")
     path = tmp_path / "experts.bin"
