@@ -40,8 +40,8 @@ def attention_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor,
     k = ops.rms_norm(k.view(T, Hkv, D), w[f"{p}.attn_k_norm.weight"], hp.rms_eps)
     v = v.view(T, Hkv, D)
     pos = torch.arange(pos0, pos0 + T, device=x.device)
-    q = ops.rope_neox(q, pos, hp.n_rot, hp.rope_freq_base)
-    k = ops.rope_neox(k, pos, hp.n_rot, hp.rope_freq_base)
+    cos, sin = ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)  # [T, 1, n_rot], shared by q and k
+    q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
     k_all, v_all = cache.append(k, v)
     o = ops.attention(q, k_all, v_all, pos0, D**-0.5).reshape(T, H * D)
     if gate is not None:

@@ -26,8 +26,12 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
     head = min(T, (-pos0) % C)  # tokens before the first aligned window
     body = (T - head) // C * C  # complete aligned windows
     pieces = []
-    for start, end, fn in ((0, head, ops.gdn_recurrent), (head, head + body, ops.gdn_chunked),
-                           (head + body, T, ops.gdn_recurrent)):
+    spans = ((0, head, ops.gdn_recurrent), (head, head + body, ops.gdn_chunked),
+             (head + body, T, ops.gdn_recurrent))
+    whole = [fn for start, end, fn in spans if (start, end) == (0, T)]
+    if T and whole:  # one form covers every token (a decode step): no slicing, no cat
+        return whole[0](q, k, v, g, beta, S)
+    for start, end, fn in spans:
         if end > start:
             o, S = fn(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], S)
             pieces.append(o)

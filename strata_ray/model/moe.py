@@ -32,9 +32,10 @@ def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
 
     rows [N, K, E], weights [N, K] -> [N, E].
     """
-    out = rows[:, 0] * weights[:, :1]
-    for j in range(1, rows.shape[1]):
-        out = out + rows[:, j] * weights[:, j : j + 1]
+    slot_rows, slot_weights = rows.unbind(1), weights.split(1, dim=1)  # K views each: [N, E], [N, 1]
+    out = slot_rows[0] * slot_weights[0]
+    for row, weight in zip(slot_rows[1:], slot_weights[1:], strict=True):
+        out = out + row * weight
     return out
 
 

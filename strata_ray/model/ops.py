@@ -39,19 +39,41 @@ def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
+_INV_FREQ: dict[tuple[int, float, torch.device], Tensor] = {}  # rope frequencies, built once per device
+
+
+def _inv_freq(n_rot: int, base: float, device: torch.device) -> Tensor:
+    key = (n_rot, base, device)
+    if key not in _INV_FREQ:
+        exponents = torch.arange(0, n_rot, 2, dtype=torch.float32, device=device) / n_rot
+        _INV_FREQ[key] = 1.0 / (base**exponents)
+    return _INV_FREQ[key]
+
+
+def rope_tables(pos: Tensor, n_rot: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, 1, n_rot] of NEOX RoPE at pos [T] int64, in float32 exactly as transformers computes them.
+
+    One pair serves every tensor rotated at these positions (q and k of a layer)."""
+    freqs = pos.to(torch.float32)[:, None] * _inv_freq(n_rot, base, pos.device)  # [T, n_rot/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, n_rot]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NEOX (rotate_half) RoPE with tables from rope_tables on the first n_rot dims of x [T, H, D]."""
+    n_rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :n_rot], x[..., n_rot:]
+    half = n_rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
 def rope_neox(x: Tensor, pos: Tensor, n_rot: int, base: float) -> Tensor:
     """NEOX (rotate_half) RoPE on the first n_rot dims of x [T, H, D]; dims n_rot.. pass through.
 
     pos [T] int64 absolute positions. Frequencies are computed in float32 exactly as transformers does.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.float32, device=x.device) / n_rot))
-    freqs = pos.to(torch.float32)[:, None] * inv_freq  # [T, n_rot/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, n_rot]
-    cos, sin = emb.cos(), emb.sin()
-    x_rot, x_pass = x[..., :n_rot], x[..., n_rot:]
-    half = n_rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    return apply_rope(x, *rope_tables(pos, n_rot, base))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float) -> Tensor:
@@ -62,6 +84,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float) -> T
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
+    if T == 1 and S <= q_offset + 1:  # a decode step: one query that sees every key
+        return attention_one_query(q, k, v, scale)
     rep = H // Hkv
     kh = k.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
     vh = v.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
@@ -71,6 +95,25 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float) -> T
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vh).transpose(0, 1)  # [T, H, D]
+
+
+def attention_one_query(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """attention() of one query q [1, H, D] that sees all of k, v [S, Hkv, D] (no mask) -> [1, H, D].
+
+    Query heads j, j + rep, j + 2 rep, ... read kv heads 0, 1, 2, ...: one batched product per j over k and v
+    as stored, instead of copying them rep times (repeat_interleave). Every head's products and softmax row
+    have the shapes and operand layouts of attention()'s, so the result has the same bits.
+    """
+    _, H, D = q.shape
+    rep = H // k.shape[1]
+    qh = q.transpose(0, 1)  # [H, 1, D]
+    kt = k.permute(1, 2, 0)  # [Hkv, D, S]
+    vt = v.transpose(0, 1)  # [Hkv, S, D]
+    outs = []
+    for j in range(rep):
+        scores = torch.matmul(qh[j::rep], kt) * scale  # [Hkv, 1, S]
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), vt))  # [Hkv, 1, D]
+    return torch.stack(outs, dim=1).reshape(1, H, D)  # head g * rep + j at [g, j]
 
 
 def causal_conv1d(x: Tensor, w: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
@@ -97,14 +140,27 @@ def gdn_recurrent(
     q, k [T, H, dk] (already l2-normalised, q scaled by dk^-0.5, expanded to the H value heads), v [T, H, dv],
     g [T, H] log decay (<= 0), beta [T, H], S [H, dk, dv] incoming state. Returns (o [T, H, dv], S).
     """
+    H, dk, dv = k.shape[1], k.shape[2], v.shape[2]
     outs = []
-    for t in range(q.shape[0]):
-        S = S * g[t].exp()[:, None, None]
-        u = (v[t] - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]  # delta-rule correction
-        S = S + k[t][:, :, None] * u[:, None, :]
-        outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
-    o = torch.stack(outs) if outs else v.new_zeros(v.shape)
+    T = q.shape[0]
+    for t in range(T):
+        # one token: the tensors are its own (reshaped below, no per-token select)
+        q_t, k_t, v_t, g_t, beta_t = (q, k, v, g, beta) if T == 1 else (q[t], k[t], v[t], g[t], beta[t])
+        k_t = k_t.reshape(H, dk, 1)
+        S = S * g_t.exp().reshape(H, 1, 1)
+        u = (v_t.reshape(H, dv, 1) - state_read(S, k_t)) * beta_t.reshape(H, 1, 1)  # delta-rule correction
+        S = S + k_t * u.reshape(H, 1, dv)
+        outs.append(state_read(S, q_t.reshape(H, dk, 1)))  # [H, dv, 1]
+    if len(outs) == 1:  # a decode step: no stack
+        return outs[0].reshape(1, H, dv), S
+    o = torch.stack(outs).reshape(-1, H, dv) if outs else v.new_zeros(v.shape)
     return o, S
+
+
+def state_read(S: Tensor, x: Tensor) -> Tensor:
+    """S [H, dk, dv], x [H, dk, 1] -> [H, dv, 1]: einsum("hkv,hk->hv", S, x) as the very bmm einsum runs
+    (same operands and strides, so the same bits) without einsum's equation parsing and permutes."""
+    return torch.bmm(S.transpose(1, 2), x)
 
 
 def _gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:

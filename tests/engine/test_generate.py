@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from strata_ray.engine.generate import GenerationError, generate
+from strata_ray.engine.generate import SMALL_HOST_THREADS, GenerationError, decode_threads, generate
 from strata_ray.engine.sampling import SamplingParams
 from strata_ray.model.forward import Model
 from tests.model import hf_reference as ref
@@ -100,3 +100,36 @@ def test_bad_requests_are_one_line_errors(tiny, kwargs, message):
     args.update(kwargs)
     with pytest.raises(GenerationError, match=message):
         generate(model, **args)
+
+
+def test_decode_threads_uses_one_thread_on_a_small_cpu_host_and_restores():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with decode_threads(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with decode_threads("cuda"):  # GPU models keep the host's setting
+            assert torch.get_num_threads() == 2
+        torch.set_num_threads(SMALL_HOST_THREADS + 1)
+        with decode_threads("cpu"):  # a large host keeps its threads for large dense matrices
+            assert torch.get_num_threads() == SMALL_HOST_THREADS + 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decode_logits_do_not_depend_on_the_thread_count(tiny):
+    _, model = tiny
+    before = torch.get_num_threads()
+
+    def decode_logits(threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            state = model.new_state()
+            model.forward(PROMPT, state)
+            return torch.stack([model.forward([t], state)[-1] for t in PROMPT[:8]])
+
+    try:
+        assert torch.equal(decode_logits(1), decode_logits(2))
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,79 @@
+"""ops: the decode (one-token) forms have the same bits as the general forms they shortcut."""
+
+import pytest
+import torch
+
+from strata_ray.model import ops
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _masked_attention(q, k, v, q_offset, scale):
+    """The general path for any T: repeat_interleave'd kv heads and an explicit causal mask."""
+    T, H, _ = q.shape
+    S, Hkv, _ = k.shape
+    kh = k.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    vh = v.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale
+    q_pos = torch.arange(q_offset, q_offset + T)[:, None]
+    scores = scores.masked_fill(torch.arange(S)[None, :] > q_pos, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 32), (16, 2, 256), (8, 8, 16)])
+@pytest.mark.parametrize("S", [1, 7, 64, 129, 1500])
+def test_one_query_attention_is_bitwise_the_masked_form(H, Hkv, D, S):
+    q, k, v = _randn(1, H, D, seed=1), _randn(S, Hkv, D, seed=2), _randn(S, Hkv, D, seed=3)
+    out = ops.attention(q, k, v, S - 1, D**-0.5)
+    assert out.shape == (1, H, D)
+    assert torch.equal(out, _masked_attention(q, k, v, S - 1, D**-0.5))
+    assert torch.equal(ops.attention_one_query(q, k, v, D**-0.5), out)
+
+
+def test_attention_with_a_mask_still_masks():
+    q, k, v = _randn(3, 4, 8, seed=1), _randn(5, 2, 8, seed=2), _randn(5, 2, 8, seed=3)
+    out = ops.attention(q, k, v, 2, 8**-0.5)  # queries at 2, 3, 4 over keys 0..4
+    assert torch.equal(out, _masked_attention(q, k, v, 2, 8**-0.5))
+    first = ops.attention(q[:1], k[:3], v[:3], 2, 8**-0.5)  # the first query alone sees keys 0..2
+    torch.testing.assert_close(out[:1], first)
+
+
+def test_state_read_is_the_einsum():
+    S, x = _randn(4, 32, 16, seed=4), _randn(4, 32, seed=5)
+    got = ops.state_read(S, x.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(got, torch.einsum("hkv,hk->hv", S, x))
+
+
+def _einsum_recurrent(q, k, v, g, beta, S):
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        u = (v[t] - torch.einsum("hkv,hk->hv", S, k[t])) * beta[t][:, None]
+        S = S + k[t][:, :, None] * u[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", S, q[t]))
+    return torch.stack(outs), S
+
+
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_gdn_recurrent_is_bitwise_the_einsum_loop(T):
+    H, dk, dv = 4, 32, 16
+    q, k, v = _randn(T, H, dk, seed=6), _randn(T, H, dk, seed=7), _randn(T, H, dv, seed=8)
+    g, beta, S0 = -_randn(T, H, seed=9).abs(), _randn(T, H, seed=10).sigmoid(), _randn(H, dk, dv, seed=11)
+    o, S = ops.gdn_recurrent(q, k, v, g, beta, S0)
+    o_ref, S_ref = _einsum_recurrent(q, k, v, g, beta, S0)
+    assert o.shape == (T, H, dv)
+    assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+
+
+def test_rope_tables_are_shared_without_changing_bits():
+    x, pos = _randn(3, 4, 32, seed=12), torch.tensor([5, 6, 700])
+    n_rot, base = 16, 10000.0
+    inv_freq = 1.0 / (base ** (torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot))
+    emb = torch.cat((pos.float()[:, None] * inv_freq,) * 2, dim=-1)[:, None, :]
+    x_rot = x[..., :n_rot]
+    rotated = torch.cat((-x_rot[..., n_rot // 2 :], x_rot[..., : n_rot // 2]), dim=-1)
+    expected = torch.cat((x_rot * emb.cos() + rotated * emb.sin(), x[..., n_rot:]), dim=-1)
+    assert torch.equal(ops.rope_neox(x, pos, n_rot, base), expected)
+    assert torch.equal(ops.apply_rope(x, *ops.rope_tables(pos, n_rot, base)), expected)
