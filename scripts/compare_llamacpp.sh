@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # flashbench side by side with llama.cpp's llama-bench, on the same synthetic GGUF and the same VRAM budget.
 #
-#   scripts/compare_llamacpp.sh [fetch|build|run|all]       (default: all; each stage skips finished work)
+#   scripts/compare_llamacpp.sh [fetch|build|llama|ours|table|run|all]   (default: all; fetch/build skip finished work)
 #
 # fetch  (needs PyPI) llama.cpp's source from the llama-cpp-python sdist (`pip download --no-binary :all:`),
 #        stripped to what building llama-bench with CUDA needs (no models/, docs/, tests/, examples/, other
 #        ggml backends or other tools) into third_party/llama.cpp, which git ignores. The GPU machine cannot
 #        reach PyPI: fetch here and carry third_party/llama.cpp there (a few MB).
 # build  llama-bench with CUDA (-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real, $JOBS jobs; ~4 min with 16).
-# run    synthesize the model if it is missing, then for each setup run llama-bench and our bench with the
-#        same contexts, generation length and repeats, and print both side by side with ratios:
+# llama  synthesize the model if it is missing, then run llama-bench for each setup (JSON into $OUT)
+# ours   the same for our bench (the two halves can run in separate device calls: each leaves JSON in $OUT)
+# table  print both side by side with ratios, from the JSON in $OUT
+# run    llama, ours and table. Same contexts, generation length and repeats for both engines. Setups:
 #          cpu-experts  every routed expert on the CPU: llama-bench -ot exps=CPU, ours --expert-cache 0
 #          budget       a GPU of BUDGET_MIB MiB: llama-bench --n-cpu-moe N (N computed from the GGUF so the
 #                       other layers' experts fit the budget), ours --vram-budget-mib BUDGET_MIB
@@ -139,28 +141,53 @@ side_by_side() {  # setup
         | tee "$OUT/compare-$setup.md"
 }
 
-run() {
-    [[ -x "$LLAMA_BENCH" ]] || die "no llama-bench at $LLAMA_BENCH: run '$0 build' first"
+setups() {  # the setups to run: cpu-experts, and budget when BUDGET_MIB is set
+    echo cpu-experts
+    [[ -z "$BUDGET_MIB" ]] || echo budget
+}
+
+prepare() {
     mkdir -p "$OUT"
     ensure_model
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null || true
     say "model $MODEL; GPU $(cat "$OUT/gpu.txt" 2>/dev/null || echo unknown)"
+}
 
-    rm -f "$OUT"/ours-cpu-experts.* "$OUT"/llama-cpu-experts-*
-    llama_bench cpu-experts -ot "exps=CPU"
-    ours cpu-experts --expert-cache 0
-    side_by_side cpu-experts
+run_llama() {
+    [[ -x "$LLAMA_BENCH" ]] || die "no llama-bench at $LLAMA_BENCH: run '$0 build' first"
+    prepare
+    local setup
+    for setup in $(setups); do
+        rm -f "$OUT"/llama-"$setup"-*
+        if [[ $setup == cpu-experts ]]; then
+            llama_bench cpu-experts -ot "exps=CPU"
+        else
+            local ncmoe
+            ncmoe="$("$PYTHON" -m strata_ray.bench.llamacpp n-cpu-moe --model "$MODEL" --budget-mib "$BUDGET_MIB" \
+                --reserve-mib "$RESERVE_MIB")"
+            say "budget $BUDGET_MIB MiB: llama-bench --n-cpu-moe $ncmoe"
+            echo "$ncmoe" > "$OUT/llama-budget-ncmoe.txt"
+            llama_bench budget --n-cpu-moe "$ncmoe"
+        fi
+    done
+}
 
-    if [[ -n "$BUDGET_MIB" ]]; then
-        local ncmoe
-        ncmoe="$("$PYTHON" -m strata_ray.bench.llamacpp n-cpu-moe --model "$MODEL" --budget-mib "$BUDGET_MIB" \
-            --reserve-mib "$RESERVE_MIB")"
-        say "budget $BUDGET_MIB MiB: llama-bench --n-cpu-moe $ncmoe"
-        rm -f "$OUT"/ours-budget.* "$OUT"/llama-budget-*
-        llama_bench budget --n-cpu-moe "$ncmoe"
-        ours budget --vram-budget-mib "$BUDGET_MIB" --vram-reserve-mib "$RESERVE_MIB"
-        side_by_side budget
-    fi
+run_ours() {
+    prepare
+    local setup
+    for setup in $(setups); do
+        rm -f "$OUT"/ours-"$setup".*
+        if [[ $setup == cpu-experts ]]; then
+            ours cpu-experts --expert-cache 0
+        else
+            ours budget --vram-budget-mib "$BUDGET_MIB" --vram-reserve-mib "$RESERVE_MIB"
+        fi
+    done
+}
+
+table() {
+    local setup
+    for setup in $(setups); do side_by_side "$setup"; done
     say "tables in $OUT/compare-*.md; raw JSON in $OUT"
 }
 
@@ -168,7 +195,10 @@ stage="${1:-all}"
 case "$stage" in
     fetch) fetch ;;
     build) build ;;
-    run) run ;;
-    all) fetch; build; run ;;
-    *) die "unknown stage '$stage' (fetch, build, run or all)" ;;
+    llama) run_llama ;;
+    ours) run_ours ;;
+    table) table ;;
+    run) run_llama; run_ours; table ;;
+    all) fetch; build; run_llama; run_ours; table ;;
+    *) die "unknown stage '$stage' (fetch, build, llama, ours, table, run or all)" ;;
 esac
