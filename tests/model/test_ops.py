@@ -1,13 +1,16 @@
-"""ops: the decode (one-token) forms have the same bits as the general forms they shortcut."""
+"""ops: the decode (one-token) forms have the same bits as the general forms they shortcut (on CUDA too,
+where the GPU machine runs these tests)."""
 
 import pytest
 import torch
 
 from strata_ray.model import ops
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-def _randn(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+def _randn(*shape, seed=0, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _masked_attention(q, k, v, q_offset, scale):
@@ -17,15 +20,17 @@ def _masked_attention(q, k, v, q_offset, scale):
     kh = k.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
     vh = v.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
     scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * scale
-    q_pos = torch.arange(q_offset, q_offset + T)[:, None]
-    scores = scores.masked_fill(torch.arange(S)[None, :] > q_pos, float("-inf"))
+    q_pos = torch.arange(q_offset, q_offset + T, device=q.device)[:, None]
+    scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > q_pos, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("H", "Hkv", "D"), [(4, 2, 32), (16, 2, 256), (8, 8, 16)])
 @pytest.mark.parametrize("S", [1, 7, 64, 129, 1500])
-def test_one_query_attention_is_bitwise_the_masked_form(H, Hkv, D, S):
-    q, k, v = _randn(1, H, D, seed=1), _randn(S, Hkv, D, seed=2), _randn(S, Hkv, D, seed=3)
+def test_one_query_attention_is_bitwise_the_masked_form(H, Hkv, D, S, device):
+    q = _randn(1, H, D, seed=1, device=device)
+    k, v = _randn(S, Hkv, D, seed=2, device=device), _randn(S, Hkv, D, seed=3, device=device)
     out = ops.attention(q, k, v, S - 1, D**-0.5)
     assert out.shape == (1, H, D)
     assert torch.equal(out, _masked_attention(q, k, v, S - 1, D**-0.5))
@@ -40,8 +45,9 @@ def test_attention_with_a_mask_still_masks():
     torch.testing.assert_close(out[:1], first)
 
 
-def test_state_read_is_the_einsum():
-    S, x = _randn(4, 32, 16, seed=4), _randn(4, 32, seed=5)
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_read_is_the_einsum(device):
+    S, x = _randn(4, 32, 16, seed=4, device=device), _randn(4, 32, seed=5, device=device)
     got = ops.state_read(S, x.unsqueeze(-1)).squeeze(-1)
     assert torch.equal(got, torch.einsum("hkv,hk->hv", S, x))
 
@@ -56,11 +62,13 @@ def _einsum_recurrent(q, k, v, g, beta, S):
     return torch.stack(outs), S
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_gdn_recurrent_is_bitwise_the_einsum_loop(T):
+def test_gdn_recurrent_is_bitwise_the_einsum_loop(T, device):
     H, dk, dv = 4, 32, 16
-    q, k, v = _randn(T, H, dk, seed=6), _randn(T, H, dk, seed=7), _randn(T, H, dv, seed=8)
-    g, beta, S0 = -_randn(T, H, seed=9).abs(), _randn(T, H, seed=10).sigmoid(), _randn(H, dk, dv, seed=11)
+    q, k, v = (_randn(T, H, d, seed=i, device=device) for i, d in enumerate((dk, dk, dv)))
+    g, beta = -_randn(T, H, seed=9, device=device).abs(), _randn(T, H, seed=10, device=device).sigmoid()
+    S0 = _randn(H, dk, dv, seed=11, device=device)
     o, S = ops.gdn_recurrent(q, k, v, g, beta, S0)
     o_ref, S_ref = _einsum_recurrent(q, k, v, g, beta, S0)
     assert o.shape == (T, H, dv)
