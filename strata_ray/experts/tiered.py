@@ -33,6 +33,7 @@ from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
 from strata_ray.kernels.cpu_pool import CpuPool, default_pool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
 
 # Expert calls reading less than this run on the calling thread: on the 2-core VM a pool handoff costs
@@ -165,7 +166,9 @@ class TieredExperts:
             cpu_job = self._helper.submit(
                 self._timed_cpu, x_h, tok[miss], ids_h[miss], self.store.layer(layer)
             )
-        on_device = self._upload(tok[hit], slot[hit], hit, miss) if self.cache.is_cuda else None
+        on_device = None
+        if self.cache.is_cuda:  # every index the device needs, the tile plan included, in one copy
+            on_device = self._upload(tok[hit], slot[hit], hit, miss, *self._plan(slot[hit], n_tok, layer))
         if hit.size:
             self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows, on_device)
         if stream_misses:
@@ -182,10 +185,26 @@ class TieredExperts:
             host += time.perf_counter() - t2
             if decode:
                 self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
-        out = combine_rows(rows.view(n_tok, k, -1), weights.float())
+        out = self._combine(rows.view(n_tok, k, -1), weights.float())
         if trunk:
             self._count(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
         return out
+
+    def _combine(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """combine_rows; on CUDA the one-launch kernel with the same bits."""
+        if self.cache.is_cuda:
+            from strata_ray.kernels.expert_gpu import combine_rows_gpu
+
+            return combine_rows_gpu(rows, weights)
+        return combine_rows(rows, weights)
+
+    def _plan(self, slot: np.ndarray, n_tok: int, layer: int) -> tuple[np.ndarray, ...]:
+        """The GPU kernel's tile plan (order, sorted_slot, tile_start) for these slots, made on the host."""
+        from strata_ray.kernels.expert_gpu import tile_entries
+
+        mode = "decode" if n_tok <= DECODE_MAX_TOKENS else "prompt"
+        is_float = self.cache.layer_view(layer).is_float if slot.size else False
+        return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, is_float))
 
     def _pool_for(self, experts: np.ndarray) -> CpuPool:
         """The pool for a CPU expert call over these experts: the caller's thread when the call is small."""
@@ -225,10 +244,10 @@ class TieredExperts:
         return ids_pin.numpy().copy(), (x_pin.numpy() if x_pin is not None else None)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int64 device tensors of these host index arrays, in one pinned host-to-device copy."""
+        """int32 device tensors of these host index arrays, in one pinned host-to-device copy."""
         sizes = [a.size for a in arrays]
-        pin = self._staging("index", sum(sizes), torch.int64)
-        np.concatenate([a.astype(np.int64, copy=False) for a in arrays], out=pin.numpy())
+        pin = self._staging("index", sum(sizes), torch.int32)
+        np.concatenate([a.astype(np.int32, copy=False) for a in arrays], out=pin.numpy())
         return list(torch.split(pin.to(self.device, non_blocking=True), sizes))
 
     def _staged_rows(self, cpu_rows: np.ndarray) -> torch.Tensor:
@@ -243,7 +262,9 @@ class TieredExperts:
             from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
             tok_d, slot_d, entries_d = on_device[:3]
-            out = expert_ffn_gpu(x, tok_d, slot_d, view, variant=self.kernel_variant)
+            mode = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prompt"
+            out = expert_ffn_gpu(x, tok_d, slot_d, view, mode=mode, variant=self.kernel_variant,
+                                 plan=on_device[4:7])
             rows[entries_d] = out
         else:
             rows[torch.from_numpy(entries)] = torch.from_numpy(

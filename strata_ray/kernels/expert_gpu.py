@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
+from .tile_plan import plan_tiles_host  # noqa: F401  (re-exported: the host twin of plan_tiles)
 from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
@@ -147,6 +148,30 @@ def _expert_mm_wide_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
         tl.store(OUT + ent[:, None] * R + rows[None, :], acc1, mask=valid[:, None])
 
 
+@triton.jit
+def _combine_kernel(ROWS, W, OUT, E, K: tl.constexpr, BE: tl.constexpr):
+    """out[n] = rows[n, 0] * w[n, 0], then + rows[n, k] * w[n, k] for k = 1..K-1, each op rounded
+    (no FMA: _OPTS): moe.combine_rows' exact sequence, in one launch instead of 2K - 1."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BE + tl.arange(0, BE)
+    mask = cols < E
+    acc = tl.load(ROWS + n * K * E + cols, mask=mask, other=0.0) * tl.load(W + n * K)
+    for k in tl.static_range(1, K):
+        acc = acc + tl.load(ROWS + (n * K + k) * E + cols, mask=mask, other=0.0) * tl.load(W + n * K + k)
+    tl.store(OUT + n * E + cols, acc, mask=mask)
+
+
+def combine_rows_gpu(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows f32 [N, K, E], weights f32 [N, K] (cuda) -> [N, E]; bit-identical to moe.combine_rows."""
+    rows, weights = rows.contiguous().float(), weights.contiguous().float()
+    n, k, e = rows.shape
+    out = torch.empty((n, e), dtype=torch.float32, device=rows.device)
+    if n:
+        be = min(1024, triton.next_power_of_2(e))
+        _combine_kernel[(n, triton.cdiv(e, be))](rows, weights, out, e, K=k, BE=be, num_warps=4, **_OPTS)
+    return out
+
+
 def quantize_act_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x f32 [N, n] (cuda) -> (q int8 [N, n], d f32 [N, n/32], s int32 [N, n/32]); contract step 1."""
     x = x.contiguous().float()
@@ -181,6 +206,13 @@ def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int):
     tile_start = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=slot.device)
     tile_start.scatter_(0, torch.where(first, tile_id, n_tiles), torch.where(first, idx, -1).to(torch.int32))
     return order.to(torch.int32), sorted_slot, tile_start[:n_tiles]
+
+
+def tile_entries(n_tok: int, mode: str, variant: str, is_float: bool) -> int:
+    """Entries per tile (BT) for a launch over n_tok tokens in this mode ("decode" or "prompt")."""
+    if mode == "decode":
+        return min(triton.next_power_of_2(n_tok), DECODE_MAX_TOKENS)
+    return WIDE["prompt_bt"] if variant == "wide" and not is_float else 64
 
 
 def _float_view(w: torch.Tensor, t: int) -> torch.Tensor:
@@ -247,13 +279,15 @@ def kernel_variant(variant: str | None = None) -> str:
 
 def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
                    mode: str = "auto", out: torch.Tensor | None = None,
-                   variant: str | None = None) -> torch.Tensor:
+                   variant: str | None = None, plan=None) -> torch.Tensor:
     """rows f32 [M, E] (cuda): row m = down(swiglu(gate x, up x)) of slot[m] for token tok[m].
 
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
     mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
     out: optional f32 [M, E] to write the rows into (every element is written).
     variant: "wide" or "simple" kernels (default: STRATA_KERNEL_VARIANT, else "simple"); same bits.
+    plan: (order, sorted_slot, tile_start) int32 cuda tensors from `plan_tiles_host(slot,
+    tile_entries(N, mode, variant, is_float))`, to skip planning on the device (about 15 small launches).
     """
     slots.validate()
     variant = kernel_variant(variant)
@@ -272,11 +306,8 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     if m == 0:
         return out
     x = x.contiguous().float()
-    if mode == "decode":
-        bt = min(triton.next_power_of_2(x.shape[0]), DECODE_MAX_TOKENS)
-    else:
-        bt = WIDE["prompt_bt"] if variant == "wide" and not slots.is_float else 64
-    plan = (*plan_tiles(slot, bt, slots.gate.shape[0]), bt)
+    bt = tile_entries(x.shape[0], mode, variant, slots.is_float)
+    plan = (*(plan if plan is not None else plan_tiles(slot, bt, slots.gate.shape[0])), bt)
     tok32 = tok.to(torch.int32).contiguous()
     ident = torch.arange(m, dtype=torch.int32, device=dev)
     gate_up = ((slots.gate, slots.gate_type), (slots.up, slots.up_type))

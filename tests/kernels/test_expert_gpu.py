@@ -80,3 +80,37 @@ def test_act_quant_gpu_equals_cpu():
     x[1, :64] = 1e-20
     for got, want in zip(quantize_act_gpu(torch.from_numpy(x).cuda()), quantize_act_sums(x), strict=True):
         assert np.array_equal(got.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("n_tok", [1, 33, 222])
+def test_combine_rows_gpu_equals_the_torch_sequence(n_tok):
+    from strata_ray.kernels.expert_gpu import combine_rows_gpu
+    from strata_ray.model.moe import combine_rows
+
+    rng = np.random.default_rng(n_tok)
+    rows = torch.from_numpy(rng.standard_normal((n_tok, 10, N_EMBD)).astype(np.float32))
+    w = torch.from_numpy(rng.uniform(0, 1, (n_tok, 10)).astype(np.float32))
+    want = combine_rows(rows, w)  # on the CPU: every op rounded, in k order
+    got = combine_rows_gpu(rows.cuda(), w.cuda()).cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K+Q6_K"])
+def test_a_host_made_plan_gives_the_same_rows(name):
+    """expert_ffn_gpu with plan_tiles_host's plan (uploaded as the tiered decode does) == its own plan."""
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu, tile_entries
+    from strata_ray.kernels.tile_plan import plan_tiles_host
+
+    rng = np.random.default_rng(10)
+    layer = layer_for(name)
+    slots, slot_of = _to_slots(layer, rng)
+    for n_tok, n_ent, k in CASES:
+        x = rng.standard_normal((n_tok, N_EMBD)).astype(np.float32)
+        tok, exp = entries(rng, n_tok, n_ent, 37, k=k)
+        for mode in ("decode", "prompt"):
+            want = _gpu_rows(x, tok, exp, slots, slot_of, mode)
+            plan = plan_tiles_host(slot_of[exp], tile_entries(n_tok, mode, "simple", False))
+            got = expert_ffn_gpu(torch.from_numpy(x).cuda(), torch.from_numpy(tok).cuda(),
+                                 torch.from_numpy(slot_of[exp]).cuda(), slots, mode=mode, variant="simple",
+                                 plan=[torch.from_numpy(p).cuda() for p in plan])
+            assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32)), (n_tok, mode)
