@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
+    ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
+                    "non-resident expert once)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
@@ -146,7 +148,8 @@ def main() -> None:
     blob = tiers.store.max_blob
     results = []
     for depth in (int(d) for d in args.depths.split(",")):
-        r = run_depth(loaded, tiers, depth, args.decode, profile=args.profile and not results)
+        first = not results
+        r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

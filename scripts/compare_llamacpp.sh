@@ -19,6 +19,7 @@
 # Settings (environment):
 #   MODEL=path.gguf       model to compare (default: $OUT/synth-$SYNTH_PRESET.gguf, synthesized if missing)
 #   SYNTH_PRESET=80b-a3b  SYNTH_LAYERS=  (empty = the preset's depth; fewer layers = a faster, smaller run)
+#   SYNTH_EXPERT_TYPE=Q4_0   OURS_ARGS=  (extra flags for our bench, e.g. --prefill 4096)
 #   CONTEXTS=8192,32768   GEN=128   REPEATS=3   BUDGET_MIB=24576 (empty = only cpu-experts)
 #   RESERVE_MIB=700       VRAM kept free besides the dense weights when computing --n-cpu-moe
 #   DEVICE=cuda (ours)   LLAMA_CUDA=ON (OFF = CPU-only llama-bench, to try the script without a GPU)
@@ -36,6 +37,8 @@ LLAMA_BENCH="$BUILD/bin/llama-bench"
 OUT="${OUT:-$ROOT/out/compare}"
 SYNTH_PRESET="${SYNTH_PRESET:-80b-a3b}"
 SYNTH_LAYERS="${SYNTH_LAYERS:-}"
+SYNTH_EXPERT_TYPE="${SYNTH_EXPERT_TYPE:-Q4_0}"  # GPU-MACHINE.md's llama.cpp numbers: Q4_0 experts, Q8_0 dense
+OURS_ARGS="${OURS_ARGS:-}"
 MODEL="${MODEL:-$OUT/synth-$SYNTH_PRESET${SYNTH_LAYERS:+-L$SYNTH_LAYERS}.gguf}"
 CONTEXTS="${CONTEXTS:-8192,32768}"
 GEN="${GEN:-128}"
@@ -109,7 +112,8 @@ ensure_model() {
     if [[ -f "$MODEL" ]]; then return; fi
     mkdir -p "$(dirname "$MODEL")"
     say "synthesizing $MODEL (preset $SYNTH_PRESET${SYNTH_LAYERS:+, $SYNTH_LAYERS layers})"
-    "$PYTHON" -m strata_ray.run synth --preset "$SYNTH_PRESET" ${SYNTH_LAYERS:+--layers "$SYNTH_LAYERS"} -o "$MODEL"
+    "$PYTHON" -m strata_ray.run synth --preset "$SYNTH_PRESET" ${SYNTH_LAYERS:+--layers "$SYNTH_LAYERS"} \
+        --expert-type "$SYNTH_EXPERT_TYPE" -o "$MODEL"
 }
 
 llama_bench() {  # setup, placement flags... -> $OUT/llama-<setup>-{prefill,decode}.json
@@ -127,7 +131,8 @@ llama_bench() {  # setup, placement flags... -> $OUT/llama-<setup>-{prefill,deco
 ours() {  # setup, engine flags... -> $OUT/ours-<setup>.json, its output in $OUT/ours-<setup>.log
     local setup="$1"; shift
     say "strata_ray bench [$setup]"
-    if ! "$PYTHON" -m strata_ray.run bench --model "$MODEL" --device "$DEVICE" "$@" --contexts "$CONTEXTS" \
+    # shellcheck disable=SC2086
+    if ! "$PYTHON" -m strata_ray.run bench --model "$MODEL" --device "$DEVICE" "$@" $OURS_ARGS --contexts "$CONTEXTS" \
             --gen "$GEN" --repeats "$REPEATS" --story-tokens 0 --json-out "$OUT/ours-$setup.json" 2>&1 \
             | tee "$OUT/ours-$setup.log" >&2; then
         say "strata_ray bench [$setup] failed: $(tail -1 "$OUT/ours-$setup.log")"
