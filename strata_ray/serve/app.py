@@ -244,9 +244,28 @@ def serve_main(argv) -> int:
         launch.disconnect(session)
 
 
+def placement_problem(replicas: int, gpus_per_replica: int, cluster: dict) -> str | None:
+    """Why the replicas can never be placed on a cluster with these total resources (None: they fit).
+    Serve would otherwise wait for them forever; each replica takes 1 CPU and its GPUs."""
+    have_gpu, have_cpu = int(cluster.get("GPU", 0)), int(cluster.get("CPU", 0))
+    need = replicas * gpus_per_replica
+    if need > have_gpu:
+        return (f"{replicas} replica(s) of {gpus_per_replica} GPU(s) need {need} GPUs; the Ray cluster has "
+                f"{have_gpu} (lower --replicas or the config's gpu list)")
+    if replicas > have_cpu:
+        return (f"{replicas} replica(s) need {replicas} CPUs; the Ray cluster has {have_cpu} "
+                "(lower --replicas)")
+    return None
+
+
 def _run_server(plan, engine_cfg) -> int:
+    import ray
+
     cfg = plan.serve
     gpus = max(1, len(cfg.gpu)) if engine_cfg.device == "cuda" else 0
+    problem = placement_problem(cfg.replicas, gpus, ray.cluster_resources())
+    if problem:
+        return fail(problem, 2)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     name = model_name(engine_cfg.model)
     app = StrataServer.options(num_replicas=cfg.replicas,

@@ -259,3 +259,29 @@ def test_status_and_metrics(server):
 def test_page_is_served(server):
     r = requests.get(server.url + "/", timeout=10)
     assert r.status_code == 200 and "<title>strata-ray</title>" in r.text
+
+
+# --- placement ---------------------------------------------------------------------------------------------
+
+
+def test_placement_problem_names_what_is_missing():
+    from strata_ray.serve.app import placement_problem
+
+    assert placement_problem(1, 0, {"CPU": 2.0}) is None
+    assert placement_problem(2, 1, {"CPU": 16.0, "GPU": 2.0}) is None
+    assert placement_problem(2, 1, {"CPU": 16.0, "GPU": 1.0}).startswith(
+        "2 replica(s) of 1 GPU(s) need 2 GPUs")
+    assert "has 2 " in placement_problem(3, 0, {"CPU": 2.0})
+
+
+def test_replicas_that_can_never_be_placed_fail_in_one_line_instead_of_waiting(tmp_path):
+    """A real local cluster and more replicas than it has CPUs: Serve would wait for them forever."""
+    from conftest import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "serve", "--address", "local", "--device", "cpu",
+         "--replicas", "1000", "--port", str(free_port())],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "1000 replica(s) need 1000 CPUs; the Ray cluster has" in last, done.stderr[-2000:]
