@@ -31,7 +31,7 @@ from strata_ray.experts.metrics import TierMetrics
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
-from strata_ray.kernels.cpu_pool import CpuPool, default_pool
+from strata_ray.kernels.cpu_pool import CpuPool, cpu_count, default_pool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
@@ -105,7 +105,10 @@ class TieredExperts:
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
         self.device = torch.device(device)
-        self.pool = pool or default_pool()
+        # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
+        # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
+        cuda = self.device.type == "cuda"
+        self.pool = pool or (CpuPool(max(1, cpu_count() - 1)) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
