@@ -1,24 +1,30 @@
-"""Exact integer dots of GGUF weight blocks with int8 activation codes, as numba intrinsics in LLVM
-vector IR (portable: no target-specific intrinsics; LLVM picks the instructions).
+"""Exact block dots of GGUF weight rows with int8 activation codes, as numba intrinsics in LLVM vector
+IR: the integer dots I (contract step 2) of a row's 8-block group, and the tile form that also applies
+the fp32 scale terms and adds them, in block order, into the running sums of 16 rows.
 
-Each intrinsic handles a group of 8 consecutive 32-blocks (one K-quant super-block; Q8_0/Q4_0 also
-have one-block forms for a row's tail) and stores the 8 integer dots I (contract step 2) as one
-<8 x i32>: load each block's bytes as a vector, unpack the codes in registers, multiply by the
-activation codes, add adjacent product pairs (x86: vpmaddwd), then fold the 8 product vectors into
-8 sums with a transposing shuffle tree. Integer sums are exact, so the order is free. Plain numba
-loops do worse: with the constant 32-value trip count LLVM unrolls into scalar code, with a runtime
-one it picks a 64-wide vector loop that a 32-block never enters, and a per-block horizontal sum
-costs more than the dot itself.
+Every block's 32 products reduce to <8 x i32> sums of 4 adjacent products (`_dpbusd`: one vpdpbusd
+on CPUs with AVX-512 VNNI or AVX-VNNI, else widened multiplies and pair adds), so the weight codes
+stay in bytes: Q4_0/Q4_K nibbles and Q6_K 6-bit codes are unsigned (their offsets come back through
+the activation sums), Q8_0 uses |w| and sign(w) * a. A group's 8 block vectors fold into one <8 x i32>
+with a transposing shuffle tree. Integer sums are exact, so the order is free; the fp32 part follows
+contract.py to the letter (separate fmul/fsub/fadd, no fast-math flags, so no FMA).
 """
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-GROUP = 8  # blocks per call
+from .contract import Q4_0, Q4_K, Q6_K, Q8_0
+
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+GROUP = 8  # blocks per group (one K-quant super-block)
+ROWS = 16  # weight rows per tile
+_FEATURES = llvm.get_host_cpu_features()
+HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) or bool(_FEATURES.get("avxvnni"))
 
 
 def _vec(ty, n: int):
@@ -30,24 +36,32 @@ def _const(ty, n: int, values) -> ir.Constant:
 
 
 def _shuffle(builder, x, y, idx):
-    return builder.shuffle_vector(x, y, _const(_I32, len(idx), idx))
+    return builder.shuffle_vector(x, y, _const(_I32, len(idx), list(idx)))
 
 
-def _load(context, builder, aryty, ary, offset, n: int):
-    """<n x i8> from a contiguous 1-D array's data at element offset (no alignment assumed)."""
-    data = context.make_array(aryty)(context, builder, ary).data
-    ptr = builder.bitcast(builder.gep(data, [offset]), _vec(_I8, n).as_pointer())
+def _splat(builder, v, n: int):
+    """<n x T> copies of lane 0 of the vector v."""
+    return _shuffle(builder, v, v, [0] * n)
+
+
+def _load(builder, base, offset: int, ty):
+    """A value of type ty at byte `offset` from the i8* base (no alignment assumed)."""
+    ptr = builder.bitcast(builder.gep(base, [ir.Constant(_I64, offset)]), ty.as_pointer())
     return builder.load(ptr, align=1)
 
 
-def _offset(builder, base, k: int):
-    return builder.add(base, ir.Constant(base.type, k))
-
-
-def _pair_sums(builder, w32, a):
-    """<16 x i32>: products of the 32 weights (i32, |w| < 2^15) with 32 int8 codes, adjacent pairs added."""
-    p = builder.mul(w32, builder.sext(a, _vec(_I32, 32)))
-    return builder.add(_shuffle(builder, p, p, range(0, 32, 2)), _shuffle(builder, p, p, range(1, 32, 2)))
+def _dpbusd(builder, u, s, vnni: bool):
+    """<32 x i8> unsigned u, signed s -> <8 x i32>: lane l = sum of u[4l+i] * s[4l+i], i < 4 (exact)."""
+    if vnni:
+        ty = _vec(_I32, 8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [ir.Constant(ty, None), builder.bitcast(u, ty), builder.bitcast(s, ty)])
+    p = builder.mul(builder.zext(u, _vec(_I32, 32)), builder.sext(s, _vec(_I32, 32)))
+    for n in (16, 8):
+        even, odd = range(0, 2 * n, 2), range(1, 2 * n, 2)
+        p = builder.add(_shuffle(builder, p, p, even), _shuffle(builder, p, p, odd))
+    return p
 
 
 def _fold(builder, vecs):
@@ -71,78 +85,258 @@ def _fold(builder, vecs):
     return v
 
 
-def _check(row, aq, out) -> None:
-    for a, bits in ((row, 8), (aq, 8), (out, 32)):
-        if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype.bitwidth == bits):
-            raise TypeError(f"block dots take contiguous 1-D arrays (row/aq 8-bit, out 32-bit), got {a}")
+def _transpose(builder, rows):
+    """R vectors <K x T> -> K vectors <R x T> (R a power of two): out[k][r] = rows[r][k]."""
+    k_lanes, per = rows[0].type.count, 1  # `per` rows per k in the interleaved vectors
+    while len(rows) > 1:
+        n = k_lanes * per
+        idx = [h * n + k * per + r for k in range(k_lanes) for h in range(2) for r in range(per)]
+        rows = [_shuffle(builder, x, y, idx) for x, y in zip(rows[0::2], rows[1::2], strict=True)]
+        per *= 2
+    v = rows[0]
+    return [_shuffle(builder, v, v, range(k * per, (k + 1) * per)) for k in range(k_lanes)]
 
 
-def _group_intrinsic(weights, n_blocks: int = GROUP):
-    """An intrinsic f(row, w_off, aq, a_off, out, o_off): out[o_off + k] = sum_i w_k[i] * aq[a_off + 32k + i]
-    for k < n_blocks, where weights(builder, load, w_off, k) builds block k's 32 weights as <32 x i32>."""
+def half_bits_to_f32(builder, h):
+    """IEEE half bits in the low 16 bits of i32 (a scalar or a vector) -> f32, exact for finite
+    values (subnormals included). Integer ops and one select, no F16C or libm."""
+    vec = isinstance(h.type, ir.VectorType)
+    n = h.type.count if vec else 0
+    i32, f32 = (_vec(_I32, n), _vec(_F32, n)) if vec else (_I32, _F32)
+    c = lambda k: ir.Constant(i32, [k] * n if vec else k)  # noqa: E731
+    em = builder.and_(h, c(0x7FFF))
+    normal = builder.bitcast(builder.add(builder.shl(em, c(13)), c(112 << 23)), f32)
+    tiny = ir.Constant(f32, [2.0 ** -24] * n if vec else 2.0 ** -24)
+    subnormal = builder.fmul(builder.sitofp(em, f32), tiny)
+    mag = builder.select(builder.icmp_signed(">=", em, c(0x400)), normal, subnormal)
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(builder.bitcast(mag, i32), sign), f32)
 
-    def typer(typingctx, row, w_off, aq, a_off, out, o_off):
-        _check(row, aq, out)
+
+class _Group:
+    """One group of n activation blocks (codes, sums, scales) shared by the rows that meet it."""
+
+    def __init__(self, builder, aq_ptr, n: int, vnni: bool, asum=None, ad=None):
+        self.builder, self.n, self.vnni, self.asum, self.ad = builder, n, vnni, asum, ad
+        self.a = [_load(builder, aq_ptr, 32 * k, _vec(_I8, 32)) for k in range(n)]
+        self._neg, self._a4 = None, None
+
+    def neg(self, k):
+        if self._neg is None:
+            self._neg = [self.builder.neg(a) for a in self.a]
+        return self._neg[k]
+
+    def a4(self, k):
+        """<8 x i32> sums of 4 adjacent activation codes of block k."""
+        if self._a4 is None:
+            ones = _const(_I8, 32, 1)
+            self._a4 = [_dpbusd(self.builder, ones, a, self.vnni) for a in self.a]
+        return self._a4[k]
+
+
+def _half_at(builder, row, offsets):
+    """<len(offsets) x f32> of the fp16 scales at those byte offsets of a row."""
+    bits = ir.Constant(_vec(_I16, len(offsets)), None)
+    for k, o in enumerate(offsets):
+        bits = builder.insert_element(bits, _load(builder, row, o, _I16), ir.Constant(_I32, k))
+    return half_bits_to_f32(builder, builder.zext(bits, _vec(_I32, len(offsets))))
+
+
+# Per weight type: products(b, grp, row, k) -> block k's <8 x i32>; ints(b, grp, row, I) -> (contract I,
+# Q4_K's M or None); scales(b, grp, row) -> (d, dmin or None) as <n x f32>. row: i8* at the group's bytes.
+
+def _q8_0_products(b, grp, row, k):
+    w = _load(b, row, 34 * k + 2, _vec(_I8, 32))
+    neg = b.icmp_signed("<", w, _const(_I8, 32, 0))
+    return _dpbusd(b, b.select(neg, b.neg(w), w), b.select(neg, grp.neg(k), grp.a[k]), grp.vnni)
+
+
+def _q4_0_products(b, grp, row, k):
+    """Codes 0..15 (Q4_0's -8 comes back as -8 * the activation block sum in _q4_0_ints)."""
+    v = _load(b, row, 18 * k + 2, _vec(_I8, 16))
+    lo = b.and_(v, _const(_I8, 16, 15))
+    hi = b.lshr(v, _const(_I8, 16, 4))
+    return _dpbusd(b, _shuffle(b, lo, hi, range(32)), grp.a[k], grp.vnni)
+
+
+def _q4_0_ints(b, grp, row, isum):
+    return b.sub(isum, b.shl(grp.asum, _const(_I32, grp.n, 3))), None
+
+
+def _q4_k_products(b, grp, row, k):
+    """Sub-block k's codes 0..15: low nibbles of the 32 bytes at 16 + 32 * (k // 2) for even k, high
+    nibbles for odd k."""
+    v = _load(b, row, 16 + 32 * (k // 2), _vec(_I8, 32))
+    nib = b.lshr(v, _const(_I8, 32, 4)) if k % 2 else b.and_(v, _const(_I8, 32, 15))
+    return _dpbusd(b, nib, grp.a[k], grp.vnni)
+
+
+def _q4_k_scales_mins(b, row):
+    """(sc, m) <8 x i32>: the 6-bit sub-block scales and mins from the 12 bytes at 4."""
+    s = b.zext(_load(b, row, 4, _vec(_I8, 16)), _vec(_I32, 16))
+    z = ir.Constant(_vec(_I32, 16), None)
+    zero = 16  # a lane of z
+    top2 = lambda idx: b.shl(b.lshr(_shuffle(b, s, z, idx), _const(_I32, 8, 6)), _const(_I32, 8, 4))  # noqa: E731
+    x = _shuffle(b, s, z, [0, 1, 2, 3, 8, 9, 10, 11])
+    sc = b.or_(b.and_(x, _const(_I32, 8, [63] * 4 + [15] * 4)), top2([zero] * 4 + [0, 1, 2, 3]))
+    y = b.lshr(_shuffle(b, s, z, [4, 5, 6, 7, 8, 9, 10, 11]), _const(_I32, 8, [0] * 4 + [4] * 4))
+    m = b.or_(b.and_(y, _const(_I32, 8, 63)), top2([zero] * 4 + [4, 5, 6, 7]))
+    return sc, m
+
+
+def _q4_k_ints(b, grp, row, isum):
+    sc, m = _q4_k_scales_mins(b, row)
+    return b.mul(isum, sc), b.mul(m, grp.asum) if grp.asum is not None else None
+
+
+def _q6_k_products(b, grp, row, k):
+    """Block k = 4h + r of a Q6_K super-block: (q - 32) * the int8 scale of each 16-value half, where
+    q = 0..63 from 4 low bits in ql and 2 high bits in qh; the -32 comes through the activation sums."""
+    h, r = k // 4, k % 4
+    ql = _load(b, row, 64 * h + 32 * (r % 2), _vec(_I8, 32))
+    qh = _load(b, row, 128 + 32 * h, _vec(_I8, 32))
+    lo = b.and_(b.lshr(ql, _const(_I8, 32, 4 * (r // 2))), _const(_I8, 32, 15))
+    hi = b.shl(b.and_(b.lshr(qh, _const(_I8, 32, 2 * r)), _const(_I8, 32, 3)), _const(_I8, 32, 4))
+    p = b.sub(_dpbusd(b, b.or_(lo, hi), grp.a[k], grp.vnni), b.shl(grp.a4(k), _const(_I32, 8, 5)))
+    sc = b.sext(_load(b, row, 192 + 8 * h + 2 * r, _vec(_I8, 2)), _vec(_I32, 2))
+    return b.mul(p, _shuffle(b, sc, sc, [0] * 4 + [1] * 4))
+
+
+def _plain_ints(b, grp, row, isum):
+    return isum, None
+
+
+def _block_scales(size):
+    return lambda b, grp, row: (_half_at(b, row, [size * k for k in range(grp.n)]), None)
+
+
+def _super_scales(d_off, with_min):
+    def scales(b, grp, row):
+        d = _splat(b, _half_at(b, row, [d_off]), grp.n)
+        return (d, _splat(b, _half_at(b, row, [d_off + 2]), grp.n) if with_min else None)
+    return scales
+
+
+# type -> (products, ints, scales, bytes per group of 8 blocks)
+_TYPES = {
+    Q8_0: (_q8_0_products, _plain_ints, _block_scales(34), 8 * 34),
+    Q4_0: (_q4_0_products, _q4_0_ints, _block_scales(18), 8 * 18),
+    Q4_K: (_q4_k_products, _q4_k_ints, _super_scales(0, True), 144),
+    Q6_K: (_q6_k_products, _plain_ints, _super_scales(208, False), 210),
+}
+
+
+def _byte_ptr(context, builder, aryty, ary, inds):
+    ary = context.make_array(aryty)(context, builder, ary)
+    ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds)
+    return builder.bitcast(ptr, _I8.as_pointer())
+
+
+def _row_ints(builder, grp, spec, row):
+    products, ints, _, _ = spec
+    isum = _fold(builder, [products(builder, grp, row, k) for k in range(grp.n)])
+    return ints(builder, grp, row, isum)
+
+
+def _prefetch(builder, base, offset, n_bytes: int) -> None:
+    """Prefetch (to L2) the cache lines of n_bytes at base + offset."""
+    ptr_ty = _I8.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [ptr_ty, _I32, _I32, _I32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+    start = builder.gep(base, [offset])
+    for k in [*range(0, n_bytes, 64), n_bytes - 1]:
+        args = [builder.gep(start, [ir.Constant(_I64, k)]), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                ir.Constant(_I32, 1)]
+        builder.call(fn, args)
+
+
+def _as_i64(builder, v):
+    """Integer arguments widened to i64 (array arguments pass through)."""
+    return builder.sext(v, _I64) if isinstance(v.type, ir.IntType) and v.type.width < 64 else v
+
+
+def _check(arrays, ndims) -> None:
+    for a, nd in zip(arrays, ndims, strict=True):
+        if not (isinstance(a, types.Array) and a.ndim == nd and a.layout == "C"):
+            raise TypeError(f"block dots take C-contiguous {nd}-D arrays, got {a}")
+
+
+def row_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
+    """f(row, g, aq, asum, out): out[g*n + k] = the contract's I of block g*n + k of a weight row
+    (uint8 [RB]) with activation codes aq int8 [nb*32] (asum int32 [nb]: their block sums), k < n."""
+    spec = _TYPES[wtype]
+    gbytes = spec[3] // (GROUP // n)
+
+    def typer(typingctx, row, g, aq, asum, out):
+        _check((row, aq, asum, out), (1, 1, 1, 1))
 
         def codegen(context, builder, sig, args):
-            row_v, w_off_v, aq_v, a_off_v, out_v, o_off_v = args
-
-            def load(offset, n):
-                return _load(context, builder, sig.args[0], row_v, offset, n)
-
-            sums = []
-            for k in range(n_blocks):
-                a = _load(context, builder, sig.args[2], aq_v, _offset(builder, a_off_v, 32 * k), 32)
-                sums.append(_pair_sums(builder, weights(builder, load, w_off_v, k), a))
-            data = context.make_array(sig.args[4])(context, builder, out_v).data
-            ptr = builder.bitcast(builder.gep(data, [o_off_v]), _vec(_I32, n_blocks).as_pointer())
-            builder.store(_fold(builder, sums), ptr, align=4)
+            row_v, g_v, aq_v, asum_v, out_v = args
+            g_v = _as_i64(builder, g_v)
+            b0 = builder.mul(g_v, ir.Constant(_I64, n))
+            ptr = lambda i, v, idx: _byte_ptr(context, builder, sig.args[i], v, [idx])  # noqa: E731
+            asum_vec = _load(builder, ptr(3, asum_v, b0), 0, _vec(_I32, n))
+            aq_ptr = ptr(2, aq_v, builder.mul(b0, ir.Constant(_I64, 32)))
+            grp = _Group(builder, aq_ptr, n, vnni, asum=asum_vec)
+            row = ptr(0, row_v, builder.mul(g_v, ir.Constant(_I64, gbytes)))
+            isum, _ = _row_ints(builder, grp, spec, row)
+            dst = builder.bitcast(ptr(4, out_v, b0), isum.type.as_pointer())
+            builder.store(isum, dst, align=4)
             return context.get_dummy_value()
 
-        return types.none(row, w_off, aq, a_off, out, o_off), codegen
+        return types.none(row, g, aq, asum, out), codegen
 
     return intrinsic(typer)
 
 
-def _q8_0(builder, load, w_off, k):
-    return builder.sext(load(_offset(builder, w_off, 34 * k + 2), 32), _vec(_I32, 32))
+def tile_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
+    """f(w, r0, g, aq, ad, asum, a, acc, j): for the ROWS weight rows w[r0 + i] (w uint8 [R, RB]) and
+    activation row a (aq int8 [N, nb*32], ad f32 [N, nb], asum int32 [N, nb]), add the contract's
+    terms t_b of blocks b = g*n .. g*n + n - 1, in that order, into acc[j, i] (acc f32 [M, ROWS])."""
+    spec = _TYPES[wtype]
+    gbytes = spec[3] // (GROUP // n)
+
+    def typer(typingctx, w, r0, g, aq, ad, asum, a, acc, j):
+        _check((w, aq, ad, asum, acc), (2, 2, 2, 2, 2))
+
+        def codegen(context, builder, sig, args):
+            w_v, r0_v, g_v, aq_v, ad_v, asum_v, a_v, acc_v, j_v = (_as_i64(builder, v) for v in args)
+            b0 = builder.mul(g_v, ir.Constant(_I64, n))
+            ptr = lambda i, v, idx: _byte_ptr(context, builder, sig.args[i], v, idx)  # noqa: E731
+            ad_vec = _load(builder, ptr(4, ad_v, [a_v, b0]), 0, _vec(_F32, n))
+            asum_vec = _load(builder, ptr(5, asum_v, [a_v, b0]), 0, _vec(_I32, n))
+            aq_ptr = ptr(3, aq_v, [a_v, builder.mul(b0, ir.Constant(_I64, 32))])
+            grp = _Group(builder, aq_ptr, n, vnni, asum=asum_vec, ad=ad_vec)
+            row0 = ptr(0, w_v, [r0_v, builder.mul(g_v, ir.Constant(_I64, gbytes))])
+            w_ary = context.make_array(sig.args[0])(context, builder, w_v)
+            stride = cgutils.unpack_tuple(builder, w_ary.strides, 2)[0]
+            if n == GROUP:  # the same share of the next tile's bytes (rows r0 + 16.., contiguous) to L2
+                _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, ROWS))]),
+                          builder.mul(g_v, ir.Constant(_I64, (ROWS - 1) * gbytes)), ROWS * gbytes)
+            terms = []
+            for i in range(ROWS):
+                row = builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
+                isum, msum = _row_ints(builder, grp, spec, row)
+                d, dmin = spec[2](builder, grp, row)
+                t = builder.fmul(builder.sitofp(isum, _vec(_F32, n)), builder.fmul(d, ad_vec))
+                if msum is not None:
+                    m_term = builder.fmul(builder.sitofp(msum, _vec(_F32, n)), builder.fmul(dmin, ad_vec))
+                    t = builder.fsub(t, m_term)
+                terms.append(t)
+            dst = builder.bitcast(ptr(7, acc_v, [j_v, ir.Constant(_I64, 0)]), _vec(_F32, ROWS).as_pointer())
+            s = builder.load(dst, align=4)
+            for t_b in _transpose(builder, terms):  # block order
+                s = builder.fadd(s, t_b)
+            builder.store(s, dst, align=4)
+            return context.get_dummy_value()
+
+        return types.none(w, r0, g, aq, ad, asum, a, acc, j), codegen
+
+    return intrinsic(typer)
 
 
-def _q4_0(builder, load, w_off, k):
-    """Codes 0..15 without Q4_0's -8 (the caller subtracts 8 * sum of the activation codes)."""
-    v = load(_offset(builder, w_off, 18 * k + 2), 16)
-    lo = builder.and_(v, _const(_I8, 16, 15))
-    hi = builder.lshr(v, _const(_I8, 16, 4))
-    return builder.zext(_shuffle(builder, lo, hi, range(32)), _vec(_I32, 32))
-
-
-def _q4_k(builder, load, w_off, k):
-    """Sub-block k's codes 0..15 (the caller applies the 6-bit scale): low nibbles of the 32 bytes
-    at 16 + 32 * (k // 2) for even k, high nibbles for odd k."""
-    v = load(_offset(builder, w_off, 16 + 32 * (k // 2)), 32)
-    nib = builder.lshr(v, _const(_I8, 32, 4)) if k % 2 else builder.and_(v, _const(_I8, 32, 15))
-    return builder.zext(nib, _vec(_I32, 32))
-
-
-def _q6_k(builder, load, w_off, k):
-    """Block k = 4h + r of a Q6_K super-block: codes q - 32 times the int8 scales of its two 16-value
-    sub-blocks 8h + 2r and 8h + 2r + 1 (|w| <= 4096)."""
-    h, r = k // 4, k % 4
-    ql = load(_offset(builder, w_off, 64 * h + 32 * (r % 2)), 32)
-    qh = load(_offset(builder, w_off, 128 + 32 * h), 32)
-    lo = builder.and_(builder.lshr(ql, _const(_I8, 32, 4 * (r // 2))), _const(_I8, 32, 15))
-    hi = builder.and_(builder.lshr(qh, _const(_I8, 32, 2 * r)), _const(_I8, 32, 3))
-    hi = builder.shl(hi, _const(_I8, 32, 4))
-    q = builder.sub(builder.or_(lo, hi), _const(_I8, 32, 32))  # -32..31 as signed i8
-    sc = builder.sext(load(_offset(builder, w_off, 192 + 8 * h + 2 * r), 2), _vec(_I32, 2))
-    sc32 = _shuffle(builder, sc, sc, [0] * 16 + [1] * 16)
-    return builder.mul(builder.sext(q, _vec(_I32, 32)), sc32)
-
-
-dots_q8_0 = _group_intrinsic(_q8_0)
-dots_q4_0 = _group_intrinsic(_q4_0)
-dots_q4_k = _group_intrinsic(_q4_k)
-dots_q6_k = _group_intrinsic(_q6_k)
+row_dots = {t: row_dots_intrinsic(t) for t in _TYPES}
+tile_dots = {t: tile_dots_intrinsic(t) for t in _TYPES}
 # One block, for rows whose block count is not a multiple of 8 (Q8_0 / Q4_0 only).
-dot1_q8_0 = _group_intrinsic(_q8_0, 1)
-dot1_q4_0 = _group_intrinsic(_q4_0, 1)
+row_dot1 = {t: row_dots_intrinsic(t, 1) for t in (Q8_0, Q4_0)}
+tile_dot1 = {t: tile_dots_intrinsic(t, 1) for t in (Q8_0, Q4_0)}

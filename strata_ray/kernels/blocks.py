@@ -1,9 +1,10 @@
-"""numba block readers for one GGUF weight row: exact integer block dots and the block scales.
+"""numba block readers for GGUF weight rows: exact integer block dots, block scales, and the tile sums.
 
-row_ints gives the contract's I (sub-block scales applied) of every block of a row; row_scales the
-blocks' (d, dmin, m): block b contributes float(I)*(d*ad) - float(m*s)*(dmin*ad) (the min term for Q4_K).
-The integer dots come from the vector intrinsics in block_dots.py. numba has no float16 arrays, so
-fp16 scales are decoded from their bits (exactly).
+tile_sums gives the contract dots of 16 weight rows with one activation row (the expert kernels' hot
+path: block_dots.tile_dots, scale terms and ordered sums in vector form). row_ints gives the contract's
+I (sub-block scales applied) of every block of one row; row_scales the blocks' (d, dmin, m): block b
+contributes float(I)*(d*ad) - float(m*s)*(dmin*ad) (the min term for Q4_K); these two serve tests and
+tools. numba has no float16 arrays, so fp16 scales are decoded from their bits (exactly).
 """
 
 from __future__ import annotations
@@ -13,30 +14,28 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .block_dots import GROUP, dot1_q4_0, dot1_q8_0, dots_q4_0, dots_q4_k, dots_q6_k, dots_q8_0
-from .contract import Q4_0, Q4_K, Q8_0
+from .block_dots import GROUP, ROWS, half_bits_to_f32, row_dot1, row_dots, tile_dot1, tile_dots
+from .contract import Q4_0, Q4_K, Q6_K, Q8_0
 
 f32 = np.float32
 _I32 = ir.IntType(32)
+# numba resolves globals, not dict lookups, inside jitted code.
+_row_q8_0, _row_q4_0, _row_q4_k, _row_q6_k = (row_dots[t] for t in (Q8_0, Q4_0, Q4_K, Q6_K))
+_row1_q8_0, _row1_q4_0 = row_dot1[Q8_0], row_dot1[Q4_0]
+_tile_q8_0, _tile_q4_0, _tile_q4_k, _tile_q6_k = (tile_dots[t] for t in (Q8_0, Q4_0, Q4_K, Q6_K))
+_tile1_q8_0, _tile1_q4_0 = tile_dot1[Q8_0], tile_dot1[Q4_0]
 
 
 @intrinsic
 def half_to_f32(typingctx, bits):
-    """IEEE half from its 16 bits (an integer) -> f32, exact for finite values (subnormals included).
-    Integer ops only (no F16C or libm needed), branch-free so that loops over blocks vectorise."""
+    """IEEE half from its 16 bits (an integer) -> f32, exact for finite values (subnormals included)."""
     if not isinstance(bits, types.Integer):
         raise TypeError(f"half_to_f32 takes integer bits, got {bits}")
 
     def codegen(context, builder, sig, args):
         h = builder.trunc(args[0], _I32) if bits.bitwidth > 32 else builder.zext(args[0], _I32) \
             if bits.bitwidth < 32 else args[0]
-        c = lambda k: ir.Constant(_I32, k)  # noqa: E731
-        em = builder.and_(h, c(0x7FFF))
-        normal = builder.bitcast(builder.add(builder.shl(em, c(13)), c(112 << 23)), ir.FloatType())
-        subnormal = builder.fmul(builder.sitofp(em, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0 ** -24))
-        mag = builder.select(builder.icmp_signed(">=", em, c(0x400)), normal, subnormal)
-        sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
-        return builder.bitcast(builder.or_(builder.bitcast(mag, _I32), sign), ir.FloatType())
+        return half_bits_to_f32(builder, h)
 
     return types.float32(bits), codegen
 
@@ -77,24 +76,47 @@ def row_ints(row, ggml_type, aq, a_sums, out):
     n_groups = nb // GROUP
     if ggml_type == Q8_0:
         for g in range(n_groups):
-            dots_q8_0(row, g * GROUP * 34, aq, g * GROUP * 32, out, g * GROUP)
+            _row_q8_0(row, g, aq, a_sums, out)
         for b in range(n_groups * GROUP, nb):
-            dot1_q8_0(row, b * 34, aq, b * 32, out, b)
+            _row1_q8_0(row, b, aq, a_sums, out)
     elif ggml_type == Q4_0:
         for g in range(n_groups):
-            dots_q4_0(row, g * GROUP * 18, aq, g * GROUP * 32, out, g * GROUP)
+            _row_q4_0(row, g, aq, a_sums, out)
         for b in range(n_groups * GROUP, nb):
-            dot1_q4_0(row, b * 18, aq, b * 32, out, b)
-        for b in range(nb):
-            out[b] -= 8 * a_sums[b]
+            _row1_q4_0(row, b, aq, a_sums, out)
     elif ggml_type == Q4_K:
-        for sb in range(n_groups):
-            dots_q4_k(row, sb * 144, aq, sb * 256, out, sb * 8)
-            for j in range(8):
-                out[sb * 8 + j] *= q4_k_scale(row, sb * 144, j)
+        for g in range(n_groups):
+            _row_q4_k(row, g, aq, a_sums, out)
     else:  # Q6_K
-        for sb in range(n_groups):
-            dots_q6_k(row, sb * 210, aq, sb * 256, out, sb * 8)
+        for g in range(n_groups):
+            _row_q6_k(row, g, aq, a_sums, out)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def tile_sums(w, r0, ggml_type, aq, ad, asum, a, acc, j):
+    """acc[j, i] = the contract dot of weight row w[r0 + i] (uint8 [R, RB]), i < ROWS, with activation
+    row a (aq int8 [N, n], ad f32 [N, nb], asum int32 [N, nb]): acc[j] starts at +0.0 and takes the
+    block terms t_b in increasing b."""
+    nb = ad.shape[1]
+    n_groups = nb // GROUP
+    for i in range(ROWS):
+        acc[j, i] = f32(0.0)
+    if ggml_type == Q8_0:
+        for g in range(n_groups):
+            _tile_q8_0(w, r0, g, aq, ad, asum, a, acc, j)
+        for b in range(n_groups * GROUP, nb):
+            _tile1_q8_0(w, r0, b, aq, ad, asum, a, acc, j)
+    elif ggml_type == Q4_0:
+        for g in range(n_groups):
+            _tile_q4_0(w, r0, g, aq, ad, asum, a, acc, j)
+        for b in range(n_groups * GROUP, nb):
+            _tile1_q4_0(w, r0, b, aq, ad, asum, a, acc, j)
+    elif ggml_type == Q4_K:
+        for g in range(n_groups):
+            _tile_q4_k(w, r0, g, aq, ad, asum, a, acc, j)
+    else:  # Q6_K
+        for g in range(n_groups):
+            _tile_q6_k(w, r0, g, aq, ad, asum, a, acc, j)
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -14,57 +14,21 @@ import numpy as np
 from numba import njit, prange
 
 from .act_quant import quantize_act_sums, quantize_block, swiglu
-from .blocks import row_ints, row_scales
-from .contract import Q4_K, QK, ExpertLayer, KernelError
+from .block_dots import ROWS
+from .blocks import tile_sums
+from .contract import QK, ExpertLayer, KernelError
 from .cpu_pool import CpuPool, default_pool, numba_threads
 from .spec import float_weights
 
 f32 = np.float32
 
 
-ROWS = 16  # weight rows per tile: the ordered block sums run as one 16-lane vector (lane = row)
-
-
 @njit(inline="always", nogil=True, cache=True)
-def _tile_dot(w, r0, wtype, sc, aq, ad, asum, arow, acc):
-    """acc[j, i] = contract dot of weight row w[r0 + i] with activation row arow[j], i < ROWS.
-
-    Blocks are added in increasing order for each row, each term rounded as written in contract.py
-    step 2. The block terms are independent, so they are computed first (vectorisable) into
-    t[b, i]; the ordered sums then run for ROWS rows side by side, which hides the add latency
-    that a one-row chain would expose. sc: scratch from _scratch(nb)."""
-    isum, t, d, dmin, m, s = sc
-    nb = isum.shape[0]
-    for i in range(ROWS):
-        row_scales(w[r0 + i], wtype, d[i], dmin[i], m[i])
+def _tile_dot(w, r0, wtype, aq, ad, asum, arow, acc):
+    """acc[j, i] = contract dot of weight row w[r0 + i] with activation row arow[j], i < ROWS
+    (block_dots.tile_dots: 16 rows' ordered block sums side by side, one vector)."""
     for j in range(arow.shape[0]):
-        a = arow[j]
-        a_d, a_s = ad[a], asum[a]
-        for i in range(ROWS):
-            row_ints(w[r0 + i], wtype, aq[a], a_s, isum)
-            d_i = d[i]
-            if wtype == Q4_K:
-                dmin_i, m_i = dmin[i], m[i]
-                for b in range(nb):
-                    t[b, i] = f32(isum[b]) * (d_i[b] * a_d[b]) - f32(m_i[b] * a_s[b]) * (dmin_i[b] * a_d[b])
-            else:
-                for b in range(nb):
-                    t[b, i] = f32(isum[b]) * (d_i[b] * a_d[b])
-        for i in range(ROWS):
-            s[i] = f32(0.0)
-        for b in range(nb):
-            for i in range(ROWS):
-                s[i] = s[i] + t[b, i]
-        for i in range(ROWS):
-            acc[j, i] = s[i]
-
-
-@njit(nogil=True, cache=True)
-def _scratch(nb):
-    """(isum int32 [nb], t f32 [nb, ROWS], d f32 [ROWS, nb], dmin f32 [ROWS, nb], m int32 [ROWS, nb],
-    s f32 [ROWS])."""
-    return (np.empty(nb, np.int32), np.empty((nb, ROWS), f32), np.empty((ROWS, nb), f32),
-            np.zeros((ROWS, nb), f32), np.zeros((ROWS, nb), np.int32), np.empty(ROWS, f32))
+        tile_sums(w, r0, wtype, aq, ad, asum, arow[j], acc, j)
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -79,9 +43,8 @@ def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_ex
     """Thread t's share of h = swiglu(gate x, up x) over (group, 32-row tile), quantized into
     hq int8 / hd / hs at the entries' rows. Group g = entries ents[g_start[g]:g_start[g+1]] of expert
     g_exp[g]; gate/up uint8 [X, n_ff, RB]; aq/ad/asum: the tokens' quantized activations."""
-    n_ff, nb = gate.shape[1], ad.shape[1]
+    n_ff = gate.shape[1]
     tiles = n_ff // QK
-    sc = _scratch(nb)
     g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
     arow = np.empty(ents.shape[0], np.int64)
     k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
@@ -93,8 +56,8 @@ def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_ex
             arow[j] = tok[ent[j]]
         e = g_exp[g]
         for r0 in range(tile * QK, tile * QK + QK, ROWS):
-            _tile_dot(gate[e], r0, gtype, sc, aq, ad, asum, arow[:n], g_acc)
-            _tile_dot(up[e], r0, utype, sc, aq, ad, asum, arow[:n], u_acc)
+            _tile_dot(gate[e], r0, gtype, aq, ad, asum, arow[:n], g_acc)
+            _tile_dot(up[e], r0, utype, aq, ad, asum, arow[:n], u_acc)
             for j in range(n):
                 for i in range(ROWS):
                     h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
@@ -105,9 +68,8 @@ def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_ex
 @njit(nogil=True, cache=True)
 def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out):
     """Thread t's share of out[entry, r] = contract dot of down row r with the entry's quantized h."""
-    n_embd, nb = down.shape[1], hd.shape[1]
+    n_embd = down.shape[1]
     tiles = n_embd // QK
-    sc = _scratch(nb)
     acc = np.empty((ents.shape[0], ROWS), f32)
     k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
     for k in range(k0, k1):
@@ -116,7 +78,7 @@ def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out)
         n = ent.shape[0]
         e = g_exp[g]
         for r0 in range(tile * QK, tile * QK + QK, ROWS):
-            _tile_dot(down[e], r0, dtype, sc, hq, hd, hs, ent, acc)
+            _tile_dot(down[e], r0, dtype, hq, hd, hs, ent, acc)
             for j in range(n):
                 for i in range(ROWS):
                     out[ent[j], r0 + i] = acc[j, i]

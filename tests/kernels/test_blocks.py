@@ -5,11 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import TYPE_SETS, layer_for
+from numba import njit
 
-from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales
+from strata_ray.kernels.block_dots import HAS_VNNI, ROWS, row_dots_intrinsic
+from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales, tile_sums
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0
+from strata_ray.kernels.random_weights import random_blocks
 from strata_ray.kernels.reference import dequantize_rows
-from strata_ray.kernels.spec import act_quant_ref, decode_int_blocks
+from strata_ray.kernels.spec import act_quant_ref, decode_int_blocks, matmul_spec
+
+NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+# Byte offsets of the fp16 scales in a block / super-block, and the block size.
+SCALE_AT = {Q8_0: ((0,), 34), Q4_0: ((0,), 18), Q4_K: ((0, 2), 144), Q6_K: ((208,), 210)}
 
 
 def test_f16_every_finite_half_exact():
@@ -57,8 +64,6 @@ def test_type_sets_cover_every_quant_type():
 @pytest.mark.parametrize("n", [96, 320])
 def test_block_dots_rows_not_a_multiple_of_8_blocks(wtype, n, rng):
     """Rows of 3 and 10 blocks: the one-block tail path of the grouped dots."""
-    from strata_ray.kernels.random_weights import random_blocks
-
     rows = random_blocks(rng, wtype, (4, n))
     wi, _, _, _ = decode_int_blocks(rows, wtype)
     q, _, s = act_quant_ref(rng.standard_normal((1, n)).astype(np.float32))
@@ -66,3 +71,67 @@ def test_block_dots_rows_not_a_multiple_of_8_blocks(wtype, n, rng):
         got = np.empty(n // 32, np.int32)
         row_block_ints(rows[r], wtype, q[0], s[0], got)
         assert np.array_equal(got, (wi[r] * q[0].reshape(-1, 32).astype(np.int32)).sum(axis=1))
+
+
+def _edge_rows(rng, wtype, n):
+    """ROWS rows of random blocks with edge values: subnormal, negative and zero fp16 scales, and for
+    Q8_0 weight bytes of -128 (outside gguf's quantizer range but valid block bytes)."""
+    rows = random_blocks(rng, wtype, (ROWS, n))
+    offsets, size = SCALE_AT[wtype]
+    halves = np.array([0x0001, 0x83FF, 0x0400, 0xB800, 0x0000, 0x3C00], np.uint16)
+    halves = halves.view(np.uint8).reshape(-1, 2)
+    for r in range(0, ROWS, 3):
+        for k, blk in enumerate(range(0, rows.shape[1], size)):
+            o = blk + offsets[(r + k) % len(offsets)]
+            rows[r, o:o + 2] = halves[(r + k) % len(halves)]
+    if wtype == Q8_0:
+        rows[1, 2:34] = 0x80
+        rows[2, 36:68] = 0x7F
+    return rows
+
+
+@njit
+def _tile(w, wtype, aq, ad, asum, a):
+    acc = np.full((2, ROWS), np.float32(np.nan))
+    tile_sums(w, 0, wtype, aq, ad, asum, a, acc, 1)
+    return acc[1]
+
+
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
+def test_tile_sums_match_spec_bitwise(wtype, rng):
+    """The tile form (16 rows' ordered block sums, scale terms in vector form) == the numpy spec."""
+    sizes = (256, 512) if wtype in (Q4_K, Q6_K) else (96, 256, 320)
+    for n in sizes:
+        rows = _edge_rows(rng, wtype, n)
+        x = rng.standard_normal((3, n)).astype(np.float32) * np.float32(3.0)
+        x[1, : n // 2] = 127.0
+        x[2, 32:64] = 0.0
+        q, d, s = act_quant_ref(x)
+        want = matmul_spec(rows, wtype, x)  # [3, ROWS]
+        for a in range(len(x)):
+            got = _tile(rows, wtype, q, d, s, a)
+            assert np.array_equal(got.view(np.uint32), want[a].view(np.uint32)), (NAMES[wtype], n, a)
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
+def test_row_dots_generic_and_vnni_forms_agree(wtype, vnni, rng):
+    """Both forms of the 4-product sums (vpdpbusd and widened multiplies) give the spec's integers."""
+    if vnni and not HAS_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI / AVX-VNNI")
+    dots = row_dots_intrinsic(wtype, vnni=vnni)
+
+    @njit
+    def run(row, aq, asum, out):
+        dots(row, 0, aq, asum, out)
+
+    rows = _edge_rows(rng, wtype, 256)
+    wi, _, _, _ = decode_int_blocks(rows, wtype)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[1] = -1.0
+    q, _, s = act_quant_ref(x)
+    for r in range(len(rows)):
+        for a in range(len(x)):
+            got = np.empty(8, np.int32)
+            run(rows[r], q[a], s[a], got)
+            assert np.array_equal(got, (wi[r] * q[a].reshape(8, 32).astype(np.int32)).sum(axis=1))
