@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -31,7 +32,8 @@ from strata_ray.kernels.contract import ExpertLayer
 log = logging.getLogger("strata_ray.experts")
 
 MIB = 2**20
-STAGING = 8  # pinned staging buffers for blob copies
+STAGING = 16  # pinned staging buffers for blob copies: two groups, one filling while the other copies
+FILL_THREADS = 8  # threads that fill a group's staging buffers from the host store at once
 
 
 class SlotCacheError(RuntimeError):
@@ -78,8 +80,11 @@ def default_order(n_layers: int, n_expert: int) -> Profile:
 
 class SlotCache:
     def __init__(
-        self, store: HostStore, residency: Residency, device: torch.device | str, ring_slots: int = 0
+        self, store: HostStore, residency: Residency, device: torch.device | str, ring_slots: int = 0,
+        staging: bool | None = None,
     ):
+        """staging: copy blobs through the staging buffers (default: on CUDA). On a CPU primary it runs the
+        same buffer rotation with plain memory and synchronous copies (the tests' view of the CUDA path)."""
         self.store, self.residency = store, residency
         self.device = torch.device(device)
         self.n_slots = residency.n_slots
@@ -100,9 +105,11 @@ class SlotCache:
         self._swap_event = None
         self.fill_seconds = 0.0
         self.fill_line = ""
+        self.staged = self.is_cuda if staging is None else staging
         self._staging: list[torch.Tensor] | None = None  # pinned blob buffers (CUDA)
         self._staging_events: list = []
         self._next_staging = 0
+        self._fillers: ThreadPoolExecutor | None = None
 
     # -- slot table views ----------------------------------------------------------------------------
     def layer_view(self, b: int) -> ExpertLayer:
@@ -141,32 +148,72 @@ class SlotCache:
         """Byte-exact copy of the pair's gate | up | down into `slot`. On CUDA through a ring of pinned
         staging buffers (numpy fills one, the H2D copy runs on the current stream, an event guards
         the buffer's reuse), so copies run at pinned speed whether or not the map is page-locked."""
-        parts = self.store.blob_parts(layer, expert)
-        if not self.is_cuda:
+        if not self.staged:
             dst = self.storage.numpy()[slot]
             off = 0
-            for p in parts:
+            for p in self.store.blob_parts(layer, expert):
                 dst[off : off + p.size] = p
                 off += p.size
             return
+        i = self._take_staging()
+        self._issue(i, self._fill(i, layer, expert), slot)
+
+    def copy_blobs(self, items: Sequence[tuple[int, int, int]]) -> None:
+        """copy_blob for many (layer, expert, slot), in groups of STAGING / 2: a group's buffers are filled
+        by FILL_THREADS threads at once (numpy copies release the GIL) while the previous group's
+        host-to-device copies run, so the host side is not one memcpy at a time."""
+        if not self.staged:
+            for layer, expert, slot in items:
+                self.copy_blob(layer, expert, slot)
+            return
+        group = STAGING // 2
+        for g0 in range(0, len(items), group):
+            part = items[g0 : g0 + group]
+            bufs = [self._take_staging() for _ in part]
+            if len(part) == 1:
+                sizes = [self._fill(bufs[0], part[0][0], part[0][1])]
+            else:
+                if self._fillers is None:
+                    self._fillers = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="strata-stage")
+                sizes = list(self._fillers.map(self._fill, bufs, [p[0] for p in part], [p[1] for p in part]))
+            for i, n, (_, _, slot) in zip(bufs, sizes, part, strict=True):
+                self._issue(i, n, slot)
+
+    def _take_staging(self) -> int:
+        """The next staging buffer, once the copy that last read it is done."""
         if self._staging is None:
-            self._staging = [
-                torch.empty(self.blob, dtype=torch.uint8, pin_memory=True) for _ in range(STAGING)
-            ]
+            pin = self.is_cuda  # page-locked only where a device copies from it
+            self._staging = [torch.empty(self.blob, dtype=torch.uint8, pin_memory=pin)
+                             for _ in range(STAGING)]
             self._staging_events = [None] * STAGING
         i = self._next_staging
         self._next_staging = (i + 1) % STAGING
         if self._staging_events[i] is not None:
-            self._staging_events[i].synchronize()  # the copy that last read this buffer is done
+            self._staging_events[i].synchronize()
+            self._staging_events[i] = None
+        return i
+
+    def _fill(self, i: int, layer: int, expert: int) -> int:
+        """Copy the pair's blob into staging buffer i; returns its size in bytes."""
         buf = self._staging[i].numpy()
         off = 0
-        for p in parts:
+        for p in self.store.blob_parts(layer, expert):
             buf[off : off + p.size] = p
             off += p.size
-        self.storage[slot, :off].copy_(self._staging[i][:off], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._staging_events[i] = event
+        return off
+
+    def _issue(self, i: int, n: int, slot: int) -> None:
+        """Copy staging buffer i's n bytes into `slot` on the current stream; an event marks its end."""
+        self.storage[slot, :n].copy_(self._staging[i][:n], non_blocking=self.is_cuda)
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._staging_events[i] = event
+
+    def close(self) -> None:
+        if self._fillers is not None:
+            self._fillers.shutdown(wait=True)
+            self._fillers = None
 
     def _pair(self, pid: int) -> tuple[int, int]:
         return pair_of(pid, self.store.n_expert)
@@ -182,10 +229,11 @@ class SlotCache:
         report, bar = _fill_reporter(progress, len(copies))
         if report is not None:
             report(0, len(copies))  # the bar appears before the first (possibly slow) copies
-        for i, c in enumerate(copies):
-            self.copy_blob(*self._pair(c.pair), c.slot, non_blocking=True)
-            if report is not None and (i % 64 == 63 or i == len(copies) - 1):
-                report(i + 1, len(copies))
+        for c0 in range(0, len(copies), 64):
+            batch = copies[c0 : c0 + 64]
+            self.copy_blobs([(*self._pair(c.pair), c.slot) for c in batch])
+            if report is not None:
+                report(c0 + len(batch), len(copies))
         if bar is not None:
             bar.close()
         if self.is_cuda:
@@ -221,14 +269,13 @@ class SlotCache:
         """Start the copies of a round's newcomers into their (already vacated) slots."""
         if not copies:
             return
+        items = [(*self._pair(c.pair), c.slot) for c in copies]
         if not self.is_cuda:
-            for c in copies:
-                self.copy_blob(*self._pair(c.pair), c.slot)
+            self.copy_blobs(items)
             return
         self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier reads of the slots
         with torch.cuda.stream(self.swap_stream):
-            for c in copies:
-                self.copy_blob(*self._pair(c.pair), c.slot, non_blocking=True)
+            self.copy_blobs(items)
             self._swap_event = torch.cuda.Event()
             self._swap_event.record(self.swap_stream)
 

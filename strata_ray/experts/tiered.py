@@ -284,8 +284,7 @@ class TieredExperts:
         experts = np.unique(exp)
         for c0 in range(0, experts.size, ring):
             batch = experts[c0 : c0 + ring]
-            for i, e in enumerate(batch):
-                self.cache.copy_blob(layer, int(e), self.cache.ring_slot(i), non_blocking=True)
+            self.cache.copy_blobs([(layer, int(e), self.cache.ring_slot(i)) for i, e in enumerate(batch)])
             ring_of = np.full(self.n_expert, -1, np.int64)
             ring_of[batch] = self.cache.n_slots + np.arange(batch.size)
             sel = np.flatnonzero(ring_of[exp] >= 0)
@@ -352,3 +351,4 @@ class TieredExperts:
     def close(self) -> None:
         self._helper.shutdown(wait=True)
         self._one_thread.close()
+        self.cache.close()

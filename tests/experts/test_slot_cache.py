@@ -103,3 +103,33 @@ def test_swap_lands_at_the_boundary(store):
     slot = res.slot_of(1 * hp.n_expert + 5)
     assert cache.storage[slot].numpy().tobytes() == store.blob_bytes(1, 5)
     assert not cache.swaps_in_flight()
+
+
+@pytest.mark.parametrize("n_items", [1, 7, 33])
+def test_staged_copies_rotate_their_buffers_and_keep_every_byte(store, n_items):
+    """The staging path the GPU uses (buffers refilled by several threads, groups of STAGING / 2), on
+    plain memory: every slot ends up with its pair's exact bytes, over more copies than buffers."""
+    hp = store.hp
+    n_slots = hp.n_layer * hp.n_expert
+    cache = SlotCache(store, Residency(hp.n_layer, hp.n_expert, n_slots), CPU, staging=True)
+    rng = np.random.default_rng(n_items)
+    slots = rng.permutation(n_slots)[:n_items]
+    items = [(int(s) % hp.n_layer, int(s) // hp.n_layer, int(s)) for s in slots]
+    cache.copy_blobs(items[:-1])
+    cache.copy_blob(*items[-1])
+    for layer, e, slot in items:
+        blob = store.blob_bytes(layer, e)
+        assert cache.storage[slot, : len(blob)].numpy().tobytes() == blob, (layer, e, slot)
+    cache.close()
+
+
+def test_a_staged_fill_verifies_slot_0_and_holds_the_exact_bytes(store):
+    hp = store.hp
+    n = hp.n_layer * hp.n_expert - 3  # more copies than staging buffers, not every pair
+    cache = SlotCache(store, Residency(hp.n_layer, hp.n_expert, n), CPU, staging=True)
+    assert cache.fill(None, progress=False).endswith("slot 0 verified")
+    for slot in range(n):
+        layer, e = divmod(int(cache.residency.slot_pair[slot]), hp.n_expert)
+        blob = store.blob_bytes(layer, e)
+        assert cache.storage[slot, : len(blob)].numpy().tobytes() == blob
+    cache.close()
