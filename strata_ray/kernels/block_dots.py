@@ -23,8 +23,13 @@ from .contract import Q4_0, Q4_K, Q6_K, Q8_0
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 GROUP = 8  # blocks per group (one K-quant super-block)
 ROWS = 16  # weight rows per tile
+ROWS_PER_SUM = 8  # rows whose block terms are transposed and summed together (fewer live registers)
 _FEATURES = llvm.get_host_cpu_features()
 HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) or bool(_FEATURES.get("avxvnni"))
+
+
+# Shuffles of two <32 x i8>: both first halves, both second halves.
+_FIRST_HALVES, _SECOND_HALVES = [*range(16), *range(32, 48)], [*range(16, 32), *range(48, 64)]
 
 
 def _vec(ty, n: int):
@@ -50,23 +55,26 @@ def _load(builder, base, offset: int, ty):
     return builder.load(ptr, align=1)
 
 
-def _dpbusd(builder, u, s, vnni: bool):
-    """<32 x i8> unsigned u, signed s -> <8 x i32>: lane l = sum of u[4l+i] * s[4l+i], i < 4 (exact)."""
+def _dpbusd(builder, u, s, vnni: bool, acc=None):
+    """<32 x i8> unsigned u, signed s -> <8 x i32>: lane l = acc[l] + sum of u[4l+i] * s[4l+i], i < 4
+    (exact; acc defaults to zeros)."""
+    ty = _vec(_I32, 8)
     if vnni:
-        ty = _vec(_I32, 8)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
                                             "llvm.x86.avx512.vpdpbusd.256")
-        return builder.call(fn, [ir.Constant(ty, None), builder.bitcast(u, ty), builder.bitcast(s, ty)])
+        acc = ir.Constant(ty, None) if acc is None else acc
+        return builder.call(fn, [acc, builder.bitcast(u, ty), builder.bitcast(s, ty)])
     p = builder.mul(builder.zext(u, _vec(_I32, 32)), builder.sext(s, _vec(_I32, 32)))
     for n in (16, 8):
         even, odd = range(0, 2 * n, 2), range(1, 2 * n, 2)
         p = builder.add(_shuffle(builder, p, p, even), _shuffle(builder, p, p, odd))
-    return p
+    return p if acc is None else builder.add(acc, p)
 
 
-def _fold(builder, vecs):
-    """k vectors <n x i32> -> one <k x i32> of their lane sums (k a power of two, k <= n)."""
-    n, width = vecs[0].type.count, vecs[0].type.count  # lanes per block inside each vector
+def _fold(builder, vecs, width: int):
+    """Vectors <n x i32> of n // width blocks each (width lanes per block, blocks in lane order) -> one
+    <k x i32> of the k blocks' lane sums in order (k a power of two, k <= n)."""
+    n = vecs[0].type.count
     while len(vecs) > 1:
         half = width // 2
         lo = [g * width + i for g in range(n // width) for i in range(half)]
@@ -121,6 +129,11 @@ class _Group:
         self.a = [_load(builder, aq_ptr, 32 * k, _vec(_I8, 32)) for k in range(n)]
         self._neg, self._a4 = None, None
 
+    def halves(self, k):
+        """Blocks k, k+1's codes 0..15 side by side, then their codes 16..31: two <32 x i8>."""
+        x, y = self.a[k], self.a[k + 1]
+        return _shuffle(self.builder, x, y, _FIRST_HALVES), _shuffle(self.builder, x, y, _SECOND_HALVES)
+
     def neg(self, k):
         if self._neg is None:
             self._neg = [self.builder.neg(a) for a in self.a]
@@ -142,8 +155,9 @@ def _half_at(builder, row, offsets):
     return half_bits_to_f32(builder, builder.zext(bits, _vec(_I32, len(offsets))))
 
 
-# Per weight type: products(b, grp, row, k) -> block k's <8 x i32>; ints(b, grp, row, I) -> (contract I,
-# Q4_K's M or None); scales(b, grp, row) -> (d, dmin or None) as <n x f32>. row: i8* at the group's bytes.
+# Per weight type: products(b, grp, row) -> (<8 x i32> vectors of lane sums, lanes per block);
+# ints(b, grp, row, I) -> (contract I, Q4_K's M or None); scales(b, grp, row) -> (d, dmin or None) as
+# <n x f32>. row: i8* at the group's bytes.
 
 def _q8_0_products(b, grp, row, k):
     w = _load(b, row, 34 * k + 2, _vec(_I8, 32))
@@ -151,24 +165,46 @@ def _q8_0_products(b, grp, row, k):
     return _dpbusd(b, b.select(neg, b.neg(w), w), b.select(neg, grp.neg(k), grp.a[k]), grp.vnni)
 
 
-def _q4_0_products(b, grp, row, k):
-    """Codes 0..15 (Q4_0's -8 comes back as -8 * the activation block sum in _q4_0_ints)."""
-    v = _load(b, row, 18 * k + 2, _vec(_I8, 16))
-    lo = b.and_(v, _const(_I8, 16, 15))
-    hi = b.lshr(v, _const(_I8, 16, 4))
-    return _dpbusd(b, _shuffle(b, lo, hi, range(32)), grp.a[k], grp.vnni)
+def _pairs(b, grp, lo_hi):
+    """Blocks taken two at a time: lo_hi(k) -> (codes 0..15 of blocks k and k+1 side by side, codes
+    16..31 of both) as <32 x i8> each; one <8 x i32> per pair, 4 lanes per block (the first vpdpbusd's
+    sums feed the second, which saves a fold level)."""
+    out = []
+    for k in range(0, grp.n, 2):
+        (u1, u2), (s1, s2) = lo_hi(k), grp.halves(k)
+        out.append(_dpbusd(b, u2, s2, grp.vnni, acc=_dpbusd(b, u1, s1, grp.vnni)))
+    return out, 4
+
+
+def _q4_0_products(b, grp, row):
+    """Codes 0..15 (Q4_0's -8 comes back as -8 * the activation block sum in _q4_0_ints): the low
+    nibbles of a block's 16 bytes are its codes 0..15, the high nibbles its codes 16..31."""
+    if grp.n == 1:
+        v = _load(b, row, 2, _vec(_I8, 16))
+        lo, hi = b.and_(v, _const(_I8, 16, 15)), b.lshr(v, _const(_I8, 16, 4))
+        return [_dpbusd(b, _shuffle(b, lo, hi, range(32)), grp.a[0], grp.vnni)], 8
+
+    def lo_hi(k):
+        x, y = _load(b, row, 18 * k + 2, _vec(_I8, 16)), _load(b, row, 18 * k + 20, _vec(_I8, 16))
+        v = _shuffle(b, x, y, range(32))
+        return b.and_(v, _const(_I8, 32, 15)), b.lshr(v, _const(_I8, 32, 4))
+
+    return _pairs(b, grp, lo_hi)
 
 
 def _q4_0_ints(b, grp, row, isum):
     return b.sub(isum, b.shl(grp.asum, _const(_I32, grp.n, 3))), None
 
 
-def _q4_k_products(b, grp, row, k):
-    """Sub-block k's codes 0..15: low nibbles of the 32 bytes at 16 + 32 * (k // 2) for even k, high
-    nibbles for odd k."""
-    v = _load(b, row, 16 + 32 * (k // 2), _vec(_I8, 32))
-    nib = b.lshr(v, _const(_I8, 32, 4)) if k % 2 else b.and_(v, _const(_I8, 32, 15))
-    return _dpbusd(b, nib, grp.a[k], grp.vnni)
+def _q4_k_products(b, grp, row):
+    """Sub-block codes 0..15: the 32 bytes at 16 + 32 * (k // 2) hold sub-block k (even k) in their low
+    nibbles and sub-block k + 1 in their high nibbles."""
+    def lo_hi(k):
+        v = _load(b, row, 16 + 16 * k, _vec(_I8, 32))
+        lo, hi = b.and_(v, _const(_I8, 32, 15)), b.lshr(v, _const(_I8, 32, 4))
+        return _shuffle(b, lo, hi, _FIRST_HALVES), _shuffle(b, lo, hi, _SECOND_HALVES)
+
+    return _pairs(b, grp, lo_hi)
 
 
 def _q4_k_scales_mins(b, row):
@@ -202,6 +238,10 @@ def _q6_k_products(b, grp, row, k):
     return b.mul(p, _shuffle(b, sc, sc, [0] * 4 + [1] * 4))
 
 
+def _per_block(products):
+    return lambda b, grp, row: ([products(b, grp, row, k) for k in range(grp.n)], 8)
+
+
 def _plain_ints(b, grp, row, isum):
     return isum, None
 
@@ -212,17 +252,19 @@ def _block_scales(size):
 
 def _super_scales(d_off, with_min):
     def scales(b, grp, row):
-        d = _splat(b, _half_at(b, row, [d_off]), grp.n)
-        return (d, _splat(b, _half_at(b, row, [d_off + 2]), grp.n) if with_min else None)
+        if not with_min:
+            return _splat(b, _half_at(b, row, [d_off]), grp.n), None
+        both = _half_at(b, row, [d_off, d_off + 2])  # one vector decode for d and dmin
+        return _shuffle(b, both, both, [0] * grp.n), _shuffle(b, both, both, [1] * grp.n)
     return scales
 
 
 # type -> (products, ints, scales, bytes per group of 8 blocks)
 _TYPES = {
-    Q8_0: (_q8_0_products, _plain_ints, _block_scales(34), 8 * 34),
+    Q8_0: (_per_block(_q8_0_products), _plain_ints, _block_scales(34), 8 * 34),
     Q4_0: (_q4_0_products, _q4_0_ints, _block_scales(18), 8 * 18),
     Q4_K: (_q4_k_products, _q4_k_ints, _super_scales(0, True), 144),
-    Q6_K: (_q6_k_products, _plain_ints, _super_scales(208, False), 210),
+    Q6_K: (_per_block(_q6_k_products), _plain_ints, _super_scales(208, False), 210),
 }
 
 
@@ -234,7 +276,7 @@ def _byte_ptr(context, builder, aryty, ary, inds):
 
 def _row_ints(builder, grp, spec, row):
     products, ints, _, _ = spec
-    isum = _fold(builder, [products(builder, grp, row, k) for k in range(grp.n)])
+    isum = _fold(builder, *products(builder, grp, row))
     return ints(builder, grp, row, isum)
 
 
@@ -313,21 +355,23 @@ def tile_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
             if n == GROUP:  # the same share of the next tile's bytes (rows r0 + 16.., contiguous) to L2
                 _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, ROWS))]),
                           builder.mul(g_v, ir.Constant(_I64, (ROWS - 1) * gbytes)), ROWS * gbytes)
-            terms = []
-            for i in range(ROWS):
-                row = builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
-                isum, msum = _row_ints(builder, grp, spec, row)
-                d, dmin = spec[2](builder, grp, row)
-                t = builder.fmul(builder.sitofp(isum, _vec(_F32, n)), builder.fmul(d, ad_vec))
-                if msum is not None:
-                    m_term = builder.fmul(builder.sitofp(msum, _vec(_F32, n)), builder.fmul(dmin, ad_vec))
-                    t = builder.fsub(t, m_term)
-                terms.append(t)
-            dst = builder.bitcast(ptr(7, acc_v, [j_v, ir.Constant(_I64, 0)]), _vec(_F32, ROWS).as_pointer())
-            s = builder.load(dst, align=4)
-            for t_b in _transpose(builder, terms):  # block order
-                s = builder.fadd(s, t_b)
-            builder.store(s, dst, align=4)
+            for half in range(0, ROWS, ROWS_PER_SUM):
+                terms = []
+                for i in range(half, half + ROWS_PER_SUM):
+                    row = builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
+                    isum, msum = _row_ints(builder, grp, spec, row)
+                    d, dmin = spec[2](builder, grp, row)
+                    t = builder.fmul(builder.sitofp(isum, _vec(_F32, n)), builder.fmul(d, ad_vec))
+                    if msum is not None:
+                        m_term = builder.fmul(builder.sitofp(msum, _vec(_F32, n)), builder.fmul(dmin, ad_vec))
+                        t = builder.fsub(t, m_term)
+                    terms.append(t)
+                dst = ptr(7, acc_v, [j_v, ir.Constant(_I64, half)])
+                dst = builder.bitcast(dst, _vec(_F32, ROWS_PER_SUM).as_pointer())
+                s = builder.load(dst, align=4)
+                for t_b in _transpose(builder, terms):  # block order
+                    s = builder.fadd(s, t_b)
+                builder.store(s, dst, align=4)
             return context.get_dummy_value()
 
         return types.none(w, r0, g, aq, ad, asum, a, acc, j), codegen
