@@ -19,7 +19,7 @@
 # Settings (environment):
 #   MODEL=path.gguf       model to compare (default: $OUT/synth-$SYNTH_PRESET.gguf, synthesized if missing)
 #   SYNTH_PRESET=80b-a3b  SYNTH_LAYERS=  (empty = the preset's depth; fewer layers = a faster, smaller run)
-#   SYNTH_EXPERT_TYPE=Q4_0   OURS_ARGS=  (extra flags for our bench, e.g. --prefill 4096)
+#   SYNTH_ARCH=qwen3next   SYNTH_EXPERT_TYPE=Q4_0   OURS_ARGS=  (extra flags for our bench, e.g. --prefill 4096)
 #   CONTEXTS=8192,32768   GEN=128   REPEATS=3   BUDGET_MIB=24576 (empty = only cpu-experts)
 #   RESERVE_MIB=700       VRAM kept free besides the dense weights when computing --n-cpu-moe
 #   DEVICE=cuda (ours)   LLAMA_CUDA=ON (OFF = CPU-only llama-bench, to try the script without a GPU)
@@ -37,6 +37,7 @@ LLAMA_BENCH="$BUILD/bin/llama-bench"
 OUT="${OUT:-$ROOT/out/compare}"
 SYNTH_PRESET="${SYNTH_PRESET:-80b-a3b}"
 SYNTH_LAYERS="${SYNTH_LAYERS:-}"
+SYNTH_ARCH="${SYNTH_ARCH:-qwen3next}"
 SYNTH_EXPERT_TYPE="${SYNTH_EXPERT_TYPE:-Q4_0}"  # GPU-MACHINE.md's llama.cpp numbers: Q4_0 experts, Q8_0 dense
 OURS_ARGS="${OURS_ARGS:-}"
 MODEL="${MODEL:-$OUT/synth-$SYNTH_PRESET${SYNTH_LAYERS:+-L$SYNTH_LAYERS}.gguf}"
@@ -110,9 +111,13 @@ build() {
 # ---- run: both engines, same model, same budget --------------------------------------------------------------
 ensure_model() {
     if [[ -f "$MODEL" ]]; then return; fi
+    # qwen3next: every 4th layer is full attention; llama.cpp aborts on a model without one (empty KV cache)
+    if [[ $SYNTH_ARCH == qwen3next && -n "$SYNTH_LAYERS" && "$SYNTH_LAYERS" -lt 4 ]]; then
+        die "SYNTH_LAYERS=$SYNTH_LAYERS: a qwen3next model needs at least 4 layers for llama.cpp (one attention layer)"
+    fi
     mkdir -p "$(dirname "$MODEL")"
     say "synthesizing $MODEL (preset $SYNTH_PRESET${SYNTH_LAYERS:+, $SYNTH_LAYERS layers})"
-    "$PYTHON" -m strata_ray.run synth --preset "$SYNTH_PRESET" ${SYNTH_LAYERS:+--layers "$SYNTH_LAYERS"} \
+    "$PYTHON" -m strata_ray.run synth --arch "$SYNTH_ARCH" --preset "$SYNTH_PRESET" ${SYNTH_LAYERS:+--layers "$SYNTH_LAYERS"} \
         --expert-type "$SYNTH_EXPERT_TYPE" -o "$MODEL"
 }
 
