@@ -74,6 +74,8 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     with torch.inference_mode():
         weights = load_dense_weights(file, device=device, include_experts=False)
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
+    stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
+    log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     stage("tokenizer")
     model = Model(file.hparams, weights, experts=tiers)
     loaded = LoadedModel(

@@ -209,6 +209,31 @@ class TieredExperts:
         is_float = self.cache.layer_view(layer).is_float if slot.size else False
         return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, is_float))
 
+    def warm_up(self) -> float:
+        """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's
+        a few seconds), so that load time includes it and the first request's timings are real ones.
+        Computes one expert row on zeros through each path: CPU one thread, the CPU pool, and on CUDA the
+        cache's decode kernel and the row combine. Returns the seconds it took."""
+        t = time.perf_counter()
+        layer = min(self.store.layers)
+        lay = self.store.layer(layer)
+        x = np.zeros((1, lay.n_embd), np.float32)
+        one = np.zeros(1, np.int64)
+        expert_ffn_cpu(x, one, one, lay, pool=self._one_thread)
+        if self.pool.n_threads > 1:
+            expert_ffn_cpu(x, one, one, lay, pool=self.pool)
+        if self.cache.is_cuda and self.cache.n_slots:
+            from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+            x_d = torch.zeros((1, lay.n_embd), dtype=torch.float32, device=self.device)
+            zero = torch.zeros(1, dtype=torch.int32, device=self.device)  # token 0, slot 0 (its bytes: any)
+            expert_ffn_gpu(x_d, zero, zero, self.cache.layer_view(layer), mode="decode",
+                           variant=self.kernel_variant)
+            self._combine(torch.zeros((1, 1, lay.n_embd), device=self.device),
+                          torch.ones((1, 1), device=self.device))
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t
+
     def _pool_for(self, experts: np.ndarray) -> CpuPool:
         """The pool for a CPU expert call over these experts: the caller's thread when the call is small."""
         small = np.unique(experts).size * self._blob_bytes < SINGLE_THREAD_BYTES

@@ -32,6 +32,7 @@ def test_engine_reports_stages_and_the_fill(config):
     engine = Engine(config, progress=progress)
     stages = [s["stage"] for s in seen]
     assert stages[0] == "dense weights" and "host store" in stages and stages[-1] == "tokenizer"
+    assert stages.index("compiling kernels") < stages.index("tokenizer")
     fills = [(s["fill_done"], s["fill_total"]) for s in seen if s["stage"] == FILL_STAGE]
     assert fills[0] == (0, SLOTS) and fills[-1] == (SLOTS, SLOTS)
     final = {"stage": "tokenizer", "fill_done": SLOTS, "fill_total": SLOTS, "done": True}

@@ -154,3 +154,11 @@ def test_engine_generate_reports_tiers_and_saves_the_learned_profile(model_path,
         tokens.append(summary.token_ids)
     assert tokens[0] == tokens[1]
     assert read_profile(save).n_layers == GGUFFile(model_path).hparams.n_layer
+
+
+def test_warm_up_runs_every_cpu_path_and_counts_nothing(model_path):
+    """Load compiles the kernels (warm_up); it must not show up in the decode metrics or the rounds."""
+    _, tiers = load_tiered_model(config(model_path, expert_cache=10), "cpu", progress=False)
+    assert tiers.metrics.counts == type(tiers.metrics.counts)()  # the load's warm-up left no counts
+    assert tiers.warm_up() >= 0.0
+    assert tiers.metrics.counts == type(tiers.metrics.counts)() and not tiers.heat.any()
