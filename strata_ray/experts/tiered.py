@@ -212,15 +212,17 @@ class TieredExperts:
     def warm_up(self) -> float:
         """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's
         a few seconds), so that load time includes it and the first request's timings are real ones.
-        Computes one expert row on zeros through each path: CPU one thread, the CPU pool, and on CUDA the
-        cache's decode kernel and the row combine. Returns the seconds it took."""
+        Computes one expert row on zeros through each path: CPU one thread, the CPU pool (when this model's
+        calls can reach it), and on CUDA the cache's decode kernel and the row combine. Returns seconds."""
         t = time.perf_counter()
         layer = min(self.store.layers)
         lay = self.store.layer(layer)
         x = np.zeros((1, lay.n_embd), np.float32)
         one = np.zeros(1, np.int64)
         expert_ffn_cpu(x, one, one, lay, pool=self._one_thread)
-        if self.pool.n_threads > 1:
+        # the pool's parallel kernel (its first compile takes minutes) only where a call can reach the pool:
+        # a prompt chunk that touches every expert of a layer
+        if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:
             expert_ffn_cpu(x, one, one, lay, pool=self.pool)
         if self.cache.is_cuda and self.cache.n_slots:
             from strata_ray.kernels.expert_gpu import expert_ffn_gpu
