@@ -3,11 +3,15 @@ IR: the integer dots I (contract step 2) of a row's 8-block group, and the tile 
 the fp32 scale terms and adds them, in block order, into the running sums of 16 rows.
 
 Every block's 32 products reduce to <8 x i32> sums of 4 adjacent products (`_dpbusd`: one vpdpbusd
-on CPUs with AVX-512 VNNI or AVX-VNNI, else widened multiplies and pair adds), so the weight codes
-stay in bytes: Q4_0/Q4_K nibbles and Q6_K 6-bit codes are unsigned (their offsets come back through
-the activation sums), Q8_0 uses |w| and sign(w) * a. A group's 8 block vectors fold into one <8 x i32>
+on CPUs with AVX-512 VNNI or AVX-VNNI, else vpmaddubsw + vpmaddwd on AVX2, exact because activation
+codes are within +-127 and unsigned weight codes <= 128; else widened multiplies), so the weight
+codes stay in bytes: Q4_0/Q4_K nibbles, Q6_K 6-bit codes and Q8_0's w + 128 are unsigned (their
+offsets come back through the activation sums; Q8_0 on the avx2 form uses |w| and sign(w) * a, as
+w + 128 would overflow its i16 pairs). A group's 8 block vectors fold into one <8 x i32>
 with a transposing shuffle tree. Integer sums are exact, so the order is free; the fp32 part follows
-contract.py to the letter (separate fmul/fsub/fadd, no fast-math flags, so no FMA).
+contract.py to the letter (separate fmul/fsub/fadd, no fast-math flags, so no FMA). A tile call
+takes up to TOKENS activation rows: their code is straight line, so the row's weight codes and
+scales are loaded and unpacked once for all of them (LLVM CSE).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.
 GROUP = 8  # blocks per group (one K-quant super-block)
 ROWS = 16  # weight rows per tile
 ROWS_PER_SUM = 8  # rows whose block terms are transposed and summed together (fewer live registers)
+TOKENS = 4  # activation rows per tile call at most (they share the unpacked weight codes)
 _FEATURES = llvm.get_host_cpu_features()
 HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) or bool(_FEATURES.get("avxvnni"))
+HAS_AVX2 = bool(_FEATURES.get("avx2"))
+DOT_FORM = "vnni" if HAS_VNNI else "avx2" if HAS_AVX2 else "generic"  # of the 4-product sums (_dpbusd)
 
 
 # Shuffles of two <32 x i8>: both first halves, both second halves.
@@ -55,15 +62,25 @@ def _load(builder, base, offset: int, ty):
     return builder.load(ptr, align=1)
 
 
-def _dpbusd(builder, u, s, vnni: bool, acc=None):
+def _dpbusd(builder, u, s, form: str, acc=None):
     """<32 x i8> unsigned u, signed s -> <8 x i32>: lane l = acc[l] + sum of u[4l+i] * s[4l+i], i < 4
-    (exact; acc defaults to zeros)."""
+    (exact; acc defaults to zeros). Forms: "vnni" one vpdpbusd; "avx2" vpmaddubsw (pairs in i16,
+    exact here: u <= 128 and |s| <= 127, so |a pair| <= 32512) then vpmaddwd by ones; "generic"
+    widened i32 multiplies and pair adds (any bytes)."""
     ty = _vec(_I32, 8)
-    if vnni:
+    if form == "vnni":
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty, ty]),
                                             "llvm.x86.avx512.vpdpbusd.256")
         acc = ir.Constant(ty, None) if acc is None else acc
         return builder.call(fn, [acc, builder.bitcast(u, ty), builder.bitcast(s, ty)])
+    if form == "avx2":
+        b32, w16 = _vec(_I8, 32), _vec(_I16, 16)
+        maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(w16, [b32, b32]),
+                                                 "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [w16, w16]),
+                                                "llvm.x86.avx2.pmadd.wd")
+        p = builder.call(maddwd, [builder.call(maddubs, [u, s]), _const(_I16, 16, 1)])
+        return p if acc is None else builder.add(acc, p)
     p = builder.mul(builder.zext(u, _vec(_I32, 32)), builder.sext(s, _vec(_I32, 32)))
     for n in (16, 8):
         even, odd = range(0, 2 * n, 2), range(1, 2 * n, 2)
@@ -124,10 +141,10 @@ def half_bits_to_f32(builder, h):
 class _Group:
     """One group of n activation blocks (codes, sums, scales) shared by the rows that meet it."""
 
-    def __init__(self, builder, aq_ptr, n: int, vnni: bool, asum=None, ad=None):
-        self.builder, self.n, self.vnni, self.asum, self.ad = builder, n, vnni, asum, ad
+    def __init__(self, builder, aq_ptr, n: int, form: str, asum=None, ad=None):
+        self.builder, self.n, self.form, self.asum, self.ad = builder, n, form, asum, ad
         self.a = [_load(builder, aq_ptr, 32 * k, _vec(_I8, 32)) for k in range(n)]
-        self._neg, self._a4 = None, None
+        self._neg, self._off32 = None, None
 
     def halves(self, k):
         """Blocks k, k+1's codes 0..15 side by side, then their codes 16..31: two <32 x i8>."""
@@ -139,12 +156,13 @@ class _Group:
             self._neg = [self.builder.neg(a) for a in self.a]
         return self._neg[k]
 
-    def a4(self, k):
-        """<8 x i32> sums of 4 adjacent activation codes of block k."""
-        if self._a4 is None:
-            ones = _const(_I8, 32, 1)
-            self._a4 = [_dpbusd(self.builder, ones, a, self.vnni) for a in self.a]
-        return self._a4[k]
+    def offsets32(self, k):
+        """-32 * the sums of 4 adjacent activation codes of halves(k): two <8 x i32>."""
+        if self._off32 is None:
+            b, ones = self.builder, _const(_I8, 32, 1)
+            self._off32 = {j: tuple(b.neg(b.shl(_dpbusd(b, ones, s, self.form), _const(_I32, 8, 5)))
+                                    for s in self.halves(j)) for j in range(0, self.n, 2)}
+        return self._off32[k]
 
 
 def _half_at(builder, row, offsets):
@@ -159,10 +177,38 @@ def _half_at(builder, row, offsets):
 # ints(b, grp, row, I) -> (contract I, Q4_K's M or None); scales(b, grp, row) -> (d, dmin or None) as
 # <n x f32>. row: i8* at the group's bytes.
 
-def _q8_0_products(b, grp, row, k):
-    w = _load(b, row, 34 * k + 2, _vec(_I8, 32))
-    neg = b.icmp_signed("<", w, _const(_I8, 32, 0))
-    return _dpbusd(b, b.select(neg, b.neg(w), w), b.select(neg, grp.neg(k), grp.a[k]), grp.vnni)
+def _q8_0_offset(grp) -> bool:
+    """Q8_0 codes as w + 128 (unsigned, the 128 * activation sum subtracted in _q8_0_ints), except on
+    the avx2 form, whose i16 pair sums would overflow: there |w| meets sign(w) * a."""
+    return grp.form != "avx2"
+
+
+def _q8_0_products(b, grp, row):
+    def codes(k):
+        return _load(b, row, 34 * k + 2, _vec(_I8, 32))
+
+    if _q8_0_offset(grp):  # w + 128 = w ^ 0x80 as an unsigned byte
+        if grp.n == 1:
+            return [_dpbusd(b, b.xor(codes(0), _const(_I8, 32, -128)), grp.a[0], grp.form)], 8
+
+        def lo_hi(k):
+            x, y = (b.xor(codes(i), _const(_I8, 32, -128)) for i in (k, k + 1))
+            return _shuffle(b, x, y, _FIRST_HALVES), _shuffle(b, x, y, _SECOND_HALVES)
+
+        return _pairs(b, grp, lo_hi)
+
+    def signed(k):
+        w = codes(k)
+        neg = b.icmp_signed("<", w, _const(_I8, 32, 0))
+        return _dpbusd(b, b.select(neg, b.neg(w), w), b.select(neg, grp.neg(k), grp.a[k]), grp.form)
+
+    return [signed(k) for k in range(grp.n)], 8
+
+
+def _q8_0_ints(b, grp, row, isum):
+    if not _q8_0_offset(grp):
+        return isum, None
+    return b.sub(isum, b.shl(grp.asum, _const(_I32, grp.n, 7))), None
 
 
 def _pairs(b, grp, lo_hi):
@@ -172,7 +218,7 @@ def _pairs(b, grp, lo_hi):
     out = []
     for k in range(0, grp.n, 2):
         (u1, u2), (s1, s2) = lo_hi(k), grp.halves(k)
-        out.append(_dpbusd(b, u2, s2, grp.vnni, acc=_dpbusd(b, u1, s1, grp.vnni)))
+        out.append(_dpbusd(b, u2, s2, grp.form, acc=_dpbusd(b, u1, s1, grp.form)))
     return out, 4
 
 
@@ -182,7 +228,7 @@ def _q4_0_products(b, grp, row):
     if grp.n == 1:
         v = _load(b, row, 2, _vec(_I8, 16))
         lo, hi = b.and_(v, _const(_I8, 16, 15)), b.lshr(v, _const(_I8, 16, 4))
-        return [_dpbusd(b, _shuffle(b, lo, hi, range(32)), grp.a[0], grp.vnni)], 8
+        return [_dpbusd(b, _shuffle(b, lo, hi, range(32)), grp.a[0], grp.form)], 8
 
     def lo_hi(k):
         x, y = _load(b, row, 18 * k + 2, _vec(_I8, 16)), _load(b, row, 18 * k + 20, _vec(_I8, 16))
@@ -225,21 +271,31 @@ def _q4_k_ints(b, grp, row, isum):
     return b.mul(isum, sc), b.mul(m, grp.asum) if grp.asum is not None else None
 
 
-def _q6_k_products(b, grp, row, k):
-    """Block k = 4h + r of a Q6_K super-block: (q - 32) * the int8 scale of each 16-value half, where
-    q = 0..63 from 4 low bits in ql and 2 high bits in qh; the -32 comes through the activation sums."""
+def _q6_k_codes(b, row, k):
+    """Block k = 4h + r of a Q6_K super-block: its 32 unsigned codes q = 0..63, 4 low bits from ql and
+    2 high bits from qh."""
     h, r = k // 4, k % 4
     ql = _load(b, row, 64 * h + 32 * (r % 2), _vec(_I8, 32))
     qh = _load(b, row, 128 + 32 * h, _vec(_I8, 32))
     lo = b.and_(b.lshr(ql, _const(_I8, 32, 4 * (r // 2))), _const(_I8, 32, 15))
     hi = b.shl(b.and_(b.lshr(qh, _const(_I8, 32, 2 * r)), _const(_I8, 32, 3)), _const(_I8, 32, 4))
-    p = b.sub(_dpbusd(b, b.or_(lo, hi), grp.a[k], grp.vnni), b.shl(grp.a4(k), _const(_I32, 8, 5)))
-    sc = b.sext(_load(b, row, 192 + 8 * h + 2 * r, _vec(_I8, 2)), _vec(_I32, 2))
-    return b.mul(p, _shuffle(b, sc, sc, [0] * 4 + [1] * 4))
+    return b.or_(lo, hi)
 
 
-def _per_block(products):
-    return lambda b, grp, row: ([products(b, grp, row, k) for k in range(grp.n)], 8)
+def _q6_k_products(b, grp, row):
+    """Blocks in pairs (k, k + 1), 4 lanes per block as in _pairs: (q - 32) * the int8 scale of each
+    16-value half; the -32 enters as the dpbusd accumulator -32 * (sums of 4 activation codes)."""
+    out = []
+    for k in range(0, grp.n, 2):
+        x, y = _q6_k_codes(b, row, k), _q6_k_codes(b, row, k + 1)
+        (s1, s2), (o1, o2) = grp.halves(k), grp.offsets32(k)
+        h, r = k // 4, k % 4
+        sc = b.sext(_load(b, row, 192 + 8 * h + 2 * r, _vec(_I8, 4)), _vec(_I32, 4))  # k: 0, 1; k + 1: 2, 3
+        p1 = _dpbusd(b, _shuffle(b, x, y, _FIRST_HALVES), s1, grp.form, acc=o1)
+        p2 = _dpbusd(b, _shuffle(b, x, y, _SECOND_HALVES), s2, grp.form, acc=o2)
+        out.append(b.add(b.mul(p1, _shuffle(b, sc, sc, [0] * 4 + [2] * 4)),
+                         b.mul(p2, _shuffle(b, sc, sc, [1] * 4 + [3] * 4))))
+    return out, 4
 
 
 def _plain_ints(b, grp, row, isum):
@@ -261,10 +317,10 @@ def _super_scales(d_off, with_min):
 
 # type -> (products, ints, scales, bytes per group of 8 blocks)
 _TYPES = {
-    Q8_0: (_per_block(_q8_0_products), _plain_ints, _block_scales(34), 8 * 34),
+    Q8_0: (_q8_0_products, _q8_0_ints, _block_scales(34), 8 * 34),
     Q4_0: (_q4_0_products, _q4_0_ints, _block_scales(18), 8 * 18),
     Q4_K: (_q4_k_products, _q4_k_ints, _super_scales(0, True), 144),
-    Q6_K: (_per_block(_q6_k_products), _plain_ints, _super_scales(208, False), 210),
+    Q6_K: (_q6_k_products, _plain_ints, _super_scales(208, False), 210),
 }
 
 
@@ -303,7 +359,7 @@ def _check(arrays, ndims) -> None:
             raise TypeError(f"block dots take C-contiguous {nd}-D arrays, got {a}")
 
 
-def row_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
+def row_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM):
     """f(row, g, aq, asum, out): out[g*n + k] = the contract's I of block g*n + k of a weight row
     (uint8 [RB]) with activation codes aq int8 [nb*32] (asum int32 [nb]: their block sums), k < n."""
     spec = _TYPES[wtype]
@@ -319,7 +375,7 @@ def row_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
             ptr = lambda i, v, idx: _byte_ptr(context, builder, sig.args[i], v, [idx])  # noqa: E731
             asum_vec = _load(builder, ptr(3, asum_v, b0), 0, _vec(_I32, n))
             aq_ptr = ptr(2, aq_v, builder.mul(b0, ir.Constant(_I64, 32)))
-            grp = _Group(builder, aq_ptr, n, vnni, asum=asum_vec)
+            grp = _Group(builder, aq_ptr, n, form, asum=asum_vec)
             row = ptr(0, row_v, builder.mul(g_v, ir.Constant(_I64, gbytes)))
             isum, _ = _row_ints(builder, grp, spec, row)
             dst = builder.bitcast(ptr(4, out_v, b0), isum.type.as_pointer())
@@ -331,50 +387,82 @@ def row_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
     return intrinsic(typer)
 
 
-def tile_dots_intrinsic(wtype: int, n: int = GROUP, vnni: bool = HAS_VNNI):
-    """f(w, r0, g, aq, ad, asum, a, acc, j): for the ROWS weight rows w[r0 + i] (w uint8 [R, RB]) and
-    activation row a (aq int8 [N, nb*32], ad f32 [N, nb], asum int32 [N, nb]), add the contract's
-    terms t_b of blocks b = g*n .. g*n + n - 1, in that order, into acc[j, i] (acc f32 [M, ROWS])."""
+def _tile_terms(builder, spec, grps, row, ad_vecs):
+    """One weight row's <n x f32> block terms with each token's group. The tokens' code is straight
+    line in one basic block, so LLVM's CSE loads, unpacks and decodes the row's weight codes and fp16
+    scales once for all of them; each token's term is the same operation sequence as alone."""
+    n = grps[0].n
+    d, dmin = spec[2](builder, grps[0], row)
+    terms = []
+    for grp, ad_vec in zip(grps, ad_vecs, strict=True):
+        isum, msum = _row_ints(builder, grp, spec, row)
+        t = builder.fmul(builder.sitofp(isum, _vec(_F32, n)), builder.fmul(d, ad_vec))
+        if msum is not None:
+            m_term = builder.fmul(builder.sitofp(msum, _vec(_F32, n)), builder.fmul(dmin, ad_vec))
+            t = builder.fsub(t, m_term)
+        terms.append(t)
+    return terms
+
+
+def tile_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM):
+    """f(w, r0, g, aq, ad, asum, arow, j0, count): for the ROWS weight rows w[r0 + i] (w uint8 [R, RB])
+    and the count (1..TOKENS) activation rows arow[j0 + t] (aq int8 [N, nb*32], ad f32 [N, nb], asum
+    int32 [N, nb]), add the contract's terms t_b of blocks b = g*n .. g*n + n - 1, in that order, into
+    acc[j0 + t, i] (acc f32 [M, ROWS]). The tokens share the row's weight codes and scales."""
     spec = _TYPES[wtype]
     gbytes = spec[3] // (GROUP // n)
 
-    def typer(typingctx, w, r0, g, aq, ad, asum, a, acc, j):
+    def typer(typingctx, w, r0, g, aq, ad, asum, arow, j0, count, acc):
         _check((w, aq, ad, asum, acc), (2, 2, 2, 2, 2))
+        if not (isinstance(arow, types.Array) and arow.ndim == 1 and isinstance(arow.dtype, types.Integer)):
+            raise TypeError(f"tile dots take a 1-D integer array of activation rows, got {arow}")
 
         def codegen(context, builder, sig, args):
-            w_v, r0_v, g_v, aq_v, ad_v, asum_v, a_v, acc_v, j_v = (_as_i64(builder, v) for v in args)
+            w_v, r0_v, g_v, aq_v, ad_v, asum_v, arow_v, j0_v, count_v, acc_v = (
+                _as_i64(builder, v) for v in args)
             b0 = builder.mul(g_v, ir.Constant(_I64, n))
             ptr = lambda i, v, idx: _byte_ptr(context, builder, sig.args[i], v, idx)  # noqa: E731
-            ad_vec = _load(builder, ptr(4, ad_v, [a_v, b0]), 0, _vec(_F32, n))
-            asum_vec = _load(builder, ptr(5, asum_v, [a_v, b0]), 0, _vec(_I32, n))
-            aq_ptr = ptr(3, aq_v, [a_v, builder.mul(b0, ir.Constant(_I64, 32))])
-            grp = _Group(builder, aq_ptr, n, vnni, asum=asum_vec, ad=ad_vec)
             row0 = ptr(0, w_v, [r0_v, builder.mul(g_v, ir.Constant(_I64, gbytes))])
             w_ary = context.make_array(sig.args[0])(context, builder, w_v)
             stride = cgutils.unpack_tuple(builder, w_ary.strides, 2)[0]
             if n == GROUP:  # the same share of the next tile's bytes (rows r0 + 16.., contiguous) to L2
-                _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, ROWS))]),
-                          builder.mul(g_v, ir.Constant(_I64, (ROWS - 1) * gbytes)), ROWS * gbytes)
-            for half in range(0, ROWS, ROWS_PER_SUM):
-                terms = []
-                for i in range(half, half + ROWS_PER_SUM):
-                    row = builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
-                    isum, msum = _row_ints(builder, grp, spec, row)
-                    d, dmin = spec[2](builder, grp, row)
-                    t = builder.fmul(builder.sitofp(isum, _vec(_F32, n)), builder.fmul(d, ad_vec))
-                    if msum is not None:
-                        m_term = builder.fmul(builder.sitofp(msum, _vec(_F32, n)), builder.fmul(dmin, ad_vec))
-                        t = builder.fsub(t, m_term)
-                    terms.append(t)
-                dst = ptr(7, acc_v, [j_v, ir.Constant(_I64, half)])
-                dst = builder.bitcast(dst, _vec(_F32, ROWS_PER_SUM).as_pointer())
-                s = builder.load(dst, align=4)
-                for t_b in _transpose(builder, terms):  # block order
-                    s = builder.fadd(s, t_b)
-                builder.store(s, dst, align=4)
+                with builder.if_then(builder.icmp_signed("==", j0_v, ir.Constant(_I64, 0))):
+                    _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, ROWS))]),
+                              builder.mul(g_v, ir.Constant(_I64, (ROWS - 1) * gbytes)), ROWS * gbytes)
+            arow_ary = context.make_array(sig.args[6])(context, builder, arow_v)
+            done = builder.append_basic_block("tile_done")
+            switch = builder.switch(count_v, done)
+            for nt in range(1, TOKENS + 1):
+                block = builder.append_basic_block(f"tile_{nt}_tokens")
+                switch.add_case(ir.Constant(_I64, nt), block)
+                builder.position_at_end(block)
+                js, grps, ad_vecs = [], [], []
+                for t in range(nt):
+                    j = builder.add(j0_v, ir.Constant(_I64, t))
+                    a_v = _as_i64(builder, builder.load(cgutils.get_item_pointer(
+                        context, builder, sig.args[6], arow_ary, [j])))
+                    ad_vec = _load(builder, ptr(4, ad_v, [a_v, b0]), 0, _vec(_F32, n))
+                    asum_vec = _load(builder, ptr(5, asum_v, [a_v, b0]), 0, _vec(_I32, n))
+                    aq_ptr = ptr(3, aq_v, [a_v, builder.mul(b0, ir.Constant(_I64, 32))])
+                    grps.append(_Group(builder, aq_ptr, n, form, asum=asum_vec, ad=ad_vec))
+                    js.append(j)
+                    ad_vecs.append(ad_vec)
+                for half in range(0, ROWS, ROWS_PER_SUM):
+                    rows = [builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
+                            for i in range(half, half + ROWS_PER_SUM)]
+                    terms = [_tile_terms(builder, spec, grps, row, ad_vecs) for row in rows]  # [row][token]
+                    for t, j in enumerate(js):
+                        dst = ptr(9, acc_v, [j, ir.Constant(_I64, half)])
+                        dst = builder.bitcast(dst, _vec(_F32, ROWS_PER_SUM).as_pointer())
+                        s = builder.load(dst, align=4)
+                        for t_b in _transpose(builder, [r[t] for r in terms]):  # block order
+                            s = builder.fadd(s, t_b)
+                        builder.store(s, dst, align=4)
+                builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
 
-        return types.none(w, r0, g, aq, ad, asum, a, acc, j), codegen
+        return types.none(w, r0, g, aq, ad, asum, arow, j0, count, acc), codegen
 
     return intrinsic(typer)
 

@@ -1,6 +1,6 @@
 """numba block readers for GGUF weight rows: exact integer block dots, block scales, and the tile sums.
 
-tile_sums gives the contract dots of 16 weight rows with one activation row (the expert kernels' hot
+tile_sums gives the contract dots of 16 weight rows with several activation rows (the expert kernels' hot
 path: block_dots.tile_dots, scale terms and ordered sums in vector form). row_ints gives the contract's
 I (sub-block scales applied) of every block of one row; row_scales the blocks' (d, dmin, m): block b
 contributes float(I)*(d*ad) - float(m*s)*(dmin*ad) (the min term for Q4_K); these two serve tests and
@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .block_dots import GROUP, ROWS, half_bits_to_f32, row_dot1, row_dots, tile_dot1, tile_dots
+from .block_dots import GROUP, ROWS, TOKENS, half_bits_to_f32, row_dot1, row_dots, tile_dot1, tile_dots
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0
 
 f32 = np.float32
@@ -93,30 +93,35 @@ def row_ints(row, ggml_type, aq, a_sums, out):
 
 
 @njit(inline="always", nogil=True, cache=True)
-def tile_sums(w, r0, ggml_type, aq, ad, asum, a, acc, j):
+def tile_sums(w, r0, ggml_type, aq, ad, asum, arow, acc):
     """acc[j, i] = the contract dot of weight row w[r0 + i] (uint8 [R, RB]), i < ROWS, with activation
-    row a (aq int8 [N, n], ad f32 [N, nb], asum int32 [N, nb]): acc[j] starts at +0.0 and takes the
-    block terms t_b in increasing b."""
+    row arow[j] (aq int8 [N, n], ad f32 [N, nb], asum int32 [N, nb]), j < len(arow): acc[j] starts at
+    +0.0 and takes the block terms t_b in increasing b. Each group of 8 blocks is met by up to TOKENS
+    activation rows per tile call, which share the rows' unpacked weight codes and scales."""
     nb = ad.shape[1]
     n_groups = nb // GROUP
-    for i in range(ROWS):
-        acc[j, i] = f32(0.0)
-    if ggml_type == Q8_0:
-        for g in range(n_groups):
-            _tile_q8_0(w, r0, g, aq, ad, asum, a, acc, j)
-        for b in range(n_groups * GROUP, nb):
-            _tile1_q8_0(w, r0, b, aq, ad, asum, a, acc, j)
-    elif ggml_type == Q4_0:
-        for g in range(n_groups):
-            _tile_q4_0(w, r0, g, aq, ad, asum, a, acc, j)
-        for b in range(n_groups * GROUP, nb):
-            _tile1_q4_0(w, r0, b, aq, ad, asum, a, acc, j)
-    elif ggml_type == Q4_K:
-        for g in range(n_groups):
-            _tile_q4_k(w, r0, g, aq, ad, asum, a, acc, j)
-    else:  # Q6_K
-        for g in range(n_groups):
-            _tile_q6_k(w, r0, g, aq, ad, asum, a, acc, j)
+    n = arow.shape[0]
+    for j in range(n):
+        for i in range(ROWS):
+            acc[j, i] = f32(0.0)
+    for g in range(n_groups):
+        for j0 in range(0, n, TOKENS):
+            count = min(TOKENS, n - j0)
+            if ggml_type == Q8_0:
+                _tile_q8_0(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            elif ggml_type == Q4_0:
+                _tile_q4_0(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            elif ggml_type == Q4_K:
+                _tile_q4_k(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            else:  # Q6_K
+                _tile_q6_k(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+    for b in range(n_groups * GROUP, nb):  # Q8_0 / Q4_0 rows whose block count is not a multiple of 8
+        for j0 in range(0, n, TOKENS):
+            count = min(TOKENS, n - j0)
+            if ggml_type == Q8_0:
+                _tile1_q8_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
+            else:
+                _tile1_q4_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -26,9 +26,9 @@ f32 = np.float32
 @njit(inline="always", nogil=True, cache=True)
 def _tile_dot(w, r0, wtype, aq, ad, asum, arow, acc):
     """acc[j, i] = contract dot of weight row w[r0 + i] with activation row arow[j], i < ROWS
-    (block_dots.tile_dots: 16 rows' ordered block sums side by side, one vector)."""
-    for j in range(arow.shape[0]):
-        tile_sums(w, r0, wtype, aq, ad, asum, arow[j], acc, j)
+    (block_dots.tile_dots: 16 rows' ordered block sums side by side, one vector; up to 4 tokens per
+    call share the unpacked weight codes)."""
+    tile_sums(w, r0, wtype, aq, ad, asum, arow, acc)
 
 
 @njit(inline="always", nogil=True, cache=True)

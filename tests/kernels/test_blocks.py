@@ -7,7 +7,7 @@ import pytest
 from conftest import TYPE_SETS, layer_for
 from numba import njit
 
-from strata_ray.kernels.block_dots import HAS_VNNI, ROWS, row_dots_intrinsic
+from strata_ray.kernels.block_dots import HAS_AVX2, HAS_VNNI, ROWS, row_dots_intrinsic
 from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales, tile_sums
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0
 from strata_ray.kernels.random_weights import random_blocks
@@ -93,8 +93,8 @@ def _edge_rows(rng, wtype, n):
 @njit
 def _tile(w, wtype, aq, ad, asum, a):
     acc = np.full((2, ROWS), np.float32(np.nan))
-    tile_sums(w, 0, wtype, aq, ad, asum, a, acc, 1)
-    return acc[1]
+    tile_sums(w, 0, wtype, aq, ad, asum, np.array([a], np.int64), acc)
+    return acc[0]
 
 
 @pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
@@ -113,13 +113,39 @@ def test_tile_sums_match_spec_bitwise(wtype, rng):
             assert np.array_equal(got.view(np.uint32), want[a].view(np.uint32)), (NAMES[wtype], n, a)
 
 
-@pytest.mark.parametrize("vnni", [False, True])
+@njit
+def _tile_many(w, wtype, aq, ad, asum, arow):
+    acc = np.full((arow.shape[0] + 1, ROWS), np.float32(np.nan))
+    tile_sums(w, 0, wtype, aq, ad, asum, arow, acc)
+    return acc
+
+
 @pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
-def test_row_dots_generic_and_vnni_forms_agree(wtype, vnni, rng):
+def test_tile_sums_several_tokens_match_spec_bitwise(wtype, rng):
+    """1, 3, 5 and 33 activation rows per tile call (chunks of 1..TOKENS sharing the unpacked weights,
+    rows in any order, one row twice): each token's sums == the spec's, and rows past them untouched."""
+    n = 320 if wtype in (Q8_0, Q4_0) else 512  # Q8_0/Q4_0: 10 blocks, so the one-block tail too
+    rows = _edge_rows(rng, wtype, n)
+    x = rng.standard_normal((40, n)).astype(np.float32) * np.float32(3.0)
+    x[7] = -1.0
+    q, d, s = act_quant_ref(x)
+    want = matmul_spec(rows, wtype, x)  # [40, ROWS]
+    for count in (1, 3, 5, 33):
+        arow = rng.permutation(40)[:count].astype(np.int64)
+        if count > 3:
+            arow[2] = arow[count - 1]
+        got = _tile_many(rows, wtype, q, d, s, arow)
+        assert np.array_equal(got[:count].view(np.uint32), want[arow].view(np.uint32)), (NAMES[wtype], count)
+        assert np.isnan(got[count]).all()
+
+
+@pytest.mark.parametrize("form", ["generic", "avx2", "vnni"])
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
+def test_row_dots_every_form_agrees(wtype, form, rng):
     """Both forms of the 4-product sums (vpdpbusd and widened multiplies) give the spec's integers."""
-    if vnni and not HAS_VNNI:
-        pytest.skip("this CPU has no AVX-512 VNNI / AVX-VNNI")
-    dots = row_dots_intrinsic(wtype, vnni=vnni)
+    if (form == "vnni" and not HAS_VNNI) or (form == "avx2" and not HAS_AVX2):
+        pytest.skip(f"this CPU cannot run the {form} form")
+    dots = row_dots_intrinsic(wtype, form=form)
 
     @njit
     def run(row, aq, asum, out):
