@@ -169,11 +169,13 @@ class TieredExperts:
             cpu_job = self._helper.submit(
                 self._timed_cpu, x_h, tok[miss], ids_h[miss], self.store.layer(layer)
             )
+        mode = "decode" if decode else "prompt"  # the GPU kernels' tile shape
         on_device = None
         if self.cache.is_cuda:  # every index the device needs, the tile plan included, in one copy
-            on_device = self._upload(tok[hit], slot[hit], hit, miss, *self._plan(slot[hit], n_tok, layer))
+            plan = self._plan(slot[hit], mode, n_tok, layer)
+            on_device = self._upload(tok[hit], slot[hit], hit, miss, *plan)
         if hit.size:
-            self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows, on_device)
+            self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows, mode, on_device)
         if stream_misses:
             self._stream_rows(layer, x, tok[miss], ids_h[miss], miss, rows)
         host = time.perf_counter() - t0
@@ -201,11 +203,10 @@ class TieredExperts:
             return combine_rows_gpu(rows, weights)
         return combine_rows(rows, weights)
 
-    def _plan(self, slot: np.ndarray, n_tok: int, layer: int) -> tuple[np.ndarray, ...]:
+    def _plan(self, slot: np.ndarray, mode: str, n_tok: int, layer: int) -> tuple[np.ndarray, ...]:
         """The GPU kernel's tile plan (order, sorted_slot, tile_start) for these slots, made on the host."""
         from strata_ray.kernels.expert_gpu import tile_entries
 
-        mode = "decode" if n_tok <= DECODE_MAX_TOKENS else "prompt"
         is_float = self.cache.layer_view(layer).is_float if slot.size else False
         return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, is_float))
 
@@ -286,13 +287,12 @@ class TieredExperts:
         pin.numpy()[:] = cpu_rows.reshape(-1)
         return pin.view(cpu_rows.shape).to(self.device, non_blocking=True)
 
-    def _cache_rows(self, layer, x, x_h, tok, slot, entries, rows, on_device=None) -> None:
+    def _cache_rows(self, layer, x, x_h, tok, slot, entries, rows, mode, on_device=None) -> None:
         view = self.cache.layer_view(layer)
         if self.cache.is_cuda:
             from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
             tok_d, slot_d, entries_d = on_device[:3]
-            mode = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "prompt"
             out = expert_ffn_gpu(x, tok_d, slot_d, view, mode=mode, variant=self.kernel_variant,
                                  plan=on_device[4:7])
             rows[entries_d] = out
