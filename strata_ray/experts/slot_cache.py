@@ -149,11 +149,7 @@ class SlotCache:
         staging buffers (numpy fills one, the H2D copy runs on the current stream, an event guards
         the buffer's reuse), so copies run at pinned speed whether or not the map is page-locked."""
         if not self.staged:
-            dst = self.storage.numpy()[slot]
-            off = 0
-            for p in self.store.blob_parts(layer, expert):
-                dst[off : off + p.size] = p
-                off += p.size
+            self._write_blob(self.storage.numpy()[slot], layer, expert)
             return
         i = self._take_staging()
         self._issue(i, self._fill(i, layer, expert), slot)
@@ -195,10 +191,13 @@ class SlotCache:
 
     def _fill(self, i: int, layer: int, expert: int) -> int:
         """Copy the pair's blob into staging buffer i; returns its size in bytes."""
-        buf = self._staging[i].numpy()
+        return self._write_blob(self._staging[i].numpy(), layer, expert)
+
+    def _write_blob(self, dst: np.ndarray, layer: int, expert: int) -> int:
+        """The pair's gate | up | down bytes into the front of dst (uint8); returns how many."""
         off = 0
         for p in self.store.blob_parts(layer, expert):
-            buf[off : off + p.size] = p
+            dst[off : off + p.size] = p
             off += p.size
         return off
 
