@@ -84,6 +84,7 @@ def test_script_stages_fail_in_one_line(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "BUILD": str(tmp_path / "no-build"), "HOME": str(tmp_path)}
     done = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, env=env, timeout=30)
     assert done.returncode == 2
-    assert done.stderr == "compare_llamacpp: unknown stage 'nope' (fetch, build, llama, ours, table, run or all)\n"
+    assert done.stderr == (
+        "compare_llamacpp: unknown stage 'nope' (fetch, build, llama, ours, table, run or all)\n")
     done = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, timeout=30)
     assert done.returncode == 2 and "no llama-bench at" in done.stderr and done.stderr.count("\n") == 1
