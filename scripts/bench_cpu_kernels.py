@@ -24,15 +24,15 @@ E, N_FF, TOP_K = 2048, 512, 10
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 
 
-def host_copy_gbs(pool: CpuPool, n_bytes: int) -> float:
-    """Threaded host memcpy, (read + write) bytes per second (best of 5)."""
+def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
+    """Threaded host memcpy, (read + write) bytes per second (best of `repeats`)."""
     src = np.ones(n_bytes, np.uint8)
     dst = np.empty_like(src)
     cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
     jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     pool.run(np.copyto, jobs)
     best = 1e9
-    for _ in range(5):
+    for _ in range(repeats):
         t = time.perf_counter()
         pool.run(np.copyto, jobs)
         best = min(best, time.perf_counter() - t)

@@ -18,6 +18,7 @@ import sys
 import time
 
 import numpy as np
+from bench_cpu_kernels import host_copy_gbs  # the sibling script (scripts/ is sys.path[0] when run)
 
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
@@ -30,21 +31,6 @@ INT8_PEAK_TOPS = {"H200": 1979.0, "H100": 1979.0, "A100": 624.0}  # dense, vendo
 
 def expert_bytes(layer: ExpertLayer) -> int:
     return int(sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down)))
-
-
-def host_copy_gbs(pool: CpuPool, n_bytes: int) -> float:
-    """Multi-threaded host memcpy, (read + write) bytes per second."""
-    src = np.ones(n_bytes, np.uint8)
-    dst = np.empty_like(src)
-    parts = np.array_split(np.arange(n_bytes), pool.n_threads * 4)
-    jobs = [(dst[p[0]:p[-1] + 1], src[p[0]:p[-1] + 1]) for p in parts]
-    pool.run(np.copyto, jobs)
-    best = 1e9
-    for _ in range(3):
-        t = time.perf_counter()
-        pool.run(np.copyto, jobs)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
 
 
 def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
@@ -319,7 +305,7 @@ def main() -> None:
     rows: list = []
     info: dict = {}
     pool = CpuPool()
-    host_gbs = host_copy_gbs(pool, (1 << 28) if args.quick else (1 << 30))
+    host_gbs = host_copy_gbs(pool, (1 << 28) if args.quick else (1 << 30), repeats=3)
     try:
         import torch
 
