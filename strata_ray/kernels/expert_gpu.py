@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
-from .tile_plan import plan_tiles_host  # noqa: F401  (re-exported: the host twin of plan_tiles)
 from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
