@@ -80,6 +80,7 @@ class EngineConfig:
     spec: int = 0  # MTP drafts per verify window
     arena_pin_gib: float | None = None  # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store
     kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
+    decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -342,6 +343,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_KERNEL_VARIANT", "") != "":
         values["kernel_variant"] = parse_value(_choice("wide", "simple"), env["STRATA_KERNEL_VARIANT"],
                                                "STRATA_KERNEL_VARIANT")
+    if env.get("STRATA_DECODE_GRAPHS", "") != "":
+        values["decode_graphs"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_GRAPHS"],
+                                              "STRATA_DECODE_GRAPHS") == "1"
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

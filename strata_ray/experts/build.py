@@ -53,6 +53,15 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
                          kernel_variant=config.kernel_variant)
 
 
+def _decode_graphs(config, model, stage) -> None:
+    """On CUDA, capture the one-token dense segments now (a second or so) rather than in the first request."""
+    if model.device.type != "cuda" or not config.decode_graphs:
+        return
+    stage("capturing decode graphs")
+    model.use_decode_graphs()
+    model.decode_graphs.capture_now()
+
+
 def load_tiered_model(config, device: str, progress: LoadProgress | bool | None = None):
     """(LoadedModel, TieredExperts | None). Block-quantized experts -> dense weights without experts +
     TieredExperts; otherwise the plain `load_model` (float experts, no tiers). progress: a LoadProgress
@@ -69,7 +78,9 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     file = GGUFFile(path)
     if not experts_block_quantized(file):
         stage("weights")
-        return load_model_file(file, device=device), None  # the file is open: no second header parse
+        loaded = load_model_file(file, device=device)  # the file is open: no second header parse
+        _decode_graphs(config, loaded.model, stage)
+        return loaded, None
     stage("dense weights")
     with torch.inference_mode():
         weights = load_dense_weights(file, device=device, include_experts=False)
@@ -78,6 +89,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     stage("tokenizer")
     model = Model(file.hparams, weights, experts=tiers)
+    _decode_graphs(config, model, stage)
     loaded = LoadedModel(
         file=file, hp=file.hparams, model=model, tokenizer=Tokenizer.from_gguf(file), path=path
     )

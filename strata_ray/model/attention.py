@@ -23,9 +23,10 @@ def _projections(hp: HParams, w: Mapping[str, Tensor], p: str, x: Tensor) -> tup
     return qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
 
 
-def attention_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, cache: KVCache,
-                    pos0: int) -> Tensor:
-    """Attention of normed input x [T, E] at absolute positions pos0.. -> [T, E]; appends k, v to cache."""
+def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor,
+                     pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Normed input x [T, E] at positions pos [T] (int64, on x's device) -> q [T, H, D], k and v [T, Hkv, D]
+    (normed and rotated, ready for the cache) and the output gate [T, H*D] (qwen3next) or None."""
     p = f"blk.{layer}"
     T = x.shape[0]
     H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
@@ -39,11 +40,23 @@ def attention_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor,
     q = ops.rms_norm(q, w[f"{p}.attn_q_norm.weight"], hp.rms_eps)
     k = ops.rms_norm(k.view(T, Hkv, D), w[f"{p}.attn_k_norm.weight"], hp.rms_eps)
     v = v.view(T, Hkv, D)
-    pos = torch.arange(pos0, pos0 + T, device=x.device)
     cos, sin = ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)  # [T, 1, n_rot], shared by q and k
-    q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-    k_all, v_all = cache.append(k, v)
-    o = ops.attention(q, k_all, v_all, pos0, D**-0.5).reshape(T, H * D)
+    return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
+
+
+def attention_output(w: Mapping[str, Tensor], layer: int, o: Tensor, gate: Tensor | None) -> Tensor:
+    """Attention result o [T, H, D] -> gated (qwen3next) output projection [T, E]."""
+    o = o.reshape(o.shape[0], o.shape[1] * o.shape[2])  # [T, H*D] (T may be 0)
     if gate is not None:
         o = o * torch.sigmoid(gate)
-    return ops.linear(o, w[f"{p}.attn_output.weight"])
+    return ops.linear(o, w[f"blk.{layer}.attn_output.weight"])
+
+
+def attention_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, cache: KVCache,
+                    pos0: int) -> Tensor:
+    """Attention of normed input x [T, E] at absolute positions pos0.. -> [T, E]; appends k, v to cache."""
+    pos = torch.arange(pos0, pos0 + x.shape[0], device=x.device)
+    q, k, v, gate = attention_inputs(hp, w, layer, x, pos)
+    k_all, v_all = cache.append(k, v)
+    o = ops.attention(q, k_all, v_all, pos0, hp.head_dim**-0.5)  # [T, H, D]
+    return attention_output(w, layer, o, gate)

@@ -21,6 +21,10 @@ from strata_ray.model.mtp import mtp_forward
 from strata_ray.model.state import SequenceState, new_sequence_state
 
 
+def _one_token(ids: Tensor | Sequence[int]) -> bool:
+    return ids.dim() == 1 and ids.shape[0] == 1 if isinstance(ids, Tensor) else len(ids) == 1
+
+
 class Model:
     """Trunk (+ optional MTP head) of one model. forward() appends to a SequenceState, so a prompt fed in
     chunks and then one token at a time gives the same logits as one full pass."""
@@ -32,11 +36,19 @@ class Model:
         self.weights = weights
         self.experts: ExpertBackend = experts if experts is not None else FloatExperts(weights)
         self.device = weights["token_embd.weight"].device
+        self.decode_graphs = None  # a DecodeGraphs: one-token forwards replay captured segments
         # qwen3next calls the norm before the MoE post_attention_norm; qwen3moe calls it ffn_norm (§2.4)
-        self._ffn_norm = "post_attention_norm" if hp.arch == "qwen3next" else "ffn_norm"
+        self.ffn_norm = "post_attention_norm" if hp.arch == "qwen3next" else "ffn_norm"
 
     def new_state(self) -> SequenceState:
         return new_sequence_state(self.hp, self.device)
+
+    def use_decode_graphs(self, capture: bool | None = None) -> None:
+        """Run one-token forwards (without autograd) through DecodeGraphs: CUDA graphs on CUDA, or the same
+        segments uncaptured (capture=False, any device). Same bits as the plain forward."""
+        from strata_ray.model.decode_graph import DecodeGraphs
+
+        self.decode_graphs = DecodeGraphs(self, capture)
 
     def _as_ids(self, ids: Tensor | Sequence[int]) -> Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device)
@@ -52,6 +64,9 @@ class Model:
                 return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """ids [T] at positions state.pos.. -> logits [T, V] (and hidden [T, E] after the final norm)."""
         hp, w = self.hp, self.weights
+        graphs = self.decode_graphs
+        if graphs is not None and state is not None and _one_token(ids) and not torch.is_grad_enabled():
+            return graphs.step(ids, state, return_hidden)
         ids = self._as_ids(ids)
         state = self.new_state() if state is None else state
         pos0, T = state.pos, ids.shape[0]
@@ -64,7 +79,7 @@ class Model:
             else:
                 out = attention_block(hp, w, layer, x, state.kv[layer], pos0)
             h = h + out
-            x = ops.rms_norm(h, w[f"{p}.{self._ffn_norm}.weight"], hp.rms_eps)
+            x = ops.rms_norm(h, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
             h = h + moe_block(w, layer, x, hp.n_expert_used, self.experts)
         state.pos = pos0 + T
         hidden = ops.rms_norm(h, w["output_norm.weight"], hp.rms_eps)

@@ -1,0 +1,246 @@
+"""One-token decode through CUDA graphs: the dense path of each layer replays as one or two graphs.
+
+A decode step issues ~60 small torch ops per layer; launched one by one from Python they cost ~2 ms a layer
+on the H200 host, more than the GPU needs for them. Here the dense work between two expert calls is
+captured once into a graph and replayed per token (DESIGN section 8):
+
+    layer l (GDN):        [combine l-1 | norm | gated delta net | residual | norm | router | shared expert]
+    layer l (attention):  [combine l-1 | norm | q k v | rope]  attention over the KV cache  [gate | out |
+                          residual | norm | router | shared expert]
+    then, eager:          routed rows of layer l (the expert backend: tiers, CPU pool, host plan)
+    last:                 [combine | output norm | logits]
+
+"combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
+are those of the eager forward. The attention core stays eager because the KV cache grows every token.
+Everything a graph reads or writes between segments lives in buffers allocated here, outside the graphs,
+so all graphs can share one memory pool.
+
+The recurrent (GDN) states of the decoding sequence live in this object's buffers while it decodes: the
+SequenceState's gdn entries point at them. A step for another sequence first gives the previous owner
+its own copies, so interleaved sequences stay independent.
+
+`capture=False` runs the same segments without graphs (any device): the CPU tests check the segmentation
+there, bit for bit against Model.forward; `pytest -m gpu` checks the captured graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from strata_ray.model import ops
+from strata_ray.model.attention import attention_inputs, attention_output
+from strata_ray.model.gdn import gdn_block
+from strata_ray.model.moe import route, shared_expert
+from strata_ray.model.state import GDNState, SequenceState
+
+
+@dataclass
+class _LayerBuffers:
+    """Static tensors of one layer's segments (T = 1)."""
+
+    h_in: Tensor  # [1, E] the layer's input (residual stream)
+    h_mid: Tensor  # [1, E] after the mixer's residual add
+    x: Tensor  # [1, E] normed input of the MoE
+    ids: Tensor  # [1, K] int64 routed experts
+    weights: Tensor  # [1, K] f32 renormalised router weights
+    routed: Tensor  # [1, E] the expert backend's result (copied in, eager)
+    shared: Tensor | None  # [1, E] shared expert output (qwen3next) or None
+    gdn: GDNState | None  # recurrent layers: the decoding sequence's state
+    q: Tensor | None = None  # attention layers: [1, H, D]
+    k: Tensor | None = None  # [1, Hkv, D]
+    v: Tensor | None = None  # [1, Hkv, D]
+    gate: Tensor | None = None  # [1, H*D] (qwen3next) or None
+    o: Tensor | None = None  # [1, H, D] attention result (copied in, eager)
+
+
+class DecodeGraphs:
+    """Replays Model.forward for one token at a time; call `step(ids, state)` where Model.forward would."""
+
+    def __init__(self, model, capture: bool | None = None):
+        self.model, self.hp, self.w = model, model.hp, model.weights
+        self.device = model.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError(f"decode graphs need a CUDA device (the model is on {self.device})")
+        hp, dev = self.hp, self.device
+        E, K = hp.n_embd, hp.n_expert_used
+
+        def zeros(*shape, dtype=torch.float32):
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        self.tok = zeros(1, dtype=torch.int64)
+        self.pos = zeros(1, dtype=torch.int64)
+        self.logits = zeros(1, hp.n_vocab)
+        self.hidden = zeros(1, E)
+        self.layers: list[_LayerBuffers] = []
+        for layer in range(hp.n_layer):
+            has_shared = f"blk.{layer}.ffn_gate_shexp.weight" in self.w
+            gdn = None
+            if hp.is_recurrent(layer):
+                s0 = model.new_state().gdn[layer]  # zero state of the right shapes
+                gdn = GDNState(s0.S.clone(), s0.conv.clone())
+            buf = _LayerBuffers(zeros(1, E), zeros(1, E), zeros(1, E), zeros(1, K, dtype=torch.int64),
+                                zeros(1, K), zeros(1, E), zeros(1, E) if has_shared else None, gdn)
+            if gdn is None:
+                H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
+                gated = self._attention_gated(layer)
+                buf.q, buf.o = zeros(1, H, D), zeros(1, H, D)
+                buf.k, buf.v = zeros(1, Hkv, D), zeros(1, Hkv, D)
+                buf.gate = zeros(1, H * D) if gated else None
+            self.layers.append(buf)
+        self._segments = self._build_segments()  # per layer: (before attention, after attention); last
+        self._owner: weakref.ref | None = None
+        self._graphs: list | None = None
+
+    def _attention_gated(self, layer: int) -> bool:
+        """qwen3next attention projects q and the output gate together (twice the q rows)."""
+        hp, w, p = self.hp, self.w, f"blk.{layer}"
+        q = w[f"{p}.attn_q.weight"] if f"{p}.attn_q.weight" in w else None
+        if q is None:
+            kv_dim = hp.n_head_kv * hp.head_dim
+            return w[f"{p}.attn_qkv.weight"].shape[0] - 2 * kv_dim == 2 * hp.n_head * hp.head_dim
+        return q.shape[0] == 2 * hp.n_head * hp.head_dim
+
+    # -- the segments (plain functions over the buffers; captured on CUDA) --------------------------------
+    def _layer_input(self, layer: int) -> Tensor:
+        """h entering `layer`: the token's embedding, or the previous layer's h + (routed + shared)."""
+        if layer == 0:
+            return F.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
+        prev = self.layers[layer - 1]
+        moe = prev.routed if prev.shared is None else prev.routed + prev.shared
+        return prev.h_mid + moe
+
+    def _moe_inputs(self, layer: int, h_mid: Tensor) -> None:
+        """After the mixer's residual: the MoE's normed input, routing and shared expert, into the buffers."""
+        hp, w, buf = self.hp, self.w, self.layers[layer]
+        buf.h_mid.copy_(h_mid)
+        x = ops.rms_norm(h_mid, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps)
+        ids, weights = route(w[f"blk.{layer}.ffn_gate_inp.weight"], x, hp.n_expert_used)
+        buf.x.copy_(x)
+        buf.ids.copy_(ids)
+        buf.weights.copy_(weights)
+        if buf.shared is not None:
+            buf.shared.copy_(shared_expert(w, layer, x))
+
+    def _build_segments(self) -> tuple[list[tuple[Callable, Callable | None]], Callable]:
+        hp, w = self.hp, self.w
+        segments = []
+        for layer, buf in enumerate(self.layers):
+            norm = w[f"blk.{layer}.attn_norm.weight"]
+            if buf.gdn is not None:
+                def gdn_seg(layer=layer, buf=buf, norm=norm):
+                    h = self._layer_input(layer)
+                    x = ops.rms_norm(h, norm, hp.rms_eps)
+                    out, new = gdn_block(hp, w, layer, x, buf.gdn, 0)  # one token: pos0 picks no other form
+                    buf.gdn.S.copy_(new.S)
+                    buf.gdn.conv.copy_(new.conv)
+                    self._moe_inputs(layer, h + out)
+
+                segments.append((gdn_seg, None))
+                continue
+
+            def attn_in(layer=layer, buf=buf, norm=norm):
+                h = self._layer_input(layer)
+                buf.h_in.copy_(h)
+                q, k, v, gate = attention_inputs(hp, w, layer, ops.rms_norm(h, norm, hp.rms_eps), self.pos)
+                buf.q.copy_(q)
+                buf.k.copy_(k)
+                buf.v.copy_(v)
+                if gate is not None:
+                    buf.gate.copy_(gate)
+
+            def attn_out(layer=layer, buf=buf):
+                self._moe_inputs(layer, buf.h_in + attention_output(w, layer, buf.o, buf.gate))
+
+            segments.append((attn_in, attn_out))
+
+        def head():
+            hidden = ops.rms_norm(self._layer_input(hp.n_layer), w["output_norm.weight"], hp.rms_eps)
+            self.hidden.copy_(hidden)
+            self.logits.copy_(ops.linear(hidden, w.get("output.weight", w["token_embd.weight"])))
+
+        return segments, head
+
+    # -- capture ------------------------------------------------------------------------------------------
+    def _runners(self) -> tuple[list[tuple[Callable, Callable | None]], Callable]:
+        """The segments as callables: the functions themselves, or their graphs' replay (captured once)."""
+        segments, head = self._segments
+        if not self.capture:
+            return segments, head
+        if self._graphs is None:
+            self._graphs = self._capture(segments, head)
+        return self._graphs
+
+    def capture_now(self) -> None:
+        """Capture the graphs now (otherwise the first step does); nothing to do without capture."""
+        self._runners()
+
+    def _capture(self, segments, head):
+        """Warm every segment up on a side stream (lazy cuBLAS/Triton init), then capture each into a graph
+        sharing one memory pool. Runs before a sequence's state is copied in: the buffers it scribbles on
+        are overwritten by the adoption that follows."""
+        flat = [f for pair in segments for f in pair if f is not None] + [head]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for fn in flat:
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        graphs = {}
+        for fn in flat:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                fn()
+            graphs[fn] = g.replay
+        return [(graphs[a], graphs[b] if b is not None else None) for a, b in segments], graphs[head]
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def _adopt(self, state: SequenceState) -> None:
+        """Make the GDN buffers hold `state`'s recurrent state (and `state` point at them)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and owner is not state:
+            for layer, buf in enumerate(self.layers):  # the previous owner keeps its own copies
+                st = owner.gdn.get(layer)
+                if st is not None and st.S is buf.gdn.S:
+                    owner.gdn[layer] = buf.gdn.clone()
+        for layer, buf in enumerate(self.layers):
+            st = state.gdn.get(layer)
+            if buf.gdn is None or st is None or st.S is buf.gdn.S:
+                continue
+            buf.gdn.S.copy_(st.S)
+            buf.gdn.conv.copy_(st.conv)
+            state.gdn[layer] = GDNState(buf.gdn.S, buf.gdn.conv)
+        self._owner = weakref.ref(state)
+
+    def step(self, ids: Tensor | Sequence[int], state: SequenceState,
+             return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """One token (ids of length 1) at position state.pos -> logits [1, V] (and hidden [1, E]), exactly
+        as Model.forward computes them."""
+        segments, head = self._runners()
+        self._adopt(state)
+        if isinstance(ids, Tensor):
+            self.tok.copy_(ids.reshape(1))
+        else:
+            self.tok.fill_(int(ids[0]))  # a kernel argument: no host-to-device copy
+        pos0 = state.pos
+        self.pos.fill_(pos0)
+        hp, experts = self.hp, self.model.experts
+        for layer, (before, after) in enumerate(segments):
+            buf = self.layers[layer]
+            before()
+            if after is not None:  # the attention core over the growing KV cache, eager
+                k_all, v_all = state.kv[layer].append(buf.k, buf.v)
+                buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
+                after()
+            buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
+        head()
+        state.pos = pos0 + 1
+        logits = self.logits.clone()
+        return (logits, self.hidden.clone()) if return_hidden else logits
