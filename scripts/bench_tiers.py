@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None, help="CPU pool threads (default: every core)")
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
+    ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
                     "non-resident expert once)")
@@ -138,7 +139,13 @@ def main() -> None:
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")
-    loaded = SimpleNamespace(model=Model(hp, weights, experts=tiers), hp=hp)
+    model = Model(hp, weights, experts=tiers)
+    if dev == "cuda" and not args.no_graphs:
+        t = time.perf_counter()
+        model.use_decode_graphs()
+        model.decode_graphs.capture_now()
+        print(f"decode graphs captured in {time.perf_counter() - t:.1f} s", flush=True)
+    loaded = SimpleNamespace(model=model, hp=hp)
     print(
         f"dense weights in {dense_s:.1f} s, tiers in {time.perf_counter() - t:.1f} s; "
         f"slots {tiers.residency.n_slots} of {hp.n_layer * hp.n_expert} pairs (share {share:.3f}); "
@@ -163,6 +170,7 @@ def main() -> None:
         "model": path,
         "cpu_threads": tiers.pool.n_threads,
         "cpu_driver": args.cpu_driver,
+        "decode_graphs": model.decode_graphs is not None,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,
         "budget_mib": budget_mib,
