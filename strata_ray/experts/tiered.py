@@ -136,8 +136,7 @@ class TieredExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n_tok, k = ids.shape
         if layer == 0:
-            self.window_boundary()
-            self._in_window = n_tok <= DECODE_MAX_TOKENS
+            self.start_forward(n_tok)
         decode = n_tok <= DECODE_MAX_TOKENS
         # decode: x comes along for the CPU tier (8 KB a token), in the same single sync as the ids
         ids_h, x_h = self._to_host(ids, x, with_x=decode or not self.cache.is_cuda)  # [M], [N, E]
@@ -156,12 +155,12 @@ class TieredExperts:
             # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
             t1 = time.perf_counter()
-            cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self._pool_for(ids_h))
+            cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool_for(ids_h))
             if decode:
                 self.metrics.counts.cpu_seconds += time.perf_counter() - t1
             out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
             if trunk:
-                self._count(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
+                self.count_entries(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
             return out
         rows = torch.empty((m, x.shape[1]), dtype=torch.float32, device=self.device)  # [M, E]
         cpu_job: Future | None = None
@@ -192,7 +191,7 @@ class TieredExperts:
                 self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
         out = self._combine(rows.view(n_tok, k, -1), weights.float())
         if trunk:
-            self._count(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
+            self.count_entries(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
         return out
 
     def _combine(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -237,14 +236,14 @@ class TieredExperts:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t
 
-    def _pool_for(self, experts: np.ndarray) -> CpuPool:
+    def pool_for(self, experts: np.ndarray) -> CpuPool:
         """The pool for a CPU expert call over these experts: the caller's thread when the call is small."""
         small = np.unique(experts).size * self._blob_bytes < SINGLE_THREAD_BYTES
         return self._one_thread if small else self.pool
 
     def _timed_cpu(self, x_h, tok, exp, layer):
         t = time.perf_counter()
-        rows = expert_ffn_cpu(x_h, tok, exp, layer, pool=self._pool_for(exp))
+        rows = expert_ffn_cpu(x_h, tok, exp, layer, pool=self.pool_for(exp))
         return rows, time.perf_counter() - t
 
     # -- host <-> device, through pinned staging buffers -------------------------------------------
@@ -298,7 +297,7 @@ class TieredExperts:
             rows[entries_d] = out
         else:
             rows[torch.from_numpy(entries)] = torch.from_numpy(
-                expert_ffn_cpu(x_h, tok, slot, view, pool=self._pool_for(slot))
+                expert_ffn_cpu(x_h, tok, slot, view, pool=self.pool_for(slot))
             )
 
     def _stream_rows(self, layer, x, tok, exp, entries, rows) -> None:
@@ -324,7 +323,7 @@ class TieredExperts:
             )
             rows[torch.from_numpy(entries[sel]).to(dev)] = out
 
-    def _count(
+    def count_entries(
         self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float
     ) -> None:
         c = self.metrics.counts
@@ -339,7 +338,18 @@ class TieredExperts:
             c.windows += 1
             c.tokens += n_tok
 
+    def decode_rows(self, n_embd: int, k: int, capture: bool):
+        """A DecodeRows over these tiers: the one-token step with fixed shapes, for the decode graphs."""
+        from strata_ray.experts.decode_rows import DecodeRows
+
+        return DecodeRows(self, n_embd, k, capture)
+
     # -- windows and adaptive rounds ------------------------------------------------------------------
+    def start_forward(self, n_tok: int) -> None:
+        """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one."""
+        self.window_boundary()
+        self._in_window = n_tok <= DECODE_MAX_TOKENS
+
     def window_boundary(self) -> None:
         """Close the previous window: land swaps, hand its counts to the rounds, schedule new swaps."""
         landed = self.cache.land_swaps()

@@ -36,7 +36,7 @@ from torch import Tensor
 from strata_ray.model import ops
 from strata_ray.model.attention import attention_inputs, attention_output
 from strata_ray.model.gdn import gdn_block
-from strata_ray.model.moe import route, shared_expert
+from strata_ray.model.moe import combine_rows, route, shared_expert
 from strata_ray.model.state import GDNState, SequenceState
 
 
@@ -94,6 +94,10 @@ class DecodeGraphs:
                 buf.k, buf.v = zeros(1, Hkv, D), zeros(1, Hkv, D)
                 buf.gate = zeros(1, H * D) if gated else None
             self.layers.append(buf)
+        # an expert backend with a fixed-shape one-token step (TieredExperts): its rows are combined inside
+        # the next segment's graph, and its GPU part replays as a graph of its own
+        make_rows = getattr(model.experts, "decode_rows", None)
+        self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
         self._graphs: list | None = None
@@ -113,7 +117,10 @@ class DecodeGraphs:
         if layer == 0:
             return F.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
         prev = self.layers[layer - 1]
-        moe = prev.routed if prev.shared is None else prev.routed + prev.shared
+        routed = prev.routed
+        if self.rows is not None:  # [K, E] rows of the previous layer -> [1, E], in k order
+            routed = combine_rows(self.rows.rows().view(1, self.hp.n_expert_used, -1), prev.weights)
+        moe = routed if prev.shared is None else routed + prev.shared
         return prev.h_mid + moe
 
     def _moe_inputs(self, layer: int, h_mid: Tensor) -> None:
@@ -192,6 +199,8 @@ class DecodeGraphs:
             for fn in flat:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.rows is not None:
+            self.rows.capture_all([buf.x for buf in self.layers])
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
         for fn in flat:
@@ -239,7 +248,10 @@ class DecodeGraphs:
                 k_all, v_all = state.kv[layer].append(buf.k, buf.v)
                 buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
                 after()
-            buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
+            if self.rows is not None:
+                self.rows.step(layer, buf.x, buf.ids)
+            else:
+                buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
         head()
         state.pos = pos0 + 1
         logits = self.logits.clone()

@@ -76,3 +76,30 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_to
         got = gpu(layer, x.cuda(), ids.cuda(), w.cuda()).cpu()
         want = cpu(layer, x, ids, w)
         assert np.array_equal(got.numpy(), want.numpy()), f"layer {layer}"
+
+
+def _decode_logits(loaded, n=DECODE):
+    model = loaded.model
+    with torch.inference_mode():
+        state = model.new_state()
+        logits = model.forward(PROMPT, state)[-1:]
+        out = []
+        for _ in range(n):
+            logits = model.forward([int(logits[-1].argmax())], state)
+            out.append(logits)
+    return torch.cat(out).cpu()
+
+
+@pytest.mark.parametrize("cache", [0, 10, 32])
+def test_decode_graphs_give_the_eager_bits_on_cuda(model_path, cache):
+    """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit."""
+    base = EngineConfig(model=model_path, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8)
+    got = {}
+    for graphs in (True, False):
+        loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
+        assert (loaded.model.decode_graphs is not None) == graphs
+        got[graphs] = _decode_logits(loaded)
+        tiers.finish()
+        got[graphs, "counts"] = (tiers.metrics.counts.slot_hits, tiers.metrics.counts.cpu_entries)
+    assert torch.equal(got[True], got[False])
+    assert got[True, "counts"] == got[False, "counts"]

@@ -1,0 +1,151 @@
+"""DecodeRows: the tiered backend's one-token step with fixed shapes, for the decode graphs.
+
+TieredExperts.__call__ serves any token count and returns the combined rows; a one-token decode step
+through it costs ~15 Python-issued launches and copies per layer. Here a step has fixed shapes
+(K entries of one token), so the GPU part can be captured once per layer:
+
+    eager:  ids and x to the host (one sync) -> classify the K entries by the residency table -> the
+            tile plan of the resident ones (host) -> one pinned upload of the plan and the hit mask
+            -> replay layer l's graph [quantize x | gate+up | down] (rows of resident experts)
+            -> the CPU pool computes the other entries meanwhile -> one pinned upload of their rows
+    graph:  rows() = where(hit, gpu rows, cpu rows) [K, E], captured into the decode graph that
+            combines them (DecodeGraphs), in k order as combine_rows does everywhere.
+
+The kernels, the plan's tile size and the combine are those of TieredExperts.__call__, so the rows and
+the output have the same bits. Window accounting, adaptive rounds and metrics go through the same
+TieredExperts methods.
+
+`capture=False` (any device; the CPU tests) runs the same step with the cache tier's kernel called
+directly instead of a graph.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.tile_plan import plan_tiles_host
+
+
+class DecodeRows:
+    def __init__(self, tiers, n_embd: int, k: int, capture: bool):
+        self.tiers, self.k, self.capture = tiers, k, capture
+        self.cuda = tiers.cache.is_cuda
+        if capture and not self.cuda:
+            raise ValueError("captured decode rows need the slot cache on a CUDA device")
+        dev = tiers.device
+        self.gpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [K, E] resident rows
+        self.cpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [K, E] the others
+        # [order K | sorted_slot K | tile_start K | hit K] int32: what the graph reads, one upload per layer
+        self.plan = torch.full((4 * k,), -1, dtype=torch.int32, device=dev)
+        self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
+        pin = self.cuda
+        self._plan_pin = torch.empty(4 * k, dtype=torch.int32, pin_memory=pin)
+        self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=pin)
+        self._ids_pin = torch.empty(k, dtype=torch.int64, pin_memory=pin)
+        self._x_pin = torch.empty((1, n_embd), dtype=torch.float32, pin_memory=pin)
+        self._zero_tok = np.zeros(k, np.int64)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    # -- the captured part ------------------------------------------------------------------------------
+    def rows(self) -> torch.Tensor:
+        """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
+        hit = self.plan[3 * self.k :] != 0
+        return torch.where(hit[:, None], self.gpu_rows, self.cpu_rows)
+
+    def _resident_rows(self, layer: int, x: torch.Tensor) -> None:
+        """The slot cache's kernel over the uploaded plan: rows of the resident entries into gpu_rows."""
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+        k, tiers = self.k, self.tiers
+        plan = (self.plan[:k], self.plan[k : 2 * k], self.plan[2 * k : 3 * k])
+        expert_ffn_gpu(x, self.tok, self.plan[k : 2 * k], tiers.cache.layer_view(layer), mode="decode",
+                       out=self.gpu_rows, variant=tiers.kernel_variant, plan=plan)
+
+    def capture_all(self, xs: list[torch.Tensor]) -> None:
+        """Capture every layer's resident-rows graph over xs[layer] [1, E] (the decode graphs' static MoE
+        inputs), after a warm-up with no tiles (tile_start -1: the kernels compile and return at once)."""
+        if not self.capture or self.tiers.cache.n_slots == 0:
+            return
+        self.plan.fill_(-1)
+        dev = self.tiers.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for layer in range(self.tiers.n_layers):
+                self._resident_rows(layer, xs[layer])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for layer in range(self.tiers.n_layers):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._resident_rows(layer, xs[layer])
+            self._graphs[layer] = g
+
+    # -- the eager part ---------------------------------------------------------------------------------
+    def _to_host(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        if not self.cuda:
+            return ids.reshape(-1).numpy(), x.float().numpy()
+        self._ids_pin.copy_(ids.reshape(-1), non_blocking=True)
+        self._x_pin.copy_(x, non_blocking=True)
+        torch.cuda.current_stream(self.tiers.device).synchronize()
+        return self._ids_pin.numpy(), self._x_pin.numpy()
+
+    def _upload_plan(self, slot: np.ndarray, hit: np.ndarray, bt: int) -> None:
+        """Plan of the resident entries over all K positions (misses: slot -1, in no tile), and the mask."""
+        k = self.k
+        full = np.where(hit, slot, -1)
+        order, sorted_slot, starts = plan_tiles_host(full, bt)
+        starts = starts[sorted_slot[starts] >= 0]  # tiles of resident entries only
+        p = self._plan_pin.numpy()
+        p[:k], p[k : 2 * k] = order, sorted_slot
+        p[2 * k : 3 * k] = -1
+        p[2 * k : 2 * k + starts.size] = starts
+        p[3 * k :] = hit
+        self.plan.copy_(self._plan_pin, non_blocking=self.cuda)
+
+    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Layer `layer`'s rows for one token: x [1, E] normed MoE input, ids [1, K] -> rows() ready."""
+        from strata_ray.kernels.expert_gpu import tile_entries
+
+        tiers = self.tiers
+        if layer == 0:
+            tiers.start_forward(1)
+        ids_h, x_h = self._to_host(x, ids)
+        t0 = time.perf_counter()
+        slot = tiers.residency.layer_slots(layer)[ids_h]  # [K] slot or -1
+        hit = slot >= 0
+        miss = np.flatnonzero(~hit)
+        n_hit = self.k - miss.size
+        view = tiers.cache.layer_view(layer)
+        if self.cuda:
+            self._upload_plan(slot, hit, tile_entries(1, "decode", tiers.kernel_variant, view.is_float))
+            if n_hit and self.capture:
+                self._graphs[layer].replay()
+            elif n_hit:  # the same kernels, launched directly
+                self._resident_rows(layer, x)
+        else:  # the CPU slot tier (tests): the cache's kernel over its slots
+            self.plan[3 * self.k :] = torch.from_numpy(hit.astype(np.int32))
+            if n_hit:
+                hits = np.flatnonzero(hit)
+                slots = slot[hits]
+                rows = expert_ffn_cpu(x_h, self._zero_tok[:n_hit], slots, view, pool=tiers.pool_for(slots))
+                self.gpu_rows[torch.from_numpy(hits)] = torch.from_numpy(rows)
+        host = time.perf_counter() - t0
+        if miss.size:
+            t1 = time.perf_counter()
+            exp = ids_h[miss]
+            rows = expert_ffn_cpu(x_h, self._zero_tok[: miss.size], exp, tiers.store.layer(layer),
+                                  pool=tiers.pool_for(exp))
+            t2 = time.perf_counter()
+            tiers.metrics.counts.cpu_seconds += t2 - t1
+            if self.cuda:
+                self._rows_pin.numpy()[miss] = rows
+                self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+            else:
+                self.cpu_rows[torch.from_numpy(miss)] = torch.from_numpy(rows)
+            host += time.perf_counter() - t2
+        tiers.count_entries(layer, ids_h, 1, n_hit, miss.size, True, host)
