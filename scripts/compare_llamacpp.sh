@@ -21,6 +21,7 @@
 #   SYNTH_PRESET=80b-a3b  SYNTH_LAYERS=  (empty = the preset's depth; fewer layers = a faster, smaller run)
 #   SYNTH_ARCH=qwen3next   SYNTH_EXPERT_TYPE=Q4_0   OURS_ARGS=  (extra flags for our bench, e.g. --prefill 4096)
 #   CONTEXTS=8192,32768   GEN=128   REPEATS=3   BUDGET_MIB=24576 (empty = only cpu-experts)
+#   SETUPS="budget cpu-experts"  (which setups, in this order; budget needs BUDGET_MIB)
 #   RESERVE_MIB=700       VRAM kept free besides the dense weights when computing --n-cpu-moe
 #   DEVICE=cuda (ours)   LLAMA_CUDA=ON (OFF = CPU-only llama-bench, to try the script without a GPU)
 #   JOBS=16   OUT=out/compare   LLAMA_CPP_PYTHON_VERSION= (empty = newest)   LLAMA_ARGS= (extra llama-bench flags)
@@ -48,6 +49,7 @@ BUDGET_MIB="${BUDGET_MIB-24576}"
 RESERVE_MIB="${RESERVE_MIB:-700}"
 JOBS="${JOBS:-16}"
 LLAMA_ARGS="${LLAMA_ARGS:-}"
+SETUPS="${SETUPS:-}"
 PYTHON="${PYTHON:-python}"
 
 say() { echo "compare_llamacpp: $*" >&2; }
@@ -151,9 +153,21 @@ side_by_side() {  # setup
         | tee "$OUT/compare-$setup.md"
 }
 
-setups() {  # the setups to run: cpu-experts, and budget when BUDGET_MIB is set
-    echo cpu-experts
+setups() {  # the setups to run, in order: $SETUPS, or budget (when BUDGET_MIB is set) then cpu-experts
+    if [[ -n "$SETUPS" ]]; then
+        echo $SETUPS  # checked at start (check_setups): a die in $(setups) would only leave the subshell
+        return
+    fi
     [[ -z "$BUDGET_MIB" ]] || echo budget
+    echo cpu-experts
+}
+
+check_setups() {
+    local s
+    for s in $SETUPS; do
+        [[ $s == cpu-experts || ($s == budget && -n "$BUDGET_MIB") ]] \
+            || die "SETUPS: unknown setup '$s' (cpu-experts, or budget with BUDGET_MIB set)"
+    done
 }
 
 prepare() {
@@ -202,6 +216,7 @@ table() {
 }
 
 stage="${1:-all}"
+check_setups
 case "$stage" in
     fetch) fetch ;;
     build) build ;;
