@@ -2,8 +2,9 @@
 
 `python scripts/bench_cpu_kernels.py [--threads 1,2] [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4]
 [--drivers numba,pool]`
-Shape: Qwen3-Next-80B-A3B experts (E = 2048, n_ff = 512, top-10). Calls rotate over 6 entry sets of
-an expert pool larger than the L3 cache, so the weights come from DRAM. GB/s = bytes of every
+Shape: Qwen3-Next-80B-A3B experts (E = 2048, n_ff = 512, top-10). Calls walk the whole expert pool, ten
+distinct experts a call, and the pool is twice the L3 cache by default (the H200 host has 300 MiB of L3),
+so the weights come from DRAM. GB/s = bytes of every
 distinct expert's gate+up+down read per call / time per call; memcpy is counted read + write, the
 same way as scripts/bench_kernels.py.
 """
@@ -15,13 +16,15 @@ import time
 
 import numpy as np
 
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, type_name
+from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, type_name
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
 
 E, N_FF, TOP_K = 2048, 512, 10
 TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+QK_ELEMS = {t: BLOCK[t][0] for t in TYPES.values()}  # values per block
+BLOCK_BYTES = {t: BLOCK[t][1] for t in TYPES.values()}
 
 
 def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
@@ -45,9 +48,8 @@ def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, 
     per = sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down))
     x = rng.standard_normal((n_tok, E)).astype(np.float32)
     tok = np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)
-    calls = []
-    for _ in range(6):
-        s = rng.choice(n_expert, TOP_K, replace=False)
+    calls = []  # every expert of the pool once per pass: nothing is left in the caches from the last call
+    for s in rng.permutation(n_expert)[: n_expert // TOP_K * TOP_K].reshape(-1, TOP_K):
         exp = np.concatenate([rng.permutation(s) for _ in range(n_tok)]).astype(np.int32)
         calls.append((tok, exp))
     expert_ffn_cpu(x, *calls[0], layer, pool=pool)  # compile / warm
@@ -60,12 +62,31 @@ def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, 
     return best * 1e3, TOP_K * per / best / 1e9
 
 
+def l3_bytes() -> int:
+    """The L3 cache size from sysfs (32 MiB when unknown)."""
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text = f.read().strip()
+    except OSError:
+        return 32 << 20
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def pool_experts(wtype: int, requested: int | None) -> int:
+    """Experts in the pool: the requested count, else enough for twice the L3 (at least 64)."""
+    if requested:
+        return requested
+    per = 3 * N_FF * E // QK_ELEMS[wtype] * BLOCK_BYTES[wtype]
+    return max(64, -(-2 * l3_bytes() // per))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
     ap.add_argument("--tokens", default="1,4")
-    ap.add_argument("--experts", type=int, default=64, help="expert pool size (keep it > L3)")
+    ap.add_argument("--experts", type=int, default=None, help="expert pool size (default: twice the L3)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
                     "Python thread), or both: numba,pool")
@@ -77,7 +98,8 @@ def main() -> None:
                   "(read + write)")
             for name in args.types.split(","):
                 for n_tok in (int(t) for t in args.tokens.split(",")):
-                    ms, gbs = bench_type(TYPES[name], pool, n_tok, args.experts, args.reps, rng)
+                    n_expert = pool_experts(TYPES[name], args.experts)
+                    ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng)
                     case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{TOP_K}"
                     print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
 
