@@ -56,7 +56,28 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False) -> dict:
+def _prefill(model, prompt, state, chunk: int, trace: bool):
+    """The prompt in chunks; trace: under torch.profiler (CPU + CUDA), printing where the time went."""
+    if not trace:
+        for c in range(0, len(prompt), chunk):
+            logits = model.forward(prompt[c : c + chunk], state)
+        return logits
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        logits = _prefill(model, prompt, state, chunk, False)
+        sync()
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        if key == "self_cuda_time_total" and not torch.cuda.is_available():
+            continue
+        print(f"prefill of {len(prompt)} tokens under the profiler, by {key}:", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    return logits
+
+
+def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
+              trace_prefill: bool = False) -> dict:
     model = loaded.model
     rng = np.random.default_rng(depth)
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
@@ -64,8 +85,7 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
     with torch.inference_mode():
         state = model.new_state()
         t0 = time.perf_counter()
-        for c in range(0, depth, chunk):
-            logits = model.forward(prompt[c : c + chunk], state)
+        logits = _prefill(model, prompt, state, chunk, trace_prefill)
         sync()
         prefill_s = time.perf_counter() - t0
         print(f"depth {depth}: prefill {prefill_s:.1f} s", flush=True)
@@ -103,6 +123,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None, help="CPU pool threads (default: every core)")
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
+    ap.add_argument("--trace-prefill", type=int, default=None, metavar="DEPTH",
+                    help="run this depth's prefill under torch.profiler and print the op table")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -156,7 +178,8 @@ def main() -> None:
     results = []
     for depth in (int(d) for d in args.depths.split(",")):
         first = not results
-        r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first)
+        r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
+                      trace_prefill=args.trace_prefill == depth)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from strata_ray.experts.adaptive import AdaptiveTier, Swap
 from strata_ray.experts.host_store import HostStore
@@ -134,6 +135,10 @@ class TieredExperts:
 
     # -- the ExpertBackend -----------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        with record_function("strata::experts"):
+            return self._experts(layer, x, ids, weights)
+
+    def _experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n_tok, k = ids.shape
         if layer == 0:
             self.start_forward(n_tok)
@@ -310,7 +315,8 @@ class TieredExperts:
         experts = np.unique(exp)
         for c0 in range(0, experts.size, ring):
             batch = experts[c0 : c0 + ring]
-            self.cache.copy_blobs([(layer, int(e), self.cache.ring_slot(i)) for i, e in enumerate(batch)])
+            with record_function("strata::ring_copies"):  # named in torch.profiler traces (bench_tiers)
+                self.cache.copy_blobs([(layer, int(e), self.cache.ring_slot(i)) for i, e in enumerate(batch)])
             ring_of = np.full(self.n_expert, -1, np.int64)
             ring_of[batch] = self.cache.n_slots + np.arange(batch.size)
             sel = np.flatnonzero(ring_of[exp] >= 0)
