@@ -76,14 +76,30 @@ def rope_neox(x: Tensor, pos: Tensor, n_rot: int, base: float) -> Tensor:
     return apply_rope(x, *rope_tables(pos, n_rot, base))
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float) -> Tensor:
+# Scores [H, T, S] materialised at once, at most (fp32: 256 MB). A longer prompt chunk runs in query blocks,
+# so an 8192-token chunk at depth 8K needs ~0.8 GB of temporaries instead of ~13 GB (which a 24 GB card
+# holding a cache does not have).
+ATTENTION_MAX_SCORES = 1 << 26
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,
+              max_scores: int = ATTENTION_MAX_SCORES) -> Tensor:
     """Causal GQA attention.
 
     q [T, H, D] for absolute positions q_offset..q_offset+T-1; k, v [S, Hkv, D] for positions 0..S-1 (the KV
     cache including this step). Query head h reads kv head h // (H / Hkv). Returns [T, H, D].
+    When H*T*S exceeds max_scores, queries run in blocks, each over the keys it can see (deterministic;
+    the same values up to rounding as one block).
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
+    if T > 1 and H * T * S > max_scores:
+        qb = max(1, max_scores // (H * S))
+        blocks = []
+        for i in range(0, T, qb):
+            seen = min(S, q_offset + min(T, i + qb))  # keys up to the block's last query
+            blocks.append(attention(q[i : i + qb], k[:seen], v[:seen], q_offset + i, scale, max_scores))
+        return torch.cat(blocks)
     sees_all = S <= q_offset + 1  # the first query sees every key: nothing to mask (a decode step)
     # CPU only: on CUDA (H200, cuBLAS) the products over Hkv batches gave other bits than over H batches
     if T == 1 and sees_all and q.device.type == "cpu":

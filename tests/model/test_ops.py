@@ -48,6 +48,23 @@ def test_attention_with_a_mask_still_masks():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("T", "q_offset", "max_scores"), [(33, 0, 4 * 33 * 10), (222, 17, 4 * 239 * 7),
+                                                         (40, 5, 1)])
+def test_attention_in_query_blocks_matches_one_block(device, T, q_offset, max_scores):
+    """Past max_scores the queries run in blocks over the keys each can see: the causal result is kept."""
+    H, Hkv, D = 4, 2, 16
+    q = _randn(T, H, D, seed=6, device=device)
+    S = q_offset + T
+    k, v = _randn(S, Hkv, D, seed=7, device=device), _randn(S, Hkv, D, seed=8, device=device)
+    whole = ops.attention(q, k, v, q_offset, D**-0.5)
+    blocked = ops.attention(q, k, v, q_offset, D**-0.5, max_scores=max_scores)
+    assert blocked.shape == whole.shape == (T, H, D)
+    torch.testing.assert_close(blocked, whole, atol=2e-6, rtol=1e-5)
+    again = ops.attention(q, k, v, q_offset, D**-0.5, max_scores=max_scores)
+    assert torch.equal(blocked, again)  # deterministic
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_state_read_is_the_einsum(device):
     S, x = _randn(4, 32, 16, seed=4, device=device), _randn(4, 32, seed=5, device=device)
     got = ops.state_read(S, x.unsqueeze(-1)).squeeze(-1)
