@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from strata_ray.config import EngineConfig
+from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.experts.build import build_expert_backend
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.model.forward import Model
@@ -144,8 +145,10 @@ def main() -> None:
     glob, per_layer, expert_bytes = dense_split(file)
     full_dense = glob + per_layer * FULL_LAYERS
     full_experts = expert_bytes / hp.n_layer * FULL_LAYERS
+    # what the engine keeps free besides the cache: --vram-reserve-mib and the prompt chunk's temporaries
     reserve = 700 * 2**20
-    share = max(0.0, (args.card_gib * 2**30 - reserve - full_dense) / full_experts)
+    prompt = chunk_bytes(hp, args.chunk) if dev == "cuda" else 0
+    share = max(0.0, (args.card_gib * 2**30 - reserve - prompt - full_dense) / full_experts)
     # dense weights first, to learn the device memory they take; then the budget that leaves the share
     t = time.perf_counter()
     with torch.inference_mode():
@@ -155,9 +158,10 @@ def main() -> None:
     if dev == "cuda":
         free, total = torch.cuda.mem_get_info()
         used = total - free
-    budget_mib = int((used + reserve + share * expert_bytes + 64 * 2**20) / 2**20)
+    budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
-    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib)
+    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
+                       prefill=args.chunk)
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")

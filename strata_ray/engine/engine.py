@@ -166,10 +166,11 @@ class Engine:
     def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None):
         """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token."""
         from strata_ray.engine.generate import generate
+        from strata_ray.engine.prefill import prefill_chunk
 
         ids = self.prompt_ids(request)
         max_tokens = min(request.max_tokens, self.loaded.hp.context_length - len(ids))
-        kwargs = {"prefill_chunk": self.config.prefill} if self.config.prefill else {}
+        kwargs = {"prefill_chunk": prefill_chunk(self.config, self.device)}
         self._stop.clear()
 
         def on_each(token_id, *_):

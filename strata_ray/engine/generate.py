@@ -82,7 +82,7 @@ def generate(
         t0 = time.perf_counter()
         state = model.new_state()
         for start in range(0, len(prompt), prefill_chunk):
-            logits = model.forward(prompt[start : start + prefill_chunk], state)
+            logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
         last = logits[-1].float().cpu()  # waits for the device
         t1 = time.perf_counter()
 

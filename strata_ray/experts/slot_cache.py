@@ -43,14 +43,18 @@ class SlotCacheError(RuntimeError):
 def cache_slots(config, store: HostStore, device: torch.device) -> int:
     """Slots for `--expert-cache N|auto`, capped at the number of trunk pairs.
 
-    auto: (free VRAM - vram_reserve_mib) / max_blob, where --vram-budget-mib pretends the card has that
-    much memory (budget minus what is in use now). A CPU primary has no VRAM: auto is 0 slots unless a
-    budget is given (then the budget minus the reserve, as host memory)."""
+    auto: (free VRAM - vram_reserve_mib - a prompt chunk's temporaries) / max_blob, where
+    --vram-budget-mib pretends the card has that much memory (budget minus what is in use now). A CPU
+    primary has no VRAM: auto is 0 slots unless a budget is given (then the budget minus the reserve, as
+    host memory)."""
     n_pairs = store.hp.n_layer * store.n_expert
     if config.expert_cache is not None:
         return min(config.expert_cache, n_pairs)
     reserve = config.vram_reserve_mib * MIB
     if device.type == "cuda":
+        from strata_ray.engine.prefill import chunk_bytes, prefill_chunk
+
+        reserve += chunk_bytes(store.hp, prefill_chunk(config, "cuda"))
         free, total = torch.cuda.mem_get_info(device)
         if config.vram_budget_mib is not None:
             free = config.vram_budget_mib * MIB - (total - free)

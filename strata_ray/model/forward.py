@@ -61,8 +61,10 @@ class Model:
         return route(self.weights[f"blk.{layer}.ffn_gate_inp.weight"], x, self.hp.n_expert_used)
 
     def forward(self, ids: Tensor | Sequence[int], state: SequenceState | None = None, *,
-                return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """ids [T] at positions state.pos.. -> logits [T, V] (and hidden [T, E] after the final norm)."""
+                return_hidden: bool = False, last_only: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """ids [T] at positions state.pos.. -> logits [T, V] (and hidden [T, E] after the final norm).
+        last_only: logits (and hidden) of the last token only, [1, V]: a prompt chunk needs no more, and
+        all T rows of an 8K chunk are 5 GB of float32 at a 152K vocabulary."""
         hp, w = self.hp, self.weights
         graphs = self.decode_graphs
         if graphs is not None and state is not None and _one_token(ids) and not torch.is_grad_enabled():
@@ -82,6 +84,8 @@ class Model:
             x = ops.rms_norm(h, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
             h = h + moe_block(w, layer, x, hp.n_expert_used, self.experts)
         state.pos = pos0 + T
+        if last_only:
+            h = h[-1:]
         hidden = ops.rms_norm(h, w["output_norm.weight"], hp.rms_eps)
         logits = ops.linear(hidden, w.get("output.weight", w["token_embd.weight"]))
         return (logits, hidden) if return_hidden else logits

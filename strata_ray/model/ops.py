@@ -76,10 +76,10 @@ def rope_neox(x: Tensor, pos: Tensor, n_rot: int, base: float) -> Tensor:
     return apply_rope(x, *rope_tables(pos, n_rot, base))
 
 
-# Scores [H, T, S] materialised at once, at most (fp32: 256 MB). A longer prompt chunk runs in query blocks,
-# so an 8192-token chunk at depth 8K needs ~0.8 GB of temporaries instead of ~13 GB (which a 24 GB card
-# holding a cache does not have).
-ATTENTION_MAX_SCORES = 1 << 26
+# Scores [H, T, S] materialised at once, at most (fp32: 64 MB). A longer prompt chunk runs in query blocks,
+# so an 8192-token chunk at depth 8K needs ~0.2 GB of attention temporaries instead of ~13 GB (which a
+# 24 GB card holding a cache does not have).
+ATTENTION_MAX_SCORES = 1 << 24
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,

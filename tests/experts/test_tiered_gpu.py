@@ -103,3 +103,21 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(model_path, cache):
         got[graphs, "counts"] = (tiers.metrics.counts.slot_hits, tiers.metrics.counts.cpu_entries)
     assert torch.equal(got[True], got[False])
     assert got[True, "counts"] == got[False, "counts"]
+
+
+def test_auto_cache_leaves_the_prompt_chunk_free(model_path):
+    """--expert-cache auto on CUDA keeps --vram-reserve-mib plus the prompt chunk's temporaries free."""
+    from strata_ray.engine.prefill import chunk_bytes
+    from strata_ray.experts.host_store import HostStore
+    from strata_ray.experts.slot_cache import MIB, cache_slots
+    from strata_ray.model.gguf_file import GGUFFile
+
+    file = GGUFFile(model_path)
+    store = HostStore(file)
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    for chunk in (512, 8192):
+        room = 600 * MIB + chunk_bytes(file.hparams, chunk) + 5 * store.max_blob  # five slots' worth more
+        cfg = EngineConfig(model=model_path, device="cuda", prefill=chunk, vram_reserve_mib=600,
+                           vram_budget_mib=(used + room) // MIB + 1)
+        assert cache_slots(cfg, store, torch.device("cuda")) == 5
