@@ -115,9 +115,13 @@ def test_auto_cache_leaves_the_prompt_chunk_free(model_path):
     file = GGUFFile(model_path)
     store = HostStore(file)
     free, total = torch.cuda.mem_get_info()
-    used = total - free
+    used, blob, hp = total - free, store.max_blob, file.hparams
+    budget_mib = (used + 600 * MIB + chunk_bytes(hp, 8192) + 50 * blob) // MIB
+    slots = {}
     for chunk in (512, 8192):
-        room = 600 * MIB + chunk_bytes(file.hparams, chunk) + 5 * store.max_blob  # five slots' worth more
         cfg = EngineConfig(model=model_path, device="cuda", prefill=chunk, vram_reserve_mib=600,
-                           vram_budget_mib=(used + room) // MIB + 1)
-        assert cache_slots(cfg, store, torch.device("cuda")) == 5
+                           vram_budget_mib=budget_mib)
+        slots[chunk] = cache_slots(cfg, store, torch.device("cuda"))
+    assert 50 - MIB // blob - 1 <= slots[8192] <= 50  # the budget rounds down to whole MiB
+    freed = (chunk_bytes(hp, 8192) - chunk_bytes(hp, 512)) / blob
+    assert abs(slots[512] - slots[8192] - freed) <= 1
