@@ -102,3 +102,17 @@ def test_mtp_refused_without_nextn_layer(tiny):
     _, model = tiny
     with pytest.raises(ModelFormatError, match="no MTP"):
         model.mtp_logits(torch.zeros(1, ref.HIDDEN), [1], model.new_state())
+
+
+def test_last_only_gives_the_last_rows_and_the_same_state(tiny):
+    _, model = tiny
+    ids = _prompt(70, seed=11)
+    with torch.inference_mode():
+        s_all, s_last = model.new_state(), model.new_state()
+        full, hidden = model.forward(ids, s_all, return_hidden=True)
+        last, last_hidden = model.forward(ids, s_last, return_hidden=True, last_only=True)
+        assert last.shape == (1, ref.VOCAB) and last_hidden.shape == (1, hidden.shape[1])
+        torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last_hidden, hidden[-1:], atol=1e-6, rtol=1e-6)
+        # the caches and recurrent states are those of the full forward: the next token agrees bit for bit
+        assert torch.equal(model.forward([5], s_last), model.forward([5], s_all))
