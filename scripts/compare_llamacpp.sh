@@ -24,7 +24,9 @@
 #   SETUPS="budget cpu-experts"  (which setups, in this order; budget needs BUDGET_MIB)
 #   RESERVE_MIB=700       VRAM kept free besides the dense weights when computing --n-cpu-moe
 #   DEVICE=cuda (ours)   LLAMA_CUDA=ON (OFF = CPU-only llama-bench, to try the script without a GPU)
-#   JOBS=16   OUT=out/compare   LLAMA_CPP_PYTHON_VERSION= (empty = newest)   LLAMA_ARGS= (extra llama-bench flags)
+#   JOBS=16   OUT=out/compare   LLAMA_CPP_PYTHON_VERSION= (empty = newest)
+#   LLAMA_ARGS="-fa 1 -ub 4096 -lm none"  (extra llama-bench flags; the default is GPU-MACHINE.md's reference
+#              setting: flash attention, 4096-token ubatches, weights read into memory instead of mapped)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,7 +50,7 @@ REPEATS="${REPEATS:-3}"
 BUDGET_MIB="${BUDGET_MIB-24576}"
 RESERVE_MIB="${RESERVE_MIB:-700}"
 JOBS="${JOBS:-16}"
-LLAMA_ARGS="${LLAMA_ARGS:-}"
+LLAMA_ARGS="${LLAMA_ARGS--fa 1 -ub 4096 -lm none}"
 SETUPS="${SETUPS:-}"
 PYTHON="${PYTHON:-python}"
 
