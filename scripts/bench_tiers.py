@@ -126,6 +126,8 @@ def main() -> None:
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
     ap.add_argument("--trace-prefill", type=int, default=None, metavar="DEPTH",
                     help="run this depth's prefill under torch.profiler and print the op table")
+    ap.add_argument("--ring-overlap", action="store_true", help="prompt ring copies overlap its kernels "
+                    "(STRATA_RING_OVERLAP)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -161,7 +163,7 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
-                       prefill=args.chunk)
+                       prefill=args.chunk, ring_overlap=args.ring_overlap)
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")
@@ -198,6 +200,8 @@ def main() -> None:
         "cpu_threads": tiers.pool.n_threads,
         "cpu_driver": args.cpu_driver,
         "decode_graphs": model.decode_graphs is not None,
+        "ring_overlap": args.ring_overlap,
+        "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,
         "budget_mib": budget_mib,

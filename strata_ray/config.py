@@ -81,6 +81,7 @@ class EngineConfig:
     arena_pin_gib: float | None = None  # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store
     kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
+    ring_overlap: bool = False  # STRATA_RING_OVERLAP=1 (env only): prompt ring copies overlap the kernels
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -346,6 +347,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_DECODE_GRAPHS", "") != "":
         values["decode_graphs"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_GRAPHS"],
                                               "STRATA_DECODE_GRAPHS") == "1"
+    if env.get("STRATA_RING_OVERLAP", "") != "":
+        values["ring_overlap"] = parse_value(_choice("0", "1"), env["STRATA_RING_OVERLAP"],
+                                             "STRATA_RING_OVERLAP") == "1"
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

@@ -22,6 +22,7 @@ from strata_ray.experts.tiered import LocalRounds, TieredExperts
 log = logging.getLogger("strata_ray.experts")
 
 RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob)
+RING_SLOTS_OVERLAP = 64  # two halves of 32 when the ring's copies overlap its kernels (STRATA_RING_OVERLAP)
 PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 
@@ -41,7 +42,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     store = HostStore(loaded_file, pin_gib=config.arena_pin_gib)
     n_slots = cache_slots(config, store, device)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
-    ring = RING_SLOTS if device.type == "cuda" else 0
+    ring = (RING_SLOTS_OVERLAP if config.ring_overlap else RING_SLOTS) if device.type == "cuda" else 0
     cache = SlotCache(store, residency, device, ring_slots=ring)
     cache.fill(profile, progress=reporter.fill if reporter is not None else progress)
     rounds = None
@@ -50,7 +51,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
             AdaptiveTier(hp.n_layer, hp.n_expert, config.adapt_every, config.adapt_swaps, config.adapt_decay)
         )
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
-                         kernel_variant=config.kernel_variant)
+                         kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap)
 
 
 def _decode_graphs(config, model, stage) -> None:

@@ -2,8 +2,9 @@
 
 Nothing is copied: each layer's `ffn_{gate,up,down}_exps` (or fused `ffn_gate_up_exps`) is a zero-copy
 view of the file map, uint8 [X, rows, row_bytes], which the CPU pool reads in place. With CUDA and
-`pin_gib` (STRATA_ARENA_PIN_GIB) set, whole layers up to that cap move into page-locked torch memory;
-blob copies of the rest go through the slot cache's pinned staging buffers.
+`pin_gib` (STRATA_ARENA_PIN_GIB) set, whole layers up to that cap move into page-locked torch memory,
+which the device copies from directly; blob copies of the rest go through the slot cache's pinned
+staging buffers.
 
 A blob is one pair's bytes in a fixed order, gate | up | down: the unit a cache slot holds.
 """
@@ -91,7 +92,7 @@ class HostStore:
         if not self.layers:
             raise ModelFormatError("the model has no routed-expert tensors (ffn_*_exps)")
         self.pinned_bytes = 0
-        self._pinned: list[torch.Tensor] = []  # page-locked copies of whole layers (CUDA only)
+        self._pinned: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> page-locked gate, up, down (CUDA)
         if torch.cuda.is_available():
             self._pin(pin_gib)
         if prefault_pages:
@@ -145,6 +146,12 @@ class HostStore:
         lay = self.layers[b]
         return lay.gate[e].reshape(-1), lay.up[e].reshape(-1), lay.down[e].reshape(-1)
 
+    def pinned_parts(self, b: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The pair's gate, up, down as flat page-locked torch tensors when its layer is pinned (the device
+        copies them straight, without a staging buffer), else None."""
+        parts = self._pinned.get(b)
+        return None if parts is None else tuple(t[e].reshape(-1) for t in parts)
+
     def blob_bytes(self, b: int, e: int) -> bytes:
         """The pair's blob (gate | up | down), for byte-for-byte checks."""
         return b"".join(p.tobytes() for p in self.blob_parts(b, e))
@@ -165,13 +172,14 @@ class HostStore:
             size = sum(a.nbytes for a in arrays)
             if self.pinned_bytes + size > cap:
                 break
-            copies = []
+            pinned = []
             for a in arrays:
                 t = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)
                 t.numpy()[...] = a
-                self._pinned.append(t)
-                copies.append(t.numpy())
-            self.layers[b] = ExpertLayer(*copies, lay.gate_type, lay.up_type, lay.down_type)
+                pinned.append(t)
+            self._pinned[b] = tuple(pinned)
+            types = (lay.gate_type, lay.up_type, lay.down_type)
+            self.layers[b] = ExpertLayer(*(t.numpy() for t in pinned), *types)
             self.pinned_bytes += size
         log.info(
             "host store: %.1f GiB of experts in pinned memory (%.1f s)",
@@ -180,5 +188,5 @@ class HostStore:
         )
 
     def close(self) -> None:
-        self._pinned = []
+        self._pinned = {}
         self.pinned_bytes = 0

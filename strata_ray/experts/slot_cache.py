@@ -107,6 +107,10 @@ class SlotCache:
         self.is_cuda = self.device.type == "cuda"
         self.swap_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._swap_event = None
+        # prompt ring in two halves (copy_ring): copies into one half on their own stream while the kernels
+        # read the other; _ring_read[h] marks the end of the compute stream's last reads of half h
+        self.ring_stream = torch.cuda.Stream(self.device) if self.is_cuda and ring_slots else None
+        self._ring_read: list = [None, None]
         self.fill_seconds = 0.0
         self.fill_line = ""
         self.staged = self.is_cuda if staging is None else staging
@@ -147,11 +151,36 @@ class SlotCache:
     def ring_slot(self, i: int) -> int:
         return self.n_slots + i
 
+    def copy_ring(self, items: Sequence[tuple[int, int, int]], half: int) -> None:
+        """copy_blobs into ring half `half` on the ring stream, after the compute stream's last reads of
+        that half (ring_read); the compute stream then waits for these copies only, so the next half's
+        copies run while this half's kernels do. On a CPU primary: copy_blobs."""
+        if self.ring_stream is None:
+            self.copy_blobs(items)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.ring_stream):
+            if self._ring_read[half] is not None:
+                self.ring_stream.wait_event(self._ring_read[half])
+            self.copy_blobs(items)
+            copied = torch.cuda.Event()
+            copied.record(self.ring_stream)
+        compute.wait_event(copied)
+
+    def ring_read(self, half: int) -> None:
+        """The compute stream's kernels reading ring half `half` are queued: later copies into it wait."""
+        if self.ring_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._ring_read[half] = event
+
     # -- copies --------------------------------------------------------------------------------------
     def copy_blob(self, layer: int, expert: int, slot: int, non_blocking: bool = False) -> None:
         """Byte-exact copy of the pair's gate | up | down into `slot`. On CUDA through a ring of pinned
         staging buffers (numpy fills one, the H2D copy runs on the current stream, an event guards
         the buffer's reuse), so copies run at pinned speed whether or not the map is page-locked."""
+        if self.is_cuda and self._copy_pinned(layer, expert, slot):
+            return
         if not self.staged:
             self._write_blob(self.storage.numpy()[slot], layer, expert)
             return
@@ -159,9 +188,12 @@ class SlotCache:
         self._issue(i, self._fill(i, layer, expert), slot)
 
     def copy_blobs(self, items: Sequence[tuple[int, int, int]]) -> None:
-        """copy_blob for many (layer, expert, slot), in groups of STAGING / 2: a group's buffers are filled
-        by FILL_THREADS threads at once (numpy copies release the GIL) while the previous group's
-        host-to-device copies run, so the host side is not one memcpy at a time."""
+        """copy_blob for many (layer, expert, slot). Pairs of pinned layers are copied straight from the
+        store (three asynchronous copies each, no host memcpy); the others in groups of STAGING / 2: a
+        group's buffers are filled by FILL_THREADS threads at once (numpy copies release the GIL) while
+        the previous group's host-to-device copies run, so the host side is not one memcpy at a time."""
+        if self.is_cuda:
+            items = [it for it in items if not self._copy_pinned(*it)]
         if not self.staged:
             for layer, expert, slot in items:
                 self.copy_blob(layer, expert, slot)
@@ -178,6 +210,17 @@ class SlotCache:
                 sizes = list(self._fillers.map(self._fill, bufs, [p[0] for p in part], [p[1] for p in part]))
             for i, n, (_, _, slot) in zip(bufs, sizes, part, strict=True):
                 self._issue(i, n, slot)
+
+    def _copy_pinned(self, layer: int, expert: int, slot: int) -> bool:
+        """Copy the pair from its page-locked layer on the current stream; False when it is not pinned."""
+        parts = self.store.pinned_parts(layer, expert)
+        if parts is None:
+            return False
+        off = 0
+        for p in parts:
+            self.storage[slot, off : off + p.numel()].copy_(p, non_blocking=True)
+            off += p.numel()
+        return True
 
     def _take_staging(self) -> int:
         """The next staging buffer, once the copy that last read it is done."""

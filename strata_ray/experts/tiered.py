@@ -102,9 +102,11 @@ class TieredExperts:
         rounds=None,
         prior: Profile | None = None,
         kernel_variant: str = "simple",
+        ring_overlap: bool = False,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
+        self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
@@ -278,10 +280,11 @@ class TieredExperts:
         torch.cuda.current_stream(self.device).synchronize()
         return ids_pin.numpy().copy(), (x_pin.numpy() if x_pin is not None else None)
 
-    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int32 device tensors of these host index arrays, in one pinned host-to-device copy."""
+    def _upload(self, *arrays: np.ndarray, buffer: str = "index") -> list[torch.Tensor]:
+        """int32 device tensors of these host index arrays, in one pinned host-to-device copy through the
+        staging buffer `buffer` (one upload per buffer name and layer: the copy may still be in flight)."""
         sizes = [a.size for a in arrays]
-        pin = self._staging("index", sum(sizes), torch.int32)
+        pin = self._staging(buffer, sum(sizes), torch.int32)
         np.concatenate([a.astype(np.int32, copy=False) for a in arrays], out=pin.numpy())
         return list(torch.split(pin.to(self.device, non_blocking=True), sizes))
 
@@ -306,28 +309,40 @@ class TieredExperts:
             )
 
     def _stream_rows(self, layer, x, tok, exp, entries, rows) -> None:
-        """Prompt path: copy the non-resident experts into the ring slots, a ring-full at a time, and
-        compute their entries there (the copies and kernels share the compute stream, so a ring slot
-        is only overwritten after the kernel that read it)."""
+        """Prompt path: copy the non-resident experts into the ring slots, a batch at a time, and compute
+        their entries there. Without ring_overlap a batch is the whole ring and the copies share the compute
+        stream (a ring slot is only overwritten after the kernel that read it); with it, batches alternate
+        between the ring's halves and their copies run on the ring stream while the other half computes."""
         from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
-        dev, ring = self.device, self.cache.ring_slots
+        ring = self.cache.ring_slots
+        size = ring // 2 if self.ring_overlap else ring
         experts = np.unique(exp)
-        for c0 in range(0, experts.size, ring):
-            batch = experts[c0 : c0 + ring]
-            with record_function("strata::ring_copies"):  # named in torch.profiler traces (bench_tiers)
-                self.cache.copy_blobs([(layer, int(e), self.cache.ring_slot(i)) for i, e in enumerate(batch)])
+        batches = []  # (half, ring items, tok, ring slot, entry) per batch, host side
+        for n, c0 in enumerate(range(0, experts.size, size)):
+            batch = experts[c0 : c0 + size]
+            half = n % 2 if self.ring_overlap else 0
+            first = half * size  # the batch's first ring slot
             ring_of = np.full(self.n_expert, -1, np.int64)
-            ring_of[batch] = self.cache.n_slots + np.arange(batch.size)
+            ring_of[batch] = self.cache.ring_slot(first) + np.arange(batch.size)
             sel = np.flatnonzero(ring_of[exp] >= 0)
-            out = expert_ffn_gpu(
-                x,
-                torch.from_numpy(tok[sel]).to(dev),
-                torch.from_numpy(ring_of[exp[sel]]).to(dev),
-                self.cache.layer_view(layer),
-                variant=self.kernel_variant,
-            )
-            rows[torch.from_numpy(entries[sel]).to(dev)] = out
+            items = [(layer, int(e), self.cache.ring_slot(first + i)) for i, e in enumerate(batch)]
+            batches.append((half, items, tok[sel], ring_of[exp[sel]], entries[sel]))
+        # every batch's indices in one pinned copy: no host sync between batches, so the host fills the next
+        # batch's staging buffers while the device computes this one
+        on_device = self._upload(*(a for b in batches for a in b[2:]), buffer="ring_index")
+        view = self.cache.layer_view(layer)
+        for n, (half, items, *_) in enumerate(batches):
+            tok_d, slot_d, entries_d = on_device[3 * n : 3 * n + 3]
+            with record_function("strata::ring_copies"):  # named in torch.profiler traces (bench_tiers)
+                if self.ring_overlap:
+                    self.cache.copy_ring(items, half)
+                else:
+                    self.cache.copy_blobs(items)
+            out = expert_ffn_gpu(x, tok_d, slot_d, view, variant=self.kernel_variant)
+            if self.ring_overlap:
+                self.cache.ring_read(half)
+            rows[entries_d] = out
 
     def count_entries(
         self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float

@@ -60,10 +60,14 @@ def test_greedy_tokens_identical_across_cache_sizes_on_cuda(model_path):
 
 
 @pytest.mark.parametrize("n_tok", [1, 5, 24])
-def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_tok):
-    _, gpu = load_tiered_model(
-        EngineConfig(model=model_path, device="cuda", expert_cache=12), "cuda", progress=False
-    )
+@pytest.mark.parametrize("copies", ["staged", "ring overlap", "pinned store", "pinned, overlap"])
+def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_tok, copies):
+    """24 tokens stream the misses through the ring: from staging buffers on the compute stream, in two
+    halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store."""
+    cfg = EngineConfig(model=model_path, device="cuda", expert_cache=12,
+                       ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else None)
+    _, gpu = load_tiered_model(cfg, "cuda", progress=False)
+    assert (gpu.store.pinned_bytes > 0) == ("pinned" in copies)
     _, cpu = load_tiered_model(
         EngineConfig(model=model_path, device="cpu", expert_cache=0), "cpu", progress=False
     )
