@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# One pass on the GPU machine: every GPU test (both expert-kernel variants), then the kernel, CPU-pool and
-# tier benchmarks. Each step has its own time limit so one slow step cannot eat the session's device time;
-# logs and JSON go to $OUT (the device tool's folder) or out/device.
+# One pass on the GPU machine: GPU tests, kernel / CPU-pool / tier benchmarks, and the full synthetic
+# 80b-a3b runs. Each step has its own time limit so one slow step cannot eat the session's device time.
+# Logs and JSON go to a work folder; at the end it is packed into $OUT/device.tgz (the device tool brings
+# back at most 8 files, so one tarball), or kept in out/device without $OUT.
 #
-#   run tool, carry [".devbundle"]:  source .devbundle/env.sh && bash scripts/device_check.sh
-#   STEPS="tests kernels cpu tiers"   which steps (default: all four, in that order)
-#   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300   per-step time limits in seconds
+#   run tool, carry [".devbundle", ".nbc"]:  source .devbundle/env.sh && bash scripts/device_check.sh
+#   STEPS="tests kernels cpu tiers"   which steps, in this order (default: those four). Also:
+#     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
+#     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
+#     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
+#   TESTS="tests/..."   the GPU tests to run (default: all)
+#   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
+#   LIMIT_OURS=300   per-step time limits in seconds
+# With $OUT set and a numba cache in .nbc/nbc.tgz (made on that machine), the cache is unpacked first and
+# the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end.
 set -uo pipefail
-out=${OUT:-out/device}
-mkdir -p "$out"
+work=$([[ -n "${OUT:-}" ]] && echo /tmp/device-out || echo out/device)
+mkdir -p "$work"
 steps=${STEPS:-tests kernels cpu tiers}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+M80=${M80:-/tmp/m80.gguf}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
+if [[ -n "${OUT:-}" && -f .nbc/nbc.tgz ]]; then  # on the device machine only: never touch a dev checkout
+    find strata_ray scripts tests -name '*.py' -exec touch -d '2026-01-01 00:00:00' {} +
+    tar xzf .nbc/nbc.tgz -C "$(dirname "$NUMBA_CACHE_DIR")"
+fi
 
 step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
     local name=$1 limit=$2
@@ -20,13 +33,29 @@ step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
     [[ " $steps " == *" $name "* ]] || return 0
     echo "== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout "$limit" "$@" >> "$work/$name.log" 2>&1
     echo "== $name: exit $? after $((SECONDS - t0)) s"
-    tail -n 40 "$out/$name.log"
+    tail -n 25 "$work/$name.log"
 }
 
-nvidia-smi -L 2>/dev/null | tee "$out/gpu.txt"
-step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs
-step kernels 180 python scripts/bench_kernels.py --quick --section-out "$out/kernels.md"
-step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,16
-step tiers 300 python scripts/bench_tiers.py --layers 8 --decode 24 --pin-gib "${PIN_GIB:-0}" --json-out "$out/tiers.json"
+nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
+# shellcheck disable=SC2086
+step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
+step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
+step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15
+step tiers 300 python scripts/bench_tiers.py --layers 8 --decode 24 --pin-gib "${PIN_GIB:-0}" --json-out "$work/tiers.json"
+[[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
+    --expert-type Q4_0 -o "$M80" --no-progress
+# the same 8K prefill three ways (each run loads the model, ~25 s): staged copies, ring overlap, pinned store
+prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 --chunk 4096)
+step prefill 120 "${prefill[@]}" --json-out "$work/prefill-staged.json"
+step prefill 120 "${prefill[@]}" --ring-overlap --json-out "$work/prefill-overlap.json"
+step prefill 150 "${prefill[@]}" --ring-overlap --pin-gib 48 --json-out "$work/prefill-pinned.json"
+step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
+    OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
+if [[ -n "${OUT:-}" ]]; then
+    [[ -d "$NUMBA_CACHE_DIR" ]] && tar czf "$work/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
+        "$(basename "$NUMBA_CACHE_DIR")"
+    tar czf "$OUT/device.tgz" -C "$(dirname "$work")" "$(basename "$work")"
+    echo "packed $work into \$OUT/device.tgz"
+fi
