@@ -109,8 +109,6 @@ class DecodeRows:
 
     def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """Layer `layer`'s rows for one token: x [1, E] normed MoE input, ids [1, K] -> rows() ready."""
-        from strata_ray.kernels.expert_gpu import tile_entries
-
         tiers = self.tiers
         if layer == 0:
             tiers.start_forward(1)
@@ -122,6 +120,8 @@ class DecodeRows:
         n_hit = self.k - miss.size
         view = tiers.cache.layer_view(layer)
         if self.cuda:
+            from strata_ray.kernels.expert_gpu import tile_entries  # Triton: CUDA machines only
+
             self._upload_plan(slot, hit, tile_entries(1, "decode", tiers.kernel_variant, view.is_float))
             if n_hit and self.capture:
                 self._graphs[layer].replay()
