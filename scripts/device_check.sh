@@ -8,10 +8,12 @@
 #   STEPS="tests kernels cpu tiers"   which steps, in this order (default: those four). Also:
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
+#     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
+#               per expert call: threads asleep or spinning between them)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
 #   TESTS="tests/..."   the GPU tests to run (default: all)
 #   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
-#   LIMIT_OURS=300   per-step time limits in seconds
+#   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
 # With $OUT set and a numba cache in .nbc/nbc.tgz (made on that machine), the cache is unpacked first and
 # the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end.
 set -uo pipefail
@@ -51,6 +53,10 @@ prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 
 step prefill 120 "${prefill[@]}" --json-out "$work/prefill-staged.json"
 step prefill 120 "${prefill[@]}" --ring-overlap --json-out "$work/prefill-overlap.json"
 step prefill 150 "${prefill[@]}" --ring-overlap --pin-gib 48 --json-out "$work/prefill-pinned.json"
+# decode with OpenMP's threads spinning 100 (the default here) or 10000 rounds between parallel regions
+decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
+step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
+step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
     OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${OUT:-}" ]]; then
