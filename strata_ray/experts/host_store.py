@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from strata_ray.experts.host_arena import HostBlock
 from strata_ray.experts.prefault import prefault
 from strata_ray.kernels.contract import QUANT_TYPES, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import cpu_count
 from strata_ray.model.hparams import ModelFormatError
+
+PIN_THREADS = 8  # threads copying the experts into page-locked memory at load (STRATA_ARENA_PIN_GIB)
 
 log = logging.getLogger("strata_ray.experts")
 
@@ -91,8 +95,10 @@ class HostStore:
             )
         if not self.layers:
             raise ModelFormatError("the model has no routed-expert tensors (ffn_*_exps)")
-        self.pinned_bytes = 0
-        self._pinned: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> page-locked gate, up, down (CUDA)
+        self.pinned_bytes = 0  # page-locked (CUDA) bytes of the arena
+        self.arena_bytes = 0  # bytes of layers moved out of the file map (move_to_arena)
+        self._blocks: dict[int, HostBlock] = {}  # layer -> its anonymous (page-locked on CUDA) memory
+        self._pinned: dict[int, tuple[torch.Tensor, ...] | None] = {}  # layer -> pinned gate, up, down
         if torch.cuda.is_available():
             self._pin(pin_gib)
         if prefault_pages:
@@ -158,35 +164,50 @@ class HostStore:
 
     # -- pinning -------------------------------------------------------------------------------------
     def _pin(self, pin_gib: float | None) -> None:
-        """Move whole layers (layer order) into page-locked torch host memory, up to pin_gib.
+        """Page-lock whole layers (layer order) up to pin_gib GiB: see move_to_arena.
 
         Not cudaHostRegister on the file map: on the H200 machine registering a multi-GiB private file
-        mapping did not return within minutes. Unpinned layers still copy at pinned speed through the
-        slot cache's pinned staging buffers; pinning here only saves that host-side hop."""
+        mapping did not return within minutes. Unpinned layers copy through the slot cache's pinned
+        staging buffers (a host memcpy first); pinned ones are copied by the device straight."""
         if not pin_gib:
             return
-        cap = int(pin_gib * 2**30)
         t0 = time.perf_counter()
-        for b, lay in list(self.layers.items()):
-            arrays = (lay.gate, lay.up, lay.down)
-            size = sum(a.nbytes for a in arrays)
-            if self.pinned_bytes + size > cap:
-                break
-            pinned = []
-            for a in arrays:
-                t = torch.empty(a.shape, dtype=torch.uint8, pin_memory=True)
-                t.numpy()[...] = a
-                pinned.append(t)
-            self._pinned[b] = tuple(pinned)
-            types = (lay.gate_type, lay.up_type, lay.down_type)
-            self.layers[b] = ExpertLayer(*(t.numpy() for t in pinned), *types)
-            self.pinned_bytes += size
-        log.info(
-            "host store: %.1f GiB of experts in pinned memory (%.1f s)",
-            self.pinned_bytes / 2**30,
-            time.perf_counter() - t0,
-        )
+        self.move_to_arena(pin_gib, register=True)
+        log.info("host store: %.1f GiB of experts in pinned memory (%.1f s)", self.pinned_bytes / 2**30,
+                 time.perf_counter() - t0)
+
+    def move_to_arena(self, gib: float, register: bool) -> None:
+        """Copy whole layers (layer order, up to `gib` GiB) out of the file map into anonymous host
+        memory of exactly their size (host_arena.HostBlock), page-locked for CUDA when `register`; the
+        layers' views then point there. The copies run on PIN_THREADS threads."""
+        cap = int(gib * 2**30)
+        with ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="strata-pin") as copiers:
+            for b, lay in list(self.layers.items()):
+                if b in self._blocks:
+                    continue
+                arrays = (lay.gate, lay.up, lay.down)
+                size = sum(a.nbytes for a in arrays)
+                if self.arena_bytes + size > cap:
+                    break
+                block = HostBlock(size, register)
+                views, off = [], 0
+                for a in arrays:
+                    views.append(block.view(off, a.shape))
+                    off += a.nbytes
+                # numpy copies release the GIL: 32 experts of a tensor per job, PIN_THREADS jobs at once
+                jobs = [copiers.submit(np.copyto, v[e0 : e0 + 32], a[e0 : e0 + 32])
+                        for v, a in zip(views, arrays, strict=True) for e0 in range(0, a.shape[0], 32)]
+                for job in jobs:
+                    job.result()
+                self._blocks[b] = block
+                self._pinned[b] = tuple(torch.from_numpy(v) for v in views) if register else None
+                self.layers[b] = ExpertLayer(*views, lay.gate_type, lay.up_type, lay.down_type)
+                self.arena_bytes += size
+                self.pinned_bytes += size if register else 0
 
     def close(self) -> None:
         self._pinned = {}
-        self.pinned_bytes = 0
+        for block in self._blocks.values():
+            block.close()
+        self._blocks = {}
+        self.pinned_bytes = self.arena_bytes = 0

@@ -44,6 +44,28 @@ def test_blob_is_gate_up_down_in_order(tiny):
     assert store.pinned_bytes == 0  # no CUDA here (and pin_gib=0)
 
 
+def test_arena_holds_the_same_bytes_outside_the_file_map(tiny):
+    """move_to_arena (what STRATA_ARENA_PIN_GIB does on CUDA, here without page-locking): whole layers
+    up to the cap, byte-exact, no longer views of the file, and the expert kernels give the same rows."""
+    from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+
+    store, plain = HostStore(tiny, pin_gib=0), HostStore(tiny, pin_gib=0)
+    per_layer = store.layouts[0].nbytes * store.n_expert
+    store.move_to_arena(2.5 * per_layer / 2**30, register=False)  # two whole layers fit, not three
+    assert store.arena_bytes == 2 * per_layer and store.pinned_bytes == 0
+    moved = [b for b in store.layers if not np.shares_memory(store.layer(b).gate, plain.layer(b).gate)]
+    assert moved == [0, 1]
+    assert store.pinned_parts(0, 3) is None  # not page-locked: copies go through staging
+    x = np.random.default_rng(0).standard_normal((2, store.layer(0).n_embd)).astype(np.float32)
+    tok, exp = np.array([0, 1, 1]), np.array([3, 3, 7])
+    for b in (0, 1, 2):
+        assert store.blob_bytes(b, 3) == plain.blob_bytes(b, 3)
+        rows, want = expert_ffn_cpu(x, tok, exp, store.layer(b)), expert_ffn_cpu(x, tok, exp, plain.layer(b))
+        assert np.array_equal(rows, want)
+    store.close()
+    assert store.arena_bytes == 0
+
+
 @pytest.mark.parametrize("float_part", ["gate", "up", "down"])
 def test_float_expert_tensor_is_refused_by_name(tmp_path, float_part):
     hp = preset_hparams("qwen3moe", "tiny")
