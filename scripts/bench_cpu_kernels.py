@@ -42,14 +42,15 @@ def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
     return 2 * n_bytes / best / 1e9
 
 
-def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, rng) -> tuple[float, float]:
-    """(ms per call, GB/s) for n_tok tokens x top-10 over a pool of n_expert experts."""
+def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, rng,
+               top_k: int = TOP_K) -> tuple[float, float]:
+    """(ms per call, GB/s) for n_tok tokens x top_k experts over a pool of n_expert experts."""
     layer = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
     per = sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down))
     x = rng.standard_normal((n_tok, E)).astype(np.float32)
-    tok = np.repeat(np.arange(n_tok), TOP_K).astype(np.int32)
+    tok = np.repeat(np.arange(n_tok), top_k).astype(np.int32)
     calls = []  # every expert of the pool once per pass: nothing is left in the caches from the last call
-    for s in rng.permutation(n_expert)[: n_expert // TOP_K * TOP_K].reshape(-1, TOP_K):
+    for s in rng.permutation(n_expert)[: n_expert // top_k * top_k].reshape(-1, top_k):
         exp = np.concatenate([rng.permutation(s) for _ in range(n_tok)]).astype(np.int32)
         calls.append((tok, exp))
     expert_ffn_cpu(x, *calls[0], layer, pool=pool)  # compile / warm
@@ -59,7 +60,7 @@ def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, 
         for tk, ex in calls:
             expert_ffn_cpu(x, tk, ex, layer, pool=pool)
         best = min(best, (time.perf_counter() - t) / len(calls))
-    return best * 1e3, TOP_K * per / best / 1e9
+    return best * 1e3, top_k * per / best / 1e9
 
 
 def l3_bytes() -> int:
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
     ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--top-k", default=str(TOP_K), help="experts per call, e.g. 2,5,10: the time per call "
+                    "against the count gives the call's fixed cost (the engine's decode calls hold ~5)")
     ap.add_argument("--experts", type=int, default=None, help="expert pool size (default: twice the L3)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
@@ -96,11 +99,12 @@ def main() -> None:
         with CpuPool(n_threads, numba_parallel=driver == "numba") as pool:
             print(f"threads {n_threads} ({driver}): host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s "
                   "(read + write)")
+            cases = [(int(t), int(k)) for t in args.tokens.split(",") for k in args.top_k.split(",")]
             for name in args.types.split(","):
-                for n_tok in (int(t) for t in args.tokens.split(",")):
+                for n_tok, k in cases:
                     n_expert = pool_experts(TYPES[name], args.experts)
-                    ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng)
-                    case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{TOP_K}"
+                    ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)
+                    case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{k}"
                     print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
 
 
