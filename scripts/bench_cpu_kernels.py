@@ -42,10 +42,17 @@ def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
     return 2 * n_bytes / best / 1e9
 
 
+_LAYERS: dict = {}
+
+
 def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, rng,
                top_k: int = TOP_K) -> tuple[float, float]:
     """(ms per call, GB/s) for n_tok tokens x top_k experts over a pool of n_expert experts."""
-    layer = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
+    key = (wtype, n_expert)
+    if key not in _LAYERS:  # one random pool per type and size (random bytes of a GB take seconds)
+        _LAYERS.clear()
+        _LAYERS[key] = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
+    layer = _LAYERS[key]
     per = sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down))
     x = rng.standard_normal((n_tok, E)).astype(np.float32)
     tok = np.repeat(np.arange(n_tok), top_k).astype(np.int32)

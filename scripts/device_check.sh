@@ -44,7 +44,7 @@ nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
 # shellcheck disable=SC2086
 step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
 step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
-step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 --top-k 1,3,5,10
+step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 --tokens 1 --top-k 1,3,5,10
 step tiers 300 python scripts/bench_tiers.py --layers 8 --decode 24 --pin-gib "${PIN_GIB:-0}" --json-out "$work/tiers.json"
 [[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
     --expert-type Q4_0 -o "$M80" --no-progress
