@@ -141,6 +141,20 @@ def group_entries(exp: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(int(sorted_exp[c0]), order[c0:c1]) for c0, c1 in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
+def group_arrays(exp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """group_entries as arrays, for the quantized kernels: (entries grouped by expert, ascending within
+    each group, int64 [M]; group starts int64 [G + 1]; the groups' experts int64 [G]), without Python
+    lists (a decode call holds ~5 experts and this runs 48 times a token)."""
+    order = np.argsort(exp, kind="stable")
+    sorted_exp = exp[order]
+    first = np.empty(len(exp), dtype=bool)
+    first[:1] = True
+    np.not_equal(sorted_exp[1:], sorted_exp[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    g_start = np.append(starts, len(exp)).astype(np.int64)
+    return order.astype(np.int64, copy=False), g_start, sorted_exp[starts]
+
+
 def _row_ranges(n_rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(r, min(r + chunk, n_rows)) for r in range(0, n_rows, chunk)]
 
@@ -196,22 +210,20 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     out = np.zeros((m, n_embd), f32)
     if m == 0:
         return out
-    groups = group_entries(exp)
     if layer.is_float:
-        _float_ffn(x, tok, groups, layer, pool, out)
+        _float_ffn(x, tok, group_entries(exp), layer, pool, out)
         return out
+    ents, g_start, g_exp = group_arrays(exp)
+    n_groups = len(g_exp)
     xq, xd, xs = quantize_act_sums(x)
     h = np.empty((m, n_ff), f32)
     hq = np.empty((m, n_ff), np.int8)
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
     gate, up, down = _contiguous(layer.gate), _contiguous(layer.up), _contiguous(layer.down)
-    ents = np.concatenate([ent for _, ent in groups])
-    g_start = np.cumsum([0] + [len(ent) for _, ent in groups]).astype(np.int64)
-    g_exp = np.array([e for e, _ in groups], np.int64)
     # One share per thread, never more shares than 32-row tiles.
-    n_up = min(pool.n_threads, len(groups) * n_ff // QK)
-    n_down = min(pool.n_threads, len(groups) * n_embd // QK)
+    n_up = min(pool.n_threads, n_groups * n_ff // QK)
+    n_down = min(pool.n_threads, n_groups * n_embd // QK)
     args = (gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp)
     if pool.n_threads > 1 and pool.numba_parallel:
         with numba_threads(max(n_up, n_down)):

@@ -8,7 +8,7 @@ from conftest import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
 
 from strata_ray.kernels.contract import Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.cpu_pool import CpuPool
-from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_entries
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_arrays, group_entries
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.kernels.spec import expert_ffn_spec
 
@@ -88,6 +88,18 @@ def test_reads_memory_mapped_bytes_in_place(tmp_path, rng):
 def test_group_entries():
     groups = group_entries(np.array([3, 1, 3, 0, 1]))
     assert [(e, list(ent)) for e, ent in groups] == [(0, [3]), (1, [1, 4]), (3, [0, 2])]
+
+
+@pytest.mark.parametrize("exp", [[3, 1, 3, 0, 1], [7], [2, 2, 2],
+                                 list(np.random.default_rng(3).integers(0, 9, 222))])
+def test_group_arrays_are_group_entries_flattened(exp):
+    exp = np.array(exp, np.int64)
+    ents, g_start, g_exp = group_arrays(exp)
+    groups = group_entries(exp)
+    assert g_exp.tolist() == [e for e, _ in groups]
+    assert ents.tolist() == [int(i) for _, ent in groups for i in ent]
+    assert g_start.tolist() == np.cumsum([0] + [len(ent) for _, ent in groups]).tolist()
+    assert ents.dtype == g_start.dtype == g_exp.dtype == np.int64
 
 
 def test_errors_are_one_line(rng):
