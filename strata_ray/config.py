@@ -257,7 +257,8 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
         for i in (1, 2, 3)
     },
     "prefill": ("--prefill", "CHUNK|auto", _prefill,
-                f"prompt chunk in tokens, a multiple of {PREFILL_ALIGN} up to {PREFILL_MAX} (default auto)"),
+                f"prompt chunk in tokens, a multiple of {PREFILL_ALIGN} up to {PREFILL_MAX} (default auto: "
+                "4096 on CUDA, whose temporaries the auto expert cache leaves free; 512 on CPU)"),
     "spec": ("--spec", "N", int_range(0, SPEC_MAX_DRAFTS),
              f"MTP drafts per verify window, 0..{SPEC_MAX_DRAFTS} (window = N+1 tokens; default 0 = off)"),
 }
