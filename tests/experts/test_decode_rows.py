@@ -10,37 +10,24 @@ import torch
 from strata_ray.config import EngineConfig
 from strata_ray.experts.build import load_tiered_model
 from strata_ray.experts.decode_rows import DecodeRows
-from strata_ray.model.synth import write_synth
+from tests.experts.decoding import greedy_logits
 
 PROMPT = [5, 17, 101, 42, 250, 7, 64, 3, 99, 180]
 DECODE = 10
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
-    return str(path)
-
-
-def _run(model_path, graphs: bool, **kw):
+def _run(tiny_next, graphs: bool, **kw):
     """Greedy decode -> (stacked logits, tier counters) with or without the decode graph segments."""
-    cfg = replace(EngineConfig(model=model_path, device="cpu"), **kw)
+    cfg = replace(EngineConfig(model=tiny_next, device="cpu"), **kw)
     loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
     model = loaded.model
     if graphs:
         model.use_decode_graphs(capture=False)
         assert isinstance(model.decode_graphs.rows, DecodeRows)
-    with torch.inference_mode():
-        state = model.new_state()
-        logits = model.forward(PROMPT, state)[-1:]
-        out = []
-        for _ in range(DECODE):
-            logits = model.forward([int(logits[-1].argmax())], state)
-            out.append(logits)
+    logits = greedy_logits(model, PROMPT, DECODE)
     tiers.finish()
     c = tiers.metrics.counts
-    return torch.cat(out), (c.slot_hits, c.cpu_entries, c.swaps, c.windows, c.tokens)
+    return logits, (c.slot_hits, c.cpu_entries, c.swaps, c.windows, c.tokens)
 
 
 @pytest.mark.parametrize("placement", [
@@ -49,9 +36,9 @@ def _run(model_path, graphs: bool, **kw):
     dict(expert_cache=10, adapt_every=1, adapt_swaps=8),
     dict(expert_cache=32),
 ])
-def test_decode_rows_equal_the_tiered_call_bit_for_bit(model_path, placement):
-    plain_logits, plain_counts = _run(model_path, graphs=False, **placement)
-    got_logits, got_counts = _run(model_path, graphs=True, **placement)
+def test_decode_rows_equal_the_tiered_call_bit_for_bit(tiny_next, placement):
+    plain_logits, plain_counts = _run(tiny_next, graphs=False, **placement)
+    got_logits, got_counts = _run(tiny_next, graphs=True, **placement)
     assert torch.equal(got_logits, plain_logits)
     assert got_counts == plain_counts  # hits, CPU entries, swaps, windows, tokens
     hits, cpu_entries, swaps, _, tokens = got_counts
@@ -62,8 +49,8 @@ def test_decode_rows_equal_the_tiered_call_bit_for_bit(model_path, placement):
         assert hits > 0 and cpu_entries > 0  # both tiers served the step
 
 
-def test_capture_without_a_cuda_cache_is_refused(model_path):
-    loaded, tiers = load_tiered_model(replace(EngineConfig(model=model_path, device="cpu")), "cpu",
+def test_capture_without_a_cuda_cache_is_refused(tiny_next):
+    loaded, tiers = load_tiered_model(replace(EngineConfig(model=tiny_next, device="cpu")), "cpu",
                                       progress=False)
     with pytest.raises(ValueError, match="need the slot cache on a CUDA device"):
         tiers.decode_rows(loaded.hp.n_embd, loaded.hp.n_expert_used, capture=True)

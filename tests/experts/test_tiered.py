@@ -15,21 +15,13 @@ from strata_ray.experts.profile import Profile, ProfileError, read_profile, writ
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.moe import combine_rows
-from strata_ray.model.synth import write_synth
 
 PROMPT = [5, 17, 101, 42, 250, 7, 64, 3, 99, 180]
 DECODE = 8
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_synth(path, arch="qwen3next", preset="tiny", progress=False)
-    return str(path)
-
-
-def config(model_path, **kw):
-    return replace(EngineConfig(model=model_path, device="cpu"), **kw)
+def config(tiny_next, **kw):
+    return replace(EngineConfig(model=tiny_next, device="cpu"), **kw)
 
 
 def greedy(loaded, prompt=PROMPT, n=DECODE):
@@ -44,9 +36,9 @@ def greedy(loaded, prompt=PROMPT, n=DECODE):
     return out
 
 
-def test_rows_match_the_kernel_reference(model_path):
+def test_rows_match_the_kernel_reference(tiny_next):
     loaded, tiers = load_tiered_model(
-        config(model_path, expert_cache=10, adapt_every=0), "cpu", progress=False
+        config(tiny_next, expert_cache=10, adapt_every=0), "cpu", progress=False
     )
     hp = loaded.hp
     layer = 2
@@ -62,22 +54,22 @@ def test_rows_match_the_kernel_reference(model_path):
     want = combine_rows(torch.from_numpy(ref).view(3, 2, -1), w)
     assert torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()))
     # and bit for bit what an all-CPU placement gives
-    _, cpu_only = load_tiered_model(config(model_path, expert_cache=0), "cpu", progress=False)
+    _, cpu_only = load_tiered_model(config(tiny_next, expert_cache=0), "cpu", progress=False)
     assert torch.equal(got, cpu_only(layer, x, ids, w))
 
 
-def test_greedy_tokens_do_not_depend_on_placement(model_path, tmp_path):
-    hp = GGUFFile(model_path).hparams
+def test_greedy_tokens_do_not_depend_on_placement(tiny_next, tmp_path):
+    hp = GGUFFile(tiny_next).hparams
     n_pairs = hp.n_layer * hp.n_expert
     backwards = Profile(hp.n_layer, hp.n_expert, np.stack(divmod(np.arange(n_pairs)[::-1], hp.n_expert), 1))
     write_profile(tmp_path / "p.strp", backwards)
     runs = {
-        "cache 0": config(model_path, expert_cache=0),
-        "all cached": config(model_path, expert_cache=n_pairs),
+        "cache 0": config(tiny_next, expert_cache=0),
+        "all cached": config(tiny_next, expert_cache=n_pairs),
         "profile": config(
-            model_path, expert_cache=n_pairs // 3, expert_profile=str(tmp_path / "p.strp"), adapt_every=0
+            tiny_next, expert_cache=n_pairs // 3, expert_profile=str(tmp_path / "p.strp"), adapt_every=0
         ),
-        "adaptive": config(model_path, expert_cache=n_pairs // 3, adapt_every=1, adapt_swaps=8),
+        "adaptive": config(tiny_next, expert_cache=n_pairs // 3, adapt_every=1, adapt_swaps=8),
     }
     tokens, swaps = {}, {}
     for name, cfg in runs.items():
@@ -89,8 +81,8 @@ def test_greedy_tokens_do_not_depend_on_placement(model_path, tmp_path):
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens
 
 
-def test_learned_profile_saved_after_a_generation(model_path, tmp_path):
-    cfg = config(model_path, expert_cache=12, adapt_every=1, adapt_swaps=4)
+def test_learned_profile_saved_after_a_generation(tiny_next, tmp_path):
+    cfg = config(tiny_next, expert_cache=12, adapt_every=1, adapt_swaps=4)
     loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
     greedy(loaded, n=4)
     tiers.finish()
@@ -106,12 +98,12 @@ def test_learned_profile_saved_after_a_generation(model_path, tmp_path):
     assert set(saved.pair_ids()[: len(resident)].tolist()) == resident  # resident pairs first
 
 
-def test_mismatched_profile_is_refused(model_path, tmp_path):
+def test_mismatched_profile_is_refused(tiny_next, tmp_path):
     write_profile(tmp_path / "other.strp", Profile(3, 8, np.array([(0, 0)])))
-    file = GGUFFile(model_path)
+    file = GGUFFile(tiny_next)
     with pytest.raises(ProfileError, match="is for 3 layers x 8 experts, but the model has 4 layers x 8"):
         build_expert_backend(
-            config(model_path, expert_profile=str(tmp_path / "other.strp")),
+            config(tiny_next, expert_profile=str(tmp_path / "other.strp")),
             file,
             file.hparams,
             "cpu",
@@ -119,8 +111,8 @@ def test_mismatched_profile_is_refused(model_path, tmp_path):
         )
 
 
-def test_engine_builds_the_tiers_and_accepts_the_flags(model_path):
-    cfg = config(model_path, expert_cache=5, vram_budget_mib=100, expert_profile_save="/tmp/x.strp")
+def test_engine_builds_the_tiers_and_accepts_the_flags(tiny_next):
+    cfg = config(tiny_next, expert_cache=5, vram_budget_mib=100, expert_profile_save="/tmp/x.strp")
     assert unavailable_feature(cfg) is None
     engine = Engine(cfg)
     assert engine.tiers is not None and engine.tiers.residency.n_slots == 5
@@ -140,25 +132,25 @@ def test_coordinator_plans_rounds_from_sent_counts():
     assert coord.status()["adaptive"] == {"rounds": 1, "swaps": 2, "windows": 4}  # the skipped one uncounted
 
 
-def test_engine_generate_reports_tiers_and_saves_the_learned_profile(model_path, tmp_path):
+def test_engine_generate_reports_tiers_and_saves_the_learned_profile(tiny_next, tmp_path):
     from strata_ray.engine.engine import GenerationRequest
 
     save = tmp_path / "learned.strp"
     tokens = []
     for cache in (0, 12):
         cfg = config(
-            model_path, expert_cache=cache, adapt_every=1, adapt_swaps=4, expert_profile_save=str(save)
+            tiny_next, expert_cache=cache, adapt_every=1, adapt_swaps=4, expert_profile_save=str(save)
         )
         summary = Engine(cfg).generate(GenerationRequest(prompt_ids=tuple(PROMPT), max_tokens=6))
         assert "cache hits" in summary.summary_line()
         tokens.append(summary.token_ids)
     assert tokens[0] == tokens[1]
-    assert read_profile(save).n_layers == GGUFFile(model_path).hparams.n_layer
+    assert read_profile(save).n_layers == GGUFFile(tiny_next).hparams.n_layer
 
 
-def test_warm_up_runs_every_cpu_path_and_counts_nothing(model_path):
+def test_warm_up_runs_every_cpu_path_and_counts_nothing(tiny_next):
     """Load compiles the kernels (warm_up); it must not show up in the decode metrics or the rounds."""
-    _, tiers = load_tiered_model(config(model_path, expert_cache=10), "cpu", progress=False)
+    _, tiers = load_tiered_model(config(tiny_next, expert_cache=10), "cpu", progress=False)
     assert tiers.metrics.counts == type(tiers.metrics.counts)()  # the load's warm-up left no counts
     assert tiers.warm_up() >= 0.0
     assert tiers.metrics.counts == type(tiers.metrics.counts)() and not tiers.heat.any()

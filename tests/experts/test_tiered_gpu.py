@@ -10,7 +10,7 @@ import torch
 
 from strata_ray.config import EngineConfig
 from strata_ray.experts.build import load_tiered_model
-from strata_ray.model.synth import write_synth
+from tests.experts.decoding import greedy_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,13 +19,6 @@ pytestmark = [
 
 PROMPT = list(range(3, 27))  # 24 tokens: a prompt chunk (> 8) streams misses through the ring slots
 DECODE = 10
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_synth(path, arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False)
-    return str(path)
 
 
 def greedy(loaded):
@@ -40,8 +33,8 @@ def greedy(loaded):
     return out
 
 
-def test_greedy_tokens_identical_across_cache_sizes_on_cuda(model_path):
-    base = EngineConfig(model=model_path, device="cuda")
+def test_greedy_tokens_identical_across_cache_sizes_on_cuda(tiny_next_q4):
+    base = EngineConfig(model=tiny_next_q4, device="cuda")
     runs = {
         "cpu pool only": replace(base, expert_cache=0),
         "third cached": replace(base, expert_cache=10, adapt_every=0),
@@ -61,15 +54,15 @@ def test_greedy_tokens_identical_across_cache_sizes_on_cuda(model_path):
 
 @pytest.mark.parametrize("n_tok", [1, 5, 24])
 @pytest.mark.parametrize("copies", ["staged", "ring overlap", "pinned store", "pinned, overlap"])
-def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_tok, copies):
+def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_tok, copies):
     """24 tokens stream the misses through the ring: from staging buffers on the compute stream, in two
     halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store."""
-    cfg = EngineConfig(model=model_path, device="cuda", expert_cache=12,
+    cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=12,
                        ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else None)
     _, gpu = load_tiered_model(cfg, "cuda", progress=False)
     assert (gpu.store.pinned_bytes > 0) == ("pinned" in copies)
     _, cpu = load_tiered_model(
-        EngineConfig(model=model_path, device="cpu", expert_cache=0), "cpu", progress=False
+        EngineConfig(model=tiny_next_q4, device="cpu", expert_cache=0), "cpu", progress=False
     )
     hp = gpu.store.hp
     g = torch.Generator().manual_seed(n_tok)
@@ -82,41 +75,29 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(model_path, n_to
         assert np.array_equal(got.numpy(), want.numpy()), f"layer {layer}"
 
 
-def _decode_logits(loaded, n=DECODE):
-    model = loaded.model
-    with torch.inference_mode():
-        state = model.new_state()
-        logits = model.forward(PROMPT, state)[-1:]
-        out = []
-        for _ in range(n):
-            logits = model.forward([int(logits[-1].argmax())], state)
-            out.append(logits)
-    return torch.cat(out).cpu()
-
-
 @pytest.mark.parametrize("cache", [0, 10, 32])
-def test_decode_graphs_give_the_eager_bits_on_cuda(model_path, cache):
+def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit."""
-    base = EngineConfig(model=model_path, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8)
+    base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8)
     got = {}
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
         assert (loaded.model.decode_graphs is not None) == graphs
-        got[graphs] = _decode_logits(loaded)
+        got[graphs] = greedy_logits(loaded.model, PROMPT, DECODE)
         tiers.finish()
         got[graphs, "counts"] = (tiers.metrics.counts.slot_hits, tiers.metrics.counts.cpu_entries)
     assert torch.equal(got[True], got[False])
     assert got[True, "counts"] == got[False, "counts"]
 
 
-def test_auto_cache_leaves_the_prompt_chunk_free(model_path):
+def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):
     """--expert-cache auto on CUDA keeps --vram-reserve-mib plus the prompt chunk's temporaries free."""
     from strata_ray.engine.prefill import chunk_bytes
     from strata_ray.experts.host_store import HostStore
     from strata_ray.experts.slot_cache import MIB, cache_slots
     from strata_ray.model.gguf_file import GGUFFile
 
-    file = GGUFFile(model_path)
+    file = GGUFFile(tiny_next_q4)
     store = HostStore(file)
     free, total = torch.cuda.mem_get_info()
     used, blob, hp = total - free, store.max_blob, file.hparams
@@ -124,7 +105,7 @@ def test_auto_cache_leaves_the_prompt_chunk_free(model_path):
     budget_mib = (used + 600 * MIB + chunk_bytes(hp, 8192) + 10 * blob) // MIB
     slots = {}
     for chunk in (512, 8192):
-        cfg = EngineConfig(model=model_path, device="cuda", prefill=chunk, vram_reserve_mib=600,
+        cfg = EngineConfig(model=tiny_next_q4, device="cuda", prefill=chunk, vram_reserve_mib=600,
                            vram_budget_mib=budget_mib)
         slots[chunk] = cache_slots(cfg, store, torch.device("cuda"))
     assert max(0, 10 - MIB // blob - 1) <= slots[8192] <= 10 < n_pairs  # the budget rounds down to whole MiB
