@@ -88,3 +88,21 @@ def test_script_stages_fail_in_one_line(tmp_path):
         "compare_llamacpp: unknown stage 'nope' (fetch, build, llama, ours, table, run or all)\n")
     done = subprocess.run(["bash", str(script), "run"], capture_output=True, text=True, env=env, timeout=30)
     assert done.returncode == 2 and "no llama-bench at" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_the_recorded_h200_run_gives_the_documented_table(capsys):
+    """docs/compare/h200-2026-11-29 holds real llama-bench and flashbench JSON from the GPU machine; the
+    table stage must read them as docs/BENCHMARKS.md quotes them."""
+    import pathlib
+
+    run = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compare" / "h200-2026-11-29"
+    rows = {}
+    for setup in ("budget", "cpu-experts"):
+        llama = [str(run / f"llama-{setup}-prefill.json"), str(run / f"llama-{setup}-decode.json")]
+        assert main(["compare", "--setup", setup, "--ours", str(run / f"ours-{setup}.json"),
+                     "--llama", *llama]) == 0
+        rows[setup] = capsys.readouterr().out
+    assert "| 8192 | 161.0 | 2668.1 | 0.06x | 20.3 | 56.9 | 0.36x |" in rows["budget"]
+    assert "| 1024 | 110.9 | 998.9 | 0.11x | 20.1 | 33.7 | 0.60x |" in rows["cpu-experts"]
+    docs = (run.parents[1] / "BENCHMARKS.md").read_text()
+    assert "| budget (24 GiB card) | 8192 | 161.0 | 2668.1 | 0.06x | 20.3 | 56.9 | 0.36x |" in docs
