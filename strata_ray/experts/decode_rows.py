@@ -31,6 +31,10 @@ from strata_ray.kernels.tile_plan import plan_tiles_host
 
 
 class DecodeRows:
+    """One token's K routed rows per layer for the decode graphs: `step(layer, x, ids)` (eager), then
+    `rows()` (captured into the next graph segment). Buffers are shared by all layers: a layer's rows are
+    consumed by the next segment before the next step overwrites them (stream order)."""
+
     def __init__(self, tiers, n_embd: int, k: int, capture: bool):
         self.tiers, self.k, self.capture = tiers, k, capture
         self.cuda = tiers.cache.is_cuda
