@@ -56,6 +56,10 @@ class LocalRounds:
         rnd = self.tier.run_round(resident, primary_busy=busy)
         return [] if rnd is None else rnd.primary
 
+    def drain(self) -> list[Swap]:
+        """Nothing is ever in flight here."""
+        return []
+
 
 class CoordinatorRounds:
     """Adaptive rounds decided by the coordinator actor, off the critical path.
@@ -89,6 +93,18 @@ class CoordinatorRounds:
             self._inflight = self.coordinator.adapt_round.remote(self._counts, self._windows, resident, busy)
             self._counts = np.zeros_like(self._counts)
             self._windows = 0
+        return swaps
+
+    def drain(self, timeout: float = 30.0) -> list[Swap]:
+        """End of a generation: wait for the round in flight (its answer would otherwise land in the next
+        request, or never, depending on timing) and return its swaps."""
+        import ray
+
+        if self._inflight is None:
+            return []
+        ready, _ = ray.wait([self._inflight], timeout=timeout)
+        swaps = [Swap(*s) for s in ray.get(self._inflight)] if ready else []
+        self._inflight = None
         return swaps
 
 
@@ -375,9 +391,7 @@ class TieredExperts:
 
     def window_boundary(self) -> None:
         """Close the previous window: land swaps, hand its counts to the rounds, schedule new swaps."""
-        landed = self.cache.land_swaps()
-        if landed:
-            self.metrics.counts.rounds += 1
+        self._land()
         if not self._in_window:
             return
         self._in_window = False
@@ -387,16 +401,28 @@ class TieredExperts:
         if self.rounds is None or self.all_resident:
             return
         resident = self.residency.resident_mask(include_pending=True)
-        swaps = self.rounds.window_done(counts, resident, self.cache.swaps_in_flight())
+        self._schedule(self.rounds.window_done(counts, resident, self.cache.swaps_in_flight()))
+
+    def _land(self) -> None:
+        """Land the pending round's copies (a round counts when its newcomers become resident)."""
+        if self.cache.land_swaps():
+            self.metrics.counts.rounds += 1
+
+    def _schedule(self, swaps: list[Swap]) -> None:
+        """Start a round's swaps (victims leave now, newcomers copy) unless the last round's are in flight."""
         if swaps and not self.cache.swaps_in_flight():
             copies = self.residency.schedule_swaps(swaps)
             self.cache.issue_swaps(copies)
             self.metrics.counts.swaps += len(copies)
 
     def finish(self) -> None:
-        """End of a generation: close the last window, so its counts and swaps are not lost."""
+        """End of a generation: close the last window, so its counts and swaps are not lost, and land the
+        round still in flight at the coordinator (placement after a request does not depend on timing)."""
         self.window_boundary()
-        self.cache.land_swaps()
+        if self.rounds is not None and not self.all_resident:
+            self._land()
+            self._schedule(self.rounds.drain())
+        self._land()
 
     # -- the learned profile ---------------------------------------------------------------------------
     def learned_profile(self) -> Profile:
