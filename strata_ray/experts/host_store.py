@@ -2,9 +2,9 @@
 
 Nothing is copied: each layer's `ffn_{gate,up,down}_exps` (or fused `ffn_gate_up_exps`) is a zero-copy
 view of the file map, uint8 [X, rows, row_bytes], which the CPU pool reads in place. With CUDA and
-`pin_gib` (STRATA_ARENA_PIN_GIB) set, whole layers up to that cap move into page-locked torch memory,
-which the device copies from directly; blob copies of the rest go through the slot cache's pinned
-staging buffers.
+`pin_gib` (STRATA_ARENA_PIN_GIB) set, whole layers up to that cap move into page-locked anonymous memory
+(host_arena.HostBlock), which the device copies from directly; blob copies of the rest go through the slot
+cache's pinned staging buffers.
 
 A blob is one pair's bytes in a fixed order, gate | up | down: the unit a cache slot holds.
 """
@@ -98,7 +98,6 @@ class HostStore:
         self.pinned_bytes = 0  # page-locked (CUDA) bytes of the arena
         self.arena_bytes = 0  # bytes of layers moved out of the file map (move_to_arena)
         self._blocks: dict[int, HostBlock] = {}  # layer -> its anonymous (page-locked on CUDA) memory
-        self._pinned: dict[int, tuple[torch.Tensor, ...] | None] = {}  # layer -> pinned gate, up, down
         if torch.cuda.is_available():
             self._pin(pin_gib)
         if prefault_pages:
@@ -155,8 +154,11 @@ class HostStore:
     def pinned_parts(self, b: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The pair's gate, up, down as flat page-locked torch tensors when its layer is pinned (the device
         copies them straight, without a staging buffer), else None."""
-        parts = self._pinned.get(b)
-        return None if parts is None else tuple(t[e].reshape(-1) for t in parts)
+        block = self._blocks.get(b)
+        if block is None or not block.registered:
+            return None
+        lay = self.layers[b]  # views of the block
+        return tuple(torch.from_numpy(a[e].reshape(-1)) for a in (lay.gate, lay.up, lay.down))
 
     def blob_bytes(self, b: int, e: int) -> bytes:
         """The pair's blob (gate | up | down), for byte-for-byte checks."""
@@ -200,13 +202,11 @@ class HostStore:
                 for job in jobs:
                     job.result()
                 self._blocks[b] = block
-                self._pinned[b] = tuple(torch.from_numpy(v) for v in views) if register else None
                 self.layers[b] = ExpertLayer(*views, lay.gate_type, lay.up_type, lay.down_type)
                 self.arena_bytes += size
                 self.pinned_bytes += size if register else 0
 
     def close(self) -> None:
-        self._pinned = {}
         for block in self._blocks.values():
             block.close()
         self._blocks = {}
