@@ -49,8 +49,6 @@ class DecodeRows:
         pin = self.cuda
         self._plan_pin = torch.empty(4 * k, dtype=torch.int32, pin_memory=pin)
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=pin)
-        self._ids_pin = torch.empty(k, dtype=torch.int64, pin_memory=pin)
-        self._x_pin = torch.empty((1, n_embd), dtype=torch.float32, pin_memory=pin)
         self._zero_tok = np.zeros(k, np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -90,14 +88,6 @@ class DecodeRows:
             self._graphs[layer] = g
 
     # -- the eager part ---------------------------------------------------------------------------------
-    def _to_host(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        if not self.cuda:
-            return ids.reshape(-1).numpy(), x.float().numpy()
-        self._ids_pin.copy_(ids.reshape(-1), non_blocking=True)
-        self._x_pin.copy_(x, non_blocking=True)
-        torch.cuda.current_stream(self.tiers.device).synchronize()
-        return self._ids_pin.numpy(), self._x_pin.numpy()
-
     def _upload_plan(self, slot: np.ndarray, hit: np.ndarray, bt: int) -> None:
         """Plan of the resident entries over all K positions (misses: slot -1, in no tile), and the mask."""
         k = self.k
@@ -116,7 +106,7 @@ class DecodeRows:
         tiers = self.tiers
         if layer == 0:
             tiers.start_forward(1)
-        ids_h, x_h = self._to_host(x, ids)
+        ids_h, x_h = tiers.to_host(ids, x, with_x=True)  # [K], [1, E]: one sync
         t0 = time.perf_counter()
         slot = tiers.residency.layer_slots(layer)[ids_h]  # [K] slot or -1
         hit = slot >= 0

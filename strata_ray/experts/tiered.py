@@ -164,7 +164,7 @@ class TieredExperts:
             self.start_forward(n_tok)
         decode = n_tok <= DECODE_MAX_TOKENS
         # decode: x comes along for the CPU tier (8 KB a token), in the same single sync as the ids
-        ids_h, x_h = self._to_host(ids, x, with_x=decode or not self.cache.is_cuda)  # [M], [N, E]
+        ids_h, x_h = self.to_host(ids, x, with_x=decode or not self.cache.is_cuda)  # [M], [N, E]
         t0 = time.perf_counter()
         m = ids_h.size
         tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
@@ -274,7 +274,7 @@ class TieredExperts:
     # -- host <-> device, through pinned staging buffers -------------------------------------------
     def _staging(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pinned host buffer of at least numel elements, kept and grown per name. Reuse is safe: every
-        layer starts with a stream sync (`_to_host`), after which the last layer's copies are done."""
+        layer starts with a stream sync (`to_host`), after which the last layer's copies are done."""
         buf = self._pinned.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0), 1024), dtype=dtype,
@@ -282,7 +282,7 @@ class TieredExperts:
             self._pinned[name] = buf
         return buf[:numel]
 
-    def _to_host(self, ids: torch.Tensor, x: torch.Tensor, with_x: bool):
+    def to_host(self, ids: torch.Tensor, x: torch.Tensor, with_x: bool):
         """(ids int64 [M], x f32 [N, E] or None) as numpy. On CUDA: both copies into pinned buffers and one
         stream sync, instead of one blocking copy each. x_h is a view of a staging buffer: it is only
         valid during this layer (the CPU job that reads it is joined before the layer returns)."""
