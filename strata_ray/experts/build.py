@@ -64,9 +64,9 @@ def _decode_graphs(config, model, stage) -> None:
         model.decode_graphs.capture_now()
     except RuntimeError as e:  # an op this torch cannot capture: run op by op (the same bits), and say so
         model.decode_graphs = None
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = str(e).strip().splitlines()[:1] or [type(e).__name__]  # the message's first line
         log.warning("decode graphs: capture failed (%s); decoding without them (STRATA_DECODE_GRAPHS=0 "
-                    "skips the attempt)", first)
+                    "skips the attempt)", reason[0])
 
 
 def load_tiered_model(config, device: str, progress: LoadProgress | bool | None = None):
