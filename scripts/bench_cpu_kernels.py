@@ -1,12 +1,16 @@
 """CPU expert kernel benchmark: GB/s of expert bytes read vs host memcpy, per thread count.
 
 `python scripts/bench_cpu_kernels.py [--threads 1,2] [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4]
-[--drivers numba,pool]`
+[--drivers numba,pool] [--model M.gguf [--layers 8] [--arena]]`
 Shape: Qwen3-Next-80B-A3B experts (E = 2048, n_ff = 512, top-10). Calls walk the whole expert pool, ten
 distinct experts a call, and the pool is twice the L3 cache by default (the H200 host has 300 MiB of L3),
 so the weights come from DRAM. GB/s = bytes of every
 distinct expert's gate+up+down read per call / time per call; memcpy is counted read + write, the
 same way as scripts/bench_kernels.py.
+
+`--model` runs the same calls over a GGUF's expert layers as the engine holds them (the host store: views of
+the memory-mapped file, or with `--arena` copies in anonymous memory), one layer per pass in turn, so the
+kernels' rate in the bench and in the engine can be told apart from where the bytes live.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 
 import numpy as np
 
-from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, type_name
+from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
@@ -52,22 +56,47 @@ def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, 
     if key not in _LAYERS:  # one random pool per type and size (random bytes of a GB take seconds)
         _LAYERS.clear()
         _LAYERS[key] = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
-    layer = _LAYERS[key]
-    per = sum(w.shape[1] * w.shape[2] for w in (layer.gate, layer.up, layer.down))
-    x = rng.standard_normal((n_tok, E)).astype(np.float32)
+    return bench_layers([_LAYERS[key]], pool, n_tok, reps, rng, top_k)
+
+
+def bench_layers(layers: list[ExpertLayer], pool: CpuPool, n_tok: int, reps: int, rng,
+                 top_k: int = TOP_K) -> tuple[float, float]:
+    """(ms per call, GB/s): n_tok tokens x top_k distinct experts a call, every expert of every layer
+    once per pass (layer after layer, as a decode token walks them), best pass of `reps`."""
+    per = sum(w.shape[1] * w.shape[2] for w in (layers[0].gate, layers[0].up, layers[0].down))
+    n_embd = layers[0].n_embd
+    x = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
     tok = np.repeat(np.arange(n_tok), top_k).astype(np.int32)
-    calls = []  # every expert of the pool once per pass: nothing is left in the caches from the last call
-    for s in rng.permutation(n_expert)[: n_expert // top_k * top_k].reshape(-1, top_k):
-        exp = np.concatenate([rng.permutation(s) for _ in range(n_tok)]).astype(np.int32)
-        calls.append((tok, exp))
-    expert_ffn_cpu(x, *calls[0], layer, pool=pool)  # compile / warm
+    calls = []  # every expert once per pass: nothing is left in the caches from the last call
+    for layer in layers:
+        n_expert = layer.gate.shape[0]
+        for s in rng.permutation(n_expert)[: n_expert // top_k * top_k].reshape(-1, top_k):
+            exp = np.concatenate([rng.permutation(s) for _ in range(n_tok)]).astype(np.int32)
+            calls.append((layer, tok, exp))
+    expert_ffn_cpu(x, *calls[0][1:], calls[0][0], pool=pool)  # compile / warm
     best = 1e9
     for _ in range(reps):
         t = time.perf_counter()
-        for tk, ex in calls:
+        for layer, tk, ex in calls:
             expert_ffn_cpu(x, tk, ex, layer, pool=pool)
         best = min(best, (time.perf_counter() - t) / len(calls))
     return best * 1e3, top_k * per / best / 1e9
+
+
+def model_layers(path: str, n_layers: int, arena: bool) -> tuple[list[ExpertLayer], str]:
+    """The first n_layers expert layers of a GGUF as the engine's host store holds them, and a label."""
+    from strata_ray.experts.host_store import HostStore
+    from strata_ray.model.gguf_file import GGUFFile
+
+    store = HostStore(GGUFFile(path), prefault_pages=True)
+    blocks = sorted(store.layers)[:n_layers]
+    if arena:  # those layers only: anonymous memory instead of the file map (not page-locked)
+        need = sum(store.layouts[b].nbytes * store.n_expert for b in blocks)
+        store.move_to_arena(need / 2**30 + 1e-3, register=False)
+    layers = [store.layer(b) for b in blocks]
+    gib = sum(a.nbytes for lay in layers for a in (lay.gate, lay.up, lay.down)) / 2**30
+    where = "anonymous arena" if arena else "file map"
+    return layers, f"{len(layers)} layers of {path} ({gib:.1f} GiB, {where})"
 
 
 def l3_bytes() -> int:
@@ -100,8 +129,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
                     "Python thread), or both: numba,pool")
+    ap.add_argument("--model", default=None, help="also time the calls over this GGUF's expert layers, as "
+                    "the engine's host store holds them (--types is ignored for them)")
+    ap.add_argument("--layers", type=int, default=8, help="expert layers of --model to walk (default 8)")
+    ap.add_argument("--arena", action="store_true", help="--model's layers copied into anonymous memory "
+                    "(the store's arena, not page-locked) instead of read from the file map")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    model = model_layers(args.model, args.layers, args.arena) if args.model else None
     for n_threads, driver in ((int(t), d) for t in args.threads.split(",") for d in args.drivers.split(",")):
         with CpuPool(n_threads, numba_parallel=driver == "numba") as pool:
             print(f"threads {n_threads} ({driver}): host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s "
@@ -112,6 +147,13 @@ def main() -> None:
                     n_expert = pool_experts(TYPES[name], args.experts)
                     ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)
                     case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{k}"
+                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
+            if model is not None:
+                layers, label = model
+                print(f"  {label}:")
+                for n_tok, k in cases:
+                    ms, gbs = bench_layers(layers, pool, n_tok, args.reps, rng, k)
+                    case = f"{type_name(layers[0].gate_type):5s} {n_tok} tok x top-{k}"
                     print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
 
 
