@@ -6,6 +6,7 @@
 #
 #   run tool, carry [".devbundle", ".nbc"]:  source .devbundle/env.sh && bash scripts/device_check.sh
 #   STEPS="tests kernels cpu tiers"   which steps, in this order (default: those four). Also:
+#     cpustore  the CPU kernels over 8 of its expert layers as the host store holds them (file map, arena)
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
@@ -42,12 +43,16 @@ step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
 
 nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
 # shellcheck disable=SC2086
+[[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
+    --expert-type Q4_0 -o "$M80" --no-progress
 step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
 step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
 step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 --tokens 1 --top-k 1,3,5,10
+# the same calls over 8 of the file's expert layers as the engine holds them: file map, then anonymous memory
+cpustore=(python scripts/bench_cpu_kernels.py --threads 15 --tokens 1 --top-k 5,10 --reps 3 --model "$M80")
+step cpustore 150 "${cpustore[@]}" --types Q4_0
+step cpustore 150 "${cpustore[@]}" --types Q4_0 --arena
 step tiers 300 python scripts/bench_tiers.py --layers 8 --decode 24 --pin-gib "${PIN_GIB:-0}" --json-out "$work/tiers.json"
-[[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
-    --expert-type Q4_0 -o "$M80" --no-progress
 # the same 8K prefill three ways (each run loads the model, ~25 s): staged copies, ring overlap, pinned store
 prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 --chunk 4096)
 step prefill 120 "${prefill[@]}" --json-out "$work/prefill-staged.json"
