@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import logging
 import os
@@ -77,8 +78,28 @@ def _prefill(model, prompt, state, chunk: int, trace: bool):
     return logits
 
 
+def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) -> int:
+    """n_tokens more decode steps under torch.profiler (CPU + CUDA): the op tables, and a Chrome trace
+    (`trace_out`) that shows where a token's time goes between the device and the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n_tokens):
+            tok = int(model.forward([tok], state)[-1].argmax())
+        sync()
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        if key == "self_cuda_time_total" and not torch.cuda.is_available():
+            continue
+        print(f"decode of {n_tokens} tokens under the profiler, by {key}:", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+    if trace_out:
+        prof.export_chrome_trace(trace_out)
+    return tok
+
+
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
-              trace_prefill: bool = False) -> dict:
+              trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None) -> dict:
     model = loaded.model
     rng = np.random.default_rng(depth)
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
@@ -106,6 +127,10 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
             prof.disable()
             print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        if trace_decode:  # after the timed steps, and out of their counts: the profiler slows them
+            timed = dataclasses.replace(tiers.metrics.counts)
+            _trace_decode(model, tok, state, trace_decode, trace_out)
+            tiers.metrics.counts = timed
     tiers.finish()
     s = tiers.metrics.summary()
     return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s}
@@ -126,6 +151,9 @@ def main() -> None:
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
     ap.add_argument("--trace-prefill", type=int, default=None, metavar="DEPTH",
                     help="run this depth's prefill under torch.profiler and print the op table")
+    ap.add_argument("--trace-decode", type=int, default=0, metavar="N",
+                    help="after the first depth's timed decode, N more tokens under torch.profiler")
+    ap.add_argument("--trace-out", default=None, help="with --trace-decode: write a Chrome trace here")
     ap.add_argument("--ring-overlap", action="store_true", help="prompt ring copies overlap its kernels "
                     "(STRATA_RING_OVERLAP)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
@@ -188,7 +216,8 @@ def main() -> None:
     for depth in (int(d) for d in args.depths.split(",")):
         first = not results
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
-                      trace_prefill=args.trace_prefill == depth)
+                      trace_prefill=args.trace_prefill == depth,
+                      trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

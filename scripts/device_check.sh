@@ -11,6 +11,7 @@
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
+#     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
 #   TESTS="tests/..."   the GPU tests to run (default: all)
 #   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
@@ -62,6 +63,8 @@ step prefill 150 "${prefill[@]}" --ring-overlap --pin-gib 48 --json-out "$work/p
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
 step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
+# one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
+step trace 120 "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
     OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${OUT:-}" ]]; then

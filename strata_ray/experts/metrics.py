@@ -22,6 +22,9 @@ class TierCounts:
     rounds: int = 0  # adaptive rounds whose swaps were applied
     host_seconds: float = 0.0  # host-side planning, gathers and launches of decode windows
     cpu_seconds: float = 0.0  # wall time of the CPU pool's decode work
+    # decode windows: time the host waited for the device at each layer's routing sync (the dense work
+    # before the experts, as far as it is not hidden behind the host's own work)
+    wait_seconds: float = 0.0
 
     @property
     def entries(self) -> int:
@@ -59,6 +62,7 @@ class TierMetrics:
             "tier_rates": {"cache": c.hit_rate, "cpu": c.cpu_entries / c.entries if c.entries else 0.0},
             "host_ms_per_token": c.per_token_ms(c.host_seconds),
             "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
+            "wait_ms_per_token": c.per_token_ms(c.wait_seconds),
         }
 
     def line(self) -> str:

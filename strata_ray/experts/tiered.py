@@ -295,7 +295,10 @@ class TieredExperts:
         if with_x:
             x_pin = self._staging("x", x.numel(), torch.float32).view(x.shape)
             x_pin.copy_(x.detach(), non_blocking=True)
+        t = time.perf_counter()
         torch.cuda.current_stream(self.device).synchronize()
+        if self._in_window:
+            self.metrics.counts.wait_seconds += time.perf_counter() - t
         return ids_pin.numpy().copy(), (x_pin.numpy() if x_pin is not None else None)
 
     def _upload(self, *arrays: np.ndarray, buffer: str = "index") -> list[torch.Tensor]:
