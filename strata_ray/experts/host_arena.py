@@ -14,6 +14,7 @@ copies and views.
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import numpy as np
 import torch
@@ -23,21 +24,37 @@ class HostArenaError(RuntimeError):
     """Page-locking failed (the OS limit on locked memory, or no room); one line."""
 
 
+def _unregister(addr: int) -> None:
+    """cudaHostUnregister, run by close() or by the block's finalizer."""
+    torch.cuda.cudart().cudaHostUnregister(addr)
+
+
 class HostBlock:
-    """One anonymous mapping of `nbytes` bytes; page-locked for CUDA when `register`."""
+    """One anonymous mapping of `nbytes` bytes; page-locked for CUDA when `register`.
+
+    The registration must end before the mapping does: CUDA keeps a freed range registered, and the next
+    mapping at that address then fails to register ("already registered", which a test run on the H200
+    hit). A block dropped without close() is unregistered by its finalizer, which runs before the mapping
+    can go (the block holds it; views that outlive the block keep it mapped, unpinned)."""
 
     def __init__(self, nbytes: int, register: bool):
         self.nbytes = nbytes
         self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)  # [nbytes]
-        self.registered = False
+        self._finalizer = None
         if register:
-            rc = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, nbytes, 0)
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.array.ctypes.data, nbytes, 0)
             if int(rc) != 0:
+                cudart.cudaGetLastError()  # else the next CUDA call torch checks reports it as its own
                 self.close()
                 raise HostArenaError(f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory "
                                      f"(cudaHostRegister error {int(rc)}; lower STRATA_ARENA_PIN_GIB)")
-            self.registered = True
+            self._finalizer = weakref.finalize(self, _unregister, self.array.ctypes.data)
+
+    @property
+    def registered(self) -> bool:
+        return self._finalizer is not None and self._finalizer.alive
 
     def view(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
         """uint8 numpy view of the block from `offset` with `shape` (C order)."""
@@ -46,9 +63,8 @@ class HostBlock:
 
     def close(self) -> None:
         """Unregister and unmap. Views must not be used afterwards."""
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
-            self.registered = False
+        if self._finalizer is not None:
+            self._finalizer()  # unregisters once; a no-op when it already ran
         self.array = np.empty(0, np.uint8)  # drop the exported buffer before unmapping
         try:
             self._map.close()

@@ -33,3 +33,19 @@ def test_registered_block_is_pinned_and_copies_asynchronously():
     block.close()
     assert not block.registered
     assert np.asarray(block.array).size == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dropped_blocks_unregister_so_their_addresses_register_again():
+    """Blocks dropped without close() (a store nobody closed) must not leave their range registered: the
+    next mapping at the same address would fail with cudaErrorHostMemoryAlreadyRegistered."""
+    import gc
+
+    n = 884736  # the tiny test model's layer: mmap hands the same address back at once
+    for _ in range(4):
+        block = HostBlock(n, register=True)
+        assert block.registered
+        del block
+        gc.collect()
+    torch.zeros(1, device="cuda")  # no stale CUDA error left for torch to find
