@@ -11,9 +11,11 @@
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
-#     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace)
+#     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
+#               TRACE_SPIN sets its GOMP_SPINCOUNT (default 100)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
-#   TESTS="tests/..."   the GPU tests to run (default: all)
+#     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
+#   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
 #   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
 #   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
 # With $OUT set and a numba cache in .nbc/nbc.tgz (made on that machine), the cache is unpacked first and
@@ -44,9 +46,17 @@ step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
 
 nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
 # shellcheck disable=SC2086
+if [[ -n "${BACKGROUND_TESTS:-}" ]]; then  # the GPU tests beside the CPU-bound steps (joined before packing)
+    step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-} > "$work/tests-step.txt" 2>&1 &
+    tests_pid=$!
+else
+    step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
+fi
 [[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
     --expert-type Q4_0 -o "$M80" --no-progress
-step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
+# compile (or load) the CPU pool's parallel kernel once, before the steps that would each pay for it
+step warm 240 python scripts/bench_cpu_kernels.py --threads 15 --types Q4_0 --tokens 1 --top-k 10 --experts 64 \
+    --reps 1
 step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
 step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 --tokens 1 --top-k 1,3,5,10
 # the same calls over 8 of the file's expert layers as the engine holds them: file map, then anonymous memory
@@ -64,9 +74,13 @@ decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 -
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
 step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
-step trace 120 "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
+step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-100}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
     OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
+if [[ -n "${tests_pid:-}" ]]; then
+    wait "$tests_pid"
+    cat "$work/tests-step.txt"
+fi
 if [[ -n "${OUT:-}" ]]; then
     [[ -d "$NUMBA_CACHE_DIR" ]] && tar czf "$work/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
         "$(basename "$NUMBA_CACHE_DIR")"

@@ -40,17 +40,26 @@ class HostBlock:
     def __init__(self, nbytes: int, register: bool):
         self.nbytes = nbytes
         self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB pages where the kernel allows: 512x fewer faults and pins
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         self.array = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)  # [nbytes]
         self._finalizer = None
         if register:
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self.array.ctypes.data, nbytes, 0)
-            if int(rc) != 0:
-                cudart.cudaGetLastError()  # else the next CUDA call torch checks reports it as its own
-                self.close()
-                raise HostArenaError(f"could not page-lock {nbytes / 2**30:.1f} GiB of host memory "
-                                     f"(cudaHostRegister error {int(rc)}; lower STRATA_ARENA_PIN_GIB)")
-            self._finalizer = weakref.finalize(self, _unregister, self.array.ctypes.data)
+            self.register()
+
+    def register(self) -> None:
+        """Page-lock the block for CUDA. Registering faults in (and zeroes) every page not yet touched, on
+        this one thread: fill the block first (on many threads) and register afterwards."""
+        if self.registered:
+            return
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(self.array.ctypes.data, self.nbytes, 0)
+        if int(rc) != 0:
+            cudart.cudaGetLastError()  # else the next CUDA call torch checks reports it as its own
+            self.close()
+            raise HostArenaError(f"could not page-lock {self.nbytes / 2**30:.1f} GiB of host memory "
+                                 f"(cudaHostRegister error {int(rc)}; lower STRATA_ARENA_PIN_GIB)")
+        self._finalizer = weakref.finalize(self, _unregister, self.array.ctypes.data)
 
     @property
     def registered(self) -> bool:

@@ -191,7 +191,7 @@ class HostStore:
                 size = sum(a.nbytes for a in arrays)
                 if self.arena_bytes + size > cap:
                     break
-                block = HostBlock(size, register)
+                block = HostBlock(size, register=False)  # registered once filled: see HostBlock.register
                 views, off = [], 0
                 for a in arrays:
                     views.append(block.view(off, a.shape))
@@ -201,6 +201,8 @@ class HostStore:
                         for v, a in zip(views, arrays, strict=True) for e0 in range(0, a.shape[0], 32)]
                 for job in jobs:
                     job.result()
+                if register:
+                    block.register()
                 self._blocks[b] = block
                 self.layers[b] = ExpertLayer(*views, lay.gate_type, lay.up_type, lay.down_type)
                 self.arena_bytes += size
