@@ -11,6 +11,13 @@ through it costs ~15 Python-issued launches and copies per layer. Here a step ha
     graph:  rows() = where(hit, gpu rows, cpu rows) [K, E], captured into the decode graph that
             combines them (DecodeGraphs), in k order as combine_rows does everywhere.
 
+On CUDA the CPU pool's part does not hold the host up: a helper thread computes it, writes the rows into
+a pinned buffer and then raises a host flag (kernels/stream_flags.py); the host enqueues "wait for the
+flag", the rows' upload and the next layer's graph at once, so those launches (~0.1-0.2 ms each on the
+H200 host) overlap the CPU pool's work instead of following it. The next layer's routing sync (which
+waits for the device, which waits for the flag) orders everything after it; `finish()` joins the last
+layer's job before the token's logits are used.
+
 The kernels, the plan's tile size and the combine are those of TieredExperts.__call__, so the rows and
 the output have the same bits. Window accounting, adaptive rounds and metrics go through the same
 TieredExperts methods.
@@ -22,11 +29,13 @@ directly instead of a graph.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.stream_flags import host_flag
 from strata_ray.kernels.tile_plan import plan_tiles_host
 
 
@@ -51,6 +60,11 @@ class DecodeRows:
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=pin)
         self._zero_tok = np.zeros(k, np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # CUDA: the CPU pool's rows come from a helper thread behind a host flag (None: the driver cannot
+        # wait on host memory; the rows are then computed before anything after them is enqueued)
+        self._flag = host_flag(dev) if self.cuda else None
+        self._helper: ThreadPoolExecutor | None = None
+        self._job: Future | None = None  # the last layer's CPU rows, not joined yet
 
     # -- the captured part ------------------------------------------------------------------------------
     def rows(self) -> torch.Tensor:
@@ -101,17 +115,43 @@ class DecodeRows:
         p[3 * k :] = hit
         self.plan.copy_(self._plan_pin, non_blocking=self.cuda)
 
+    def _cpu_rows(self, x_h: np.ndarray, exp: np.ndarray, miss: np.ndarray, layer: int, value: int) -> float:
+        """Helper thread: the CPU pool's rows of the missed entries into the pinned rows buffer, then the
+        flag (also on failure: the device must not wait forever; the error is raised at the join)."""
+        try:
+            t = time.perf_counter()
+            rows = expert_ffn_cpu(x_h, self._zero_tok[: exp.size], exp, self.tiers.store.layer(layer),
+                                  pool=self.tiers.pool_for(exp))
+            self._rows_pin.numpy()[miss] = rows
+            return time.perf_counter() - t
+        finally:
+            self._flag.set(value)
+
+    def finish(self) -> None:
+        """Join the last layer's CPU job: its time goes to the metrics, its error (if any) is raised."""
+        job, self._job = self._job, None
+        if job is not None:
+            self.tiers.metrics.counts.cpu_seconds += job.result()
+
     def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """Layer `layer`'s rows for one token: x [1, E] normed MoE input, ids [1, K] -> rows() ready."""
         tiers = self.tiers
         if layer == 0:
             tiers.start_forward(1)
         ids_h, x_h = tiers.to_host(ids, x, with_x=True)  # [K], [1, E]: one sync
+        self.finish()  # the previous layer's job ended before this sync returned (the device waited for it)
         t0 = time.perf_counter()
         slot = tiers.residency.layer_slots(layer)[ids_h]  # [K] slot or -1
         hit = slot >= 0
         miss = np.flatnonzero(~hit)
         n_hit = self.k - miss.size
+        value = None
+        if miss.size and self._flag is not None:  # start the CPU pool first: everything below overlaps it
+            if self._helper is None:
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="strata-decode-cpu")
+            value = self._flag.arm()
+            # x_h stays valid: the next copy into its staging buffer is queued after the wait below
+            self._job = self._helper.submit(self._cpu_rows, x_h, ids_h[miss], miss, layer, value)
         view = tiers.cache.layer_view(layer)
         if self.cuda:
             from strata_ray.kernels.expert_gpu import tile_entries  # Triton: CUDA machines only
@@ -129,7 +169,12 @@ class DecodeRows:
                 rows = expert_ffn_cpu(x_h, self._zero_tok[:n_hit], slots, view, pool=tiers.pool_for(slots))
                 self.gpu_rows[torch.from_numpy(hits)] = torch.from_numpy(rows)
         host = time.perf_counter() - t0
-        if miss.size:
+        if value is not None:  # the device waits for the helper's flag, then uploads its rows
+            t1 = time.perf_counter()
+            self._flag.wait(value)
+            self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+            host += time.perf_counter() - t1
+        elif miss.size:
             t1 = time.perf_counter()
             exp = ids_h[miss]
             rows = expert_ffn_cpu(x_h, self._zero_tok[: miss.size], exp, tiers.store.layer(layer),

@@ -253,6 +253,8 @@ class DecodeGraphs:
             else:
                 buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
         head()
+        if self.rows is not None:  # the last layer's CPU rows: joined (errors raised) before the logits count
+            self.rows.finish()
         state.pos = pos0 + 1
         logits = self.logits.clone()
         return (logits, self.hidden.clone()) if return_hidden else logits
