@@ -145,7 +145,8 @@ def main() -> None:
     ap.add_argument("--depths", default="1024,8192")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
-    ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory")
+    ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory "
+                    "(default: the engine's, as much as the host's memory allows; 0: none)")
     ap.add_argument("--cpu-threads", type=int, default=None, help="CPU pool threads (default: every core)")
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
@@ -154,8 +155,8 @@ def main() -> None:
     ap.add_argument("--trace-decode", type=int, default=0, metavar="N",
                     help="after the first depth's timed decode, N more tokens under torch.profiler")
     ap.add_argument("--trace-out", default=None, help="with --trace-decode: write a Chrome trace here")
-    ap.add_argument("--ring-overlap", action="store_true", help="prompt ring copies overlap its kernels "
-                    "(STRATA_RING_OVERLAP)")
+    ap.add_argument("--ring-overlap", choices=["0", "1"], default="1",
+                    help="1 (default): prompt ring copies overlap its kernels; 0: on the compute stream")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -191,7 +192,7 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
-                       prefill=args.chunk, ring_overlap=args.ring_overlap)
+                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1")
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")
@@ -232,7 +233,7 @@ def main() -> None:
         "cpu_threads": tiers.pool.n_threads,
         "cpu_driver": args.cpu_driver,
         "decode_graphs": model.decode_graphs is not None,
-        "ring_overlap": args.ring_overlap,
+        "ring_overlap": args.ring_overlap == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,

@@ -66,9 +66,9 @@ step cpustore 150 "${cpustore[@]}" --types Q4_0 --arena
 step tiers 300 python scripts/bench_tiers.py --layers 8 --decode 24 --pin-gib "${PIN_GIB:-0}" --json-out "$work/tiers.json"
 # the same 8K prefill three ways (each run loads the model, ~25 s): staged copies, ring overlap, pinned store
 prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 --chunk 4096)
-step prefill 120 "${prefill[@]}" --json-out "$work/prefill-staged.json"
-step prefill 120 "${prefill[@]}" --ring-overlap --json-out "$work/prefill-overlap.json"
-step prefill 150 "${prefill[@]}" --ring-overlap --pin-gib 48 --json-out "$work/prefill-pinned.json"
+step prefill 120 "${prefill[@]}" --ring-overlap 0 --pin-gib 0 --json-out "$work/prefill-staged.json"
+step prefill 120 "${prefill[@]}" --pin-gib 0 --json-out "$work/prefill-overlap.json"
+step prefill 150 "${prefill[@]}" --json-out "$work/prefill-pinned.json"  # the defaults: overlap, auto pin
 # decode with OpenMP's threads spinning 100 (the default here) or 10000 rounds between parallel regions
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"

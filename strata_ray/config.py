@@ -78,10 +78,12 @@ class EngineConfig:
     expert_cache_device3: int | str | None = None
     prefill: int | None = None  # prompt chunk; None = auto (<= 8192)
     spec: int = 0  # MTP drafts per verify window
-    arena_pin_gib: float | None = None  # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store
+    # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store; None = auto (on CUDA: as much as the
+    # host's available memory allows, experts.build.auto_pin_gib), 0 = none
+    arena_pin_gib: float | None = None
     kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
-    ring_overlap: bool = False  # STRATA_RING_OVERLAP=1 (env only): prompt ring copies overlap the kernels
+    ring_overlap: bool = True  # STRATA_RING_OVERLAP=0 (env only): prompt ring copies on the compute stream
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property

@@ -14,6 +14,7 @@ import torch
 from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
+from strata_ray.experts.prefault import physical_memory
 from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
@@ -21,8 +22,11 @@ from strata_ray.experts.tiered import LocalRounds, TieredExperts
 
 log = logging.getLogger("strata_ray.experts")
 
-RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob)
-RING_SLOTS_OVERLAP = 64  # two halves of 32 when the ring's copies overlap its kernels (STRATA_RING_OVERLAP)
+RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob), STRATA_RING_OVERLAP=0
+RING_SLOTS_OVERLAP = 64  # two halves of 32: the ring's copies overlap its kernels (the default)
+# auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
+# of physical memory (the OS, the page cache of the dense weights, other processes)
+PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2
 PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 
@@ -39,7 +43,10 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     reporter = progress if isinstance(progress, LoadProgress) else None
     if reporter is not None:
         reporter.stage("host store")
-    store = HostStore(loaded_file, pin_gib=config.arena_pin_gib)
+    pin_gib = config.arena_pin_gib
+    if pin_gib is None:
+        pin_gib = auto_pin_gib() if device.type == "cuda" else 0.0
+    store = HostStore(loaded_file, pin_gib=pin_gib)
     n_slots = cache_slots(config, store, device)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
     ring = (RING_SLOTS_OVERLAP if config.ring_overlap else RING_SLOTS) if device.type == "cuda" else 0
@@ -52,6 +59,28 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
         )
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap)
+
+
+def auto_pin_gib() -> float:
+    """GiB of expert layers to page-lock by default on CUDA: the host's available memory (which counts the
+    page cache, so the GGUF's own pages) less what is left for everything else. Pinned layers stream to
+    the device at ~50 GB/s instead of ~7-15 GB/s through staging buffers (an 8K prompt at a 24 GiB budget
+    on the H200: 7.0 s instead of 14.4 s), at ~0.2 s of load time per GiB."""
+    available = _mem_available()
+    leave = max(PIN_LEAVE_GIB * 2**30, PIN_LEAVE_SHARE * physical_memory())
+    return max(0.0, (available - leave) / 2**30)
+
+
+def _mem_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where unknown: no pinning)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _decode_graphs(config, model, stage) -> None:

@@ -29,3 +29,10 @@ def test_float_experts_load_without_tiers(tmp_path):
         got = loaded.model.forward(prompt, loaded.model.new_state())
         want = plain.model.forward(prompt, plain.model.new_state())
     assert torch.equal(got, want)
+
+
+def test_auto_pinning_leaves_memory_for_everything_else():
+    from strata_ray.experts.build import PIN_LEAVE_GIB, _mem_available, auto_pin_gib
+
+    gib = auto_pin_gib()
+    assert 0.0 <= gib <= max(0.0, _mem_available() / 2**30 - PIN_LEAVE_GIB + 1e-6)

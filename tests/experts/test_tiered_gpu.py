@@ -58,7 +58,7 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
     """24 tokens stream the misses through the ring: from staging buffers on the compute stream, in two
     halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store."""
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=12,
-                       ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else None)
+                       ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else 0.0)
     _, gpu = load_tiered_model(cfg, "cuda", progress=False)
     assert (gpu.store.pinned_bytes > 0) == ("pinned" in copies)
     _, cpu = load_tiered_model(
