@@ -11,6 +11,7 @@
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
+#     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15")
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 100)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
@@ -73,6 +74,10 @@ step prefill 150 "${prefill[@]}" --json-out "$work/prefill-pinned.json"  # the d
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
 step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
+# decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one)
+for n in ${DECODE_THREADS:-14 15}; do
+    step threads 100 "${decode[@]}" --cpu-threads "$n" --json-out "$work/threads-$n.json"
+done
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-100}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
