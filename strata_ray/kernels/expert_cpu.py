@@ -10,6 +10,8 @@ tokens routed to its expert. Row results do not depend on the split (batch invar
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit, prange
 
@@ -195,10 +197,12 @@ def _contiguous(w) -> np.ndarray:
 
 
 def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
-                   pool: CpuPool | None = None) -> np.ndarray:
+                   pool: CpuPool | None = None, started: threading.Event | None = None) -> np.ndarray:
     """rows f32 [M, E]: row m = down(swiglu(gate x, up x)) of expert exp[m] for token tok[m].
 
     x f32 [N, E]; tok, exp int [M]; layer: uint8 block bytes [X, rows, row_bytes] (host memory).
+    started: set once the Python part is done and the kernels (which release the GIL) begin, so a caller
+    on another thread can wait for that instead of contending for the GIL with it.
     """
     layer.validate()
     x = np.ascontiguousarray(x, dtype=f32)
@@ -208,10 +212,11 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     pool = pool or default_pool()
     m, n_embd, n_ff = len(tok), layer.n_embd, layer.n_ff
     out = np.zeros((m, n_embd), f32)
-    if m == 0:
-        return out
-    if layer.is_float:
-        _float_ffn(x, tok, group_entries(exp), layer, pool, out)
+    if m == 0 or layer.is_float:
+        if started is not None:
+            started.set()
+        if m:
+            _float_ffn(x, tok, group_entries(exp), layer, pool, out)
         return out
     ents, g_start, g_exp = group_arrays(exp)
     n_groups = len(g_exp)
@@ -225,6 +230,8 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     n_up = min(pool.n_threads, n_groups * n_ff // QK)
     n_down = min(pool.n_threads, n_groups * n_embd // QK)
     args = (gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp)
+    if started is not None:
+        started.set()
     if pool.n_threads > 1 and pool.numba_parallel:
         with numba_threads(max(n_up, n_down)):
             _ffn_parallel(gate, layer.gate_type, up, layer.up_type, down, layer.down_type, xq, xd, xs, tok,
