@@ -84,6 +84,9 @@ class EngineConfig:
     kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
     ring_overlap: bool = True  # STRATA_RING_OVERLAP=0 (env only): prompt ring copies on the compute stream
+    # STRATA_DECODE_CPU_THREAD=0 (env only): the host computes a decode layer's CPU rows before it launches
+    # what follows, instead of a helper thread behind a host flag
+    decode_cpu_thread: bool = True
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -353,6 +356,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_RING_OVERLAP", "") != "":
         values["ring_overlap"] = parse_value(_choice("0", "1"), env["STRATA_RING_OVERLAP"],
                                              "STRATA_RING_OVERLAP") == "1"
+    if env.get("STRATA_DECODE_CPU_THREAD", "") != "":
+        values["decode_cpu_thread"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_CPU_THREAD"],
+                                                  "STRATA_DECODE_CPU_THREAD") == "1"
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

@@ -58,7 +58,8 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
             AdaptiveTier(hp.n_layer, hp.n_expert, config.adapt_every, config.adapt_swaps, config.adapt_decay)
         )
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
-                         kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap)
+                         kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
+                         decode_cpu_thread=config.decode_cpu_thread)
 
 
 def auto_pin_gib() -> float:

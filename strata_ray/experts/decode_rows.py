@@ -70,7 +70,7 @@ class DecodeRows:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # CUDA: the CPU pool's rows come from a helper thread behind a host flag (None: the driver cannot
         # wait on host memory; the rows are then computed before anything after them is enqueued)
-        self._flag = host_flag(dev) if self.cuda else None
+        self._flag = host_flag(dev) if self.cuda and tiers.decode_cpu_thread else None
         if self._flag is not None and sys.getswitchinterval() > SWITCH_INTERVAL:
             sys.setswitchinterval(SWITCH_INTERVAL)
         self._helper: ThreadPoolExecutor | None = None

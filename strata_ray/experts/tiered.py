@@ -119,10 +119,13 @@ class TieredExperts:
         prior: Profile | None = None,
         kernel_variant: str = "simple",
         ring_overlap: bool = False,
+        decode_cpu_thread: bool = True,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
         self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
+        # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
+        self.decode_cpu_thread = decode_cpu_thread
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
