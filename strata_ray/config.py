@@ -84,9 +84,9 @@ class EngineConfig:
     kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
     ring_overlap: bool = True  # STRATA_RING_OVERLAP=0 (env only): prompt ring copies on the compute stream
-    # STRATA_DECODE_CPU_THREAD=0 (env only): the host computes a decode layer's CPU rows before it launches
-    # what follows, instead of a helper thread behind a host flag
-    decode_cpu_thread: bool = True
+    # STRATA_DECODE_CPU_THREAD=1 (env only): on CUDA a helper thread computes a decode layer's CPU rows
+    # behind a host flag while the host launches what follows; off until it measures faster (session 4)
+    decode_cpu_thread: bool = False
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property

@@ -11,10 +11,12 @@ through it costs ~15 Python-issued launches and copies per layer. Here a step ha
     graph:  rows() = where(hit, gpu rows, cpu rows) [K, E], captured into the decode graph that
             combines them (DecodeGraphs), in k order as combine_rows does everywhere.
 
-On CUDA the CPU pool's part does not hold the host up: a helper thread computes it, writes the rows into
-a pinned buffer and then raises a host flag (kernels/stream_flags.py); the host enqueues "wait for the
-flag", the rows' upload and the next layer's graph at once, so those launches (~0.1-0.2 ms each on the
-H200 host) overlap the CPU pool's work instead of following it. The next layer's routing sync (which
+With `decode_cpu_thread` (STRATA_DECODE_CPU_THREAD=1) on CUDA, the CPU pool's part does not hold the host
+up: a helper thread computes it, writes the rows into a pinned buffer and then raises a host flag
+(kernels/stream_flags.py); the host enqueues "wait for the flag", the rows' upload and the next layer's
+graph at once, so those launches (~0.1-0.2 ms each on the H200 host) can overlap the CPU pool's work. It
+gives the same bits; on the H200 it was not faster yet (the helper's and the host's Python interleaved
+under the GIL), so it is off by default. The next layer's routing sync (which
 waits for the device, which waits for the flag) orders everything after it; `finish()` joins the last
 layer's job before the token's logits are used.
 

@@ -119,7 +119,7 @@ class TieredExperts:
         prior: Profile | None = None,
         kernel_variant: str = "simple",
         ring_overlap: bool = False,
-        decode_cpu_thread: bool = True,
+        decode_cpu_thread: bool = False,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
