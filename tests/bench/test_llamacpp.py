@@ -106,3 +106,17 @@ def test_the_recorded_h200_run_gives_the_documented_table(capsys):
     assert "| 1024 | 110.9 | 998.9 | 0.11x | 20.1 | 33.7 | 0.60x |" in rows["cpu-experts"]
     docs = (run.parents[1] / "BENCHMARKS.md").read_text()
     assert "| budget (24 GiB card) | 8192 | 161.0 | 2668.1 | 0.06x | 20.3 | 56.9 | 0.36x |" in docs
+
+
+def test_the_session_4_h200_run_gives_the_documented_table(capsys):
+    """docs/compare/h200-2026-11-29-s4: session 4's flashbench JSON against the same llama-bench JSON."""
+    import pathlib
+
+    run = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compare" / "h200-2026-11-29-s4"
+    llama = [str(run / "llama-budget-prefill.json"), str(run / "llama-budget-decode.json")]
+    ours = str(run / "ours-budget.json")
+    assert main(["compare", "--setup", "budget", "--ours", ours, "--llama", *llama]) == 0
+    row = "| 8192 | 1547.9 | 2668.1 | 0.58x | 17.6 | 56.9 | 0.31x |"
+    assert row in capsys.readouterr().out
+    docs = (run.parents[1] / "BENCHMARKS.md").read_text()
+    assert f"| budget (24 GiB card) {row}" in docs
