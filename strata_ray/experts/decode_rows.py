@@ -45,7 +45,8 @@ from strata_ray.kernels.tile_plan import plan_tiles_host
 # With the helper thread two Python threads share each layer's step, and CPython passes the GIL to a waiting
 # thread only when the holder blocks or after the switch interval (5 ms by default): on the H200 the helper's
 # few lines of Python before and after its numba call waited behind the host's launches, and a token took
-# 60 ms instead of 55 (CPU pool 35 ms instead of 22). 50 us bounds that wait; it costs nothing uncontended.
+# 60 ms instead of 55 (CPU pool 35 ms instead of 22). 50 us bounds that wait (it costs nothing
+# uncontended); alone it did not help (call 4 of session 4), hence also the `started` handoff in step().
 SWITCH_INTERVAL = 5e-5
 
 
