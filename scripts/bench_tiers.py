@@ -58,44 +58,47 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def _prefill(model, prompt, state, chunk: int, trace: bool):
-    """The prompt in chunks; trace: under torch.profiler (CPU + CUDA), printing where the time went."""
-    if not trace:
-        for c in range(0, len(prompt), chunk):
-            logits = model.forward(prompt[c : c + chunk], state)
-        return logits
+def _profiled(label: str, work, row_limit: int, trace_out: str | None = None):
+    """work() under torch.profiler (CPU + CUDA): prints the op tables by device and host time, writes a
+    Chrome trace to trace_out when given; returns work()'s result."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        logits = _prefill(model, prompt, state, chunk, False)
+        result = work()
         sync()
     for key in ("self_cuda_time_total", "self_cpu_time_total"):
         if key == "self_cuda_time_total" and not torch.cuda.is_available():
             continue
-        print(f"prefill of {len(prompt)} tokens under the profiler, by {key}:", flush=True)
-        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+        print(f"{label} under the profiler, by {key}:", flush=True)
+        table = prof.key_averages().table(sort_by=key, row_limit=row_limit, max_name_column_width=60)
+        print(table, flush=True)
+    if trace_out:
+        prof.export_chrome_trace(trace_out)
+    return result
+
+
+def _prefill(model, prompt, state, chunk: int, trace: bool):
+    """The prompt in chunks; trace: under torch.profiler, printing where the time went."""
+    if trace:
+        def chunks():
+            return _prefill(model, prompt, state, chunk, False)
+
+        return _profiled(f"prefill of {len(prompt)} tokens", chunks, row_limit=20)
+    for c in range(0, len(prompt), chunk):
+        logits = model.forward(prompt[c : c + chunk], state)
     return logits
 
 
 def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) -> int:
-    """n_tokens more decode steps under torch.profiler (CPU + CUDA): the op tables, and a Chrome trace
-    (`trace_out`) that shows where a token's time goes between the device and the host."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    """n_tokens more decode steps under torch.profiler: the op tables, and a Chrome trace (`trace_out`) that
+    shows where a token's time goes between the device and the host."""
+    def steps(tok=tok):
         for _ in range(n_tokens):
             tok = int(model.forward([tok], state)[-1].argmax())
-        sync()
-    for key in ("self_cuda_time_total", "self_cpu_time_total"):
-        if key == "self_cuda_time_total" and not torch.cuda.is_available():
-            continue
-        print(f"decode of {n_tokens} tokens under the profiler, by {key}:", flush=True)
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
-    if trace_out:
-        prof.export_chrome_trace(trace_out)
-    return tok
+        return tok
+
+    return _profiled(f"decode of {n_tokens} tokens", steps, row_limit=25, trace_out=trace_out)
 
 
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
