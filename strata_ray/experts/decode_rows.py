@@ -14,11 +14,11 @@ through it costs ~15 Python-issued launches and copies per layer. Here a step ha
 With `decode_cpu_thread` (STRATA_DECODE_CPU_THREAD=1) on CUDA, the CPU pool's part does not hold the host
 up: a helper thread computes it, writes the rows into a pinned buffer and then raises a host flag
 (kernels/stream_flags.py); the host enqueues "wait for the flag", the rows' upload and the next layer's
-graph at once, so those launches (~0.1-0.2 ms each on the H200 host) can overlap the CPU pool's work. It
-gives the same bits; on the H200 it was not faster yet (the helper's and the host's Python interleaved
-under the GIL), so it is off by default. The next layer's routing sync (which
-waits for the device, which waits for the flag) orders everything after it; `finish()` joins the last
-layer's job before the token's logits are used.
+graph at once, so those launches (~0.1-0.2 ms each on the H200 host) can overlap the CPU pool's work. The
+next layer's routing sync (which waits for the device, which waits for the flag) orders everything after
+it; `finish()` joins the last layer's job before the token's logits are used. It gives the same bits; on
+the H200 it was not faster yet (the helper's and the host's Python interleaved under the GIL), so it is off
+by default.
 
 The kernels, the plan's tile size and the combine are those of TieredExperts.__call__, so the rows and
 the output have the same bits. Window accounting, adaptive rounds and metrics go through the same
@@ -71,8 +71,9 @@ class DecodeRows:
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=pin)
         self._zero_tok = np.zeros(k, np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # CUDA: the CPU pool's rows come from a helper thread behind a host flag (None: the driver cannot
-        # wait on host memory; the rows are then computed before anything after them is enqueued)
+        # decode_cpu_thread on CUDA: the CPU pool's rows come from a helper thread behind a host flag (None:
+        # off, or the driver cannot wait on host memory; the rows are then computed before anything after
+        # them is enqueued)
         self._flag = host_flag(dev) if self.cuda and tiers.decode_cpu_thread else None
         if self._flag is not None and sys.getswitchinterval() > SWITCH_INTERVAL:
             sys.setswitchinterval(SWITCH_INTERVAL)
