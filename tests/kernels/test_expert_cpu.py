@@ -69,6 +69,22 @@ def test_numba_threads_and_python_pool_give_the_same_bits(name, rng):
                 assert _bits_equal(expert_ffn_cpu(x, tok, exp, layer, pool=pool), want), (n, numba_parallel)
 
 
+def test_started_is_set_before_the_kernels_and_changes_no_bits(rng):
+    """`started` (for a caller on another thread) is set by the time the call returns, also for no entries
+    and for float layers; the rows are those of a call without it."""
+    import threading
+
+    x = rng.standard_normal((5, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, 5, 0, 7, k=2)
+    for layer, t, e in ((layer_for("Q4_0"), tok, exp), (layer_for("Q4_0"), tok[:0], exp[:0]),
+                        (layer_for("F16"), tok, exp)):
+        started = threading.Event()
+        with CpuPool(1) as one:
+            got = expert_ffn_cpu(x, t, e, layer, pool=one, started=started)
+            assert started.is_set()
+            assert _bits_equal(got, expert_ffn_cpu(x, t, e, layer, pool=one))
+
+
 def test_reads_memory_mapped_bytes_in_place(tmp_path, rng):
     layer = layer_for("Q8_0")
     path = tmp_path / "experts.bin"
