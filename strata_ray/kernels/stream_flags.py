@@ -52,14 +52,14 @@ class HostFlag:
     enqueues a stop on the current stream until the flag reaches v."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]
-        self._host = self.tensor.numpy().view(np.uint32)  # the driver compares 32-bit values
-        self.value = 0
         drv = _driver()
         if drv is None:
             raise StreamFlagError("this CUDA driver has no cuStreamWaitValue32_v2 (CUDA 11.7 or newer)")
         self._wait, host_ptr = drv
+        self.device = device
+        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]
+        self._host = self.tensor.numpy().view(np.uint32)  # the driver compares 32-bit values
+        self.value = 0
         dptr = ctypes.c_uint64(0)
         if host_ptr(ctypes.byref(dptr), ctypes.c_void_p(self.tensor.data_ptr()), 0) != 0:
             dptr.value = self.tensor.data_ptr()  # unified addressing: the host address is the device's
