@@ -9,6 +9,7 @@
 #     cpustore  the CPU kernels over 8 of its expert layers as the host store holds them (file map, arena)
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
+#     ptrace    a 2048-token prefill on it under torch.profiler (op tables by device and host time)
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
 #     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15")
@@ -70,6 +71,9 @@ prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 
 step prefill 120 "${prefill[@]}" --ring-overlap 0 --pin-gib 0 --json-out "$work/prefill-staged.json"
 step prefill 120 "${prefill[@]}" --pin-gib 0 --json-out "$work/prefill-overlap.json"
 step prefill 150 "${prefill[@]}" --json-out "$work/prefill-pinned.json"  # the defaults: overlap, auto pin
+# a 2048-token prefill under torch.profiler (an 8K trace has too many events for the step's time)
+step ptrace 150 python scripts/bench_tiers.py --model "$M80" --depths 2048 --decode 4 --chunk 2048 \
+    --trace-prefill 2048 --json-out "$work/ptrace.json"
 # decode with OpenMP's threads spinning 100 (the default here) or 10000 rounds between parallel regions
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
