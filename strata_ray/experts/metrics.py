@@ -67,10 +67,13 @@ class TierMetrics:
 
     def line(self) -> str:
         c = self.counts
+        # the routing sync's wait exists on CUDA only: a CPU run would print a zero
+        wait_ms = c.per_token_ms(c.wait_seconds)
+        wait = f", waiting for the GPU {wait_ms:.2f} ms/token" if c.wait_seconds else ""
         return (
             f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries, {c.swaps} swaps, "
             f"host {c.per_token_ms(c.host_seconds):.2f} ms/token, "
-            f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token"
+            f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token{wait}"
         )
 
 
@@ -97,6 +100,8 @@ class _RayTierMetrics:
         self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
         self.host_ms = Gauge("strata_expert_host_ms_per_token", description="host time per decode token")
         self.cpu_ms = Gauge("strata_expert_cpu_ms_per_token", description="CPU-pool time per decode token")
+        self.wait_ms = Gauge("strata_expert_wait_ms_per_token",
+                             description="time per decode token the host waited for the GPU at routing syncs")
 
     def push(self, now: TierCounts, before: TierCounts) -> None:
         for name in ("slot_hits", "cpu_entries", "swaps"):
@@ -106,3 +111,4 @@ class _RayTierMetrics:
         self.hit_rate.set(now.hit_rate)
         self.host_ms.set(now.per_token_ms(now.host_seconds))
         self.cpu_ms.set(now.per_token_ms(now.cpu_seconds))
+        self.wait_ms.set(now.per_token_ms(now.wait_seconds))
