@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
     ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory "
                     "(default: the engine's, as much as the host's memory allows; 0: none)")
-    ap.add_argument("--cpu-threads", type=int, default=None, help="CPU pool threads (default: every core)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="CPU pool threads (default: the engine's, every core but one on CUDA)")
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
                     help="numba: one parallel numba call per expert call; pool: a Python thread per share")
     ap.add_argument("--trace-prefill", type=int, default=None, metavar="DEPTH",
@@ -198,7 +199,9 @@ def main() -> None:
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1")
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
-    tiers.pool = CpuPool(args.cpu_threads, numba_parallel=args.cpu_driver == "numba")
+    if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
+        n = args.cpu_threads or tiers.pool.n_threads
+        tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
     print(f"kernels ready in {tiers.warm_up():.1f} s", flush=True)
