@@ -1,0 +1,128 @@
+"""The numba kernels of the CPU expert path (nogil, cached), apart from their Python driver (expert_cpu.py).
+
+numba's on-disk cache is keyed by the source file: a change to the driver must not throw away these kernels'
+compiled code (the parallel one takes minutes to compile, on every machine, the GPU machine's each session).
+Layouts and the work split are described in expert_cpu.py; tests/kernels/test_expert_cpu.py covers both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .act_quant import quantize_block, swiglu
+from .block_dots import ROWS
+from .blocks import tile_sums
+from .contract import QK
+
+f32 = np.float32
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _tile_dot(w, r0, wtype, aq, ad, asum, arow, acc):
+    """acc[j, i] = contract dot of weight row w[r0 + i] with activation row arow[j], i < ROWS
+    (block_dots.tile_dots: 16 rows' ordered block sums side by side, one vector; up to 4 tokens per
+    call share the unpacked weight codes)."""
+    tile_sums(w, r0, wtype, aq, ad, asum, arow, acc)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _share(n_tiles, t, n_threads):
+    """Thread t's contiguous share [start, end) of n_tiles tiles (sizes differ by at most one)."""
+    return (n_tiles * t) // n_threads, (n_tiles * (t + 1)) // n_threads
+
+
+@njit(nogil=True, cache=True)
+def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_threads,
+                  h, hq, hd, hs):
+    """Thread t's share of h = swiglu(gate x, up x) over (group, 32-row tile), quantized into
+    hq int8 / hd / hs at the entries' rows. Group g = entries ents[g_start[g]:g_start[g+1]] of expert
+    g_exp[g]; gate/up uint8 [X, n_ff, RB]; aq/ad/asum: the tokens' quantized activations."""
+    n_ff = gate.shape[1]
+    tiles = n_ff // QK
+    g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
+    arow = np.empty(ents.shape[0], np.int64)
+    k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
+    for k in range(k0, k1):
+        g, tile = k // tiles, k % tiles
+        ent = ents[g_start[g]:g_start[g + 1]]
+        n = ent.shape[0]
+        for j in range(n):
+            arow[j] = tok[ent[j]]
+        e = g_exp[g]
+        for r0 in range(tile * QK, tile * QK + QK, ROWS):
+            _tile_dot(gate[e], r0, gtype, aq, ad, asum, arow[:n], g_acc)
+            _tile_dot(up[e], r0, utype, aq, ad, asum, arow[:n], u_acc)
+            for j in range(n):
+                for i in range(ROWS):
+                    h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
+        for j in range(n):
+            quantize_block(h[ent[j]], tile * QK, hq[ent[j]], hd[ent[j]], hs[ent[j]], tile)
+
+
+@njit(nogil=True, cache=True)
+def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out):
+    """Thread t's share of out[entry, r] = contract dot of down row r with the entry's quantized h."""
+    n_embd = down.shape[1]
+    tiles = n_embd // QK
+    acc = np.empty((ents.shape[0], ROWS), f32)
+    k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
+    for k in range(k0, k1):
+        g, tile = k // tiles, k % tiles
+        ent = ents[g_start[g]:g_start[g + 1]]
+        n = ent.shape[0]
+        e = g_exp[g]
+        for r0 in range(tile * QK, tile * QK + QK, ROWS):
+            _tile_dot(down[e], r0, dtype, hq, hd, hs, ent, acc)
+            for j in range(n):
+                for i in range(ROWS):
+                    out[ent[j], r0 + i] = acc[j, i]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def ffn_parallel(gate, gtype, up, utype, down, dtype, aq, ad, asum, tok, ents, g_start, g_exp, n_up, n_down,
+                  h, hq, hd, hs, out):
+    """Both phases in one call on numba's own threads: share t of each phase is one prange iteration
+    (static schedule: one share per thread), and the implicit barrier between the loops is the phase
+    boundary. One dispatch from Python instead of a pool handoff per share and phase, which at 16
+    threads cost more than the shares' arithmetic for a decode token."""
+    for t in prange(n_up):
+        gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_up, h, hq, hd, hs)
+    for t in prange(n_down):
+        down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _row_dot_float(row, af, arow, acc):
+    """Float weights: acc[j] = sum over 32-blocks (in order) of the in-order block sum."""
+    for j in range(acc.shape[0]):
+        acc[j] = f32(0.0)
+    for b in range(af.shape[1] // QK):
+        o = b * QK
+        for j in range(arow.shape[0]):
+            a = arow[j]
+            t = f32(0.0)
+            for i in range(QK):
+                t = t + af[a, o + i] * row[o + i]
+            acc[j] = acc[j] + t
+
+
+@njit(nogil=True, cache=True)
+def gate_up_float_job(gate, up, x, arow, ent, r0, r1, h):
+    n = arow.shape[0]
+    g = np.empty(n, f32)
+    u = np.empty(n, f32)
+    for r in range(r0, r1):
+        _row_dot_float(gate[r], x, arow, g)
+        _row_dot_float(up[r], x, arow, u)
+        for j in range(n):
+            h[ent[j], r] = swiglu(g[j], u[j])
+
+
+@njit(nogil=True, cache=True)
+def down_float_job(down, h, ent, r0, r1, out):
+    acc = np.empty(ent.shape[0], f32)
+    for r in range(r0, r1):
+        _row_dot_float(down[r], h, ent, acc)
+        for j in range(ent.shape[0]):
+            out[ent[j], r] = acc[j]
