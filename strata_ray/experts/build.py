@@ -14,7 +14,7 @@ import torch
 from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
-from strata_ray.experts.prefault import physical_memory
+from strata_ray.experts.prefault import available_memory, physical_memory
 from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
@@ -67,21 +67,9 @@ def auto_pin_gib() -> float:
     page cache, so the GGUF's own pages) less what is left for everything else. Pinned layers stream to
     the device at ~50 GB/s instead of ~7-15 GB/s through staging buffers (an 8K prompt at a 24 GiB budget
     on the H200: 7.0 s instead of 14.4 s), at ~0.2 s of load time per GiB."""
-    available = _mem_available()
+    available = available_memory()
     leave = max(PIN_LEAVE_GIB * 2**30, PIN_LEAVE_SHARE * physical_memory())
     return max(0.0, (available - leave) / 2**30)
-
-
-def _mem_available() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where unknown: no pinning)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _decode_graphs(config, model, stage) -> None:

@@ -38,6 +38,18 @@ def physical_memory() -> int:
         return 0
 
 
+def available_memory() -> int:
+    """Bytes the kernel could hand out now, page cache included (MemAvailable; 0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _ranges(arrays: list[np.ndarray]) -> list[tuple[int, int]]:
     """Page-aligned (address, length) chunks covering every array's bytes."""
     page = mmap.PAGESIZE

@@ -32,7 +32,8 @@ def test_float_experts_load_without_tiers(tmp_path):
 
 
 def test_auto_pinning_leaves_memory_for_everything_else():
-    from strata_ray.experts.build import PIN_LEAVE_GIB, _mem_available, auto_pin_gib
+    from strata_ray.experts.build import PIN_LEAVE_GIB, auto_pin_gib
+    from strata_ray.experts.prefault import available_memory
 
     gib = auto_pin_gib()
-    assert 0.0 <= gib <= max(0.0, _mem_available() / 2**30 - PIN_LEAVE_GIB + 1e-6)
+    assert 0.0 <= gib <= max(0.0, available_memory() / 2**30 - PIN_LEAVE_GIB + 1e-6)
