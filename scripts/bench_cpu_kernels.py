@@ -16,8 +16,10 @@ kernels' rate in the bench and in the engine can be told apart from where the by
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
+import numba
 import numpy as np
 
 from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
@@ -148,6 +150,9 @@ def main() -> None:
                     ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)
                     case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{k}"
                     print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
+            if driver == "numba":  # omp / tbb / workqueue: how its threads wait between calls
+                print(f"  numba threading layer: {numba.threading_layer()}, GOMP_SPINCOUNT="
+                      f"{os.environ.get('GOMP_SPINCOUNT')}")
             if model is not None:
                 layers, label = model
                 print(f"  {label}:")

@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--trace-out", default=None, help="with --trace-decode: write a Chrome trace here")
     ap.add_argument("--ring-overlap", choices=["0", "1"], default="1",
                     help="1 (default): prompt ring copies overlap its kernels; 0: on the compute stream")
+    ap.add_argument("--decode-cpu-thread", choices=["0", "1"], default=None,
+                    help="1: a decode layer's CPU rows on a helper thread behind a device flag; 0: on the "
+                    "host thread (default: the engine's, STRATA_DECODE_CPU_THREAD)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -197,6 +200,8 @@ def main() -> None:
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1")
+    if args.decode_cpu_thread is not None:
+        cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
@@ -240,6 +245,7 @@ def main() -> None:
         "cpu_driver": args.cpu_driver,
         "decode_graphs": model.decode_graphs is not None,
         "ring_overlap": args.ring_overlap == "1",
+        "decode_cpu_thread": cfg.decode_cpu_thread,
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,

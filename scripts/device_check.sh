@@ -12,7 +12,8 @@
 #     ptrace    a 2048-token prefill on it under torch.profiler (op tables by device and host time)
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
-#     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15")
+#     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15"), in each
+#               CPU_THREAD_MODES (default "0"; "0 1": also the helper thread behind a device flag)
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 100)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
@@ -33,6 +34,12 @@ if [[ -n "${OUT:-}" && -f .nbc/nbc.tgz ]]; then  # on the device machine only: n
     tar xzf .nbc/nbc.tgz -C "$(dirname "$NUMBA_CACHE_DIR")"
 fi
 
+pack() {  # the work folder into $OUT/device.tgz, after every step: a run cut by the tool's limit loses nothing
+    [[ -n "${OUT:-}" ]] || return 0
+    local part="$OUT/.device-$BASHPID.tgz"  # the background tests pack too: a name of their own
+    tar czf "$part" -C "$(dirname "$work")" "$(basename "$work")" && mv -f "$part" "$OUT/device.tgz"
+}
+
 step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
     local name=$1 limit=$2
     shift 2
@@ -44,6 +51,7 @@ step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
     timeout "$limit" "$@" >> "$work/$name.log" 2>&1
     echo "== $name: exit $? after $((SECONDS - t0)) s"
     tail -n 25 "$work/$name.log"
+    pack
 }
 
 nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
@@ -78,9 +86,13 @@ step ptrace 150 python scripts/bench_tiers.py --model "$M80" --depths 2048 --dec
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
 step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
-# decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one)
+# decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
+# each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
 for n in ${DECODE_THREADS:-14 15}; do
-    step threads 100 "${decode[@]}" --cpu-threads "$n" --json-out "$work/threads-$n.json"
+    for ct in ${CPU_THREAD_MODES:-0}; do
+        step threads 100 "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
+            --json-out "$work/threads-$n-ct$ct.json"
+    done
 done
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-100}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
@@ -93,6 +105,6 @@ fi
 if [[ -n "${OUT:-}" ]]; then
     [[ -d "$NUMBA_CACHE_DIR" ]] && tar czf "$work/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
         "$(basename "$NUMBA_CACHE_DIR")"
-    tar czf "$OUT/device.tgz" -C "$(dirname "$work")" "$(basename "$work")"
+    pack
     echo "packed $work into \$OUT/device.tgz"
 fi

@@ -5,20 +5,23 @@ through it costs ~15 Python-issued launches and copies per layer. Here a step ha
 (K entries of one token), so the GPU part can be captured once per layer:
 
     eager:  ids and x to the host (one sync) -> classify the K entries by the residency table -> the
-            tile plan of the resident ones (host) -> one pinned upload of the plan and the hit mask
-            -> replay layer l's graph [quantize x | gate+up | down] (rows of resident experts)
-            -> the CPU pool computes the other entries meanwhile -> one pinned upload of their rows
-    graph:  rows() = where(hit, gpu rows, cpu rows) [K, E], captured into the decode graph that
-            combines them (DecodeGraphs), in k order as combine_rows does everywhere.
+            tile plan of the resident ones (host) -> one pinned upload of the plan, the hit mask and
+            the misses' positions -> replay layer l's graph [quantize x | gate+up | down] (rows of
+            resident experts) -> the CPU pool computes the M missed entries meanwhile, into a pinned
+            [M, E] buffer -> one upload of those M rows
+    graph:  rows() = where(hit, gpu rows, cpu rows[inv]) [K, E] (inv: each entry's row among the M),
+            captured into the decode graph that combines them (DecodeGraphs), in k order as
+            combine_rows does everywhere.
 
 With `decode_cpu_thread` (STRATA_DECODE_CPU_THREAD=1) on CUDA, the CPU pool's part does not hold the host
-up: a helper thread computes it, writes the rows into a pinned buffer and then raises a host flag
-(kernels/stream_flags.py); the host enqueues "wait for the flag", the rows' upload and the next layer's
-graph at once, so those launches (~0.1-0.2 ms each on the H200 host) can overlap the CPU pool's work. The
-next layer's routing sync (which waits for the device, which waits for the flag) orders everything after
-it; `finish()` joins the last layer's job before the token's logits are used. It gives the same bits; on
-the H200 it was not faster yet (the helper's and the host's Python interleaved under the GIL), so it is off
-by default.
+up: a helper thread computes it into the pinned buffer, and the parallel kernel itself raises a host flag
+(kernels/stream_flags.py) after its last row, so no Python runs between the rows and the device's go;
+the host enqueues "wait for the flag", the rows' upload and the next layer's graph at once, so those
+launches (~0.1-0.2 ms each on the H200 host) overlap the CPU pool's work. The next layer's routing sync
+(which waits for the device, which waits for the flag) orders everything after it; `finish()` joins the
+last layer's job before the token's logits are used. It gives the same bits. Session 4 on the H200 (the
+flag raised from Python after the call) was slower: the helper's Python before and after its kernels
+queued for the GIL behind the host's launches; hence the `started` handoff and the flag from the kernel.
 
 The kernels, the plan's tile size and the combine are those of TieredExperts.__call__, so the rows and
 the output have the same bits. Window accounting, adaptive rounds and metrics go through the same
@@ -62,12 +65,14 @@ class DecodeRows:
             raise ValueError("captured decode rows need the slot cache on a CUDA device")
         dev = tiers.device
         self.gpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [K, E] resident rows
-        self.cpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [K, E] the others
-        # [order K | sorted_slot K | tile_start K | hit K] int32: what the graph reads, one upload per layer
-        self.plan = torch.full((4 * k,), -1, dtype=torch.int32, device=dev)
+        self.cpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [M <= K, E] the misses'
+        # [order K | sorted_slot K | tile_start K | hit K | inv K] int32: what the graph reads, one upload
+        # per layer (inv: a missed entry's row in cpu_rows, 0 for hits)
+        self.plan = torch.full((5 * k,), -1, dtype=torch.int32, device=dev)
+        self.plan[4 * k :] = 0
         self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
         pin = self.cuda
-        self._plan_pin = torch.empty(4 * k, dtype=torch.int32, pin_memory=pin)
+        self._plan_pin = torch.empty(5 * k, dtype=torch.int32, pin_memory=pin)
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=pin)
         self._zero_tok = np.zeros(k, np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -84,8 +89,9 @@ class DecodeRows:
     # -- the captured part ------------------------------------------------------------------------------
     def rows(self) -> torch.Tensor:
         """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
-        hit = self.plan[3 * self.k :] != 0
-        return torch.where(hit[:, None], self.gpu_rows, self.cpu_rows)
+        k = self.k
+        hit = self.plan[3 * k : 4 * k] != 0
+        return torch.where(hit[:, None], self.gpu_rows, self.cpu_rows.index_select(0, self.plan[4 * k :]))
 
     def _resident_rows(self, layer: int, x: torch.Tensor) -> None:
         """The slot cache's kernel over the uploaded plan: rows of the resident entries into gpu_rows."""
@@ -117,8 +123,9 @@ class DecodeRows:
             self._graphs[layer] = g
 
     # -- the eager part ---------------------------------------------------------------------------------
-    def _upload_plan(self, slot: np.ndarray, hit: np.ndarray, bt: int) -> None:
-        """Plan of the resident entries over all K positions (misses: slot -1, in no tile), and the mask."""
+    def _upload_plan(self, slot: np.ndarray, hit: np.ndarray, inv: np.ndarray, bt: int) -> None:
+        """Plan of the resident entries over all K positions (misses: slot -1, in no tile), the mask and
+        the misses' rows."""
         k = self.k
         full = np.where(hit, slot, -1)
         order, sorted_slot, starts = plan_tiles_host(full, bt)
@@ -127,17 +134,20 @@ class DecodeRows:
         p[:k], p[k : 2 * k] = order, sorted_slot
         p[2 * k : 3 * k] = -1
         p[2 * k : 2 * k + starts.size] = starts
-        p[3 * k :] = hit
+        p[3 * k : 4 * k] = hit
+        p[4 * k :] = inv
         self.plan.copy_(self._plan_pin, non_blocking=self.cuda)
 
-    def _cpu_rows(self, x_h: np.ndarray, exp: np.ndarray, miss: np.ndarray, layer: int, value: int) -> float:
+    def _cpu_rows(self, x_h: np.ndarray, exp: np.ndarray, layer: int, value: int) -> float:
         """Helper thread: the CPU pool's rows of the missed entries into the pinned rows buffer, then the
-        flag (also on failure: the device must not wait forever; the error is raised at the join)."""
+        flag, raised by the kernel (again here: on failure the device must not wait forever; the error is
+        raised at the join)."""
         try:
             t = time.perf_counter()
-            rows = expert_ffn_cpu(x_h, self._zero_tok[: exp.size], exp, self.tiers.store.layer(layer),
-                                  pool=self.tiers.pool_for(exp), started=self._started)
-            self._rows_pin.numpy()[miss] = rows
+            m = exp.size
+            expert_ffn_cpu(x_h, self._zero_tok[:m], exp, self.tiers.store.layer(layer),
+                           pool=self.tiers.pool_for(exp), started=self._started,
+                           out=self._rows_pin.numpy()[:m], done=(self._flag.host, value))
             return time.perf_counter() - t
         finally:
             self._started.set()  # also when the call failed before its kernels
@@ -160,7 +170,9 @@ class DecodeRows:
         slot = tiers.residency.layer_slots(layer)[ids_h]  # [K] slot or -1
         hit = slot >= 0
         miss = np.flatnonzero(~hit)
-        n_hit = self.k - miss.size
+        n_hit, m = self.k - miss.size, miss.size
+        inv = np.zeros(self.k, np.int32)
+        inv[miss] = np.arange(m, dtype=np.int32)
         value = None
         if miss.size and self._flag is not None:  # start the CPU pool first: everything below overlaps it
             if self._helper is None:
@@ -168,7 +180,7 @@ class DecodeRows:
             value = self._flag.arm()
             # x_h stays valid: the next copy into its staging buffer is queued after the wait below
             self._started.clear()
-            self._job = self._helper.submit(self._cpu_rows, x_h, ids_h[miss], miss, layer, value)
+            self._job = self._helper.submit(self._cpu_rows, x_h, ids_h[miss], layer, value)
             # let the helper's Python (~0.05 ms) run alone: interleaved with the launches below, both
             # crawled (H200: CPU pool 32 ms a token instead of 22, host 18 ms instead of 8); its kernels then
             # run without the GIL while this thread launches
@@ -177,13 +189,13 @@ class DecodeRows:
         if self.cuda:
             from strata_ray.kernels.expert_gpu import tile_entries  # Triton: CUDA machines only
 
-            self._upload_plan(slot, hit, tile_entries(1, "decode", tiers.kernel_variant, view.is_float))
+            self._upload_plan(slot, hit, inv, tile_entries(1, "decode", tiers.kernel_variant, view.is_float))
             if n_hit and self.capture:
                 self._graphs[layer].replay()
             elif n_hit:  # the same kernels, launched directly
                 self._resident_rows(layer, x)
         else:  # the CPU slot tier (tests): the cache's kernel over its slots
-            self.plan[3 * self.k :] = torch.from_numpy(hit.astype(np.int32))
+            self.plan[3 * self.k :] = torch.from_numpy(np.concatenate([hit.astype(np.int32), inv]))
             if n_hit:
                 hits = np.flatnonzero(hit)
                 slots = slot[hits]
@@ -193,19 +205,18 @@ class DecodeRows:
         if value is not None:  # the device waits for the helper's flag, then uploads its rows
             t1 = time.perf_counter()
             self._flag.wait(value)
-            self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+            self.cpu_rows[:m].copy_(self._rows_pin[:m], non_blocking=True)
             host += time.perf_counter() - t1
         elif miss.size:
             t1 = time.perf_counter()
             exp = ids_h[miss]
-            rows = expert_ffn_cpu(x_h, self._zero_tok[: miss.size], exp, tiers.store.layer(layer),
-                                  pool=tiers.pool_for(exp))
+            rows = expert_ffn_cpu(x_h, self._zero_tok[:m], exp, tiers.store.layer(layer),
+                                  pool=tiers.pool_for(exp), out=self._rows_pin.numpy()[:m])
             t2 = time.perf_counter()
             tiers.metrics.counts.cpu_seconds += t2 - t1
             if self.cuda:
-                self._rows_pin.numpy()[miss] = rows
-                self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+                self.cpu_rows[:m].copy_(self._rows_pin[:m], non_blocking=True)
             else:
-                self.cpu_rows[torch.from_numpy(miss)] = torch.from_numpy(rows)
+                self.cpu_rows[:m] = torch.from_numpy(rows)
             host += time.perf_counter() - t2
-        tiers.count_entries(layer, ids_h, 1, n_hit, miss.size, True, host)
+        tiers.count_entries(layer, ids_h, 1, n_hit, m, True, host)

@@ -16,6 +16,8 @@ scales are loaded and unpacked once for all of them (LLVM CSE).
 
 from __future__ import annotations
 
+import os
+
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
@@ -29,7 +31,18 @@ GROUP = 8  # blocks per group (one K-quant super-block)
 ROWS = 16  # weight rows per tile
 ROWS_PER_SUM = 8  # rows whose block terms are transposed and summed together (fewer live registers)
 TOKENS = 4  # activation rows per tile call at most (they share the unpacked weight codes)
-_FEATURES = llvm.get_host_cpu_features()
+
+
+def _target_features() -> dict[str, bool]:
+    """The CPU features numba compiles for: NUMBA_CPU_FEATURES ("+avx2,-avx512f,...") when set (a cache
+    built here for another machine, scripts/numba_cache_for.py), else this host's."""
+    spec = os.environ.get("NUMBA_CPU_FEATURES", "")
+    if not spec:
+        return dict(llvm.get_host_cpu_features())
+    return {f[1:]: f[0] == "+" for f in spec.split(",") if f[:1] in "+-" and len(f) > 1}
+
+
+_FEATURES = _target_features()
 HAS_VNNI = bool(_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl")) or bool(_FEATURES.get("avxvnni"))
 HAS_AVX2 = bool(_FEATURES.get("avx2"))
 DOT_FORM = "vnni" if HAS_VNNI else "avx2" if HAS_AVX2 else "generic"  # of the 4-product sums (_dpbusd)

@@ -86,12 +86,16 @@ def _contiguous(w) -> np.ndarray:
 
 
 def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
-                   pool: CpuPool | None = None, started: threading.Event | None = None) -> np.ndarray:
+                   pool: CpuPool | None = None, started: threading.Event | None = None,
+                   out: np.ndarray | None = None, done: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """rows f32 [M, E]: row m = down(swiglu(gate x, up x)) of expert exp[m] for token tok[m].
 
     x f32 [N, E]; tok, exp int [M]; layer: uint8 block bytes [X, rows, row_bytes] (host memory).
     started: set once the Python part is done and the kernels (which release the GIL) begin, so a caller
     on another thread can wait for that instead of contending for the GIL with it.
+    out: f32 [M, E] C-contiguous to write the rows into (e.g. pinned memory a device copies from).
+    done: (flag uint32 [1], value): flag[0] = value once the rows are written, by the parallel kernel
+    itself when it runs (no Python between the last row and the flag), else before returning.
     """
     layer.validate()
     x = np.ascontiguousarray(x, dtype=f32)
@@ -100,12 +104,13 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     _check_entries(x, tok, exp, layer)
     pool = pool or default_pool()
     m, n_embd, n_ff = len(tok), layer.n_embd, layer.n_ff
-    out = np.zeros((m, n_embd), f32)
+    out = _output(out, m, n_embd)
     if m == 0 or layer.is_float:
         if started is not None:
             started.set()
         if m:
             _float_ffn(x, tok, group_entries(exp), layer, pool, out)
+        _raise(done)
         return out
     ents, g_start, g_exp = group_arrays(exp)
     n_groups = len(g_exp)
@@ -122,11 +127,31 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     if started is not None:
         started.set()
     if pool.n_threads > 1 and pool.numba_parallel:
+        flag, value = done if done is not None else (_NO_FLAG, 0)
         with numba_threads(max(n_up, n_down)):
             ffn_parallel(gate, layer.gate_type, up, layer.up_type, down, layer.down_type, xq, xd, xs, tok,
-                          ents, g_start, g_exp, n_up, n_down, h, hq, hd, hs, out)
+                         ents, g_start, g_exp, n_up, n_down, h, hq, hd, hs, out, flag, value)
         return out
     pool.run(gate_up_share, [(*args, t, n_up, h, hq, hd, hs) for t in range(n_up)])
     pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
                           for t in range(n_down)])
+    _raise(done)
     return out
+
+
+_NO_FLAG = np.zeros(0, np.uint32)  # ffn_parallel's "no flag to raise"
+
+
+def _output(out: np.ndarray | None, m: int, n_embd: int) -> np.ndarray:
+    """The caller's rows buffer (checked), or a new one."""
+    if out is None:
+        return np.zeros((m, n_embd), f32)
+    if out.shape != (m, n_embd) or out.dtype != f32 or not out.flags.c_contiguous:
+        raise KernelError(f"out must be C-contiguous float32 [{m}, {n_embd}], got {out.dtype} {out.shape}")
+    return out
+
+
+def _raise(done: tuple[np.ndarray, int] | None) -> None:
+    """Set the done flag from Python (the paths that do not run ffn_parallel)."""
+    if done is not None:
+        done[0][0] = done[1]

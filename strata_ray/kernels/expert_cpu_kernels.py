@@ -81,15 +81,21 @@ def down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_threads, out)
 
 @njit(parallel=True, nogil=True, cache=True)
 def ffn_parallel(gate, gtype, up, utype, down, dtype, aq, ad, asum, tok, ents, g_start, g_exp, n_up, n_down,
-                  h, hq, hd, hs, out):
+                  h, hq, hd, hs, out, flag, flag_value):
     """Both phases in one call on numba's own threads: share t of each phase is one prange iteration
     (static schedule: one share per thread), and the implicit barrier between the loops is the phase
     boundary. One dispatch from Python instead of a pool handoff per share and phase, which at 16
-    threads cost more than the shares' arithmetic for a decode token."""
+    threads cost more than the shares' arithmetic for a decode token.
+
+    flag (uint32 [1] or [0]): when given, flag[0] = flag_value once every row is in `out`, from here
+    rather than from Python after the call returns: a device stream waiting on it (stream_flags) is
+    released without the caller's thread needing the GIL back first (DecodeRows' helper thread)."""
     for t in prange(n_up):
         gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_up, h, hq, hd, hs)
     for t in prange(n_down):
         down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
+    if flag.shape[0]:  # after the loop's barrier: every share's rows are written (x86 keeps store order)
+        flag[0] = flag_value
 
 
 @njit(inline="always", nogil=True, cache=True)

@@ -67,6 +67,12 @@ class HostFlag:
         self.wait(0)  # already reached: checks the driver takes the call, then leaves the stream as it was
         torch.cuda.current_stream(device).synchronize()
 
+    @property
+    def host(self) -> np.ndarray:
+        """uint32 [1]: the flag as host code writes it (a numba kernel can raise it: expert_ffn_cpu's
+        `done`)."""
+        return self._host
+
     def arm(self) -> int:
         """The next value to wait for (and to set when the work it guards is done)."""
         self.value = (self.value + 1) & 0xFFFFFFFF

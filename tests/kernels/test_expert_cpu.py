@@ -85,6 +85,26 @@ def test_started_is_set_before_the_kernels_and_changes_no_bits(rng):
             assert _bits_equal(got, expert_ffn_cpu(x, t, e, layer, pool=one))
 
 
+@pytest.mark.parametrize("n_threads,numba_parallel,name", [(2, True, "Q4_0"), (2, False, "Q4_0"),
+                                                           (1, True, "Q4_0"), (2, True, "F16")])
+def test_out_and_done_flag(n_threads, numba_parallel, name, rng):
+    """`out` receives the rows (a caller's pinned buffer) and `done` raises its flag once they are there:
+    from inside the parallel kernel, or from Python on the other paths. The bits do not change."""
+    layer = layer_for(name)
+    x = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, 1, 0, 37, k=5)
+    with CpuPool(n_threads, numba_parallel=numba_parallel) as pool:
+        want = expert_ffn_cpu(x, tok, exp, layer, pool=pool)
+        buf = np.full((8, N_EMBD), np.nan, np.float32)  # [K, E], the first M rows used
+        flag = np.zeros(1, np.uint32)
+        got = expert_ffn_cpu(x, tok, exp, layer, pool=pool, out=buf[:5], done=(flag, 0xFFFFFFFE))
+    assert got.base is buf or got is buf[:5] or np.shares_memory(got, buf)
+    assert _bits_equal(buf[:5], want) and np.isnan(buf[5:]).all()
+    assert flag[0] == 0xFFFFFFFE
+    with pytest.raises(KernelError, match="out must be"):
+        expert_ffn_cpu(x, tok, exp, layer, pool=pool, out=buf[:4])
+
+
 def test_reads_memory_mapped_bytes_in_place(tmp_path, rng):
     layer = layer_for("Q8_0")
     path = tmp_path / "experts.bin"

@@ -1,0 +1,110 @@
+"""Build the CPU kernels' numba cache for another machine, here: compile without running.
+
+The GPU machine is lent by the minute, and compiling the CPU pool's parallel kernel there costs minutes of
+it after every change to the kernels' files. numba keys a cached overload by the source file's hash, the
+signature, and the target (CPU name and feature string), so a cache compiled here with the target's name
+and features (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES) loads there, provided the Python minor version, numba
+version and absolute source path match. The target is read from a cache index (.nbi) made on that
+machine; the signatures from this checkout's own cache indexes (those the tests and benchmarks compiled).
+
+    # in a venv with the target's Python minor version and numba version, from the repo root:
+    python scripts/numba_cache_for.py --target-index OLD.nbi \
+        --signatures-from strata_ray/kernels/__pycache__ --cache-dir /tmp/nbc --tar .nbc/nbc.tgz
+
+Nothing is executed: the compiled code may use instructions this CPU lacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+# the kernels package's files with cached njit functions
+MODULES = ("act_quant", "blocks", "expert_cpu_kernels")
+
+
+def read_index(path: str) -> tuple[str, dict]:
+    """A numba .nbi file -> (numba version, {(signature, target, code hashes): data name})."""
+    with open(path, "rb") as f:
+        version = pickle.load(f)
+        _stamp, overloads = pickle.loads(f.read())
+    return version, overloads
+
+
+def target_of(index_path: str) -> tuple[str, str]:
+    """(cpu name, feature string) of the first overload in an index made on the target machine."""
+    _, overloads = read_index(index_path)
+    for _sig, (_triple, cpu, features), *_hashes in overloads:
+        return cpu, features
+    raise SystemExit(f"error: {index_path} holds no overloads")
+
+
+def signatures(folder: str) -> dict[tuple[str, str], set]:
+    """{(module, function): signatures} from this checkout's cache indexes of MODULES."""
+    found: dict[tuple[str, str], set] = {}
+    for path in glob.glob(os.path.join(folder, "*.nbi")):
+        module, rest = os.path.basename(path).split(".", 1)
+        if module not in MODULES:
+            continue
+        function = rest.rsplit("-", 1)[0]
+        _, overloads = read_index(path)
+        found.setdefault((module, function), set()).update(key[0] for key in overloads)
+    return found
+
+
+def compile_all(found: dict[tuple[str, str], set]) -> None:
+    """Compile every signature for the target set in the environment (runs in the child process)."""
+    for (module, function), sigs in sorted(found.items()):
+        mod = importlib.import_module(f"strata_ray.kernels.{module}")
+        disp = getattr(mod, function)
+        for sig in sigs:
+            t = time.perf_counter()
+            disp.compile(sig)
+            print(f"compiled {module}.{function}{tuple(str(a) for a in sig)[:2]}... in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target-index", required=True, help="a .nbi file made on the target machine")
+    ap.add_argument("--signatures-from", default="strata_ray/kernels/__pycache__",
+                    help="folder of this checkout's .nbi files whose signatures to compile")
+    ap.add_argument("--cache-dir", default="/tmp/nbc", help="NUMBA_CACHE_DIR to fill (the target's path)")
+    ap.add_argument("--tar", default=None, help="pack the cache folder into this .tgz")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    found = signatures(args.signatures_from)
+    if not found:
+        print(f"error: no cache indexes of {', '.join(MODULES)} in {args.signatures_from}", file=sys.stderr)
+        return 2
+    if args.child:
+        compile_all(found)
+        return 0
+    for path in (args.target_index,):
+        if not os.path.isfile(path):
+            print(f"error: no such index file: {path}", file=sys.stderr)
+            return 2
+    cpu, features = target_of(args.target_index)
+    print(f"target {cpu}, {len(features.split(','))} features; {sum(map(len, found.values()))} signatures")
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=args.cache_dir)
+    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+    rc = subprocess.call([sys.executable, __file__, "--child", "--target-index", args.target_index,
+                          "--signatures-from", args.signatures_from], env=env)
+    if rc == 0 and args.tar:
+        cache = Path(args.cache_dir)
+        with tarfile.open(args.tar, "w:gz") as tar:
+            tar.add(cache, arcname=cache.name)
+        print(f"packed {cache} into {args.tar}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
