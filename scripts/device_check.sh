@@ -13,11 +13,13 @@
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
 #     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15"), in each
-#               CPU_THREAD_MODES (default "0"; "0 1": also the helper thread behind a device flag)
+#               CPU_THREAD_MODES (default "0"; "0 1": also the helper thread behind a device flag), with
+#               each GOMP_SPINCOUNT in DECODE_SPINS (default "100")
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 100)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
+#   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
 #   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
 #   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
@@ -68,7 +70,10 @@ fi
 step warm 240 python scripts/bench_cpu_kernels.py --threads 15 --types Q4_0 --tokens 1 --top-k 10 --experts 64 \
     --reps 1
 step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
-step cpu 90 python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 --tokens 1 --top-k 1,3,5,10
+for sp in ${CPU_SPINS:-100}; do  # OpenMP spin counts: between calls the threads sleep (100) or spin
+    step cpu 90 env GOMP_SPINCOUNT="$sp" python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 \
+        --tokens 1 --top-k 1,3,5,10
+done
 # the same calls over 8 of the file's expert layers as the engine holds them: file map, then anonymous memory
 cpustore=(python scripts/bench_cpu_kernels.py --threads 15 --tokens 1 --top-k 5,10 --reps 3 --model "$M80")
 step cpustore 150 "${cpustore[@]}" --types Q4_0
@@ -88,10 +93,13 @@ step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.j
 step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
 # decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
 # each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
+# and each OpenMP spin count in DECODE_SPINS (default "100"; the pool's threads sleep or spin between calls)
 for n in ${DECODE_THREADS:-14 15}; do
     for ct in ${CPU_THREAD_MODES:-0}; do
-        step threads 100 "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
-            --json-out "$work/threads-$n-ct$ct.json"
+        for sp in ${DECODE_SPINS:-100}; do
+            step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
+                --json-out "$work/threads-$n-ct$ct-spin$sp.json"
+        done
     done
 done
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
