@@ -57,6 +57,14 @@ step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail
 }
 
 nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
+{  # host facts that decide a CPU pool call's fixed cost: idle states (wake latency), governor, threading layer
+    for d in /sys/devices/system/cpu/cpu1/cpuidle/state*; do
+        [[ -d $d ]] && echo "cpuidle $(cat "$d/name") latency $(cat "$d/latency") us disabled $(cat "$d/disable")"
+    done
+    echo "governor $(cat /sys/devices/system/cpu/cpu1/cpufreq/scaling_governor 2>/dev/null || echo none)"
+    echo "cores $(nproc), $(grep -m1 'model name' /proc/cpuinfo)"
+    python -c "import numba, numba.np.ufunc.parallel as p; p._launch_threads(); print('numba', numba.__version__, 'threading layer', numba.threading_layer())"
+} 2>&1 | tee -a "$work/gpu.txt"
 # shellcheck disable=SC2086
 if [[ -n "${BACKGROUND_TESTS:-}" ]]; then  # the GPU tests beside the CPU-bound steps (joined before packing)
     step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-} > "$work/tests-step.txt" 2>&1 &
