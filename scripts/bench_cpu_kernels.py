@@ -150,7 +150,7 @@ def main() -> None:
                     ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)
                     case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{k}"
                     print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
-            if driver == "numba":  # omp / tbb / workqueue: how its threads wait between calls
+            if driver == "numba" and n_threads > 1:  # omp, tbb or workqueue
                 print(f"  numba threading layer: {numba.threading_layer()}, GOMP_SPINCOUNT="
                       f"{os.environ.get('GOMP_SPINCOUNT')}")
             if model is not None:

@@ -10,13 +10,13 @@
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
 #     ptrace    a 2048-token prefill on it under torch.profiler (op tables by device and host time)
-#     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 10000 (the CPU pool's two parallel regions
+#     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 300000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
 #     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15"), in each
 #               CPU_THREAD_MODES (default "0"; "0 1": also the helper thread behind a device flag), with
 #               each GOMP_SPINCOUNT in DECODE_SPINS (default "100")
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
-#               TRACE_SPIN sets its GOMP_SPINCOUNT (default 100)
+#               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
@@ -95,10 +95,10 @@ step prefill 150 "${prefill[@]}" --json-out "$work/prefill-pinned.json"  # the d
 # a 2048-token prefill under torch.profiler (an 8K trace has too many events for the step's time)
 step ptrace 150 python scripts/bench_tiers.py --model "$M80" --depths 2048 --decode 4 --chunk 2048 \
     --trace-prefill 2048 --json-out "$work/ptrace.json"
-# decode with OpenMP's threads spinning 100 (the default here) or 10000 rounds between parallel regions
+# decode with OpenMP's threads spinning 100 or 300000 rounds (the engine's default on CUDA) between calls
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
-step spin 100 env GOMP_SPINCOUNT=10000 "${decode[@]}" --json-out "$work/spin-10000.json"
+step spin 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --json-out "$work/spin-300000.json"
 # decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
 # each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
 # and each OpenMP spin count in DECODE_SPINS (default "100"; the pool's threads sleep or spin between calls)
@@ -111,8 +111,8 @@ for n in ${DECODE_THREADS:-14 15}; do
     done
 done
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
-step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-100}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
-step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS=1 SETUPS="budget cpu-experts" \
+step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
+step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="budget cpu-experts" \
     OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${tests_pid:-}" ]]; then
     wait "$tests_pid"

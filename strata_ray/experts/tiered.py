@@ -32,7 +32,7 @@ from strata_ray.experts.metrics import TierMetrics
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
-from strata_ray.kernels.cpu_pool import CpuPool, cpu_count, default_pool
+from strata_ray.kernels.cpu_pool import CpuPool, cpu_count, default_pool, spin_default
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
@@ -130,6 +130,7 @@ class TieredExperts:
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
         cuda = self.device.type == "cuda"
+        spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(max(1, cpu_count() - 1)) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
@@ -252,17 +253,32 @@ class TieredExperts:
         # a prompt chunk that touches every expert of a layer
         if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:
             expert_ffn_cpu(x, one, one, lay, pool=self.pool)
-        if self.cache.is_cuda and self.cache.n_slots:
-            from strata_ray.kernels.expert_gpu import expert_ffn_gpu
-
-            x_d = torch.zeros((1, lay.n_embd), dtype=torch.float32, device=self.device)
-            zero = torch.zeros(1, dtype=torch.int32, device=self.device)  # token 0, slot 0 (its bytes: any)
-            expert_ffn_gpu(x_d, zero, zero, self.cache.layer_view(layer), mode="decode",
-                           variant=self.kernel_variant)
-            self._combine(torch.zeros((1, 1, lay.n_embd), device=self.device),
-                          torch.ones((1, 1), device=self.device))
-            torch.cuda.synchronize(self.device)
+        if self.cache.is_cuda and (self.cache.n_slots or self.cache.ring_slots):
+            self._warm_gpu_kernels()
         return time.perf_counter() - t
+
+    def _warm_gpu_kernels(self) -> None:
+        """Triton compiles a kernel per weight types and per specialization of its integer arguments (a
+        count of 1, a multiple of 16, other): without this the first prompt chunk compiled the prompt
+        tiles (seconds: the first `run bench` context ran at 40% of the second's speed). Each distinct
+        (gate, up, down) type runs the decode tile on 1 entry and the prompt tile on 32 and 33 entries."""
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+        dev, seen = self.device, set()
+        for layer in sorted(self.store.layers):
+            lay = self.store.layer(layer)
+            types = (lay.gate_type, lay.up_type, lay.down_type)
+            if types in seen:
+                continue
+            seen.add(types)
+            view = self.cache.layer_view(layer)
+            for mode, m in (("decode", 1), ("prompt", 32), ("prompt", 33)):
+                x_d = torch.zeros((m, lay.n_embd), dtype=torch.float32, device=dev)  # [M, E]
+                tok = torch.arange(m, dtype=torch.int32, device=dev)
+                slot = torch.zeros(m, dtype=torch.int32, device=dev)  # slot 0 (its bytes: any)
+                expert_ffn_gpu(x_d, tok, slot, view, mode=mode, variant=self.kernel_variant)
+        self._combine(torch.zeros((1, 1, lay.n_embd), device=dev), torch.ones((1, 1), device=dev))
+        torch.cuda.synchronize(dev)
 
     def pool_for(self, experts: np.ndarray) -> CpuPool:
         """The pool for a CPU expert call over these experts: the caller's thread when the call is small."""

@@ -10,13 +10,25 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numba
 
-# numba's OpenMP threads spin 300,000 rounds at each barrier by default. When a core is busy (the engine's
-# own Python thread, a shared 2-core host) the caller spins while the worker it waits for is descheduled:
-# on the 2-core VM with one core taken, a small expert call cost 8.1 ms at the default, 1.1 ms at 10,000
-# rounds, 0.20 ms at 1,000 and 0.10 ms at 100 (one thread alone: 0.05 ms); a one-token top-10 call over
-# 80b-a3b experts ran at the same GB/s with 100 as with 1,000. libgomp reads this when numba first loads
-# it (the first parallel call); a user's setting wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "100")
+# How long numba's OpenMP threads spin at a barrier, and after a parallel region, before they sleep
+# (libgomp's default: 300,000 rounds). Two cases, measured:
+# - No core to spare (the 2-core VM, or a pool as wide as the machine beside torch's own threads): the caller
+#   spins while the worker it waits for is descheduled. On the VM with one core taken, a small expert call
+#   cost 8.1 ms at 300,000 rounds, 1.1 ms at 10,000, 0.20 ms at 1,000 and 0.10 ms at 100.
+# - A pool that leaves the caller a core (CUDA: cores - 1 threads): decode calls the pool 48 times a token,
+#   ~0.5 ms apart. At 100 rounds its threads sleep between calls and each call pays their wake-up; at
+#   300,000 they are still spinning when the next call comes. H200 host (16 cores, 15 threads), synthetic
+#   80b-a3b at 8K: 15.4 tok/s at 100, 23.6 at 300,000 (CPU pool 31.3 -> 16.8 ms a token; 10,000 rounds did
+#   not bridge the gap: no change in session 4).
+# libgomp reads the setting when numba first loads it (the first parallel call); a user's setting wins.
+SPIN_SPARE_CORE = "300000"
+SPIN_NO_SPARE_CORE = "100"
+
+
+def spin_default(spare_core: bool) -> None:
+    """Set GOMP_SPINCOUNT (unless the user did) for a pool that leaves its caller a core or not; call before
+    the first parallel call in the process (later calls cannot change it)."""
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_SPARE_CORE if spare_core else SPIN_NO_SPARE_CORE)
 
 
 def cpu_count() -> int:
@@ -37,6 +49,7 @@ class CpuPool:
     """
 
     def __init__(self, n_threads: int | None = None, numba_parallel: bool = True):
+        spin_default(spare_core=False)  # unless an owner that knows better (TieredExperts) set it first
         self.n_threads = max(1, n_threads or cpu_count())
         self.numba_parallel = numba_parallel
         self._executor = ThreadPoolExecutor(max_workers=self.n_threads, thread_name_prefix="strata-cpu")

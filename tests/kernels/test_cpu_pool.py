@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
-from strata_ray.kernels.cpu_pool import CpuPool, default_pool
+from strata_ray.kernels.cpu_pool import (
+    SPIN_NO_SPARE_CORE,
+    SPIN_SPARE_CORE,
+    CpuPool,
+    default_pool,
+    spin_default,
+)
 
 
 def test_runs_all_jobs_on_several_threads():
@@ -52,3 +59,17 @@ def test_a_failed_job_waits_for_the_others():
 
 def test_default_pool_is_shared():
     assert default_pool() is default_pool() and default_pool().n_threads >= 1
+
+
+def test_spin_default_follows_the_spare_core_and_keeps_the_users_setting(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spin_default(spare_core=True)  # a CUDA engine's pool leaves its caller a core: spin between calls
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_SPARE_CORE
+    spin_default(spare_core=False)  # the first setting stands (libgomp reads it once)
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_SPARE_CORE
+    monkeypatch.setenv("GOMP_SPINCOUNT", "777")
+    spin_default(spare_core=True)
+    assert os.environ["GOMP_SPINCOUNT"] == "777"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    spin_default(spare_core=False)
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_NO_SPARE_CORE
