@@ -70,7 +70,8 @@ def main() -> None:
             g.replay()
             torch.cuda.synchronize()
             us = launch_us(g, args.reps)
-            print(f"{kind:6s} x {n:4d} nodes: replay {us:7.1f} us on the host ({us / n:.2f} us a node)", flush=True)
+            print(f"{kind:6s} x {n:4d} nodes: replay {us:7.1f} us on the host ({us / n:.2f} us a node)",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
+#     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
@@ -110,6 +111,8 @@ for n in ${DECODE_THREADS:-14 15}; do
         done
     done
 done
+# the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
+step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="budget cpu-experts" \
