@@ -120,3 +120,21 @@ def test_the_session_4_h200_run_gives_the_documented_table(capsys):
     assert row in capsys.readouterr().out
     docs = (run.parents[1] / "BENCHMARKS.md").read_text()
     assert f"| budget (24 GiB card) {row}" in docs
+
+
+def test_the_session_5_h200_run_gives_the_documented_table(capsys):
+    """docs/compare/h200-2026-11-29-s5: session 5's flashbench JSON (three repeats) against the same
+    llama-bench JSON."""
+    import pathlib
+
+    run = pathlib.Path(__file__).resolve().parents[2] / "docs" / "compare" / "h200-2026-11-29-s5"
+    docs = (run.parents[1] / "BENCHMARKS.md").read_text()
+    for setup, label, row in (
+        ("budget", "budget (24 GiB card)", "| 8192 | 1945.4 | 2668.1 | 0.73x | 28.1 | 56.9 | 0.49x |"),
+        ("cpu-experts", "cpu-experts", "| 1024 | 800.2 | 998.9 | 0.80x | 24.1 | 33.7 | 0.71x |"),
+    ):
+        llama = [str(run / f"llama-{setup}-prefill.json"), str(run / f"llama-{setup}-decode.json")]
+        ours = str(run / f"ours-{setup}.json")
+        assert main(["compare", "--setup", setup, "--ours", ours, "--llama", *llama]) == 0
+        assert row in capsys.readouterr().out
+        assert f"| {label} {row}" in docs
