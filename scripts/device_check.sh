@@ -14,7 +14,8 @@
 #               per expert call: threads asleep or spinning between them)
 #     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15"), in each
 #               CPU_THREAD_MODES (default "0"; "0 1": also the helper thread behind a device flag), with
-#               each GOMP_SPINCOUNT in DECODE_SPINS (default "100")
+#               each GOMP_SPINCOUNT in DECODE_SPINS (default "300000"), or the DECODE_RUNS triples
+#               threads:mode:spin
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
@@ -102,14 +103,20 @@ step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.j
 step spin 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --json-out "$work/spin-300000.json"
 # decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
 # each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
-# and each OpenMP spin count in DECODE_SPINS (default "100"; the pool's threads sleep or spin between calls)
-for n in ${DECODE_THREADS:-14 15}; do
-    for ct in ${CPU_THREAD_MODES:-0}; do
-        for sp in ${DECODE_SPINS:-100}; do
-            step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
-                --json-out "$work/threads-$n-ct$ct-spin$sp.json"
+# and each OpenMP spin count in DECODE_SPINS (default "300000"; the pool's threads sleep or spin between calls)
+# (DECODE_RUNS="15:0:300000 14:1:300000 ..." lists threads:mode:spin triples instead of the cross product)
+runs=${DECODE_RUNS:-}
+if [[ -z "$runs" ]]; then
+    for n in ${DECODE_THREADS:-14 15}; do
+        for ct in ${CPU_THREAD_MODES:-0}; do
+            for sp in ${DECODE_SPINS:-300000}; do runs+=" $n:$ct:$sp"; done
         done
     done
+fi
+for run in $runs; do
+    IFS=: read -r n ct sp <<< "$run"
+    step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
+        --json-out "$work/threads-$n-ct$ct-spin$sp.json"
 done
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
