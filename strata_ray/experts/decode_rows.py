@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -82,7 +82,6 @@ class DecodeRows:
         self._flag = host_flag(dev) if self.cuda and tiers.decode_cpu_thread else None
         if self._flag is not None and sys.getswitchinterval() > SWITCH_INTERVAL:
             sys.setswitchinterval(SWITCH_INTERVAL)
-        self._helper: ThreadPoolExecutor | None = None
         self._job: Future | None = None  # the last layer's CPU rows, not joined yet
         self._started = threading.Event()  # the helper's kernels have begun (its Python part is done)
 
@@ -175,12 +174,11 @@ class DecodeRows:
         inv[miss] = np.arange(m, dtype=np.int32)
         value = None
         if miss.size and self._flag is not None:  # start the CPU pool first: everything below overlaps it
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="strata-decode-cpu")
             value = self._flag.arm()
             # x_h stays valid: the next copy into its staging buffer is queued after the wait below
             self._started.clear()
-            self._job = self._helper.submit(self._cpu_rows, x_h, ids_h[miss], layer, value)
+            # the tiers' CPU thread: every pool call from one thread keeps libgomp's spin (TieredExperts)
+            self._job = tiers.cpu_thread.submit(self._cpu_rows, x_h, ids_h[miss], layer, value)
             # let the helper's Python (~0.05 ms) run alone: interleaved with the launches below, both
             # crawled (H200: CPU pool 32 ms a token instead of 22, host 18 ms instead of 8); its kernels then
             # run without the GIL while this thread launches

@@ -141,6 +141,12 @@ class TieredExperts:
         self.heat = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)  # [L, X] counts since start
         self._window = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)  # this window's counts
         self._in_window = False
+        # The one thread besides the caller that runs CPU pool calls (prompt misses beside the GPU's work,
+        # decode rows with decode_cpu_thread). libgomp keeps an OpenMP team per thread that starts parallel
+        # regions, and once its teams hold more threads than the machine has cores it drops the spin
+        # between calls to 100 rounds (GOMP_SPINCOUNT's "more threads than CPUs" rule): a second master
+        # thread undoes `spin_default`. So decode's pool calls and warm_up's run on one thread: this one
+        # with decode_cpu_thread, else the caller's.
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host <-> device copies (CUDA)
 
@@ -252,7 +258,10 @@ class TieredExperts:
         # the pool's parallel kernel (its first compile takes minutes) only where a call can reach the pool:
         # a prompt chunk that touches every expert of a layer
         if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:
-            expert_ffn_cpu(x, one, one, lay, pool=self.pool)
+            if self.decode_cpu_thread and self.cache.is_cuda:  # on the thread decode will call it from
+                self._helper.submit(expert_ffn_cpu, x, one, one, lay, pool=self.pool).result()
+            else:
+                expert_ffn_cpu(x, one, one, lay, pool=self.pool)
         if self.cache.is_cuda and (self.cache.n_slots or self.cache.ring_slots):
             self._warm_gpu_kernels()
         return time.perf_counter() - t
@@ -279,6 +288,11 @@ class TieredExperts:
                 expert_ffn_gpu(x_d, tok, slot, view, mode=mode, variant=self.kernel_variant)
         self._combine(torch.zeros((1, 1, lay.n_embd), device=dev), torch.ones((1, 1), device=dev))
         torch.cuda.synchronize(dev)
+
+    @property
+    def cpu_thread(self) -> ThreadPoolExecutor:
+        """The helper thread of CPU pool calls made beside the caller's work (see __init__)."""
+        return self._helper
 
     def pool_for(self, experts: np.ndarray) -> CpuPool:
         """The pool for a CPU expert call over these experts: the caller's thread when the call is small."""
