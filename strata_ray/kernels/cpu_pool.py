@@ -21,6 +21,10 @@ import numba
 #   80b-a3b at 8K: 15.4 tok/s at 100, 23.6 at 300,000 (CPU pool 31.3 -> 16.8 ms a token; 10,000 rounds did
 #   not bridge the gap: no change in session 4).
 # libgomp reads the setting when numba first loads it (the first parallel call); a user's setting wins.
+# libgomp keeps an OpenMP team for every thread that starts parallel regions, and when its teams hold more
+# threads than the machine has cores it spins only 100 rounds whatever the setting: keep every parallel call
+# of a process on one thread (TieredExperts does). H200 host, helper thread starting the decode calls while
+# warm-up had started a team on the main thread: 18-20 tok/s instead of 24.
 SPIN_SPARE_CORE = "300000"
 SPIN_NO_SPARE_CORE = "100"
 
