@@ -85,7 +85,8 @@ class EngineConfig:
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
     ring_overlap: bool = True  # STRATA_RING_OVERLAP=0 (env only): prompt ring copies on the compute stream
     # STRATA_DECODE_CPU_THREAD=1 (env only): on CUDA a helper thread computes a decode layer's CPU rows
-    # behind a host flag while the host launches what follows; off until it measures faster (session 4)
+    # behind a host flag while the host launches what follows; off: slower on the H200 (sessions 4-5: the
+    # two threads' per-layer handoffs under the GIL cost more than the overlap wins)
     decode_cpu_thread: bool = False
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
