@@ -17,11 +17,13 @@ With `decode_cpu_thread` (STRATA_DECODE_CPU_THREAD=1) on CUDA, the CPU pool's pa
 up: a helper thread computes it into the pinned buffer, and the parallel kernel itself raises a host flag
 (kernels/stream_flags.py) after its last row, so no Python runs between the rows and the device's go;
 the host enqueues "wait for the flag", the rows' upload and the next layer's graph at once, so those
-launches (~0.1-0.2 ms each on the H200 host) overlap the CPU pool's work. The next layer's routing sync
-(which waits for the device, which waits for the flag) orders everything after it; `finish()` joins the
-last layer's job before the token's logits are used. It gives the same bits. Session 4 on the H200 (the
-flag raised from Python after the call) was slower: the helper's Python before and after its kernels
-queued for the GIL behind the host's launches; hence the `started` handoff and the flag from the kernel.
+launches overlap the CPU pool's work. The next layer's routing sync (which waits for the device, which
+waits for the flag) orders everything after it; `finish()` joins the last layer's job before the token's
+logits are used. It gives the same bits. On the H200 it stays slower than the host thread (session 5:
+19-20 tok/s against 21-24 at 8K, with the flag raised by the kernel, the `started` handoff and every pool
+call on the tiers' one CPU thread): the two threads hand each layer to each other under the GIL (the
+executor's wake-up, `started`, the return), ~0.3 ms a layer of host time. (A graph replay costs the host
+~5 us, not the ~0.1-0.2 ms profiler traces showed, so there was less to overlap than it seemed.)
 
 The kernels, the plan's tile size and the combine are those of TieredExperts.__call__, so the rows and
 the output have the same bits. Window accounting, adaptive rounds and metrics go through the same
