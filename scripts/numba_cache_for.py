@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 # the kernels package's files with cached njit functions
-MODULES = ("act_quant", "blocks", "expert_cpu_kernels")
+MODULES = ("act_quant", "blocks", "expert_cpu_kernels", "expert_cpu_token")
 
 
 def read_index(path: str) -> tuple[str, dict]:

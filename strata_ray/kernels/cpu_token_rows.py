@@ -1,0 +1,83 @@
+"""CpuTokenRows: the Python side of expert_cpu_token.token_rows (a decode token's CPU rows, every layer in
+one nogil numba call). It holds the layers as numba lists, the shared buffers and flags, and checks what
+the kernel cannot: quantized layers of one width, a residency table of the right size.
+
+The device side that writes `ids`/`x` and the `routed` flag and waits on the `rows` flag is the next
+decode change (docs/DEVICE-NOTES.md); tests/kernels/test_cpu_token_rows.py drives it from a thread that
+plays the device's part with the same buffers.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.typed import List
+
+from .contract import QK, ExpertLayer, KernelError
+from .cpu_pool import numba_threads
+from .expert_cpu_token import token_rows
+
+SINGLE_THREAD_BYTES = 2 << 20  # a layer's misses below this run on the calling thread (TieredExperts' rule)
+
+
+def _readonly(a) -> np.ndarray:
+    """A read-only C-contiguous view: every layer's arrays get one numba type (file maps are read-only)."""
+    v = np.ascontiguousarray(np.asarray(a)).view()
+    v.flags.writeable = False
+    return v
+
+
+class CpuTokenRows:
+    """One decode token's CPU rows over `layers` (ExpertLayer per layer, quantized), given the host
+    residency table `res` (int32 [L * X], -1 = not resident; read during the call, so change it only
+    between tokens). Buffers (numpy; on CUDA views of pinned memory the device copies to and from):
+    ids int64 [K], x f32 [1, E], rows f32 [K, E], inv int32 [K]; flags uint32 [1]: routed, rows, stop."""
+
+    def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
+                 buffers: dict[str, np.ndarray] | None = None,
+                 single_thread_bytes: int = SINGLE_THREAD_BYTES):
+        if not layers:
+            raise KernelError("no expert layers")
+        n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
+        for lay in layers:
+            lay.validate()
+            if lay.is_float:
+                raise KernelError("the token worker runs quantized expert layers only")
+            if lay.n_embd != n_embd or lay.gate.shape[0] != n_expert:
+                raise KernelError("every layer must have the same width and expert count")
+        if n_embd % QK:
+            raise KernelError(f"n_embd must be a multiple of {QK}, got {n_embd}")
+        if res.dtype != np.int32 or res.shape != (len(layers) * n_expert,):
+            raise KernelError(f"res must be int32 [{len(layers) * n_expert}], got {res.dtype} {res.shape}")
+        self.n_layers, self.n_expert, self.k, self.n_embd = len(layers), n_expert, k, n_embd
+        self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
+        self.res, self.single_thread_bytes = res, single_thread_bytes
+        self.gates, self.ups, self.downs = (List([_readonly(getattr(lay, m)) for lay in layers])
+                                            for m in ("gate", "up", "down"))
+        self.wtypes = np.array([[lay.gate_type, lay.up_type, lay.down_type] for lay in layers], np.int64)
+        self.blob_bytes = max(lay.gate[0].nbytes + lay.up[0].nbytes + lay.down[0].nbytes for lay in layers)
+        want = {"ids": ((k,), np.int64), "x": ((1, n_embd), np.float32), "rows": ((k, n_embd), np.float32),
+                "inv": ((k,), np.int32), "routed": ((1,), np.uint32), "rows_flag": ((1,), np.uint32),
+                "stop": ((1,), np.uint32)}
+        buffers = dict(buffers or {})
+        for name, (shape, dtype) in want.items():
+            buf = buffers.setdefault(name, np.zeros(shape, dtype))
+            if buf.shape != shape or buf.dtype != dtype or not buf.flags.c_contiguous:
+                raise KernelError(f"buffer {name} must be C-contiguous {np.dtype(dtype)} {shape}")
+        self.buf = buffers
+        self.seen_ids = np.zeros((self.n_layers, k), np.int64)  # [L, K] each layer's routed experts
+        self.n_miss = np.zeros(self.n_layers, np.int64)  # [L] entries computed here
+
+    def run(self, base: int) -> int:
+        """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
+        GIL is released); returns -1, or the layer whose wait `stop` ended."""
+        b = self.buf
+        with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
+            return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
+                                  b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
+                                  base & 0xFFFFFFFF, b["stop"], self.n_threads, self.single_thread_bytes,
+                                  self.blob_bytes, self.seen_ids, self.n_miss))
+
+    def stop(self) -> None:
+        """End the call's current wait (the device will not raise `routed` again: an error, a shutdown)."""
+        self.buf["stop"][0] = 1

@@ -1,0 +1,100 @@
+"""CpuTokenRows: a decode token's CPU rows over every layer in one numba call, driven here by a thread that
+plays the device's part (writes ids and x, raises `routed`, waits for `rows_flag`) with the same buffers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import N_EMBD, layer_for
+
+from strata_ray.kernels.contract import KernelError
+from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.expert_cpu_token import reached
+
+N_EXPERT = 37
+LAYERS = ["Q4_0", "Q8_0", "Q4_K+Q6_K"]
+
+
+def _wait(flag: np.ndarray, value: int, timeout: float = 60.0) -> None:
+    t = time.monotonic()
+    while not reached(flag, value):
+        if time.monotonic() - t > timeout:
+            raise TimeoutError(f"flag {int(flag[0])} never reached {value}")
+        time.sleep(0)
+
+
+def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray) -> list[np.ndarray]:
+    """Per layer: write the routing, raise `routed`, wait for the rows; returns each layer's [K, E] rows
+    in entry order (resident entries' rows are zeros: the device computes those)."""
+    b, k = worker.buf, worker.k
+    out = []
+    for layer in range(worker.n_layers):
+        b["ids"][:] = ids[layer]
+        b["x"][:] = xs[layer]
+        v = (base + layer) & 0xFFFFFFFF
+        b["routed"][0] = v
+        _wait(b["rows_flag"], v)
+        rows = np.zeros((k, worker.n_embd), np.float32)
+        for j in range(k):
+            if worker.res[layer * worker.n_expert + ids[layer, j]] < 0:
+                rows[j] = b["rows"][b["inv"][j]]
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize("k,parallel", [(1, True), (5, True), (5, False)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
+    layers = [layer_for(name, N_EXPERT) for name in LAYERS]
+    res = np.full(len(layers) * N_EXPERT, -1, np.int32)
+    res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
+    ids = np.stack([np.sort(rng.choice(N_EXPERT, k, replace=False)) for _ in layers])  # [L, K]
+    ids[1] = np.flatnonzero(res[N_EXPERT : 2 * N_EXPERT] >= 0)[:k]  # layer 1: every entry resident
+    xs = rng.standard_normal((len(layers), 1, N_EMBD)).astype(np.float32)
+    worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40)
+    base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
+    worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(base)))
+    thread.start()
+    got = _play_device(worker, base, ids, xs)
+    thread.join(60)
+    assert result["rc"] == -1
+    for layer, lay in enumerate(layers):
+        miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
+        assert worker.n_miss[layer] == miss.size
+        assert (worker.seen_ids[layer] == ids[layer]).all()
+        if miss.size:
+            want = expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), ids[layer, miss], lay)
+            assert np.array_equal(got[layer][miss].view(np.uint32), want.view(np.uint32)), layer
+
+
+def test_stop_ends_a_wait_and_says_where(rng):
+    layers = [layer_for("Q4_0", N_EXPERT)] * 2
+    worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=1)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(7)))
+    thread.start()
+    b = worker.buf
+    b["rows_flag"][0] = 6
+    b["ids"][:] = [3, 4]
+    b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+    b["routed"][0] = 7  # layer 0 only; layer 1 never comes
+    _wait(b["rows_flag"], 7)
+    worker.stop()
+    thread.join(60)
+    assert not thread.is_alive() and result["rc"] == 1
+
+
+def test_bad_layers_and_buffers_are_one_line_errors():
+    lay = layer_for("Q4_0", N_EXPERT)
+    res = np.full(N_EXPERT, -1, np.int32)
+    with pytest.raises(KernelError, match="quantized expert layers only"):
+        CpuTokenRows([layer_for("F16", N_EXPERT)], res, 2, 1)
+    with pytest.raises(KernelError, match="res must be int32"):
+        CpuTokenRows([lay], res[:-1], 2, 1)
+    with pytest.raises(KernelError, match="buffer rows must be"):
+        CpuTokenRows([lay], res, 2, 1, buffers={"rows": np.zeros((3, N_EMBD), np.float32)})
