@@ -1,0 +1,85 @@
+"""A decode layer's CPU rows: one `expert_ffn_cpu` call per layer (the decode path today) against the token
+worker (`CpuTokenRows`: every layer in one nogil numba call, released by a flag), on the same experts.
+
+A thread plays the device: per layer it writes ids and x, raises the `routed` flag and spins until the rows
+flag comes back; the time between the two is what the device would wait. The direct path times the call the
+host makes today (Python driver, the pool's parallel call). Layers of random Q4_0 blocks, Qwen3-Next-80B
+shapes (E 2048, n_ff 512), top-10 with `--misses` entries a layer on the CPU.
+
+    PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 48] [--misses 6] [--tokens 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import numpy as np
+
+from strata_ray.kernels.contract import Q4_0
+from strata_ray.kernels.cpu_pool import CpuPool
+from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.expert_cpu_token import reached
+from strata_ray.kernels.random_weights import random_layer
+
+E, N_FF, K = 2048, 512, 10
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8, help="distinct expert layers (reused to make 48)")
+    ap.add_argument("--experts", type=int, default=24, help="experts per layer")
+    ap.add_argument("--misses", type=int, default=6, help="entries a layer computed on the CPU")
+    ap.add_argument("--tokens", type=int, default=10)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    distinct = [random_layer(rng, args.experts, E, N_FF, (Q4_0, Q4_0, Q4_0), from_floats=False)
+                for _ in range(args.layers)]
+    layers = [distinct[i % len(distinct)] for i in range(48)]
+    res = np.full(48 * args.experts, -1, np.int32)
+    ids = np.stack([rng.choice(args.experts, K, replace=False) for _ in layers])  # [48, K]
+    for layer in range(48):  # the first K - misses entries resident
+        res[layer * args.experts + ids[layer, : K - args.misses]] = 0
+    xs = rng.standard_normal((48, 1, E)).astype(np.float32)
+
+    pool = CpuPool(args.threads)
+    direct = []
+    for _ in range(args.tokens):
+        for layer, lay in enumerate(layers):
+            miss = ids[layer, K - args.misses :]
+            t = time.perf_counter()
+            expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
+            direct.append(time.perf_counter() - t)
+
+    worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0)
+    b = worker.buf
+    waits = []
+    base = 1
+    for _ in range(args.tokens):
+        b["routed"][0] = b["rows_flag"][0] = base - 1
+        thread = threading.Thread(target=worker.run, args=(base,))
+        thread.start()
+        for layer in range(48):
+            b["ids"][:] = ids[layer]
+            b["x"][:] = xs[layer]
+            v = base + layer
+            t = time.perf_counter()
+            b["routed"][0] = v
+            while not reached(b["rows_flag"], v):
+                pass
+            waits.append(time.perf_counter() - t)
+        thread.join()
+        base += 48
+    skip = 48  # the first token of each: warm-up
+    d, w = np.median(direct[skip:]) * 1e3, np.median(waits[skip:]) * 1e3
+    mb = args.misses * 3 * E * N_FF // 32 * 18 / 1e6
+    print(f"{args.threads} threads, {args.misses} CPU entries a layer ({mb:.1f} MB of experts):")
+    print(f"  expert_ffn_cpu call per layer: {d:.3f} ms (median of {len(direct) - skip})")
+    print(f"  token worker, flag to flag:    {w:.3f} ms (median of {len(waits) - skip})")
+
+
+if __name__ == "__main__":
+    main()
