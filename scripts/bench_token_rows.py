@@ -6,7 +6,10 @@ flag comes back; the time between the two is what the device would wait. The dir
 host makes today (Python driver, the pool's parallel call). Layers of random Q4_0 blocks, Qwen3-Next-80B
 shapes (E 2048, n_ff 512), top-10 with `--misses` entries a layer on the CPU.
 
-    PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 48] [--misses 6] [--tokens 20]
+    PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 8] [--misses 6] [--tokens 10]
+
+The thread playing the device spins on a core of its own: give the pool at most the other cores (on the
+2-core VM, --threads 1), or the pool's threads and the spinner share cores and both numbers mean little.
 """
 
 from __future__ import annotations
