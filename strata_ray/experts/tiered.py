@@ -32,15 +32,10 @@ from strata_ray.experts.metrics import TierMetrics
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
-from strata_ray.kernels.cpu_pool import CpuPool, cpu_count, default_pool, spin_default
+from strata_ray.kernels.cpu_pool import SINGLE_THREAD_BYTES, CpuPool, cpu_count, default_pool, spin_default
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
-
-# Expert calls reading less than this run on the calling thread: on the 2-core VM a pool handoff costs
-# more than it saves below ~2 MB (1 token x top-4 of 0.2-0.4 MB experts: 0.35 ms alone vs 0.47 ms on 2
-# threads; 8 experts of 2.6 MB: 4.7 ms alone vs 2.5 ms). Rows do not depend on the thread count.
-SINGLE_THREAD_BYTES = 2 << 20
 
 
 class LocalRounds:

@@ -14,10 +14,8 @@ import numpy as np
 from numba.typed import List
 
 from .contract import QK, ExpertLayer, KernelError
-from .cpu_pool import numba_threads
+from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import token_rows
-
-SINGLE_THREAD_BYTES = 2 << 20  # a layer's misses below this run on the calling thread (TieredExperts' rule)
 
 
 def _readonly(a) -> np.ndarray:

@@ -110,7 +110,7 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
             started.set()
         if m:
             _float_ffn(x, tok, group_entries(exp), layer, pool, out)
-        _raise(done)
+        _set_done(done)
         return out
     ents, g_start, g_exp = group_arrays(exp)
     n_groups = len(g_exp)
@@ -135,7 +135,7 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     pool.run(gate_up_share, [(*args, t, n_up, h, hq, hd, hs) for t in range(n_up)])
     pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
                           for t in range(n_down)])
-    _raise(done)
+    _set_done(done)
     return out
 
 
@@ -151,7 +151,7 @@ def _output(out: np.ndarray | None, m: int, n_embd: int) -> np.ndarray:
     return out
 
 
-def _raise(done: tuple[np.ndarray, int] | None) -> None:
+def _set_done(done: tuple[np.ndarray, int] | None) -> None:
     """Set the done flag from Python (the paths that do not run ffn_parallel)."""
     if done is not None:
         done[0][0] = done[1]
