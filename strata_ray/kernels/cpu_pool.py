@@ -25,11 +25,6 @@ import numba
 # threads than the machine has cores it spins only 100 rounds whatever the setting: keep every parallel call
 # of a process on one thread (TieredExperts does). H200 host, helper thread starting the decode calls while
 # warm-up had started a team on the main thread: 18-20 tok/s instead of 24.
-# Expert calls reading less than this run on the calling thread: on the 2-core VM a pool handoff costs
-# more than it saves below ~2 MB (1 token x top-4 of 0.2-0.4 MB experts: 0.35 ms alone vs 0.47 ms on 2
-# threads; 8 experts of 2.6 MB: 4.7 ms alone vs 2.5 ms). Rows do not depend on the thread count.
-SINGLE_THREAD_BYTES = 2 << 20
-
 SPIN_SPARE_CORE = "300000"
 SPIN_NO_SPARE_CORE = "100"
 
@@ -38,6 +33,12 @@ def spin_default(spare_core: bool) -> None:
     """Set GOMP_SPINCOUNT (unless the user did) for a pool that leaves its caller a core or not; call before
     the first parallel call in the process (later calls cannot change it)."""
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_SPARE_CORE if spare_core else SPIN_NO_SPARE_CORE)
+
+
+# Expert calls reading less than this run on the calling thread: on the 2-core VM a pool handoff costs
+# more than it saves below ~2 MB (1 token x top-4 of 0.2-0.4 MB experts: 0.35 ms alone vs 0.47 ms on 2
+# threads; 8 experts of 2.6 MB: 4.7 ms alone vs 2.5 ms). Rows do not depend on the thread count.
+SINGLE_THREAD_BYTES = 2 << 20
 
 
 def cpu_count() -> int:

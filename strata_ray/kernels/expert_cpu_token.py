@@ -14,7 +14,7 @@ thread, serves all layers:
 A device stream waits for the rows flag (stream_flags.HostFlag) before it copies `rows` and `inv` up, so
 the host thread only enqueues the token's work and syncs once for its logits (DEVICE-NOTES, the next
 decode change). The rows are the kernels' of expert_cpu_kernels.py, called with the same arguments an
-`expert_ffn_cpu` call over the misses passes them: the same bits (test_expert_cpu_token.py).
+`expert_ffn_cpu` call over the misses passes them: the same bits (tests/kernels/test_cpu_token_rows.py).
 
 Flags hold 32-bit values that wrap; "reached" is (int32)(flag - v) >= 0, as cuStreamWaitValue32's GEQ.
 A stop flag set to 1 ends any wait: the call returns the number of layers done (-1: none cut short).
