@@ -27,6 +27,35 @@ def _wait(flag: np.ndarray, value: int, timeout: float = 60.0) -> None:
         time.sleep(0)
 
 
+def _serve(worker: CpuTokenRows, base: int, play) -> int:
+    """worker.run(base) on a thread while `play()` acts as the device; the worker is stopped and joined
+    whatever happens (a worker left waiting would spin on a core for the rest of the session)."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(base)), daemon=True)
+    thread.start()
+    try:
+        play()
+        thread.join(60)
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert not thread.is_alive()
+    return result["rc"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """Compile the worker's kernels before any timed wait (minutes on a busy 2-core CI machine): one token
+    whose flags are already raised, so no layer waits."""
+    layers = [layer_for(name, N_EXPERT) for name in LAYERS]
+    for single in (0, 1 << 40):  # the parallel and the one-thread paths
+        res = np.full(len(layers) * N_EXPERT, -1, np.int32)
+        worker = CpuTokenRows(layers, res, 2, 2, single_thread_bytes=single)
+        worker.buf["ids"][:] = [0, 1]
+        worker.buf["routed"][0] = len(layers)
+        assert worker.run(1) == -1
+
+
 def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray) -> list[np.ndarray]:
     """Per layer: write the routing, raise `routed`, wait for the rows; returns each layer's [K, E] rows
     in entry order (resident entries' rows are zeros: the device computes those)."""
@@ -57,12 +86,8 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40)
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
     worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(base)))
-    thread.start()
-    got = _play_device(worker, base, ids, xs)
-    thread.join(60)
-    assert result["rc"] == -1
+    got = []
+    assert _serve(worker, base, lambda: got.extend(_play_device(worker, base, ids, xs))) == -1
     for layer, lay in enumerate(layers):
         miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
         assert worker.n_miss[layer] == miss.size
@@ -75,18 +100,17 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
 def test_stop_ends_a_wait_and_says_where(rng):
     layers = [layer_for("Q4_0", N_EXPERT)] * 2
     worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=1)
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(7)))
-    thread.start()
     b = worker.buf
     b["rows_flag"][0] = 6
-    b["ids"][:] = [3, 4]
-    b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
-    b["routed"][0] = 7  # layer 0 only; layer 1 never comes
-    _wait(b["rows_flag"], 7)
-    worker.stop()
-    thread.join(60)
-    assert not thread.is_alive() and result["rc"] == 1
+
+    def layer_0_only():  # layer 1's routing never comes
+        b["ids"][:] = [3, 4]
+        b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+        b["routed"][0] = 7
+        _wait(b["rows_flag"], 7)
+        worker.stop()  # the worker now waits for layer 1: this ends that wait
+
+    assert _serve(worker, 7, layer_0_only) == 1
 
 
 def test_bad_layers_and_buffers_are_one_line_errors():
