@@ -164,6 +164,9 @@ def main() -> None:
     ap.add_argument("--decode-cpu-thread", choices=["0", "1"], default=None,
                     help="1: a decode layer's CPU rows on a helper thread behind a device flag; 0: on the "
                     "host thread (default: the engine's, STRATA_DECODE_CPU_THREAD)")
+    ap.add_argument("--decode-pipeline", choices=["0", "1"], default=None,
+                    help="1: the whole decode token enqueued at once, a numba worker serving every layer's "
+                    "CPU rows (work in progress; default: STRATA_DECODE_PIPELINE)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -202,6 +205,8 @@ def main() -> None:
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1")
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
+    if args.decode_pipeline is not None:
+        cfg = dataclasses.replace(cfg, decode_pipeline=args.decode_pipeline == "1")
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
@@ -246,6 +251,7 @@ def main() -> None:
         "decode_graphs": model.decode_graphs is not None,
         "ring_overlap": args.ring_overlap == "1",
         "decode_cpu_thread": cfg.decode_cpu_thread,
+        "decode_pipeline": cfg.decode_pipeline,
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,

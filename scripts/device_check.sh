@@ -104,7 +104,8 @@ step spin 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --json-out "$work/spin-30
 # decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
 # each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
 # and each OpenMP spin count in DECODE_SPINS (default "300000"; the pool's threads sleep or spin between calls)
-# (DECODE_RUNS="15:0:300000 14:1:300000 ..." lists threads:mode:spin triples instead of the cross product)
+# (DECODE_RUNS="15:0:300000 14:1:300000 15:p:300000 ..." lists threads:mode:spin triples instead of the cross
+# product; mode p is the pipelined decode, STRATA_DECODE_PIPELINE)
 runs=${DECODE_RUNS:-}
 if [[ -z "$runs" ]]; then
     for n in ${DECODE_THREADS:-14 15}; do
@@ -115,7 +116,9 @@ if [[ -z "$runs" ]]; then
 fi
 for run in $runs; do
     IFS=: read -r n ct sp <<< "$run"
-    step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" --decode-cpu-thread "$ct" \
+    mode=(--decode-cpu-thread "$ct")
+    [[ $ct == p ]] && mode=(--decode-pipeline 1)  # p: the whole token enqueued, one numba worker per token
+    step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" "${mode[@]}" \
         --json-out "$work/threads-$n-ct$ct-spin$sp.json"
 done
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)

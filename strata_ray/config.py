@@ -88,6 +88,9 @@ class EngineConfig:
     # behind a host flag while the host launches what follows; off: slower on the H200 (sessions 4-5: the
     # two threads' per-layer handoffs under the GIL cost more than the overlap wins)
     decode_cpu_thread: bool = False
+    # STRATA_DECODE_PIPELINE=1 (env only): on CUDA the whole decode token is enqueued at once and a numba
+    # worker serves every layer's CPU rows behind device flags (PipelinedDecodeRows); work in progress
+    decode_pipeline: bool = False
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -360,6 +363,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_DECODE_CPU_THREAD", "") != "":
         values["decode_cpu_thread"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_CPU_THREAD"],
                                                   "STRATA_DECODE_CPU_THREAD") == "1"
+    if env.get("STRATA_DECODE_PIPELINE", "") != "":
+        values["decode_pipeline"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_PIPELINE"],
+                                                "STRATA_DECODE_PIPELINE") == "1"
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

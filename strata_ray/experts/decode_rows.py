@@ -103,7 +103,7 @@ class DecodeRows:
         expert_ffn_gpu(x, self.tok, self.plan[k : 2 * k], tiers.cache.layer_view(layer), mode="decode",
                        out=self.gpu_rows, variant=tiers.kernel_variant, plan=plan)
 
-    def capture_all(self, xs: list[torch.Tensor]) -> None:
+    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
         """Capture every layer's resident-rows graph over xs[layer] [1, E] (the decode graphs' static MoE
         inputs), after a warm-up with no tiles (tile_start -1: the kernels compile and return at once)."""
         if not self.capture or self.tiers.cache.n_slots == 0:

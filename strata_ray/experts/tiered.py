@@ -115,12 +115,16 @@ class TieredExperts:
         kernel_variant: str = "simple",
         ring_overlap: bool = False,
         decode_cpu_thread: bool = False,
+        decode_pipeline: bool = False,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
         self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
         # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
         self.decode_cpu_thread = decode_cpu_thread
+        # decode on CUDA: the whole token enqueued at once, a numba worker serving every layer's CPU rows
+        # (PipelinedDecodeRows; work in progress)
+        self.decode_pipeline = decode_pipeline
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
@@ -253,7 +257,7 @@ class TieredExperts:
         # the pool's parallel kernel (its first compile takes minutes) only where a call can reach the pool:
         # a prompt chunk that touches every expert of a layer
         if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:
-            if self.decode_cpu_thread and self.cache.is_cuda:  # on the thread decode will call it from
+            if (self.decode_cpu_thread or self.decode_pipeline) and self.cache.is_cuda:  # decode's thread
                 self._helper.submit(expert_ffn_cpu, x, one, one, lay, pool=self.pool).result()
             else:
                 expert_ffn_cpu(x, one, one, lay, pool=self.pool)
@@ -409,9 +413,13 @@ class TieredExperts:
             c.tokens += n_tok
 
     def decode_rows(self, n_embd: int, k: int, capture: bool):
-        """A DecodeRows over these tiers: the one-token step with fixed shapes, for the decode graphs."""
+        """A DecodeRows over these tiers: the one-token step with fixed shapes, for the decode graphs; with
+        decode_pipeline (captured, CUDA, quantized experts) its pipelined twin."""
+        from strata_ray.experts.decode_pipeline import PipelinedDecodeRows, pipeline_supported
         from strata_ray.experts.decode_rows import DecodeRows
 
+        if self.decode_pipeline and capture and self.cache.is_cuda and pipeline_supported(self):
+            return PipelinedDecodeRows(self, n_embd, k, capture)
         return DecodeRows(self, n_embd, k, capture)
 
     # -- windows and adaptive rounds ------------------------------------------------------------------

@@ -200,7 +200,7 @@ class DecodeGraphs:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.rows is not None:
-            self.rows.capture_all([buf.x for buf in self.layers])
+            self.rows.capture_all([buf.x for buf in self.layers], [buf.ids for buf in self.layers])
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
         for fn in flat:
@@ -241,18 +241,24 @@ class DecodeGraphs:
         pos0 = state.pos
         self.pos.fill_(pos0)
         hp, experts = self.hp, self.model.experts
-        for layer, (before, after) in enumerate(segments):
-            buf = self.layers[layer]
-            before()
-            if after is not None:  # the attention core over the growing KV cache, eager
-                k_all, v_all = state.kv[layer].append(buf.k, buf.v)
-                buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
-                after()
-            if self.rows is not None:
-                self.rows.step(layer, buf.x, buf.ids)
-            else:
-                buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
-        head()
+        try:
+            for layer, (before, after) in enumerate(segments):
+                buf = self.layers[layer]
+                before()
+                if after is not None:  # the attention core over the growing KV cache, eager
+                    k_all, v_all = state.kv[layer].append(buf.k, buf.v)
+                    buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
+                    after()
+                if self.rows is not None:
+                    self.rows.step(layer, buf.x, buf.ids)
+                else:
+                    buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
+            head()
+        except BaseException:
+            abort = getattr(self.rows, "abort", None)  # a worker waiting on this token's flags
+            if abort is not None:
+                abort()
+            raise
         if self.rows is not None:  # the last layer's CPU rows: joined (errors raised) before the logits count
             self.rows.finish()
         state.pos = pos0 + 1

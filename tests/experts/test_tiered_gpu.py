@@ -75,13 +75,14 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
         assert np.array_equal(got.numpy(), want.numpy()), f"layer {layer}"
 
 
-@pytest.mark.parametrize("cpu_thread", [False, True])
+@pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
-def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, cpu_thread):
+def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
-    cpu_thread: the CPU rows from the helper thread behind the host flag (STRATA_DECODE_CPU_THREAD)."""
+    cpu_thread: the CPU rows from the helper thread behind the host flag (STRATA_DECODE_CPU_THREAD);
+    pipeline: the whole token enqueued, a numba worker behind two flags (STRATA_DECODE_PIPELINE)."""
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
-                        decode_cpu_thread=cpu_thread)
+                        decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode == "pipeline")
     got = {}
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)

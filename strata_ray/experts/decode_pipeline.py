@@ -1,0 +1,151 @@
+"""PipelinedDecodeRows: DecodeRows' twin with no host work per layer (STRATA_DECODE_PIPELINE=1, CUDA only).
+
+WORK IN PROGRESS (session 5, branch wip/decode-pipeline): written without a GPU; never run on one.
+
+DecodeRows syncs the host with the device at every layer (the routing), classifies the entries, and
+computes or hands off the CPU rows with Python around them: ~0.9 ms a layer on the H200 host. Here the host
+enqueues a whole token at once, and one nogil numba call per token (kernels/cpu_token_rows.CpuTokenRows, on
+the tiers' CPU thread) serves every layer's CPU rows:
+
+    device, layer l:  [segment l: ... router]  ids, x -> pinned  routed := v_l  [resident rows: the slot
+                      of each entry from the device residency table, the tile plan on the device, the
+                      cache kernels]  wait rows >= v_l  rows, inv -> device  [segment l+1: combine ...]
+    worker, layer l:  wait routed >= v_l -> classify by the host table -> the CPU rows -> rows := v_l
+
+rows() = where(hit, gpu rows, cpu rows[inv]) [K, E], combined in k order as everywhere: the same kernels
+and the same combine as DecodeRows, so the same bits. The tables change only at window boundaries
+(layer 0 of a token, before the worker starts), so host and device agree on every entry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.stream_flags import HostFlag
+
+
+class PipelinedDecodeRows:
+    """One token's K routed rows per layer for the decode graphs, with the whole token enqueued at once."""
+
+    def __init__(self, tiers, n_embd: int, k: int, capture: bool):
+        if not (capture and tiers.cache.is_cuda):
+            raise ValueError("the pipelined decode needs CUDA graphs on a CUDA slot cache")
+        self.tiers, self.k = tiers, k
+        dev = tiers.device
+        self.gpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [K, E] resident rows
+        self.cpu_rows = torch.zeros((k, n_embd), dtype=torch.float32, device=dev)  # [M <= K, E] the misses'
+        self.hit = torch.zeros(k, dtype=torch.int32, device=dev)  # [K] 1 where resident (device plan)
+        self.inv = torch.zeros(k, dtype=torch.int32, device=dev)  # [K] a miss's row in cpu_rows (worker)
+        self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
+        self._ids_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K] written by the device
+        self._x_pin = torch.zeros((1, n_embd), dtype=torch.float32, pin_memory=True)  # [1, E]
+        self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=True)  # [K, E] the worker's
+        self._inv_pin = torch.zeros(k, dtype=torch.int32, pin_memory=True)  # [K]
+        self.routed, self.rows_flag = HostFlag(dev), HostFlag(dev)
+        layers = [tiers.store.layer(layer) for layer in range(tiers.n_layers)]
+        self.worker = CpuTokenRows(
+            layers, tiers.residency.res, k, tiers.pool.n_threads,
+            buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
+                     "inv": self._inv_pin.numpy(), "routed": self.routed.host,
+                     "rows_flag": self.rows_flag.host})
+        self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._job = None
+        self._base = 1  # v_l = base + l; the flags start at 0, below it
+
+    # -- the captured part ------------------------------------------------------------------------------
+    def rows(self) -> torch.Tensor:
+        """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
+        return torch.where(self.hit[:, None] != 0, self.gpu_rows, self.cpu_rows.index_select(0, self.inv))
+
+    def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """The device's half of a layer: which entries are resident, and their rows (no host in the loop)."""
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, plan_tiles, tile_entries
+
+        tiers = self.tiers
+        view = tiers.cache.layer_view(layer)
+        slot = self.table[layer * tiers.n_expert + ids.view(-1)]  # [K] int32 slot or -1
+        hit = slot >= 0
+        self.hit.copy_(hit.to(torch.int32))
+        full = torch.where(hit, slot, torch.full_like(slot, -1))
+        bt = tile_entries(1, "decode", tiers.kernel_variant, view.is_float)
+        order, sorted_slot, starts = plan_tiles(full, bt, view.gate.shape[0])
+        # tiles of slot -1 (the misses, sorted first) are dropped: their rows come from the worker
+        keep = (starts >= 0) & (sorted_slot[starts.clamp(min=0).long()] >= 0)
+        starts = torch.where(keep, starts, torch.full_like(starts, -1))
+        expert_ffn_gpu(x, self.tok, sorted_slot, view, mode="decode", out=self.gpu_rows,
+                       variant=tiers.kernel_variant, plan=(order, sorted_slot, starts))
+
+    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
+        """Capture every layer's resident-rows graph over the decode graphs' static xs[layer] [1, E] and
+        ids[layer] [1, K], after a warm-up on a side stream."""
+        if self.tiers.cache.n_slots == 0:
+            return
+        if ids is None:
+            raise ValueError("the pipelined decode captures over the routing's ids buffers too")
+        dev = self.tiers.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for layer in range(self.tiers.n_layers):
+                self._resident_rows(layer, xs[layer], ids[layer])
+        torch.cuda.current_stream(dev).wait_stream(side)
+        pool = torch.cuda.graph_pool_handle()
+        for layer in range(self.tiers.n_layers):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._resident_rows(layer, xs[layer], ids[layer])
+            self._graphs[layer] = g
+
+    # -- the enqueued part ------------------------------------------------------------------------------
+    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync)."""
+        tiers = self.tiers
+        if layer == 0:
+            tiers.start_forward(1)  # window boundary: residency may change here, never inside the token
+            self.table = tiers.residency.device_table(tiers.device)
+            base, self._base = self._base, (self._base + tiers.n_layers) & 0xFFFFFFFF
+            self.worker.buf["stop"][0] = 0
+            self._job = tiers.cpu_thread.submit(self.worker.run, base)
+            self._token_base = base
+        v = (self._token_base + layer) & 0xFFFFFFFF
+        self._ids_pin.copy_(ids.view(-1), non_blocking=True)
+        self._x_pin.copy_(x, non_blocking=True)
+        self.routed.write(v)  # fenced after the copies: the worker reads them once it sees v
+        if tiers.cache.n_slots:
+            self._graphs[layer].replay()
+        self.rows_flag.wait(v)
+        self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+        self.inv.copy_(self._inv_pin, non_blocking=True)
+
+    def finish(self) -> None:
+        """Join the token's worker; count each layer's entries (window accounting, metrics)."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        stopped = job.result()
+        if stopped != -1:
+            raise RuntimeError(f"the decode worker stopped at layer {stopped}")
+        tiers, k = self.tiers, self.k
+        for layer in range(tiers.n_layers):
+            m = int(self.worker.n_miss[layer])
+            tiers.count_entries(layer, self.worker.seen_ids[layer].copy(), 1, k - m, m, True, 0.0)
+
+    def abort(self) -> None:
+        """After a failure mid-token: end the worker's wait and release the device's waits."""
+        self.worker.stop()
+        last = (self._base - 1) & 0xFFFFFFFF
+        self.rows_flag.set(last)
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+        self.worker.buf["stop"][0] = 0
+
+
+def pipeline_supported(tiers) -> bool:
+    """Quantized expert layers of one width in every trunk layer (the worker's kernels)."""
+    layers = [tiers.store.layer(layer) for layer in range(tiers.n_layers)]
+    widths = {lay.n_embd for lay in layers}
+    return bool(layers) and not any(lay.is_float for lay in layers) and len(widths) == 1
+
