@@ -166,7 +166,7 @@ def main() -> None:
                     "host thread (default: the engine's, STRATA_DECODE_CPU_THREAD)")
     ap.add_argument("--decode-pipeline", choices=["0", "1"], default=None,
                     help="1: the whole decode token enqueued at once, a numba worker serving every layer's "
-                    "CPU rows (work in progress; default: STRATA_DECODE_PIPELINE)")
+                    "CPU rows (default: STRATA_DECODE_PIPELINE, on)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "

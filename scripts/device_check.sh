@@ -102,7 +102,8 @@ decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 -
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
 step spin 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --json-out "$work/spin-300000.json"
 # decode at 8K with the CPU pool on each of these thread counts (the engine takes every core but one), and
-# each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag)
+# each decode CPU-rows mode (CPU_THREAD_MODES: 0 host thread, 1 helper thread behind a device flag, p the
+# pipelined token, the engine's default)
 # and each OpenMP spin count in DECODE_SPINS (default "300000"; the pool's threads sleep or spin between calls)
 # (DECODE_RUNS="15:0:300000 14:1:300000 15:p:300000 ..." lists threads:mode:spin triples instead of the cross
 # product; mode p is the pipelined decode, STRATA_DECODE_PIPELINE)
@@ -116,7 +117,7 @@ if [[ -z "$runs" ]]; then
 fi
 for run in $runs; do
     IFS=: read -r n ct sp <<< "$run"
-    mode=(--decode-cpu-thread "$ct")
+    mode=(--decode-cpu-thread "$ct" --decode-pipeline 0)  # 0: the host plans each layer; 1: helper thread
     [[ $ct == p ]] && mode=(--decode-pipeline 1)  # p: the whole token enqueued, one numba worker per token
     step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" "${mode[@]}" \
         --json-out "$work/threads-$n-ct$ct-spin$sp.json"
@@ -132,7 +133,9 @@ if [[ -n "${tests_pid:-}" ]]; then
     cat "$work/tests-step.txt"
 fi
 if [[ -n "${OUT:-}" ]]; then
-    [[ -d "$NUMBA_CACHE_DIR" ]] && tar czf "$work/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
+    # the numba cache comes back on its own only when asked (NBC_BACK=1): inside device.tgz it pushed the
+    # tarball past what the device tool brings back (session 6, call 1)
+    [[ -n "${NBC_BACK:-}" && -d "$NUMBA_CACHE_DIR" ]] && tar czf "$OUT/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
         "$(basename "$NUMBA_CACHE_DIR")"
     pack
     echo "packed $work into \$OUT/device.tgz"

@@ -123,7 +123,7 @@ class TieredExperts:
         # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
         self.decode_cpu_thread = decode_cpu_thread
         # decode on CUDA: the whole token enqueued at once, a numba worker serving every layer's CPU rows
-        # (PipelinedDecodeRows; work in progress)
+        # (PipelinedDecodeRows; the config's default; decode_cpu_thread, an explicit opt-in, wins over it)
         self.decode_pipeline = decode_pipeline
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
@@ -418,7 +418,8 @@ class TieredExperts:
         from strata_ray.experts.decode_pipeline import PipelinedDecodeRows, pipeline_supported
         from strata_ray.experts.decode_rows import DecodeRows
 
-        if self.decode_pipeline and capture and self.cache.is_cuda and pipeline_supported(self):
+        if (self.decode_pipeline and not self.decode_cpu_thread and capture and self.cache.is_cuda
+                and pipeline_supported(self)):
             return PipelinedDecodeRows(self, n_embd, k, capture)
         return DecodeRows(self, n_embd, k, capture)
 

@@ -9,13 +9,25 @@ plays the device's part with the same buffers.
 
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 from numba.typed import List
 
 from .contract import QK, ExpertLayer, KernelError
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
-from .expert_cpu_token import token_rows
+from .expert_cpu_token import cycles, token_rows
+
+
+def cycles_per_second(span_s: float = 0.01) -> float:
+    """The rate of expert_cpu_token.cycles() (the time-stamp counter), over a span of busy waiting; 0.0 where
+    it is not counted (not x86)."""
+    t0, c0 = time.perf_counter(), cycles()
+    while time.perf_counter() - t0 < span_s:
+        pass
+    dt, dc = time.perf_counter() - t0, cycles() - c0
+    return dc / dt if dc > 0 else 0.0
 
 
 def _readonly(a) -> np.ndarray:
@@ -65,16 +77,26 @@ class CpuTokenRows:
         self.buf = buffers
         self.seen_ids = np.zeros((self.n_layers, k), np.int64)  # [L, K] each layer's routed experts
         self.n_miss = np.zeros(self.n_layers, np.int64)  # [L] entries computed here
+        self.busy = np.zeros(self.n_layers, np.int64)  # [L] cycles from a layer's routing to its rows flag
+        self._rate = None  # cycles a second, measured on first use
+
+    def busy_seconds(self) -> float:
+        """The last call's CPU-row time (its waits on the device left out), summed over the layers it served;
+        0.0 where the cycle counter is not read."""
+        if self._rate is None:
+            self._rate = cycles_per_second()
+        return float(self.busy.sum()) / self._rate if self._rate else 0.0
 
     def run(self, base: int) -> int:
         """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
         GIL is released); returns -1, or the layer whose wait `stop` ended."""
         b = self.buf
+        self.busy[:] = 0
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
                                   b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
                                   base & 0xFFFFFFFF, b["stop"], self.n_threads, self.single_thread_bytes,
-                                  self.blob_bytes, self.seen_ids, self.n_miss))
+                                  self.blob_bytes, self.seen_ids, self.n_miss, self.busy))
 
     def stop(self) -> None:
         """End the call's current wait (the device will not raise `routed` again: an error, a shutdown)."""

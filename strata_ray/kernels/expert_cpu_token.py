@@ -22,8 +22,12 @@ A stop flag set to 1 ends any wait: the call returns the number of layers done (
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import quantize_rows_into
@@ -45,6 +49,30 @@ def _load_acquire_u32(typingctx, arr, idx):
     return sig, codegen
 
 
+_HAS_TSC = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's time-stamp counter (rdtsc: constant rate on current x86; 0 elsewhere, where LLVM's cycle
+    counter may trap in user mode). Only differences are used, scaled by cycles_per_second()."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        if not _HAS_TSC:
+            return ir.Constant(ir.IntType(64), 0)
+        fnty = ir.FunctionType(ir.IntType(64), [])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def cycles() -> int:
+    return _cycles()
+
+
 @njit(nogil=True, cache=True)
 def reached(flag, value) -> bool:
     """Whether flag[0] has reached `value` (32-bit wrapping order)."""
@@ -62,14 +90,16 @@ def wait_flag(flag, value, stop) -> bool:
 
 @njit(nogil=True, cache=True)
 def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv, routed, rows_flag, base,
-               stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss):
+               stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss, busy):
     """One token's CPU rows, layer after layer (module docstring).
 
     gates, ups, downs: typed lists of uint8 [X, rows, row_bytes], one per layer; wtypes int64 [L, 3];
     res int32 [L * X] slot or -1; ids_buf int64 [K], x_buf f32 [1, E]: the device's copies of this layer's
     routing; rows f32 [K, E] (the first M rows written), inv int32 [K]: entry k's row, 0 for resident
     entries; routed, rows_flag, stop uint32 [1]; v_l = base + l (mod 2^32). seen_ids int64 [L, K] and
-    n_miss int64 [L] receive each layer's ids and miss count (the caller's window accounting).
+    n_miss int64 [L] receive each layer's ids and miss count (the caller's window accounting); busy int64 [L]
+    the cycles() from seeing the layer's routing to raising its rows flag (the CPU rows' own time, the
+    waits on the device left out).
     Returns -1, or the layer whose wait `stop` ended."""
     n_layers = len(gates)
     k = ids_buf.shape[0]
@@ -85,6 +115,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
         v = np.uint32((base + layer) & 0xFFFFFFFF)
         if not wait_flag(routed, v, stop):
             return layer
+        t0 = _cycles()
         m = 0
         for j in range(k):
             e = ids_buf[j]
@@ -98,6 +129,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
         n_miss[layer] = m
         if m == 0:
             rows_flag[0] = v
+            busy[layer] = _cycles() - t0
             continue
         gate, up, down = gates[layer], ups[layer], downs[layer]
         gtype, utype, dtype = wtypes[layer, 0], wtypes[layer, 1], wtypes[layer, 2]
@@ -125,4 +157,5 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
                           h, hq, hd, hs)
             down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, 0, 1, out)
             rows_flag[0] = v
+        busy[layer] = _cycles() - t0
     return -1

@@ -11,7 +11,7 @@ import pytest
 from conftest import N_EMBD, layer_for
 
 from strata_ray.kernels.contract import KernelError
-from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.cpu_token_rows import CpuTokenRows, cycles_per_second
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_cpu_token import reached
 
@@ -87,7 +87,12 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
     worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
     got = []
+    t = time.perf_counter()
     assert _serve(worker, base, lambda: got.extend(_play_device(worker, base, ids, xs))) == -1
+    wall = time.perf_counter() - t
+    if cycles_per_second() > 0:  # x86: the layers' own time is counted, and is less than the call's
+        assert (worker.busy > 0).all()
+        assert 0 < worker.busy_seconds() < wall
     for layer, lay in enumerate(layers):
         miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
         assert worker.n_miss[layer] == miss.size
