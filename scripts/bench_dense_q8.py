@@ -1,0 +1,138 @@
+"""Dense Q8_0 GEMV benchmark (a script, not a test): q8_linear at 1, 4 and 8 tokens against the
+device's copy bandwidth, and the float32 F.linear it replaces.
+
+    PYTHONPATH=. python scripts/bench_dense_q8.py [--tokens 1,4,8] [--shapes 8192x2048,...] [--sweep]
+
+GB/s counts the weight bytes a call reads (qs + d) once. % copy is against a measured device-to-device
+copy (read + write bytes). Each timing is the median over replays of one CUDA graph that holds many
+calls (no Python launch gaps), rotating over enough weight copies that L2 cannot hold them.
+Target: >= 60% of copy bandwidth at 1 token on the default shapes. --sweep times other tiles at
+1 token (gemv_tiles picks by shape alone; the bits of a row depend on the tiles, so a change is a
+change of outputs, never of batch invariance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+SHAPES = ["8192x2048", "2048x4096", "151936x2048"]  # [N, K]: a wide projection, a narrow one, an LM head
+SWEEP = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (16, 512, 4), (32, 256, 8),
+         (8, 1024, 4), (16, 1024, 8)]
+L2_BUST_BYTES = 512 << 20  # weights cycled per graph: >> the H200's 50 MB L2
+GRAPH_CALLS = 64
+REPLAYS = 21
+
+
+def copy_gbs(torch) -> float:
+    """Device-to-device copy bandwidth, read + write bytes, median of 20 copies of 1 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(20):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        dst.copy_(src)
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) / 1e3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(times) / 1e9
+
+
+def graph_seconds(torch, calls) -> float:
+    """Median seconds per call: `calls` (a list of thunks) captured in one graph, replayed REPLAYS times."""
+    for fn in calls[:4]:  # compile / allocate outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def random_weights(torch, Q8Weight, n: int, k: int, copies: int):
+    """`copies` random Q8_0 matrices [n, k] on the GPU (codes in [-127, 127], scales ~1e-2)."""
+    out = []
+    for _ in range(copies):
+        qs = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+        d = (torch.rand(n, k // 32, device="cuda") * 0.02 + 1e-3).half()
+        out.append(Q8Weight(qs, d))
+    return out
+
+
+def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], sweep: bool) -> list[tuple]:
+    per = n * k + 2 * n * (k // 32)
+    copies = max(2, -(-L2_BUST_BYTES // per))
+    ws = random_weights(torch, dq.Q8Weight, n, k, copies)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, k, device="cuda")
+        calls = [(lambda w=w, x=x: dq.q8_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
+        sec = graph_seconds(torch, calls)
+        rows.append((f"{n}x{k}", t, "q8 " + "/".join(map(str, dq.gemv_tiles(n, k))), sec, per / sec / 1e9))
+    if sweep:
+        x = torch.randn(1, k, device="cuda")
+        for tiles in SWEEP:
+            out = torch.empty(1, n, device="cuda")
+            calls = [(lambda w=w, o=out, tl=tiles: dq.q8_gemv(x, w, out=o, tiles=tl)) for w in ws]
+            sec = graph_seconds(torch, calls * -(-GRAPH_CALLS // copies))
+            rows.append((f"{n}x{k}", 1, "sweep " + "/".join(map(str, tiles)), sec, per / sec / 1e9))
+    del ws
+    # the float32 weights this replaces, same shape (fewer copies still bust L2: 4 bytes a weight)
+    f32 = [torch.randn(n, k, device="cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (4 * n * k))))]
+    for t in tokens:
+        x = torch.randn(t, k, device="cuda")
+        calls = [(lambda w=w, x=x: F.linear(x, w)) for w in f32] * -(-GRAPH_CALLS // len(f32))
+        sec = graph_seconds(torch, calls)
+        rows.append((f"{n}x{k}", t, "f32 F.linear", sec, 4 * n * k / sec / 1e9))
+    del f32
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,4,8", help="comma-separated token counts (<= 16: the GEMV)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK weight shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time other tiles at 1 token")
+    args = ap.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench_dense_q8 needs a CUDA device (none found)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: bench_dense_q8 needs triton (pip install triton)") from None
+    import torch.nn.functional as F
+
+    from strata_ray.kernels import dense_q8 as dq
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the f32 baseline is the fp32 forward of today
+    tokens = [int(v) for v in args.tokens.split(",")]
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    copy = copy_gbs(torch)
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
+    print(f"{'shape':>12} {'T':>3} {'kernel':>20} {'us':>9} {'GB/s':>8} {'% copy':>7}")
+    for n, k in shapes:
+        for shape, t, name, sec, gbs in bench_shape(torch, F, dq, n, k, tokens, args.sweep):
+            print(f"{shape:>12} {t:>3} {name:>20} {sec * 1e6:>9.2f} {gbs:>8.0f} {100 * gbs / copy:>6.1f}%")
+
+
+if __name__ == "__main__":
+    main()

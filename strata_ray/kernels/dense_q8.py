@@ -1,0 +1,242 @@
+"""Dense Q8_0 weights kept quantized on their device, and their linear (DESIGN section 7, batch invariance
+of the dense path).
+
+A GGUF Q8_0 matrix [N, K] is N * K / 32 blocks of 34 bytes (fp16 d, then 32 int8 codes q; the value is
+float32(d) * float32(q)). `Q8Weight` keeps it as two tensors, `qs` int8 [N, K] and `d` float16
+[N, K / 32]: 1.06 bytes a weight instead of the 4 of a float32 copy, in memory and in the bytes a
+decode token reads.
+
+`q8_linear(x, w)`:
+- CPU: `F.linear(x, w.dequantize())`, the reference forward's bits.
+- CUDA, at most GEMV_MAX_TOKENS rows: a Triton GEMV reading qs and d straight. One program computes
+  BN output rows of ONE token over the whole of K, with tiles chosen from (N, K) alone, so a token's row
+  goes through the same operations whether 1 or 16 tokens share the launch (batch invariant, bit for
+  bit). The token is the fastest grid axis: the programs of one row block run side by side and read
+  the same weight bytes, from L2 after the first.
+- CUDA, more rows (a prompt chunk: compute-bound): `F.linear(x, w.dequantize())` through cuBLAS.
+
+Triton is imported only on the GPU path (CI and CPU machines have none): the kernel body is a plain
+function that `_kernel()` hands to `triton.jit` on first use, after binding the module global `tl`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+QK = 32  # elements of a Q8_0 block
+BLOCK_BYTES = 34  # fp16 d + 32 int8
+GEMV_MAX_TOKENS = 16  # rows up to which CUDA runs the GEMV (decode, MTP verify windows)
+
+tl = None  # triton.language once _kernel() ran; the kernel body reads it as a global at compile time
+
+
+class Q8Weight:
+    """A Q8_0 matrix [N, K] as `qs` int8 [N, K] and `d` float16 [N, K // 32] on one device."""
+
+    def __init__(self, qs: Tensor, d: Tensor):
+        if qs.dtype != torch.int8 or qs.dim() != 2:
+            raise ValueError(f"Q8Weight qs must be int8 [N, K], got {qs.dtype} {list(qs.shape)}")
+        n, k = qs.shape
+        if n == 0 or k == 0 or k % QK:
+            raise ValueError(f"Q8Weight shape [{n}, {k}]: N must be > 0 and K a positive multiple of {QK}")
+        if d.dtype != torch.float16 or tuple(d.shape) != (n, k // QK):
+            raise ValueError(f"Q8Weight d must be float16 [{n}, {k // QK}], got {d.dtype} {list(d.shape)}")
+        if qs.device != d.device:
+            raise ValueError(f"Q8Weight qs on {qs.device} but d on {d.device}")
+        self.qs = qs.contiguous()  # [N, K]
+        self.d = d.contiguous()  # [N, K // 32]
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray | Tensor, n_rows: int, n_cols: int,
+                    device: torch.device | str = "cpu") -> Q8Weight:
+        """GGUF Q8_0 bytes (uint8 [N, K // 32 * 34] or flat) -> Q8Weight on `device`.
+
+        A numpy array (a read-only file map included) is split on the host; a tensor is split where it
+        lies, then moved."""
+        if n_cols <= 0 or n_cols % QK or n_rows <= 0:
+            raise ValueError(f"Q8_0 matrix [{n_rows}, {n_cols}]: N must be > 0, K a multiple of {QK} > 0")
+        nb = n_cols // QK
+        want = n_rows * nb * BLOCK_BYTES
+        is_np = isinstance(raw, np.ndarray)
+        size = raw.size if is_np else raw.numel()
+        if raw.dtype != (np.uint8 if is_np else torch.uint8) or size != want:
+            raise ValueError(f"Q8_0 [{n_rows}, {n_cols}] needs {want} uint8 bytes, got {size} of {raw.dtype}")
+        if is_np:
+            blocks = raw.reshape(n_rows, nb, BLOCK_BYTES)
+            # copies: owned, writable arrays (a file map stays untouched)
+            d = torch.from_numpy(np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).reshape(n_rows, nb))
+            qs = torch.from_numpy(np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n_rows, -1))
+        else:
+            blocks = raw.reshape(n_rows, nb, BLOCK_BYTES)
+            d = blocks[:, :, :2].contiguous().view(torch.float16).reshape(n_rows, nb)
+            qs = blocks[:, :, 2:].contiguous().view(torch.int8).reshape(n_rows, n_cols)
+        return cls(qs.to(device), d.to(device))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qs.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (qs + d): what a GEMV reads per token."""
+        return self.qs.numel() + 2 * self.d.numel()
+
+    def dequantize(self) -> Tensor:
+        """float32 [N, K], equal bit for bit to quants.dequantize / gguf: one rounding, f32(d) * f32(q)."""
+        n, k = self.qs.shape
+        q = self.qs.view(n, k // QK, QK).to(torch.float32)  # [N, K/32, 32] exact
+        return (q * self.d.to(torch.float32)[:, :, None]).reshape(n, k)
+
+    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
+        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
+        flat = idx.reshape(-1)  # [M]
+        m, k = flat.numel(), self.qs.shape[1]
+        q = self.qs.index_select(0, flat).view(m, k // QK, QK).to(torch.float32)  # [M, K/32, 32]
+        w = q * self.d.index_select(0, flat).to(torch.float32)[:, :, None]
+        return w.reshape(*idx.shape, k)
+
+    def to(self, device: torch.device | str) -> Q8Weight:
+        return Q8Weight(self.qs.to(device), self.d.to(device))
+
+    def __repr__(self) -> str:
+        return f"Q8Weight({list(self.shape)}, device={self.device})"
+
+
+def _check(x: Tensor, w: Q8Weight) -> None:
+    if x.dtype != torch.float32:
+        raise ValueError(f"q8_linear needs float32 x, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        shape, k = list(x.shape), w.shape[1]
+        raise ValueError(f"q8_linear x {shape} does not end in K={k} of weight {list(w.shape)}")
+    if x.device != w.device:
+        raise ValueError(f"q8_linear x on {x.device} but weight on {w.device}")
+
+
+def q8_linear_reference(x: Tensor, w: Q8Weight) -> Tensor:
+    """The reference twin: float32 [..., N] = F.linear(x, dequantized weight) (cuBLAS / CPU BLAS)."""
+    _check(x, w)
+    return F.linear(x, w.dequantize())
+
+
+def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
+    """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
+    _check(x, w)
+    n, k = w.shape
+    n_tok = x.numel() // k
+    if x.device.type != "cuda" or n_tok > GEMV_MAX_TOKENS:
+        return F.linear(x, w.dequantize())
+    x2 = x.reshape(n_tok, k).contiguous()  # [T, K]; a view when x is contiguous
+    return q8_gemv(x2, w).reshape(*x.shape[:-1], n)
+
+
+# ---- the Triton GEMV --------------------------------------------------------------------------------
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def gemv_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BN rows, BK columns, warps) of a program, from the matrix shape alone, never the token count:
+    the tiles fix each row's reduction order, so this is what makes the GEMV batch invariant.
+
+    A program step loads BN x BK codes = 8 KiB, 32 bytes a thread (the next step's 32 in flight
+    meanwhile) at ~70-80 registers (sm_90 compiles), so 3-7 programs fit an SM. BN grows with N so
+    that a 1-token launch still has 512-1024 programs (4-8 per SM of an H200's 132) and, on wide
+    matrices, each activation chunk read serves 16 rows. Untuned on a GPU so far: see
+    scripts/bench_dense_q8.py --sweep."""
+    bn = 16 if n_rows >= 16384 else 8 if n_rows >= 8192 else 4
+    bn = min(bn, _next_pow2(n_rows))
+    bk = min(8192 // max(bn, 8), _next_pow2(n_cols))  # 512 at BN 16, else 1024
+    return bn, bk, 8 if bn * bk >= 8192 else 4
+
+
+def _gemv_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
+    # X f32 [T, K], QW int32 [N, K/4] (the int8 codes, 4 a word), D f16 [N, KB], OUT f32 [T, N].
+    # One program: token t, rows BN, all of K in chunks of BK (G = BK/32 blocks). Register tiles are
+    # [BN, G, 8]: one 32-bit word (4 codes) per (row, block, word) - a thread holds one word of each
+    # of the BN rows, a warp-load reads 128 contiguous bytes of a row. The activations of byte i of
+    # every word, x_i [G, 8], then have the very layout of a row's words (no shared-memory shuffle,
+    # no barrier in the loop), and the block scales are loaded in that layout too (broadcast).
+    pid = tl.program_id(0)
+    t = pid % n_tok  # token fastest: a row block's programs are neighbours and share its bytes in L2
+    rows = (pid // n_tok) * BN + tl.arange(0, BN)  # [BN]
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # clamped: loads need no row mask; the store has one
+    g = tl.arange(0, BK // 32)  # [G] block within the chunk
+    # [G, 8] word index; "1 contiguous" keeps each thread at one word (not 16-byte vectors), which is
+    # what lets x_i and d share the words' layout
+    wcol = tl.max_contiguous((g * 8)[:, None] + tl.arange(0, 8)[None, :], [1, 1])
+    q_ptr = QW + rows_c[:, None, None] * (KB * 8) + wcol[None, :, :]  # [BN, G, 8]
+    d_ptr = D + rows_c[:, None, None] * KB + (wcol // 8)[None, :, :]  # [BN, G, 8]: d of the word's block
+    x_ptr = X + t.to(tl.int64) * K + wcol * 4  # [G, 8]: the word's element 0
+    live = g < KB  # blocks past K (a ragged last chunk) load zeros
+    q = tl.load(q_ptr, mask=live[None, :, None], other=0)
+    d = tl.load(d_ptr, mask=live[None, :, None], other=0.0)
+    acc = tl.zeros((BN, BK // 32, 8), tl.float32)  # per-word partial sums, reduced once at the end
+    for k0 in range(0, K, BK):
+        # the next chunk's words and scales are in flight while this one is multiplied
+        nxt = (k0 + BK) // 32 + g < KB
+        q_n = tl.load(q_ptr + (k0 + BK) // 4, mask=nxt[None, :, None], other=0)
+        d_n = tl.load(d_ptr + (k0 + BK) // 32, mask=nxt[None, :, None], other=0.0)
+        cur = (k0 // 32 + g < KB)[:, None]
+        x0 = tl.load(x_ptr + k0, mask=cur, other=0.0)[None, :, :]  # [1, G, 8]
+        x1 = tl.load(x_ptr + k0 + 1, mask=cur, other=0.0)[None, :, :]
+        x2 = tl.load(x_ptr + k0 + 2, mask=cur, other=0.0)[None, :, :]
+        x3 = tl.load(x_ptr + k0 + 3, mask=cur, other=0.0)[None, :, :]
+        # byte i of a word (little-endian: element 4w + i), sign-extended by a shift pair; exact in f32
+        s = ((q << 24) >> 24).to(tl.float32) * x0
+        s += ((q << 16) >> 24).to(tl.float32) * x1
+        s += ((q << 8) >> 24).to(tl.float32) * x2
+        s += (q >> 24).to(tl.float32) * x3
+        acc += s * d.to(tl.float32)
+        q = q_n
+        d = d_n
+    tl.store(OUT + t.to(tl.int64) * N + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
+
+
+@functools.cache
+def _kernel():
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    # n_tok unspecialized: T = 1 and T = 16 run the very same binary (batch invariance)
+    return triton.jit(_gemv_body, do_not_specialize=["n_tok"])
+
+
+def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
+            tiles: tuple[int, int, int] | None = None) -> Tensor:
+    """The Triton GEMV: x2 float32 [T, K] (contiguous) -> out float32 [T, N], every element written.
+
+    Any T works (q8_linear sends T <= GEMV_MAX_TOKENS); runs where Triton runs (CUDA, or the CPU under
+    TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
+    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles (benchmarks)."""
+    _check(x2, w)
+    n, k = w.shape
+    if x2.dim() != 2 or not x2.is_contiguous():
+        raise ValueError(f"q8_gemv needs a contiguous [T, K] x, got {list(x2.shape)}")
+    n_tok = x2.shape[0]
+    if out is None:
+        out = torch.empty((n_tok, n), dtype=torch.float32, device=x2.device)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (n_tok, n) or not out.is_contiguous() \
+            or out.device != x2.device:
+        raise ValueError(f"q8_gemv out must be contiguous float32 [{n_tok}, {n}] on {x2.device}")
+    if n_tok == 0:
+        return out
+    bn, bk, warps = tiles or gemv_tiles(n, k)
+    grid = (n_tok * -(-n // bn),)
+    _kernel()[grid](x2, w.qs.view(torch.int32), w.d, out, n_tok, n, k, k // QK, BN=bn, BK=bk, num_warps=warps,
+                    enable_fp_fusion=True)  # explicit: Triton 3.10 turns the default off
+    return out
