@@ -215,6 +215,8 @@ def test_decode_graphs_are_on_by_default_and_an_env_switch():
     assert config([], {"STRATA_DECODE_CPU_THREAD": "1"}).decode_cpu_thread is True
     assert config([]).decode_pipeline is True
     assert config([], {"STRATA_DECODE_PIPELINE": "0"}).decode_pipeline is False
+    assert config([]).dense_q8 is True
+    assert config([], {"STRATA_DENSE_Q8": "0"}).dense_q8 is False
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_DECODE_GRAPHS": "off"})
     assert str(e.value) == "STRATA_DECODE_GRAPHS: invalid value 'off' (allowed: 0 or 1)"

@@ -108,7 +108,9 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
         return loaded, None
     stage("dense weights")
     with torch.inference_mode():
-        weights = load_dense_weights(file, device=device, include_experts=False)
+        # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
+        quantized = config.dense_q8 and torch.device(device).type == "cuda"
+        weights = load_dense_weights(file, device=device, include_experts=False, quantized=quantized)
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
     stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())

@@ -32,6 +32,7 @@ from torch import Tensor
 QK = 32  # elements of a Q8_0 block
 BLOCK_BYTES = 34  # fp16 d + 32 int8
 GEMV_MAX_TOKENS = 16  # rows up to which CUDA runs the GEMV (decode, MTP verify windows)
+DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past GEMV_MAX_TOKENS (CUDA)
 
 tl = None  # triton.language once _kernel() ran; the kernel body reads it as a global at compile time
 
@@ -134,10 +135,27 @@ def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
     _check(x, w)
     n, k = w.shape
     n_tok = x.numel() // k
-    if x.device.type != "cuda" or n_tok > GEMV_MAX_TOKENS:
+    if x.device.type != "cuda":
         return F.linear(x, w.dequantize())
+    if n_tok > GEMV_MAX_TOKENS:
+        return _dequantized_linear(x, w)
     x2 = x.reshape(n_tok, k).contiguous()  # [T, K]; a view when x is contiguous
     return q8_gemv(x2, w).reshape(*x.shape[:-1], n)
+
+
+def _dequantized_linear(x: Tensor, w: Q8Weight) -> Tensor:
+    """cuBLAS over the dequantized weight, DEQUANT_CHUNK_BYTES of float32 rows at a time: a prompt chunk's
+    temporary stays small even for the [151936, 2048] head (1.2 GB whole), so the expert cache sized from
+    free VRAM at load keeps fitting."""
+    n, k = w.shape
+    step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+    if step >= n:
+        return F.linear(x, w.dequantize())
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32, device=x.device)  # [..., N]
+    for r0 in range(0, n, step):
+        part = Q8Weight(w.qs[r0 : r0 + step], w.d[r0 : r0 + step])
+        out[..., r0 : r0 + step] = F.linear(x, part.dequantize())
+    return out
 
 
 # ---- the Triton GEMV --------------------------------------------------------------------------------

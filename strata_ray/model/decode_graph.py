@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.model import ops
@@ -115,7 +114,7 @@ class DecodeGraphs:
     def _layer_input(self, layer: int) -> Tensor:
         """h entering `layer`: the token's embedding, or the previous layer's h + (routed + shared)."""
         if layer == 0:
-            return F.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
+            return ops.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
         prev = self.layers[layer - 1]
         routed = prev.routed
         if self.rows is not None:  # [K, E] rows of the previous layer -> [1, E], in k order

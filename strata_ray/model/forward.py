@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.model import ops
@@ -72,7 +71,7 @@ class Model:
         ids = self._as_ids(ids)
         state = self.new_state() if state is None else state
         pos0, T = state.pos, ids.shape[0]
-        h = F.embedding(ids, w["token_embd.weight"])  # [T, E]
+        h = ops.embedding(ids, w["token_embd.weight"])  # [T, E]
         for layer in range(hp.n_layer):
             p = f"blk.{layer}"
             x = ops.rms_norm(h, w[f"{p}.attn_norm.weight"], hp.rms_eps)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.model import ops
@@ -27,7 +26,7 @@ def mtp_forward(hp: HParams, w: Mapping[str, Tensor], hidden: Tensor, next_ids: 
     L = mtp_layer_index(hp)
     p = f"blk.{L}"
     embd = w.get(f"{p}.nextn.embed_tokens.weight", w["token_embd.weight"])
-    e = ops.rms_norm(F.embedding(next_ids, embd), w[f"{p}.nextn.enorm.weight"], hp.rms_eps)
+    e = ops.rms_norm(ops.embedding(next_ids, embd), w[f"{p}.nextn.enorm.weight"], hp.rms_eps)
     hh = ops.rms_norm(hidden, w[f"{p}.nextn.hnorm.weight"], hp.rms_eps)
     # eh_proj [E, 2E]: embedding columns first, hidden second
     h = ops.linear(torch.cat((e, hh), dim=-1), w[f"{p}.nextn.eh_proj.weight"])  # [T, E]

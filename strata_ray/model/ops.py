@@ -14,9 +14,21 @@ from torch import Tensor
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias)."""
-    return F.linear(x, w)
+def linear(x: Tensor, w) -> Tensor:
+    """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias). w: a float tensor
+    or a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8)."""
+    if isinstance(w, Tensor):
+        return F.linear(x, w)
+    from strata_ray.kernels.dense_q8 import q8_linear
+
+    return q8_linear(x, w)
+
+
+def embedding(ids: Tensor, w) -> Tensor:
+    """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor or a Q8Weight)."""
+    if isinstance(w, Tensor):
+        return F.embedding(ids, w)
+    return w.rows(ids.reshape(-1)).view(*ids.shape, -1)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

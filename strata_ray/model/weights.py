@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from strata_ray.model.hparams import HParams, ModelFormatError
-from strata_ray.model.quants import dequantize_tensor
+from strata_ray.model.quants import T, dequantize_tensor
 from strata_ray.model.tensor_layout import is_expert_tensor, tensor_layout
 
 OPTIONAL = ("output.weight",)  # absent -> tied to token_embd
@@ -29,12 +29,21 @@ def split_legacy_ssm_in(hp: HParams, ssm_in: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)]), z.reshape(-1, E)
 
 
+def keeps_q8(name: str, info) -> bool:
+    """Whether a dense tensor can stay Q8_0 on the device (kernels/dense_q8.Q8Weight): a Q8_0 matrix of
+    more than one row that the forward reads whole (not split at load, not an expert stack)."""
+    return (info.ggml_type == T.Q8_0 and len(info.shape) == 2 and info.shape[0] > 1
+            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+
+
 def load_dense_weights(
-    file, device: torch.device | str = "cpu", include_experts: bool = True
+    file, device: torch.device | str = "cpu", include_experts: bool = True, quantized: bool = False
 ) -> dict[str, Tensor]:
     """Dequantize every tensor of a GGUFFile to float32 on `device`, keyed by GGUF name.
 
     include_experts=False skips the routed-expert stacks (*_exps), which an ExpertBackend serves instead.
+    quantized=True keeps Q8_0 matrices as they are in the file (a Q8Weight: a quarter of the float32 bytes
+    in memory and read per token; ops.linear and ops.embedding take either form).
     Fused alternatives are split into the names the forward reads: ffn_gate_up_exps -> ffn_gate_exps +
     ffn_up_exps, legacy ssm_in -> attn_qkv + attn_gate. Raises ModelFormatError on missing/misshapen tensors.
     """
@@ -43,6 +52,11 @@ def load_dense_weights(
     out: dict[str, Tensor] = {}
     for name, info in file.tensors.items():
         if is_expert_tensor(name) and not include_experts:
+            continue
+        if quantized and keeps_q8(name, info):
+            from strata_ray.kernels.dense_q8 import Q8Weight
+
+            out[name] = Q8Weight.from_blocks(info.data, info.shape[0], info.shape[1], device)
             continue
         t = _to_torch(info, device)
         if name.endswith(".ffn_gate_up_exps.weight"):  # [X, 2I, E], gate rows first

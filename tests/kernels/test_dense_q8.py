@@ -295,6 +295,23 @@ def test_gpu_prompt_path_is_cublas_of_dequantized(t, exact_fp32_matmul):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_prompt_path_dequantizes_a_big_weight_in_row_chunks(monkeypatch, exact_fp32_matmul):
+    """Past DEQUANT_CHUNK_BYTES the float32 copy is made a few rows at a time (a ragged last chunk here):
+    every output column is still cuBLAS over its dequantized rows."""
+    import strata_ray.kernels.dense_q8 as dq
+
+    monkeypatch.setattr(dq, "DEQUANT_CHUNK_BYTES", 4 * 2048 * 300)  # 300 rows a chunk of 1000
+    w, _ = _weight(1000, 2048, "cuda")
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((40, 2048)).astype(np.float32)).cuda()
+    got = dq.q8_linear(x, w)
+    for r0 in range(0, 1000, 300):
+        part = F.linear(x, w.dequantize()[r0 : r0 + 300])
+        assert np.array_equal(_bits(got[:, r0 : r0 + 300]), _bits(part)), r0
+    _assert_close_to_exact(got, x, w)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_weight_matches_cpu_weight():
     w, raw = _weight(100, 2048, "cuda")
     assert w.device.type == "cuda"

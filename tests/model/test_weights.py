@@ -120,3 +120,29 @@ def test_loaded_tensors_are_writable_float32(next_model, tmp_path):
     assert not np.shares_memory(t.numpy(), file.tensor("blk.3.attn_q.weight").data)
     again = load_dense_weights(file, "cpu", False)["blk.3.attn_q.weight"]
     assert torch.equal(again, weights["blk.3.attn_q.weight"])
+
+
+def test_dense_q8_0_kept_quantized_gives_the_dequantized_bits(next_model, tmp_path):
+    """quantized=True keeps Q8_0 matrices as Q8Weight (what CUDA loads): on the CPU ops.linear and
+    ops.embedding dequantize them, so the logits equal the float32 load's bit for bit, MTP head included."""
+    from strata_ray.kernels.dense_q8 import Q8Weight
+    from strata_ray.model.weights import keeps_q8
+
+    hp, weights = next_model
+    types = {n: T.Q8_0 for n, t in weights.items()
+             if t.dim() == 2 and t.shape[0] > 1 and t.shape[-1] % 32 == 0 and "_exps" not in n
+             and "ffn_gate_inp" not in n}
+    assert "token_embd.weight" in types and "blk.0.attn_qkv.weight" in types
+    file = GGUFFile(_write(tmp_path / "q8.gguf", hp, weights, types))
+    flat = load_dense_weights(file, "cpu", include_experts=True)
+    q8 = load_dense_weights(file, "cpu", include_experts=True, quantized=True)
+    kept = {n for n, t in q8.items() if isinstance(t, Q8Weight)}
+    assert kept == {n for n in types if keeps_q8(n, file.tensor(n))} and "token_embd.weight" in kept
+    for n in kept:
+        assert torch.equal(q8[n].dequantize(), flat[n]), n
+    a, b = Model(hp, flat), Model(hp, q8)
+    assert torch.equal(_logits(a), _logits(b))
+    with torch.inference_mode():
+        _, hidden = a.forward(PROMPT[:-1], a.new_state(), return_hidden=True)
+        assert torch.equal(a.mtp_logits(hidden, PROMPT[1:], a.new_state()),
+                           b.mtp_logits(hidden, PROMPT[1:], b.new_state()))
