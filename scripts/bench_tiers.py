@@ -32,24 +32,26 @@ from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
-from strata_ray.model.weights import load_dense_weights
+from strata_ray.model.weights import keeps_q8, load_dense_weights
 
 FULL_LAYERS = 48
 HBM_GBS = 4250.0  # measured device copy bandwidth on the H200 (GPU-MACHINE.md)
 HOST_GBS = 61.0  # measured 16-core host memory copy bandwidth
 
 
-def dense_split(file) -> tuple[int, int, int]:
-    """(fp32 bytes of the non-layer dense tensors, fp32 dense bytes per trunk layer, expert bytes)."""
+def dense_split(file, quantized: bool = False) -> tuple[int, int, int]:
+    """(device bytes of the non-layer dense tensors, dense bytes per trunk layer, expert bytes): fp32, or
+    with `quantized` the file's bytes for the Q8_0 matrices the engine keeps as they are (dense_q8)."""
     glob, per_layer, experts = 0, 0, 0
     n_layer = file.hparams.n_layer
     for name, t in file.tensors.items():
+        size = t.n_bytes if quantized and keeps_q8(name, t) else 4 * int(np.prod(t.shape))
         if name.endswith("_exps.weight"):
             experts += t.n_bytes if int(name.split(".")[1]) < n_layer else 0
         elif name.startswith("blk."):
-            per_layer += 4 * int(np.prod(t.shape)) if int(name.split(".")[1]) < n_layer else 0
+            per_layer += size if int(name.split(".")[1]) < n_layer else 0
         else:
-            glob += 4 * int(np.prod(t.shape))
+            glob += size
     return glob, per_layer // n_layer, experts
 
 
@@ -167,6 +169,8 @@ def main() -> None:
     ap.add_argument("--decode-pipeline", choices=["0", "1"], default=None,
                     help="1: the whole decode token enqueued at once, a numba worker serving every layer's "
                     "CPU rows (default: STRATA_DECODE_PIPELINE, on)")
+    ap.add_argument("--dense-q8", choices=["0", "1"], default=None,
+                    help="1: dense Q8_0 matrices stay Q8_0 on CUDA; 0: float32 (default: STRATA_DENSE_Q8, 1)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -183,7 +187,8 @@ def main() -> None:
     file = GGUFFile(path)
     hp = file.hparams
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    glob, per_layer, expert_bytes = dense_split(file)
+    dense_q8 = (args.dense_q8 or os.environ.get("STRATA_DENSE_Q8") or "1") == "1" and dev == "cuda"
+    glob, per_layer, expert_bytes = dense_split(file, quantized=dense_q8)
     full_dense = glob + per_layer * FULL_LAYERS
     full_experts = expert_bytes / hp.n_layer * FULL_LAYERS
     # what the engine keeps free besides the cache: --vram-reserve-mib and the prompt chunk's temporaries
@@ -193,7 +198,7 @@ def main() -> None:
     # dense weights first, to learn the device memory they take; then the budget that leaves the share
     t = time.perf_counter()
     with torch.inference_mode():
-        weights = load_dense_weights(file, device=dev, include_experts=False)
+        weights = load_dense_weights(file, device=dev, include_experts=False, quantized=dense_q8)
     dense_s = time.perf_counter() - t
     used = 0  # a CPU dry run: the budget is host memory for the cache alone
     if dev == "cuda":
@@ -202,7 +207,7 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
-                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1")
+                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
@@ -252,6 +257,7 @@ def main() -> None:
         "ring_overlap": args.ring_overlap == "1",
         "decode_cpu_thread": cfg.decode_cpu_thread,
         "decode_pipeline": cfg.decode_pipeline,
+        "dense_q8": cfg.dense_q8,
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,
