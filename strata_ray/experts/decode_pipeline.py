@@ -91,8 +91,10 @@ class PipelinedDecodeRows:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
+            # the warm-up runs for real: over expert 0, not the ids buffers' contents (uninitialised
+            # memory, whose values would index the residency table out of bounds)
             for layer in range(self.tiers.n_layers):
-                self._resident_rows(layer, xs[layer], ids[layer])
+                self._resident_rows(layer, xs[layer], torch.zeros_like(ids[layer]))
         torch.cuda.current_stream(dev).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         for layer in range(self.tiers.n_layers):
@@ -109,7 +111,9 @@ class PipelinedDecodeRows:
         if layer == 0:
             self._host = 0.0
             tiers.start_forward(1)  # window boundary: residency may change here, never inside the token
-            self.table = tiers.residency.device_table(tiers.device)
+            # the captured graphs read this very tensor: refreshed in place, never replaced
+            if tiers.residency.device_table(tiers.device) is not self.table:
+                raise RuntimeError("the device residency table moved under the resident-rows graphs")
             base, self._base = self._base, (self._base + tiers.n_layers) & 0xFFFFFFFF
             self.worker.buf["stop"][0] = 0
             self._job = tiers.cpu_thread.submit(self.worker.run, base)

@@ -138,6 +138,8 @@ class Residency:
         """[L*X] int32 copy of `res` on `device`, refreshed in place when the epoch moved (in place:
         a captured graph keeps pointing at the same storage)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device: one mirror
+            device = torch.device("cuda", torch.cuda.current_device())
         if self._mirror is None or self._mirror.device != device:
             self._mirror = torch.empty(self.res.shape, dtype=torch.int32, device=device)
             self._mirror_epoch = -1

@@ -103,3 +103,15 @@ def test_adaptive_rounds_move_the_hot_experts_in_and_keep_the_tables_consistent(
     r.apply_pending()
     # swaps stay inside a layer: layer 1's hot experts replaced layer 1's cold ones, layer 0 kept its own
     assert r.resident_mask().tolist() == [[True] * 3 + [False] * 5, [False] * 5 + [True] * 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_mirror_is_one_tensor_for_cuda_and_cuda_0():
+    """Captured graphs read the mirror's storage: "cuda" and "cuda:0" must not make a new one (session 6:
+    they did, and the pipelined decode's graphs read freed memory)."""
+    r = Residency(1, 3, n_slots=1)
+    table = r.device_table("cuda")
+    r.make_resident(1, 0)
+    assert r.device_table(torch.device("cuda", torch.cuda.current_device())) is table
+    assert r.device_table("cuda") is table and table.tolist() == [-1, 0, -1]
