@@ -57,31 +57,36 @@ def main() -> None:
             expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
             direct.append(time.perf_counter() - t)
 
-    worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0)
-    b = worker.buf
-    waits = []
-    base = 1
-    for _ in range(args.tokens):
-        b["routed"][0] = b["rows_flag"][0] = base - 1
-        thread = threading.Thread(target=worker.run, args=(base,))
-        thread.start()
-        for layer in range(48):
-            b["ids"][:] = ids[layer]
-            b["x"][:] = xs[layer]
-            v = base + layer
-            t = time.perf_counter()
-            b["routed"][0] = v
-            while not reached(b["rows_flag"], v):
-                pass
-            waits.append(time.perf_counter() - t)
-        thread.join()
-        base += 48
+    waits = {}
+    for team in (False, True):  # two parallel regions a layer, then one region a token
+        worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team)
+        b = worker.buf
+        waits[team] = []
+        base = 1
+        for _ in range(args.tokens):
+            b["routed"][0] = b["rows_flag"][0] = base - 1
+            thread = threading.Thread(target=worker.run, args=(base,))
+            thread.start()
+            for layer in range(48):
+                b["ids"][:] = ids[layer]
+                b["x"][:] = xs[layer]
+                v = base + layer
+                t = time.perf_counter()
+                b["routed"][0] = v
+                while not reached(b["rows_flag"], v):
+                    pass
+                waits[team].append(time.perf_counter() - t)
+            thread.join()
+            base += 48
     skip = 48  # the first token of each: warm-up
-    d, w = np.median(direct[skip:]) * 1e3, np.median(waits[skip:]) * 1e3
+    d = np.median(direct[skip:]) * 1e3
     mb = args.misses * 3 * E * N_FF // 32 * 18 / 1e6
     print(f"{args.threads} threads, {args.misses} CPU entries a layer ({mb:.1f} MB of experts):")
-    print(f"  expert_ffn_cpu call per layer: {d:.3f} ms (median of {len(direct) - skip})")
-    print(f"  token worker, flag to flag:    {w:.3f} ms (median of {len(waits) - skip})")
+    print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
+    labels = {False: "token worker, two regions a layer:", True: "token worker, one team a token:   "}
+    for team, label in labels.items():
+        w = np.median(waits[team][skip:]) * 1e3
+        print(f"  {label} {w:.3f} ms flag to flag (median of {len(waits[team]) - skip})")
 
 
 if __name__ == "__main__":

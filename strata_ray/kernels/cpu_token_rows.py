@@ -17,7 +17,15 @@ from numba.typed import List
 
 from .contract import QK, ExpertLayer, KernelError
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
-from .expert_cpu_token import cycles, token_rows
+from .expert_cpu_token import ABORT, cycles, token_rows, token_rows_team
+
+
+def team_layer_ok() -> bool:
+    """Whether numba's threading layer runs a prange's iterations all at once (OpenMP, workqueue)."""
+    from numba.np.ufunc import parallel
+
+    parallel._launch_threads()  # picks the layer (numba.threading_layer() raises before that)
+    return numba.threading_layer() in ("omp", "workqueue")
 
 
 def cycles_per_second(span_s: float = 0.01) -> float:
@@ -45,7 +53,7 @@ class CpuTokenRows:
 
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
-                 single_thread_bytes: int = SINGLE_THREAD_BYTES):
+                 single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -79,6 +87,10 @@ class CpuTokenRows:
         self.n_miss = np.zeros(self.n_layers, np.int64)  # [L] entries computed here
         self.busy = np.zeros(self.n_layers, np.int64)  # [L] cycles from a layer's routing to its rows flag
         self._rate = None  # cycles a second, measured on first use
+        # the team form (one parallel region a token) needs every member running at once: OpenMP or
+        # workqueue threads, not TBB tasks; team=False keeps two regions a layer (token_rows)
+        self.team = team and self.n_threads > 1 and team_layer_ok()
+        self._sync = np.zeros(8, np.int64)  # the team's counters (expert_cpu_token.token_rows_team)
 
     def busy_seconds(self) -> float:
         """The last call's CPU-row time (its waits on the device left out), summed over the layers it served;
@@ -93,6 +105,12 @@ class CpuTokenRows:
         b = self.buf
         self.busy[:] = 0
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
+            if self.team:
+                token_rows_team(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
+                                b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
+                                base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids, self.n_miss,
+                                self.busy, self._sync)
+                return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
                                   b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
                                   base & 0xFFFFFFFF, b["stop"], self.n_threads, self.single_thread_bytes,

@@ -26,7 +26,7 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -159,3 +159,169 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
             rows_flag[0] = v
         busy[layer] = _cycles() - t0
     return -1
+
+
+# ---- the team form: one parallel region a token ------------------------------------------------------------
+# token_rows opens two OpenMP regions a layer (ffn_parallel's phases): each wakes the team and ends at a join,
+# a fixed cost per layer that the H200 host measured at about as much as the rows' own arithmetic for ~5
+# entries (docs/BENCHMARKS.md, session 6). token_rows_team opens one region for the whole token: member 0
+# waits for the device and plans each layer, the members meet at counters in `sync` (acquire/release
+# atomics) instead of region joins, and every member runs the same shares of the same kernels as
+# ffn_parallel: the same rows, bit for bit. The members spin between layers; the team lives one token.
+
+# sync int64 [8]: READY = layers planned (member 0 releases), ARRIVED = barrier arrivals, ABORT = the layer
+# a stop ended (-1: none), M = this layer's CPU entries
+READY, ARRIVED, ABORT, M = 0, 1, 2, 3
+
+
+@intrinsic
+def _load_acquire_i64(typingctx, arr, idx):
+    sig = types.int64(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(ary.data, [args[1]]), ordering="acquire", align=8)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_i64(typingctx, arr, idx, val):
+    sig = types.void(arr, idx, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), ordering="release", align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add_i64(typingctx, arr, idx, val):
+    """arr[idx] += val atomically (acquire-release: a barrier's arrival publishes the member's writes)."""
+    sig = types.int64(arr, idx, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", builder.gep(ary.data, [args[1]]), args[2], "acq_rel")
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release_u32(typingctx, arr, idx, val):
+    sig = types.void(arr, idx, types.uint32)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), ordering="release", align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def _barrier(sync, target):
+    """Arrive, then wait until `target` arrivals in all (targets grow by the team size per barrier)."""
+    _fetch_add_i64(sync, ARRIVED, 1)
+    while _load_acquire_i64(sync, ARRIVED) < target:
+        pass
+
+
+@njit(nogil=True, cache=True)
+def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv, routed,
+                 rows_flag, base, stop, seen_ids, n_miss, busy, sync, exp, ents, g_start, g_exp, x, xq, xd,
+                 xs, h, hq, hd, hs):
+    n_layers = len(gates)
+    k = ids_buf.shape[0]
+    n_embd = x_buf.shape[1]
+    for layer in range(n_layers):
+        v = np.uint32((base + layer) & 0xFFFFFFFF)
+        if t == 0:  # the planner: wait for the device, classify, quantize x, publish
+            if not wait_flag(routed, v, stop):
+                sync[ABORT] = layer
+                _store_release_i64(sync, READY, layer + 1)
+                return
+            t0 = _cycles()
+            m = 0
+            for j in range(k):
+                e = ids_buf[j]
+                seen_ids[layer, j] = e
+                if res[layer * n_expert + e] < 0:
+                    exp[m] = e
+                    inv[j] = m
+                    m += 1
+                else:
+                    inv[j] = 0
+            n_miss[layer] = m
+            if m:
+                order = np.argsort(exp[:m], kind="mergesort")
+                for i in range(m):
+                    ents[i] = order[i]
+                    g_start[i] = i
+                    g_exp[i] = exp[order[i]]
+                g_start[m] = m
+                x[0, :] = x_buf[0, :]
+                quantize_rows_into(x, xq, xd, xs)
+            busy[layer] = t0  # the start; the end is taken after the last barrier
+            sync[M] = m
+            _store_release_i64(sync, READY, layer + 1)
+        else:
+            while _load_acquire_i64(sync, READY) < layer + 1:
+                pass
+            if sync[ABORT] >= 0:
+                return
+        # both barriers even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
+        # while a member still reads this one's
+        m = sync[M]
+        gate, up, down = gates[layer], ups[layer], downs[layer]
+        n_ff = gate.shape[1]
+        tok = np.zeros(m, np.int64)  # one token: every entry reads activation row 0
+        n_up = min(n_team, m * n_ff // QK)
+        if t < n_up:
+            gate_up_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok, ents[:m],
+                          g_start[: m + 1], g_exp[:m], t, n_up, h, hq, hd, hs)
+        _barrier(sync, n_team * (2 * layer + 1))
+        n_down = min(n_team, m * n_embd // QK)
+        if t < n_down:
+            down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t, n_down,
+                       rows)
+        _barrier(sync, n_team * (2 * layer + 2))
+        if t == 0:  # every member's rows are in `rows` (the barrier's acquire): release them to the device
+            _store_release_u32(rows_flag, 0, v)
+            busy[layer] = _cycles() - busy[layer]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def token_rows_team(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv, routed, rows_flag,
+                    base, stop, n_team, seen_ids, n_miss, busy, sync):
+    """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
+    every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
+    every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
+    shares every layer's rows, whatever their size, which gives the same bits). sync int64 [8], the caller's
+    (the members' counters);
+    the caller reads sync[ABORT] afterwards (-1, or the layer a stop ended): returned from here, it came back
+    as the value stored before the region (numba 0.68)."""
+    k = ids_buf.shape[0]
+    n_embd = x_buf.shape[1]
+    nb = n_embd // QK
+    n_ff = gates[0].shape[1]
+    sync[:] = 0
+    sync[ABORT] = -1
+    exp = np.empty(k, np.int64)
+    ents = np.empty(k, np.int64)
+    g_start = np.empty(k + 1, np.int64)
+    g_exp = np.empty(k, np.int64)
+    x = np.empty((1, n_embd), np.float32)
+    xq = np.empty((1, n_embd), np.int8)
+    xd = np.empty((1, nb), np.float32)
+    xs = np.empty((1, nb), np.int32)
+    h = np.empty((k, n_ff), np.float32)
+    hq = np.empty((k, n_ff), np.int8)
+    hd = np.empty((k, n_ff // QK), np.float32)
+    hs = np.empty((k, n_ff // QK), np.int32)
+    for t in prange(n_team):
+        _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv,
+                     routed, rows_flag, base, stop, seen_ids, n_miss, busy, sync, exp, ents, g_start, g_exp,
+                     x, xq, xd, xs, h, hq, hd, hs)

@@ -48,9 +48,9 @@ def compiled():
     """Compile the worker's kernels before any timed wait (minutes on a busy 2-core CI machine): one token
     whose flags are already raised, so no layer waits."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
-    for single in (0, 1 << 40):  # the parallel and the one-thread paths
+    for single, team in ((0, False), (1 << 40, False), (0, True)):  # parallel, one-thread and team paths
         res = np.full(len(layers) * N_EXPERT, -1, np.int32)
-        worker = CpuTokenRows(layers, res, 2, 2, single_thread_bytes=single)
+        worker = CpuTokenRows(layers, res, 2, 2, single_thread_bytes=single, team=team)
         worker.buf["ids"][:] = [0, 1]
         worker.buf["routed"][0] = len(layers)
         assert worker.run(1) == -1
@@ -75,15 +75,19 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
     return out
 
 
-@pytest.mark.parametrize("k,parallel", [(1, True), (5, True), (5, False)])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
+@pytest.mark.parametrize("k,parallel,team", [(1, True, False), (5, True, False), (5, False, False),
+                                             (1, True, True), (5, True, True)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, rng):
+    """team: one parallel region for the token (token_rows_team), its members meeting at counters."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
     ids = np.stack([np.sort(rng.choice(N_EXPERT, k, replace=False)) for _ in layers])  # [L, K]
     ids[1] = np.flatnonzero(res[N_EXPERT : 2 * N_EXPERT] >= 0)[:k]  # layer 1: every entry resident
     xs = rng.standard_normal((len(layers), 1, N_EMBD)).astype(np.float32)
-    worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40)
+    worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
+                          team=team)
+    assert worker.team == team
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
     worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
     got = []
@@ -102,9 +106,12 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, rng):
             assert np.array_equal(got[layer][miss].view(np.uint32), want.view(np.uint32)), layer
 
 
-def test_stop_ends_a_wait_and_says_where(rng):
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_stop_ends_a_wait_and_says_where(n_threads, rng):
+    """1 thread: token_rows; 2: the team, whose other member waits for the planner and leaves with it."""
     layers = [layer_for("Q4_0", N_EXPERT)] * 2
-    worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=1)
+    worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=n_threads)
+    assert worker.team == (n_threads == 2)
     b = worker.buf
     b["rows_flag"][0] = 6
 
