@@ -25,7 +25,7 @@
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
 #   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
 #   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
-# With $OUT set and a numba cache in .nbc/nbc.tgz (made on that machine), the cache is unpacked first and
+# With $OUT set and a numba cache in .nbc/nbc.tar.xz (made for that machine), the cache is unpacked first and
 # the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end.
 set -uo pipefail
 work=$([[ -n "${OUT:-}" ]] && echo /tmp/device-out || echo out/device)
@@ -33,9 +33,9 @@ mkdir -p "$work"
 steps=${STEPS:-tests kernels cpu tiers}
 M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
-if [[ -n "${OUT:-}" && -f .nbc/nbc.tgz ]]; then  # on the device machine only: never touch a dev checkout
+if [[ -n "${OUT:-}" && -f .nbc/nbc.tar.xz ]]; then  # on the device machine only: never touch a dev checkout
     find strata_ray scripts tests -name '*.py' -exec touch -d '2026-01-01 00:00:00' {} +
-    tar xzf .nbc/nbc.tgz -C "$(dirname "$NUMBA_CACHE_DIR")"
+    tar xJf .nbc/nbc.tar.xz -C "$(dirname "$NUMBA_CACHE_DIR")"
 fi
 
 pack() {  # the work folder into $OUT/device.tgz, after every step: a run cut by the tool's limit loses nothing

@@ -9,7 +9,7 @@ machine; the signatures from this checkout's own cache indexes (those the tests 
 
     # in a venv with the target's Python minor version and numba version, from the repo root:
     python scripts/numba_cache_for.py --target-index OLD.nbi \
-        --signatures-from strata_ray/kernels/__pycache__ --cache-dir /tmp/nbc --tar .nbc/nbc.tgz
+        --signatures-from strata_ray/kernels/__pycache__ --cache-dir /tmp/nbc --tar .nbc/nbc.tar.xz
 
 Nothing is executed: the compiled code may use instructions this CPU lacks.
 """
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--signatures-from", default="strata_ray/kernels/__pycache__",
                     help="folder of this checkout's .nbi files whose signatures to compile")
     ap.add_argument("--cache-dir", default="/tmp/nbc", help="NUMBA_CACHE_DIR to fill (the target's path)")
-    ap.add_argument("--tar", default=None, help="pack the cache folder into this .tgz")
+    ap.add_argument("--tar", default=None, help="pack the cache folder into this .tar.xz (xz: half of gzip's "
+                    "size, and a device call carries 64 MiB in all)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     found = signatures(args.signatures_from)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                           "--signatures-from", args.signatures_from], env=env)
     if rc == 0 and args.tar:
         cache = Path(args.cache_dir)
-        with tarfile.open(args.tar, "w:gz") as tar:
+        with tarfile.open(args.tar, "w:xz") as tar:
             tar.add(cache, arcname=cache.name)
         print(f"packed {cache} into {args.tar}")
     return rc
