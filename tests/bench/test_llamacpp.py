@@ -138,3 +138,23 @@ def test_the_session_5_h200_run_gives_the_documented_table(capsys):
         assert main(["compare", "--setup", setup, "--ours", ours, "--llama", *llama]) == 0
         assert row in capsys.readouterr().out
         assert f"| {label} {row}" in docs
+
+
+def test_the_session_6_h200_runs_give_the_documented_table(capsys):
+    """docs/compare/h200-2026-11-29-s6 (the defaults) and -s6-f32 (STRATA_DENSE_Q8=0): session 6's flashbench
+    JSON (two repeats) against the same llama-bench JSON."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    docs = (root / "BENCHMARKS.md").read_text()
+    for run, setup, label, row in (
+        ("s6", "budget", "budget (24 GiB card)", "| 8192 | 1617.8 | 2668.1 | 0.61x | 36.1 | 56.9 | 0.63x |"),
+        ("s6", "cpu-experts", "cpu-experts", "| 1024 | 531.8 | 998.9 | 0.53x | 30.1 | 33.7 | 0.89x |"),
+        ("s6-f32", "budget", "budget, dense f32", "| 1024 | 801.2 | 1542.4 | 0.52x | 34.8 | 54.1 | 0.64x |"),
+    ):
+        d = root / "compare" / f"h200-2026-11-29-{run}"
+        llama = [str(d / f"llama-{setup}-prefill.json"), str(d / f"llama-{setup}-decode.json")]
+        ours = str(d / f"ours-{setup}.json")
+        assert main(["compare", "--setup", setup, "--ours", ours, "--llama", *llama]) == 0
+        assert row in capsys.readouterr().out
+        assert f"| {label} {row}" in docs
