@@ -35,16 +35,46 @@ from .contract import QK
 from .expert_cpu_kernels import down_share, ffn_parallel, gate_up_share
 
 
+def _element(context, builder, signature, args):
+    """The address of arr[idx] (args: the array, the index)."""
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    return builder.gep(ary.data, [args[1]])
+
+
 @intrinsic
-def _load_acquire_u32(typingctx, arr, idx):
-    """arr[idx] (uint32 [n]) as an acquire load: read again on every call (another thread, or the device,
-    writes it), and no later read moves before it."""
-    sig = types.uint32(arr, idx)
+def _load_acquire(typingctx, arr, idx):
+    """arr[idx] as an acquire load: read again on every call (another thread, or the device, writes it),
+    and no later read moves before it."""
+    sig = arr.dtype(arr, idx)
 
     def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.gep(ary.data, [args[1]])
-        return builder.load_atomic(ptr, ordering="acquire", align=4)
+        return builder.load_atomic(_element(context, builder, signature, args), ordering="acquire",
+                                   align=arr.dtype.bitwidth // 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, idx, val):
+    """arr[idx] = val (of arr's dtype) as a release store: the writes before it are seen first."""
+    sig = types.void(arr, idx, arr.dtype)
+
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _element(context, builder, signature, args), ordering="release",
+                             align=arr.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, arr, idx, val):
+    """arr[idx] += val atomically, returning the old value (acquire-release: a barrier's arrival publishes
+    the member's writes)."""
+    sig = arr.dtype(arr, idx, arr.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _element(context, builder, signature, args), args[2], "acq_rel")
 
     return sig, codegen
 
@@ -76,14 +106,14 @@ def cycles() -> int:
 @njit(nogil=True, cache=True)
 def reached(flag, value) -> bool:
     """Whether flag[0] has reached `value` (32-bit wrapping order)."""
-    return np.int32(np.uint32(_load_acquire_u32(flag, 0)) - np.uint32(value)) >= 0
+    return np.int32(np.uint32(_load_acquire(flag, 0)) - np.uint32(value)) >= 0
 
 
 @njit(nogil=True, cache=True)
 def wait_flag(flag, value, stop) -> bool:
     """Spin until flag reaches value (True) or stop[0] becomes non-zero (False)."""
     while not reached(flag, value):
-        if _load_acquire_u32(stop, 0) != 0:
+        if _load_acquire(stop, 0) != 0:
             return False
     return True
 
@@ -174,58 +204,11 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
 READY, ARRIVED, ABORT, M = 0, 1, 2, 3
 
 
-@intrinsic
-def _load_acquire_i64(typingctx, arr, idx):
-    sig = types.int64(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.load_atomic(builder.gep(ary.data, [args[1]]), ordering="acquire", align=8)
-
-    return sig, codegen
-
-
-@intrinsic
-def _store_release_i64(typingctx, arr, idx, val):
-    sig = types.void(arr, idx, types.int64)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), ordering="release", align=8)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _fetch_add_i64(typingctx, arr, idx, val):
-    """arr[idx] += val atomically (acquire-release: a barrier's arrival publishes the member's writes)."""
-    sig = types.int64(arr, idx, types.int64)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.atomic_rmw("add", builder.gep(ary.data, [args[1]]), args[2], "acq_rel")
-
-    return sig, codegen
-
-
-@intrinsic
-def _store_release_u32(typingctx, arr, idx, val):
-    sig = types.void(arr, idx, types.uint32)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        builder.store_atomic(args[2], builder.gep(ary.data, [args[1]]), ordering="release", align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @njit(nogil=True, cache=True)
 def _barrier(sync, target):
     """Arrive, then wait until `target` arrivals in all (targets grow by the team size per barrier)."""
-    _fetch_add_i64(sync, ARRIVED, 1)
-    while _load_acquire_i64(sync, ARRIVED) < target:
+    _fetch_add(sync, ARRIVED, 1)
+    while _load_acquire(sync, ARRIVED) < target:
         pass
 
 
@@ -241,7 +224,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x
         if t == 0:  # the planner: wait for the device, classify, quantize x, publish
             if not wait_flag(routed, v, stop):
                 sync[ABORT] = layer
-                _store_release_i64(sync, READY, layer + 1)
+                _store_release(sync, READY, layer + 1)
                 return
             t0 = _cycles()
             m = 0
@@ -266,9 +249,9 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x
                 quantize_rows_into(x, xq, xd, xs)
             busy[layer] = t0  # the start; the end is taken after the last barrier
             sync[M] = m
-            _store_release_i64(sync, READY, layer + 1)
+            _store_release(sync, READY, layer + 1)
         else:
-            while _load_acquire_i64(sync, READY) < layer + 1:
+            while _load_acquire(sync, READY) < layer + 1:
                 pass
             if sync[ABORT] >= 0:
                 return
@@ -289,7 +272,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x
                        rows)
         _barrier(sync, n_team * (2 * layer + 2))
         if t == 0:  # every member's rows are in `rows` (the barrier's acquire): release them to the device
-            _store_release_u32(rows_flag, 0, v)
+            _store_release(rows_flag, 0, v)
             busy[layer] = _cycles() - busy[layer]
 
 
