@@ -119,6 +119,35 @@ def wait_flag(flag, value, stop) -> bool:
 
 
 @njit(nogil=True, cache=True)
+def _plan_layer(layer, ids_buf, res, n_expert, seen_ids, inv, n_miss, exp, ents, g_start, g_exp, x_buf, x, xq,
+                xd, xs):
+    """A layer's CPU entries from the device's routing: each entry's row in `rows` into inv [K] (0 when
+    resident), the misses grouped by expert into ents / g_start / g_exp (one token: its experts are distinct,
+    one entry a group, in expert order) and x quantized into xq / xd / xs when there are any. Returns M."""
+    m = 0
+    for j in range(ids_buf.shape[0]):
+        e = ids_buf[j]
+        seen_ids[layer, j] = e
+        if res[layer * n_expert + e] < 0:
+            exp[m] = e
+            inv[j] = m
+            m += 1
+        else:
+            inv[j] = 0
+    n_miss[layer] = m
+    if m:
+        order = np.argsort(exp[:m], kind="mergesort")
+        for i in range(m):
+            ents[i] = order[i]
+            g_start[i] = i
+            g_exp[i] = exp[order[i]]
+        g_start[m] = m
+        x[0, :] = x_buf[0, :]
+        quantize_rows_into(x, xq, xd, xs)
+    return m
+
+
+@njit(nogil=True, cache=True)
 def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv, routed, rows_flag, base,
                stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss, busy):
     """One token's CPU rows, layer after layer (module docstring).
@@ -136,6 +165,9 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
     n_embd = x_buf.shape[1]
     nb = n_embd // QK
     exp = np.empty(k, np.int64)
+    ents_k = np.empty(k, np.int64)
+    g_start_k = np.empty(k + 1, np.int64)
+    g_exp_k = np.empty(k, np.int64)
     tok = np.zeros(k, np.int64)  # one token: every entry reads activation row 0
     x = np.empty((1, n_embd), np.float32)
     xq = np.empty((1, n_embd), np.int8)
@@ -146,17 +178,8 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
         if not wait_flag(routed, v, stop):
             return layer
         t0 = _cycles()
-        m = 0
-        for j in range(k):
-            e = ids_buf[j]
-            seen_ids[layer, j] = e
-            if res[layer * n_expert + e] < 0:
-                exp[m] = e
-                inv[j] = m
-                m += 1
-            else:
-                inv[j] = 0
-        n_miss[layer] = m
+        m = _plan_layer(layer, ids_buf, res, n_expert, seen_ids, inv, n_miss, exp, ents_k, g_start_k, g_exp_k,
+                        x_buf, x, xq, xd, xs)
         if m == 0:
             rows_flag[0] = v
             busy[layer] = _cycles() - t0
@@ -164,12 +187,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, i
         gate, up, down = gates[layer], ups[layer], downs[layer]
         gtype, utype, dtype = wtypes[layer, 0], wtypes[layer, 1], wtypes[layer, 2]
         n_ff = gate.shape[1]
-        # entries grouped by expert (one token: its experts are distinct, one entry a group)
-        ents = np.argsort(exp[:m], kind="mergesort").astype(np.int64)
-        g_start = np.arange(m + 1).astype(np.int64)
-        g_exp = exp[:m][ents]
-        x[0, :] = x_buf[0, :]
-        quantize_rows_into(x, xq, xd, xs)
+        ents, g_start, g_exp = ents_k[:m], g_start_k[: m + 1], g_exp_k[:m]
         h = np.empty((m, n_ff), np.float32)
         hq = np.empty((m, n_ff), np.int8)
         hd = np.empty((m, n_ff // QK), np.float32)
@@ -215,9 +233,8 @@ def _barrier(sync, target):
 @njit(nogil=True, cache=True)
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv, routed,
                  rows_flag, base, stop, seen_ids, n_miss, busy, sync, exp, ents, g_start, g_exp, x, xq, xd,
-                 xs, h, hq, hd, hs):
+                 xs, h, hq, hd, hs, tok):
     n_layers = len(gates)
-    k = ids_buf.shape[0]
     n_embd = x_buf.shape[1]
     for layer in range(n_layers):
         v = np.uint32((base + layer) & 0xFFFFFFFF)
@@ -227,26 +244,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x
                 _store_release(sync, READY, layer + 1)
                 return
             t0 = _cycles()
-            m = 0
-            for j in range(k):
-                e = ids_buf[j]
-                seen_ids[layer, j] = e
-                if res[layer * n_expert + e] < 0:
-                    exp[m] = e
-                    inv[j] = m
-                    m += 1
-                else:
-                    inv[j] = 0
-            n_miss[layer] = m
-            if m:
-                order = np.argsort(exp[:m], kind="mergesort")
-                for i in range(m):
-                    ents[i] = order[i]
-                    g_start[i] = i
-                    g_exp[i] = exp[order[i]]
-                g_start[m] = m
-                x[0, :] = x_buf[0, :]
-                quantize_rows_into(x, xq, xd, xs)
+            m = _plan_layer(layer, ids_buf, res, n_expert, seen_ids, inv, n_miss, exp, ents, g_start, g_exp,
+                            x_buf, x, xq, xd, xs)
             busy[layer] = t0  # the start; the end is taken after the last barrier
             sync[M] = m
             _store_release(sync, READY, layer + 1)
@@ -260,10 +259,9 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x
         m = sync[M]
         gate, up, down = gates[layer], ups[layer], downs[layer]
         n_ff = gate.shape[1]
-        tok = np.zeros(m, np.int64)  # one token: every entry reads activation row 0
         n_up = min(n_team, m * n_ff // QK)
         if t < n_up:
-            gate_up_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok, ents[:m],
+            gate_up_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
                           g_start[: m + 1], g_exp[:m], t, n_up, h, hq, hd, hs)
         _barrier(sync, n_team * (2 * layer + 1))
         n_down = min(n_team, m * n_embd // QK)
@@ -304,7 +302,8 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, ro
     hq = np.empty((k, n_ff), np.int8)
     hd = np.empty((k, n_ff // QK), np.float32)
     hs = np.empty((k, n_ff // QK), np.int32)
+    tok = np.zeros(k, np.int64)  # one token: every entry reads activation row 0
     for t in prange(n_team):
         _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, ids_buf, x_buf, rows, inv,
                      routed, rows_flag, base, stop, seen_ids, n_miss, busy, sync, exp, ents, g_start, g_exp,
-                     x, xq, xd, xs, h, hq, hd, hs)
+                     x, xq, xd, xs, h, hq, hd, hs, tok)
