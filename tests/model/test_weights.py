@@ -33,6 +33,15 @@ def _logits(model):
         return model.forward(PROMPT, model.new_state())
 
 
+def _assert_same_logits(a, b):
+    """The trunk's logits, then the MTP head's over a's hidden states, bit for bit."""
+    assert torch.equal(_logits(a), _logits(b))
+    with torch.inference_mode():
+        _, hidden = a.forward(PROMPT[:-1], a.new_state(), return_hidden=True)
+        assert torch.equal(a.mtp_logits(hidden, PROMPT[1:], a.new_state()),
+                           b.mtp_logits(hidden, PROMPT[1:], b.new_state()))
+
+
 @pytest.fixture(scope="module")
 def next_model():
     hf_model = ref.tiny_qwen3next(seed=2)
@@ -48,12 +57,7 @@ def test_qwen3next_f32_file_gives_identical_logits(next_model, tmp_path):
     assert dataclasses.replace(file.hparams, rms_eps=hp.rms_eps) == hp  # eps is stored as f32
     loaded = load_dense_weights(file, "cpu", include_experts=True)
     assert loaded.keys() == weights.keys()
-    original, from_file = Model(hp, weights), Model(hp, loaded)
-    assert torch.equal(_logits(from_file), _logits(original))
-    with torch.inference_mode():
-        _, hidden = from_file.forward(PROMPT[:-1], from_file.new_state(), return_hidden=True)
-        assert torch.equal(from_file.mtp_logits(hidden, PROMPT[1:], from_file.new_state()),
-                           original.mtp_logits(hidden, PROMPT[1:], original.new_state()))
+    _assert_same_logits(Model(hp, loaded), Model(hp, weights))
 
 
 def test_qwen3moe_q8_0_experts_dequantized_on_load(tmp_path):
@@ -140,9 +144,4 @@ def test_dense_q8_0_kept_quantized_gives_the_dequantized_bits(next_model, tmp_pa
     assert kept == {n for n in types if keeps_q8(n, file.tensor(n))} and "token_embd.weight" in kept
     for n in kept:
         assert torch.equal(q8[n].dequantize(), flat[n]), n
-    a, b = Model(hp, flat), Model(hp, q8)
-    assert torch.equal(_logits(a), _logits(b))
-    with torch.inference_mode():
-        _, hidden = a.forward(PROMPT[:-1], a.new_state(), return_hidden=True)
-        assert torch.equal(a.mtp_logits(hidden, PROMPT[1:], a.new_state()),
-                           b.mtp_logits(hidden, PROMPT[1:], b.new_state()))
+    _assert_same_logits(Model(hp, flat), Model(hp, q8))
