@@ -9,7 +9,7 @@
 #     cpustore  the CPU kernels over 8 of its expert layers as the host store holds them (file map, arena)
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
 #     prefill   bench_tiers on it at a 24 GiB budget: the auto chunk, then ring overlap, then a pinned store
-#     ptrace    a 2048-token prefill on it under torch.profiler (op tables by device and host time)
+#     ptrace    a 1024-token prefill on it under torch.profiler (op tables by device and host time)
 #     spin      decode at 8K on it with GOMP_SPINCOUNT 100 and 300000 (the CPU pool's two parallel regions
 #               per expert call: threads asleep or spinning between them)
 #     threads   decode at 8K on it with the CPU pool on DECODE_THREADS threads (default "14 15"), in each
@@ -18,7 +18,8 @@
 #               threads:mode:spin
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
-#     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local)
+#     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
+#               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
@@ -94,9 +95,9 @@ prefill=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 16 
 step prefill 120 "${prefill[@]}" --ring-overlap 0 --pin-gib 0 --json-out "$work/prefill-staged.json"
 step prefill 120 "${prefill[@]}" --pin-gib 0 --json-out "$work/prefill-overlap.json"
 step prefill 150 "${prefill[@]}" --json-out "$work/prefill-pinned.json"  # the defaults: overlap, auto pin
-# a 2048-token prefill under torch.profiler (an 8K trace has too many events for the step's time)
-step ptrace 150 python scripts/bench_tiers.py --model "$M80" --depths 2048 --decode 4 --chunk 2048 \
-    --trace-prefill 2048 --json-out "$work/ptrace.json"
+# a 1024-token prefill under torch.profiler (a 2K trace ran out of 150 s building its tables, session 5)
+step ptrace 150 python scripts/bench_tiers.py --model "$M80" --depths 1024 --decode 4 --chunk 1024 \
+    --trace-prefill 1024 --json-out "$work/ptrace.json"
 # decode with OpenMP's threads spinning 100 or 300000 rounds (the engine's default on CUDA) between calls
 decode=(python scripts/bench_tiers.py --model "$M80" --depths 8192 --decode 32 --chunk 4096)
 step spin 100 env GOMP_SPINCOUNT=100 "${decode[@]}" --json-out "$work/spin-100.json"
@@ -126,8 +127,8 @@ done
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
-step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="budget cpu-experts" \
-    OURS_ARGS=--local OUT="$work/cmp" bash scripts/compare_llamacpp.sh ours
+step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
+    OURS_ARGS=--local OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${tests_pid:-}" ]]; then
     wait "$tests_pid"
     cat "$work/tests-step.txt"
