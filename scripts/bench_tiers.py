@@ -171,11 +171,16 @@ def main() -> None:
                     "CPU rows (default: STRATA_DECODE_PIPELINE, on)")
     ap.add_argument("--dense-q8", choices=["0", "1"], default=None,
                     help="1: dense Q8_0 matrices stay Q8_0 on CUDA; 0: float32 (default: STRATA_DENSE_Q8, 1)")
+    ap.add_argument("--fused-decode", choices=["0", "1"], default=None,
+                    help="1: fused Triton kernels in decode on CUDA (GDN core, norms, combine, attention); "
+                    "0: the torch ops (default: STRATA_FUSED_DECODE, 1)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
                     "non-resident expert once)")
     args = ap.parse_args()
+    if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
+        os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
     if not os.path.exists(path):
@@ -258,6 +263,7 @@ def main() -> None:
         "decode_cpu_thread": cfg.decode_cpu_thread,
         "decode_pipeline": cfg.decode_pipeline,
         "dense_q8": cfg.dense_q8,
+        "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,

@@ -20,6 +20,7 @@
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
+#     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
@@ -122,6 +123,10 @@ for run in $runs; do
     [[ $ct == p ]] && mode=(--decode-pipeline 1)  # p: the whole token enqueued, one numba worker per token
     step threads 100 env GOMP_SPINCOUNT="$sp" "${decode[@]}" --cpu-threads "$n" "${mode[@]}" \
         --json-out "$work/threads-$n-ct$ct-spin$sp.json"
+done
+# decode at 8K with the fused decode kernels off, then on (STRATA_FUSED_DECODE; GDN core, norms, combine, attention)
+for fd in ${FUSED_MODES:-0 1}; do
+    step fused 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --fused-decode "$fd" --json-out "$work/fused-$fd.json"
 done
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100

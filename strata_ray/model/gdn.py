@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference, gdn_step_supports
 from strata_ray.model import ops
 from strata_ray.model.hparams import HParams
 from strata_ray.model.state import GDNState
@@ -41,29 +42,18 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
 
 def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: GDNState,
               pos0: int) -> tuple[Tensor, GDNState]:
-    """Gated DeltaNet of normed input x [T, E] -> ([T, E], new layer state)."""
+    """Gated DeltaNet of normed input x [T, E] -> ([T, E], new layer state).
+
+    After the projections, the core (conv, norms, gates, delta rule, gated norm) runs as two fused kernels
+    on CUDA for decode and verify windows (kernels/gdn_step), else in the reference's torch ops."""
     p = f"blk.{layer}"
     T = x.shape[0]
-    nk, nv, dk = hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state
-    dv, r = hp.ssm_head_v_dim, hp.ssm_dt_rank // hp.ssm_n_group
-    key_dim = nk * dk
-
+    dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
     mixed = ops.linear(x, w[f"{p}.attn_qkv.weight"])  # [T, conv_dim], channels q | k | v
-    z = ops.linear(x, w[f"{p}.attn_gate.weight"]).view(T, nv, dv)
-    ba = ops.linear(x, w[f"{p}.ssm_ba.weight"]).view(T, nk, 2 * r)  # grouped per k-head: [b (r), a (r)]
-    b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
-
-    y, conv = ops.causal_conv1d(mixed, w[f"{p}.ssm_conv1d.weight"], st.conv)
-    q = y[:, :key_dim].view(T, nk, dk)
-    k = y[:, key_dim : 2 * key_dim].view(T, nk, dk)
-    v = y[:, 2 * key_dim :].view(T, nv, dv)
-
-    beta = torch.sigmoid(b)
-    g = w[f"{p}.ssm_a"] * F.softplus(a + w[f"{p}.ssm_dt.bias"])  # log decay, ssm_a = -exp(A_log)
-    # v-head j reads k-head j // r (repeat_interleave, not tiling)
-    q = (ops.l2_norm(q) * dk**-0.5).repeat_interleave(r, dim=1)
-    k = ops.l2_norm(k).repeat_interleave(r, dim=1)
-
-    o, S = delta_rule(q, k, v, g, beta, st.S, pos0)  # [T, nv, dv]
-    o = ops.gated_rms_norm(o, z, w[f"{p}.ssm_norm.weight"], hp.rms_eps).reshape(T, nv * dv)
+    z = ops.linear(x, w[f"{p}.attn_gate.weight"])  # [T, nv * dv]
+    ba = ops.linear(x, w[f"{p}.ssm_ba.weight"])  # [T, nk * 2r], grouped per k-head: [b (r), a (r)]
+    core = gdn_step if fused_enabled(x, T) and T and gdn_step_supports(dims) else gdn_step_reference
+    extra = {} if core is gdn_step else {"pos0": pos0}  # the fused step is recurrent only (T <= 16 < 64)
+    o, S, conv = core(mixed, z, ba, st.S, st.conv, w[f"{p}.ssm_conv1d.weight"], w[f"{p}.ssm_a"],
+                      w[f"{p}.ssm_dt.bias"], w[f"{p}.ssm_norm.weight"], dims, hp.rms_eps, **extra)
     return ops.linear(o, w[f"{p}.ssm_out.weight"]), GDNState(S, conv)

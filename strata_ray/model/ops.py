@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
+from strata_ray.kernels.fused_small import fused_enabled, rms_norm_fused
+
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
 
 
@@ -32,7 +35,17 @@ def embedding(ids: Tensor, w) -> Tensor:
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """Plain RMSNorm over the last dim. GGUF weights already hold the +1 of zero-centred norms."""
+    """Plain RMSNorm over the last dim of x [T, ...]. GGUF weights already hold the +1 of zero-centred norms.
+
+    On CUDA, calls of at most 16 tokens (decode, verify windows) run one fused kernel instead (its sum in
+    another order: rounding-level differences, batch invariant among those calls)."""
+    if x.dim() >= 2 and fused_enabled(x, x.shape[0]):
+        return rms_norm_fused(x, w, eps)
+    return rms_norm_reference(x, w, eps)
+
+
+def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """RMSNorm in plain torch ops: the reference twin of kernels/fused_small.rms_norm_fused."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -105,6 +118,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
+    if fused_enabled(q, T) and attention_decode_supports(q, k):  # CUDA, decode / verify: the cache as stored
+        return attention_decode(q, k, v, q_offset, scale)
     if T > 1 and H * T * S > max_scores:
         qb = max(1, max_scores // (H * S))
         blocks = []

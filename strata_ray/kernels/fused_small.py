@@ -1,0 +1,124 @@
+"""The decode step's short elementwise chains as one launch each: RMSNorm and the MoE combine.
+
+A one-token decode step is latency-bound: in the captured graphs every tiny torch op is a kernel of its own
+(~2 us of GPU time each on the H200, mostly launch and ramp), and a layer had ~105 of them. Two chains ran
+in every layer:
+
+- `rms_norm`: pow, mean, add, rsqrt, mul, mul (six kernels) -> `rms_norm_fused`, one program per row.
+  Its sum runs in another order than torch's, so its bits differ from ops.rms_norm at rounding level. It
+  is used on CUDA for calls of at most FUSED_MAX_TOKENS tokens (decode and verify windows), so those
+  calls stay batch invariant among themselves (one program per row, the tiles fixed by the row length).
+- the combine of a layer's routed rows, `h_mid + (sum_k rows[k] * w[k] in k order + shared)`: 2K + 1
+  kernels -> `combine_fused`. Launched without FMA contraction, it performs the very roundings of the torch
+  ops (one multiply, then one add, per k) and gives their bits exactly.
+
+The references are the torch forms (ops.rms_norm, combine_reference). Triton is imported on first use
+only (CI machines have none): the kernel bodies are plain functions handed to `triton.jit` by `_kernels()`
+after binding the module global `tl`; TRITON_INTERPRET=1 runs them on the CPU (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows take the fused kernels
+
+tl = None  # triton.language once _kernels() ran
+
+
+def fused_enabled(x: Tensor, n_tokens: int) -> bool:
+    """Whether a call of n_tokens tokens on x's device takes the fused kernels (STRATA_FUSED_DECODE=0: never,
+    for A/B runs). Never for a tensor that needs grad: the kernels have no backward."""
+    return (x.device.type == "cuda" and n_tokens <= FUSED_MAX_TOKENS
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and os.environ.get("STRATA_FUSED_DECODE", "1") != "0")
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------------------
+
+
+def _rms_norm_body(X, W, OUT, n, eps, BLOCK: tl.constexpr):
+    # X, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n
+    x = tl.load(X + row * n + cols, mask=live, other=0.0)
+    w = tl.load(W + cols, mask=live, other=0.0)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    tl.store(OUT + row * n + cols, x * r * w, mask=live)
+
+
+def rms_norm_fused(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """ops.rms_norm in one launch: x float32 [..., n], w [n] -> [..., n]. CUDA-graph capturable."""
+    n = x.shape[-1]
+    if w.shape != (n,) or x.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"rms_norm_fused: x {x.dtype} {list(x.shape)} and w {w.dtype} {list(w.shape)}")
+    x2 = x.reshape(-1, n).contiguous()  # [rows, n]
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        block = _next_pow2(n)
+        _kernels()[0][(x2.shape[0],)](x2, w.contiguous(), out, n, eps, BLOCK=block,
+                                      num_warps=4 if block <= 1024 else 8)
+    return out.view(x.shape)
+
+
+# ---- the MoE combine ------------------------------------------------------------------------------------
+
+
+def combine_reference(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
+    """h_mid [N, E] + (rows [N, K, E] weighted by weights [N, K] in k order (+ shared [N, E])): the torch ops
+    of moe.combine_rows and the decode graph's residual, whose bits combine_fused reproduces."""
+    routed = rows[:, 0] * weights[:, 0:1]
+    for k in range(1, rows.shape[1]):
+        routed = routed + rows[:, k] * weights[:, k : k + 1]
+    return h_mid + (routed if shared is None else routed + shared)
+
+
+def _combine_body(H, ROWS, WTS, SHARED, OUT, E, K, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]. Program (token, column block).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = cols < E
+    w0 = tl.load(WTS + t * K)
+    acc = tl.load(ROWS + t * K * E + cols, mask=live, other=0.0) * w0
+    for k in range(1, K):
+        wk = tl.load(WTS + t * K + k)
+        acc = acc + tl.load(ROWS + (t * K + k) * E + cols, mask=live, other=0.0) * wk
+    if HAS_SHARED:
+        acc = acc + tl.load(SHARED + t * E + cols, mask=live, other=0.0)
+    h = tl.load(H + t * E + cols, mask=live, other=0.0)
+    tl.store(OUT + t * E + cols, h + acc, mask=live)
+
+
+def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
+    """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable."""
+    n, k, e = rows.shape
+    if h_mid.shape != (n, e) or weights.shape != (n, k) or (shared is not None and shared.shape != (n, e)):
+        raise ValueError(f"combine_fused: h_mid {list(h_mid.shape)}, rows {list(rows.shape)}, weights "
+                         f"{list(weights.shape)}, shared {None if shared is None else list(shared.shape)}")
+    h_mid, rows, weights = h_mid.contiguous(), rows.contiguous(), weights.contiguous()
+    out = torch.empty_like(h_mid)
+    if n:
+        block = 1024
+        sh = shared.contiguous() if shared is not None else h_mid  # unread without HAS_SHARED
+        _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, out, e, k, HAS_SHARED=shared is not None,
+                                           BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@functools.cache
+def _kernels():
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(_rms_norm_body), triton.jit(_combine_body)

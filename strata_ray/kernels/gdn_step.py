@@ -1,0 +1,172 @@
+"""The Gated DeltaNet's recurrent step in two launches (decode and verify windows on CUDA).
+
+After its three projections a GDN layer runs, per token: a depthwise causal conv + SiLU over the q|k|v
+channels, L2 norms of q and k, the gates beta = sigmoid(b) and g = ssm_a * softplus(a + dt_bias), the
+delta rule on the state S [nv, dk, dv], and a gated RMSNorm of the output. In torch ops that is ~50
+kernels a layer, each a few microseconds of a one-token decode step. Here:
+
+- `_conv_body`: one program per head-sized block of channels (a q or k head, or dk channels of v): the
+  conv over the previous K-1 inputs and the new ones, SiLU, and for q and k the L2 norm (q also scaled by
+  dk^-0.5); it writes the new conv state (each channel has one owner, so it is written in place safely).
+- `_delta_body`: one program per value head, its state slice S [dk, dv] in registers for all T tokens:
+  decay, delta-rule correction, output read, gated RMSNorm.
+
+`gdn_step` returns new tensors for the output and both states (the model's states are functional: a
+rejected speculative window falls back to the old ones). `gdn_step_reference` is the same computation in
+the torch ops of the reference forward (model/ops.py), the oracle of the tests; the fused kernels agree
+with it to rounding (their sums run in other orders), deterministically, and a token's result does not
+depend on how many tokens share the call's earlier part (the tokens run in order inside each program).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+tl = None  # triton.language once _kernels() ran
+
+
+@dataclass(frozen=True)
+class GDNDims:
+    """Head counts and sizes: nk k-heads of dk, nv v-heads of dv (v-head j reads k-head j // (nv / nk))."""
+
+    nk: int
+    nv: int
+    dk: int
+    dv: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.nk * self.dk
+
+
+def gdn_step_reference(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv_w: Tensor,
+                       ssm_a: Tensor, dt_bias: Tensor, norm_w: Tensor, dims: GDNDims, eps: float,
+                       pos0: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """The GDN core in the reference's torch ops: mixed [T, 2*key_dim + nv*dv] (q|k|v projections), z
+    [T, nv*dv], ba [T, nk*2r] -> (o [T, nv*dv] gated-normed, new S [nv, dk, dv], new conv [K-1, C])."""
+    from strata_ray.model import ops
+    from strata_ray.model.gdn import delta_rule
+
+    T = mixed.shape[0]
+    nk, nv, dk, dv = dims.nk, dims.nv, dims.dk, dims.dv
+    r = nv // nk
+    ba = ba.view(T, nk, 2 * r)  # grouped per k-head: [b (r), a (r)]
+    b, a = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
+    y, conv = ops.causal_conv1d(mixed, conv_w, conv)
+    q = y[:, : dims.key_dim].view(T, nk, dk)
+    k = y[:, dims.key_dim : 2 * dims.key_dim].view(T, nk, dk)
+    v = y[:, 2 * dims.key_dim :].view(T, nv, dv)
+    beta = torch.sigmoid(b)
+    g = ssm_a * F.softplus(a + dt_bias)  # log decay, ssm_a = -exp(A_log)
+    # v-head j reads k-head j // r (repeat_interleave, not tiling)
+    q = (ops.l2_norm(q) * dk**-0.5).repeat_interleave(r, dim=1)
+    k = ops.l2_norm(k).repeat_interleave(r, dim=1)
+    o, S = delta_rule(q, k, v, g, beta, S, pos0)  # [T, nv, dv]
+    o = ops.gated_rms_norm(o, z.view(T, nv, dv), norm_w, eps).reshape(T, nv * dv)
+    return o, S, conv
+
+
+def _conv_body(MIX, STATE, W, Y, NEW_STATE, T, C, key_dim, q_scale, BC: tl.constexpr, KW: tl.constexpr):
+    # MIX f32 [T, C], STATE / NEW_STATE f32 [KW-1, C], W f32 [C, KW], Y f32 [T, C]. Program: channels BC.
+    c0 = tl.program_id(0) * BC
+    c = c0 + tl.arange(0, BC)
+    is_qk = c0 < 2 * key_dim  # a whole q or k head (BC = dk)
+    scale = tl.where(c0 < key_dim, q_scale, 1.0)
+    for t in range(T):
+        acc = tl.zeros((BC,), tl.float32)
+        for j in tl.static_range(KW):
+            row = c * 0 + (t + j)  # [BC] (a vector: masks must be), the row in cat(state, new inputs)
+            old = tl.load(STATE + row * C + c, mask=row < KW - 1, other=0.0)
+            new = tl.load(MIX + (row - (KW - 1)) * C + c, mask=row >= KW - 1, other=0.0)
+            acc += tl.load(W + c * KW + j) * tl.where(row < KW - 1, old, new)
+        y = acc / (1.0 + tl.exp(-acc))  # SiLU
+        norm = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) + 1e-6)  # ops.l2_norm's eps
+        y = tl.where(is_qk, y * norm * scale, y)
+        tl.store(Y + t * C + c, y)
+    for i in tl.static_range(KW - 1):  # the new state: the last KW-1 rows of cat(state, new inputs)
+        row = c * 0 + (T + i)  # [BC]
+        old = tl.load(STATE + row * C + c, mask=row < KW - 1, other=0.0)
+        new = tl.load(MIX + (row - (KW - 1)) * C + c, mask=row >= KW - 1, other=0.0)
+        tl.store(NEW_STATE + i * C + c, tl.where(row < KW - 1, old, new))
+
+
+def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, eps,
+                DK: tl.constexpr, DV: tl.constexpr):
+    # Y f32 [T, C] (normed q | k | v), BA f32 [T, nk*2r], Z / O f32 [T, nv*DV], S_IN / S_OUT f32 [nv, DK, DV],
+    # A / DT_BIAS f32 [nv], NORM_W f32 [DV]. Program: value head j, every token in order.
+    j = tl.program_id(0)
+    nv = tl.num_programs(0)
+    kh = j // r
+    i = j % r
+    kk = tl.arange(0, DK)
+    vv = tl.arange(0, DV)
+    s_off = j.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
+    S = tl.load(S_IN + s_off)  # [DK, DV]
+    a_log = tl.load(A + j)
+    dt_b = tl.load(DT_BIAS + j)
+    w = tl.load(NORM_W + vv)
+    for t in range(T):
+        q = tl.load(Y + t * C + kh * DK + kk)
+        k = tl.load(Y + t * C + key_dim + kh * DK + kk)
+        v = tl.load(Y + t * C + 2 * key_dim + j * DV + vv)
+        b = tl.load(BA + t * 2 * nv + kh * 2 * r + i)
+        a = tl.load(BA + t * 2 * nv + kh * 2 * r + r + i) + dt_b
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's threshold
+        S = S * tl.exp(a_log * softplus)
+        u = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [DV] delta-rule correction
+        S = S + k[:, None] * u[None, :]
+        o = tl.sum(S * q[:, None], axis=0)  # [DV]
+        zt = tl.load(Z + t * nv * DV + j * DV + vv)
+        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
+        tl.store(O + t * nv * DV + j * DV + vv, o)
+    tl.store(S_OUT + s_off, S)
+
+
+@functools.cache
+def _kernels():
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    # T unspecialized: a 1-token and a 16-token call run the same binaries
+    return triton.jit(_conv_body, do_not_specialize=["T"]), triton.jit(_delta_body, do_not_specialize=["T"])
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def gdn_step_supports(dims: GDNDims) -> bool:
+    """The fused step's shapes: dk = dv, a power of two (a head's channels are one program's block)."""
+    return _pow2(dims.dk) and dims.dk == dims.dv and dims.nv % dims.nk == 0
+
+
+def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv_w: Tensor, ssm_a: Tensor,
+             dt_bias: Tensor, norm_w: Tensor, dims: GDNDims, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """gdn_step_reference (all tokens in the recurrent form) in two launches; new tensors out, CUDA-graph
+    capturable (no host sync, no data-dependent shapes)."""
+    T, C = mixed.shape
+    nk, nv, dk, dv = dims.nk, dims.nv, dims.dk, dims.dv
+    kw = conv_w.shape[1]
+    if not gdn_step_supports(dims) or C != 2 * dims.key_dim + nv * dv:
+        raise ValueError(f"gdn_step: unsupported dims {dims} for {C} channels (dk = dv, powers of two)")
+    mixed, z, ba = mixed.contiguous(), z.contiguous(), ba.contiguous()
+    y = torch.empty_like(mixed)
+    new_conv = torch.empty_like(conv)
+    o = torch.empty_like(z)
+    new_S = torch.empty_like(S)
+    if T == 0:
+        return z.new_zeros(z.shape), S.clone(), conv.clone()
+    conv_k, delta_k = _kernels()
+    conv_k[(C // dk,)](mixed, conv.contiguous(), conv_w.contiguous(), y, new_conv, T, C, dims.key_dim,
+                       dk**-0.5, BC=dk, KW=kw, num_warps=4)
+    delta_k[(nv,)](y, ba, z, S.contiguous(), ssm_a.contiguous(), dt_bias.contiguous(), norm_w.contiguous(), o,
+                   new_S, T, C, dims.key_dim, nv // nk, eps, DK=dk, DV=dv, num_warps=8)
+    return o, new_S, new_conv

@@ -1,0 +1,108 @@
+"""RMSNorm and the MoE combine in one launch each (strata_ray/kernels/fused_small.py).
+
+CPU tests run in CI; the kernels run on the GPU (python -m pytest -m gpu tests/kernels/test_fused_small.py)
+and under the Triton interpreter (opt-in):
+    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_fused_small.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+import torch  # noqa: E402
+
+from strata_ray.kernels.fused_small import (  # noqa: E402
+    FUSED_MAX_TOKENS,
+    combine_fused,
+    combine_reference,
+    fused_enabled,
+    rms_norm_fused,
+)
+from strata_ray.model import ops  # noqa: E402
+from strata_ray.model.moe import combine_rows  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _combine_inputs(n, k, e, shared, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h, rows = torch.randn(n, e, generator=g), torch.randn(n, k, e, generator=g)
+    w = torch.softmax(torch.randn(n, k, generator=g), -1)
+    sh = torch.randn(n, e, generator=g) if shared else None
+    return tuple(t.to(device) if t is not None else None for t in (h, rows, w, sh))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_combine_reference_is_the_decode_formula(shared):
+    """combine_reference has the bits of moe.combine_rows + the residual, as the decode graph adds them."""
+    h, rows, w, sh = _combine_inputs(3, 10, 64, shared)
+    moe = combine_rows(rows, w) if sh is None else combine_rows(rows, w) + sh
+    assert torch.equal(combine_reference(h, rows, w, sh), h + moe)
+
+
+def test_fused_enabled_policy(monkeypatch):
+    x = torch.zeros(1)
+    assert not fused_enabled(x, 1)  # CPU: the reference ops, always
+    if HAS_CUDA:
+        xc = x.cuda()
+        assert fused_enabled(xc, FUSED_MAX_TOKENS) and not fused_enabled(xc, FUSED_MAX_TOKENS + 1)
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        assert not fused_enabled(xc, 1)
+
+
+def _norm_cases(device):
+    for rows, n in [(1, 2048), (33, 256), (222, 100), (16 * 2, 256)]:
+        g = torch.Generator().manual_seed(rows * n)
+        x = (torch.randn(rows, n, generator=g) * 3).to(device)
+        w = (1 + 0.1 * torch.randn(n, generator=g)).to(device)
+        got = rms_norm_fused(x, w, 1e-6)
+        torch.testing.assert_close(got, ops.rms_norm_reference(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+        for i in (0, rows - 1):  # a row alone gives its row of the batch
+            assert torch.equal(rms_norm_fused(x[i : i + 1], w, 1e-6), got[i : i + 1])
+    x3 = torch.randn(2, 16, 256).to(device)  # [T, H, D]: over the last dim
+    w3 = torch.ones(256).to(device)
+    want = ops.rms_norm_reference(x3, w3, 1e-6)
+    torch.testing.assert_close(rms_norm_fused(x3, w3, 1e-6), want, rtol=2e-6, atol=1e-6)
+
+
+def _combine_cases(device):
+    cases = [(1, 10, 2048, True), (1, 1, 100, False), (3, 8, 1500, True), (16, 10, 2048, False)]
+    for n, k, e, shared in cases:
+        args = _combine_inputs(n, k, e, shared, device, seed=n * k)
+        assert torch.equal(combine_fused(*args), combine_reference(*args)), (n, k, e, shared)
+
+
+interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
+
+
+@interpret
+def test_interpreted_rms_norm():
+    pytest.importorskip("triton")
+    _norm_cases("cpu")
+
+
+@interpret
+def test_interpreted_combine_same_bits():
+    pytest.importorskip("triton")
+    _combine_cases("cpu")
+
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_rms_norm():
+    _norm_cases("cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_combine_same_bits():
+    _combine_cases("cuda")
