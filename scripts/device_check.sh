@@ -21,6 +21,7 @@
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
+#     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
@@ -128,6 +129,8 @@ done
 for fd in ${FUSED_MODES:-0 1}; do
     step fused 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --fused-decode "$fd" --json-out "$work/fused-$fd.json"
 done
+# the dense Q8_0 GEMV against copy bandwidth: today's tiles, then both bodies' sweeps at 1 token
+step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 --sweep
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host

@@ -223,24 +223,50 @@ def _gemv_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexp
     tl.store(OUT + t.to(tl.int64) * N + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
 
 
+def _gemv_wide_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
+    # The same contract as _gemv_body, other loads: codes as int8 tiles [BN, G, 32] (G = BK/32 blocks),
+    # 16 contiguous codes a thread (one 16-byte load), the activations [G, 32] broadcast over rows and the
+    # scales [BN, G]. A block's 32 products are summed, scaled, and accumulated per block position; the
+    # G positions are summed once at the end.
+    pid = tl.program_id(0)
+    t = pid % n_tok
+    rows = (pid // n_tok) * BN + tl.arange(0, BN)  # [BN]
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)
+    g = tl.arange(0, BK // 32)  # [G]
+    e = tl.arange(0, 32)  # [32]
+    col = g[:, None] * 32 + e[None, :]  # [G, 32]
+    q_ptr = QW + rows_c[:, None, None] * K + tl.max_contiguous(tl.multiple_of(col, [32, 16]), [1, 16])[None]
+    d_ptr = D + rows_c[:, None] * KB + g[None, :]  # [BN, G]
+    x_ptr = X + t.to(tl.int64) * K + col  # [G, 32]
+    acc = tl.zeros((BN, BK // 32), tl.float32)
+    for k0 in range(0, K, BK):
+        live = k0 // 32 + g < KB  # [G]
+        q = tl.load(q_ptr + k0, mask=live[None, :, None], other=0)
+        x = tl.load(x_ptr + k0, mask=live[:, None], other=0.0)
+        d = tl.load(d_ptr + k0 // 32, mask=live[None, :], other=0.0)
+        acc += tl.sum(q.to(tl.float32) * x[None, :, :], axis=2) * d.to(tl.float32)
+    tl.store(OUT + t.to(tl.int64) * N + rows, tl.sum(acc, axis=1), mask=rows < N)
+
+
 @functools.cache
-def _kernel():
+def _kernel(wide: bool = False):
     global tl
     import triton
     import triton.language
 
     tl = triton.language
     # n_tok unspecialized: T = 1 and T = 16 run the very same binary (batch invariance)
-    return triton.jit(_gemv_body, do_not_specialize=["n_tok"])
+    return triton.jit(_gemv_wide_body if wide else _gemv_body, do_not_specialize=["n_tok"])
 
 
 def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
-            tiles: tuple[int, int, int] | None = None) -> Tensor:
+            tiles: tuple[int, int, int] | None = None, wide: bool = False) -> Tensor:
     """The Triton GEMV: x2 float32 [T, K] (contiguous) -> out float32 [T, N], every element written.
 
     Any T works (q8_linear sends T <= GEMV_MAX_TOKENS); runs where Triton runs (CUDA, or the CPU under
     TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
-    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles (benchmarks)."""
+    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles and `wide` picks
+    the 16-byte-load body (benchmarks)."""
     _check(x2, w)
     n, k = w.shape
     if x2.dim() != 2 or not x2.is_contiguous():
@@ -255,6 +281,7 @@ def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
         return out
     bn, bk, warps = tiles or gemv_tiles(n, k)
     grid = (n_tok * -(-n // bn),)
-    _kernel()[grid](x2, w.qs.view(torch.int32), w.d, out, n_tok, n, k, k // QK, BN=bn, BK=bk, num_warps=warps,
+    qw = w.qs if wide else w.qs.view(torch.int32)
+    _kernel(wide)[grid](x2, qw, w.d, out, n_tok, n, k, k // QK, BN=bn, BK=bk, num_warps=warps,
                     enable_fp_fusion=True)  # explicit: Triton 3.10 turns the default off
     return out

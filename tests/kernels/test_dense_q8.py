@@ -341,3 +341,15 @@ def test_gpu_gemv_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     assert np.array_equal(_bits(y), _bits(q8_linear(x, w)))
     assert not torch.equal(y, eager)
+
+
+@interpret
+@pytest.mark.parametrize("tiles", [(1, 1024, 2), (4, 512, 4), (8, 1024, 8), (16, 256, 4)])
+def test_interpreted_wide_gemv_matches_exact(tiles):
+    """The 16-byte-load body: ragged chunks (1280 columns), clamped row blocks (33 rows), token rows."""
+    _need_triton()
+    w, _ = _weight(33, 1280)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 1280)).astype(np.float32))
+    got = q8_gemv(x, w, out=torch.full((3, 33), float("nan")), tiles=tiles, wide=True)
+    _assert_close_to_exact(got, x, w)
+    assert np.array_equal(_bits(q8_gemv(x[1:2], w, tiles=tiles, wide=True)), _bits(got[1:2]))
