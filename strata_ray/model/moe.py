@@ -8,6 +8,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model import ops
 
 
@@ -21,10 +23,14 @@ class ExpertBackend(Protocol):
 
 
 def route(router_w: Tensor, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K])."""
-    probs = torch.softmax(ops.linear(x, router_w).float(), dim=-1)  # [N, X]
-    w, ids = torch.topk(probs, k, dim=-1)
-    return ids, w / w.sum(-1, keepdim=True)
+    """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K]).
+
+    On CUDA, calls of at most 16 tokens run two fused launches (kernels/router)."""
+    if fused_enabled(x, x.shape[0]):
+        f32 = isinstance(router_w, Tensor) and router_w.dtype == torch.float32
+        logits = router_logits(x, router_w) if f32 else ops.linear(x, router_w)  # [N, X]
+        return route_topk(logits, k)
+    return route_reference(ops.linear(x, router_w), k)
 
 
 def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
