@@ -17,10 +17,8 @@ import argparse
 import statistics
 
 SHAPES = ["8192x2048", "2048x4096", "151936x2048"]  # [N, K]: a wide projection, a narrow one, an LM head
-SWEEP = [(8, 512, 4), (16, 512, 8)]
-# the 16-byte-load body (dense_q8._gemv_wide_body): (BN, BK, warps)
-WIDE_SWEEP = [(1, 1024, 2), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8),
-              (16, 256, 4), (2, 2048, 4)]
+SWEEP = [(1, 1024, 2), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8),
+         (16, 256, 4), (2, 2048, 4)]  # (BN, BK, warps)
 L2_BUST_BYTES = 512 << 20  # weights cycled per graph: >> the H200's 50 MB L2
 GRAPH_CALLS = 64
 REPLAYS = 21
@@ -93,11 +91,6 @@ def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], sweep: bool) ->
             calls = [(lambda w=w, o=out, tl=tiles: dq.q8_gemv(x, w, out=o, tiles=tl)) for w in ws]
             sec = graph_seconds(torch, calls * -(-GRAPH_CALLS // copies))
             rows.append((f"{n}x{k}", 1, "sweep " + "/".join(map(str, tiles)), sec, per / sec / 1e9))
-        for tiles in WIDE_SWEEP:
-            out = torch.empty(1, n, device="cuda")
-            calls = [(lambda w=w, o=out, tl=tiles: dq.q8_gemv(x, w, out=o, tiles=tl, wide=True)) for w in ws]
-            sec = graph_seconds(torch, calls * -(-GRAPH_CALLS // copies))
-            rows.append((f"{n}x{k}", 1, "wide " + "/".join(map(str, tiles)), sec, per / sec / 1e9))
     del ws
     # the float32 weights this replaces, same shape (fewer copies still bust L2: 4 bytes a weight)
     f32 = [torch.randn(n, k, device="cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (4 * n * k))))]

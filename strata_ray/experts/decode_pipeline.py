@@ -24,6 +24,7 @@ import time
 import torch
 
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.fused_small import gather_rows
 from strata_ray.kernels.stream_flags import HostFlag
 
 
@@ -58,9 +59,14 @@ class PipelinedDecodeRows:
         self._base = 1  # v_l = base + l; the flags start at 0, below it
 
     # -- the captured part ------------------------------------------------------------------------------
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gpu rows [K, E], cpu rows [K, E], hit int32 [K], inv int32 [K]): the combine reads entry k's row
+        from gpu rows where hit, else cpu rows[inv[k]] (kernels/fused_small.gather_rows)."""
+        return self.gpu_rows, self.cpu_rows, self.hit, self.inv
+
     def rows(self) -> torch.Tensor:
         """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
-        return torch.where(self.hit[:, None] != 0, self.gpu_rows, self.cpu_rows.index_select(0, self.inv))
+        return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """The device's half of a layer: which entries are resident, and their rows (no host in the loop)."""

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.fused_small import gather_rows
 from strata_ray.kernels.stream_flags import host_flag
 from strata_ray.kernels.tile_plan import plan_tiles_host
 
@@ -88,11 +89,16 @@ class DecodeRows:
         self._started = threading.Event()  # the helper's kernels have begun (its Python part is done)
 
     # -- the captured part ------------------------------------------------------------------------------
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gpu rows [K, E], cpu rows [K, E], hit int32 [K], inv int32 [K]): the combine reads entry k's row
+        from gpu rows where hit, else cpu rows[inv[k]] (kernels/fused_small.gather_rows)."""
+        k = self.k
+        return self.gpu_rows, self.cpu_rows, self.plan[3 * k : 4 * k], self.plan[4 * k :]
+
     def rows(self) -> torch.Tensor:
         """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
-        k = self.k
-        hit = self.plan[3 * k : 4 * k] != 0
-        return torch.where(hit[:, None], self.gpu_rows, self.cpu_rows.index_select(0, self.plan[4 * k :]))
+        gpu, cpu, hit, inv = self.parts()
+        return gather_rows(gpu[None], cpu, hit[None], inv[None])[0]
 
     def _resident_rows(self, layer: int, x: torch.Tensor) -> None:
         """The slot cache's kernel over the uploaded plan: rows of the resident entries into gpu_rows."""

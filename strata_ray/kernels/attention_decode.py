@@ -4,10 +4,10 @@ The reference (ops.attention) repeats each kv head for its H / Hkv query heads (
 tokens that copies the whole cache of the layer, ~2.2 ms a decode token over the 80b-a3b's 12 attention
 layers on the H200 (session 5 trace). Here, split-K "flash decoding" with a fixed split:
 
-- `_partial_body`: one program per (token, kv head, split of SPLIT keys). It scores the kv head's rep
+- `_attn_partial_body`: one program per (token, kv head, split of SPLIT keys). It scores the kv head's rep
   query heads against its split's keys (one [REP, D] x [D, BK] product a key tile) and keeps an online
   softmax: the split's running max m, sum l and unnormalised output acc [REP, D].
-- `_combine_body`: one program per (token, query head), the splits in increasing order:
+- `_attn_combine_body`: one program per (token, query head), its splits 16 at a time in increasing order:
   o = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M the max of the m_s.
 
 Splits sit at fixed absolute key positions [s SPLIT, (s+1) SPLIT), and a query reads only the keys it
@@ -32,7 +32,7 @@ BK = 32  # keys a program step scores
 tl = None  # triton.language once _kernels() ran
 
 
-def _partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
+def _attn_partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
                   REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
                   BK_: tl.constexpr):
     # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D].
@@ -69,24 +69,31 @@ def _partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
     tl.store(ACC + row[:, None] * D + d[None, :], acc, mask=live_h[:, None])
 
 
-def _combine_body(M, L, ACC, O, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr):
-    # One program per (token, query head): its own splits, in increasing order.
+def _attn_combine_body(M, L, ACC, O, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr,
+                       SC: tl.constexpr):
+    # One program per (token, query head): its own splits, SC at a time in increasing order, each chunk
+    # added lane by lane to [SC] / [SC, D] accumulators reduced once at the end; splits past the query's
+    # keys are masked to exact zeros, so a decode step and a verify window give the same bits.
     pid = tl.program_id(0)
     t = pid // H
     visible = tl.minimum(q_offset + t + 1, n_keys)
     n_split = (visible + SPLIT_ - 1) // SPLIT_
     base = pid.to(tl.int64) * NS
     d = tl.arange(0, D)
-    m = tl.load(M + base)
-    for s in range(1, n_split):
-        m = tl.maximum(m, tl.load(M + base + s))
-    l_sum = 0.0
-    o = tl.zeros((D,), tl.float32)
-    for s in range(0, n_split):
-        w = tl.exp(tl.load(M + base + s) - m)
-        l_sum += tl.load(L + base + s) * w
-        o += tl.load(ACC + (base + s) * D + d) * w
-    tl.store(O + pid.to(tl.int64) * D + d, o / l_sum)
+    sc = tl.arange(0, SC)
+    m_lane = tl.full((SC,), float("-inf"), tl.float32)
+    for s0 in range(0, n_split, SC):
+        m_lane = tl.maximum(m_lane, tl.load(M + base + s0 + sc, mask=s0 + sc < n_split, other=float("-inf")))
+    m = tl.max(m_lane, axis=0)
+    l_lane = tl.zeros((SC,), tl.float32)
+    o_lane = tl.zeros((SC, D), tl.float32)
+    for s0 in range(0, n_split, SC):
+        live = s0 + sc < n_split
+        w = tl.exp(tl.load(M + base + s0 + sc, mask=live, other=float("-inf")) - m)  # [SC], 0 past the end
+        l_lane += tl.load(L + base + s0 + sc, mask=live, other=0.0) * w
+        o_lane += tl.load(ACC + (base + s0 + sc)[:, None] * D + d[None, :], mask=live[:, None], other=0.0) \
+            * w[:, None]
+    tl.store(O + pid.to(tl.int64) * D + d, tl.sum(o_lane, axis=0) / tl.sum(l_lane, axis=0))
 
 
 @functools.cache
@@ -98,7 +105,8 @@ def _kernels():
     tl = triton.language
     # the runtime sizes unspecialized: a new cache length never compiles a new binary
     dyn = ["q_offset", "n_keys", "NS"]
-    return triton.jit(_partial_body, do_not_specialize=dyn), triton.jit(_combine_body, do_not_specialize=dyn)
+    return (triton.jit(_attn_partial_body, do_not_specialize=dyn),
+            triton.jit(_attn_combine_body, do_not_specialize=dyn))
 
 
 def attention_decode_supports(q: Tensor, k: Tensor) -> bool:
@@ -129,5 +137,5 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     partial[(T * Hkv, ns)](q, k, v, m, ell, acc, q_offset, S, scale, H, Hkv, ns, REP=rep,
                            REP_P=max(16, 1 << (rep - 1).bit_length()), D=D, SPLIT_=SPLIT, BK_=BK, num_warps=8)
-    combine[(T * H,)](m, ell, acc, out, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, num_warps=4)
+    combine[(T * H,)](m, ell, acc, out, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, num_warps=4)
     return out

@@ -169,65 +169,22 @@ def gemv_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BN rows, BK columns, warps) of a program, from the matrix shape alone, never the token count:
     the tiles fix each row's reduction order, so this is what makes the GEMV batch invariant.
 
-    A program step loads BN x BK codes (4 KiB at 8 x 512, 32 bytes a thread, the next step's in flight
-    meanwhile); a 1-token launch over 8192 rows has 1024 programs.
-
-    Tuned on the H200 (session 6, --sweep at 1 token over 8192x2048, 2048x4096, 151936x2048): BN 8, BK 512,
-    4 warps was the fastest of nine tilings on all three (827-1232 GB/s against 585-805 for the first
-    guess); still 20-30% of copy bandwidth, below the float32 cuBLAS GEMV's time per weight."""
-    bn = min(8, _next_pow2(n_rows))
-    bk = min(512, _next_pow2(n_cols))
+    About a thousand programs or more for a 1-token launch (BN ~ N / 1024, 2 to 16 rows), each step loading
+    2-4 KiB of codes (BK = 4096 / BN columns, at most 1024). Swept on the H200 (session 7, bench_dense_q8
+    --sweep, 1 token): 8192x2048 at 8/512 9.0 us (47% of copy bandwidth), 2048x4096 at 2/1024 5.9 us
+    (36%), 151936x2048 at 16/256 103 us (77%); session 6's one-word-a-thread body took 19.2, 10.8 and 268."""
+    bn = min(16, max(2, 1 << max(0, (n_rows // 1024).bit_length() - 1)))
+    bk = max(32, min(1024, 4096 // bn, _next_pow2(n_cols)))
     return bn, bk, 4
 
 
-def _gemv_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
-    # X f32 [T, K], QW int32 [N, K/4] (the int8 codes, 4 a word), D f16 [N, KB], OUT f32 [T, N].
-    # One program: token t, rows BN, all of K in chunks of BK (G = BK/32 blocks). Register tiles are
-    # [BN, G, 8]: one 32-bit word (4 codes) per (row, block, word) - a thread holds one word of each
-    # of the BN rows, a warp-load reads 128 contiguous bytes of a row. The activations of byte i of
-    # every word, x_i [G, 8], then have the very layout of a row's words (no shared-memory shuffle,
-    # no barrier in the loop), and the block scales are loaded in that layout too (broadcast).
-    pid = tl.program_id(0)
-    t = pid % n_tok  # token fastest: a row block's programs are neighbours and share its bytes in L2
-    rows = (pid // n_tok) * BN + tl.arange(0, BN)  # [BN]
-    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # clamped: loads need no row mask; the store has one
-    g = tl.arange(0, BK // 32)  # [G] block within the chunk
-    # [G, 8] word index; "1 contiguous" keeps each thread at one word (not 16-byte vectors), which is
-    # what lets x_i and d share the words' layout
-    wcol = tl.max_contiguous((g * 8)[:, None] + tl.arange(0, 8)[None, :], [1, 1])
-    q_ptr = QW + rows_c[:, None, None] * (KB * 8) + wcol[None, :, :]  # [BN, G, 8]
-    d_ptr = D + rows_c[:, None, None] * KB + (wcol // 8)[None, :, :]  # [BN, G, 8]: d of the word's block
-    x_ptr = X + t.to(tl.int64) * K + wcol * 4  # [G, 8]: the word's element 0
-    live = g < KB  # blocks past K (a ragged last chunk) load zeros
-    q = tl.load(q_ptr, mask=live[None, :, None], other=0)
-    d = tl.load(d_ptr, mask=live[None, :, None], other=0.0)
-    acc = tl.zeros((BN, BK // 32, 8), tl.float32)  # per-word partial sums, reduced once at the end
-    for k0 in range(0, K, BK):
-        # the next chunk's words and scales are in flight while this one is multiplied
-        nxt = (k0 + BK) // 32 + g < KB
-        q_n = tl.load(q_ptr + (k0 + BK) // 4, mask=nxt[None, :, None], other=0)
-        d_n = tl.load(d_ptr + (k0 + BK) // 32, mask=nxt[None, :, None], other=0.0)
-        cur = (k0 // 32 + g < KB)[:, None]
-        x0 = tl.load(x_ptr + k0, mask=cur, other=0.0)[None, :, :]  # [1, G, 8]
-        x1 = tl.load(x_ptr + k0 + 1, mask=cur, other=0.0)[None, :, :]
-        x2 = tl.load(x_ptr + k0 + 2, mask=cur, other=0.0)[None, :, :]
-        x3 = tl.load(x_ptr + k0 + 3, mask=cur, other=0.0)[None, :, :]
-        # byte i of a word (little-endian: element 4w + i), sign-extended by a shift pair; exact in f32
-        s = ((q << 24) >> 24).to(tl.float32) * x0
-        s += ((q << 16) >> 24).to(tl.float32) * x1
-        s += ((q << 8) >> 24).to(tl.float32) * x2
-        s += (q >> 24).to(tl.float32) * x3
-        acc += s * d.to(tl.float32)
-        q = q_n
-        d = d_n
-    tl.store(OUT + t.to(tl.int64) * N + rows, tl.sum(tl.sum(acc, axis=2), axis=1), mask=rows < N)
-
-
-def _gemv_wide_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
-    # The same contract as _gemv_body, other loads: codes as int8 tiles [BN, G, 32] (G = BK/32 blocks),
-    # 16 contiguous codes a thread (one 16-byte load), the activations [G, 32] broadcast over rows and the
-    # scales [BN, G]. A block's 32 products are summed, scaled, and accumulated per block position; the
-    # G positions are summed once at the end.
+def _gemv_body(X, QS, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexpr):
+    # X f32 [T, K], QS int8 [N, K], D f16 [N, KB], OUT f32 [T, N]. One program: token t, rows BN, all of K
+    # in chunks of BK (G = BK/32 blocks). The codes load as int8 tiles [BN, G, 32], 16 contiguous codes a
+    # thread (one 16-byte load: 2x the bandwidth of session 6's one word a thread), the activations [G, 32]
+    # broadcast over the rows, the scales [BN, G]. A block's 32 products are summed, scaled and accumulated
+    # per block position; the G positions are summed once at the end. The token is the fastest grid axis:
+    # the programs of one row block run side by side and read the same weight bytes, from L2 after the first.
     pid = tl.program_id(0)
     t = pid % n_tok
     rows = (pid // n_tok) * BN + tl.arange(0, BN)  # [BN]
@@ -235,7 +192,7 @@ def _gemv_wide_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.con
     g = tl.arange(0, BK // 32)  # [G]
     e = tl.arange(0, 32)  # [32]
     col = g[:, None] * 32 + e[None, :]  # [G, 32]
-    q_ptr = QW + rows_c[:, None, None] * K + tl.max_contiguous(tl.multiple_of(col, [32, 16]), [1, 16])[None]
+    q_ptr = QS + rows_c[:, None, None] * K + tl.max_contiguous(tl.multiple_of(col, [32, 16]), [1, 16])[None]
     d_ptr = D + rows_c[:, None] * KB + g[None, :]  # [BN, G]
     x_ptr = X + t.to(tl.int64) * K + col  # [G, 32]
     acc = tl.zeros((BN, BK // 32), tl.float32)
@@ -249,24 +206,23 @@ def _gemv_wide_body(X, QW, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.con
 
 
 @functools.cache
-def _kernel(wide: bool = False):
+def _kernel():
     global tl
     import triton
     import triton.language
 
     tl = triton.language
     # n_tok unspecialized: T = 1 and T = 16 run the very same binary (batch invariance)
-    return triton.jit(_gemv_wide_body if wide else _gemv_body, do_not_specialize=["n_tok"])
+    return triton.jit(_gemv_body, do_not_specialize=["n_tok"])
 
 
 def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
-            tiles: tuple[int, int, int] | None = None, wide: bool = False) -> Tensor:
+            tiles: tuple[int, int, int] | None = None) -> Tensor:
     """The Triton GEMV: x2 float32 [T, K] (contiguous) -> out float32 [T, N], every element written.
 
     Any T works (q8_linear sends T <= GEMV_MAX_TOKENS); runs where Triton runs (CUDA, or the CPU under
     TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
-    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles and `wide` picks
-    the 16-byte-load body (benchmarks)."""
+    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles (benchmarks)."""
     _check(x2, w)
     n, k = w.shape
     if x2.dim() != 2 or not x2.is_contiguous():
@@ -281,7 +237,6 @@ def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
         return out
     bn, bk, warps = tiles or gemv_tiles(n, k)
     grid = (n_tok * -(-n // bn),)
-    qw = w.qs if wide else w.qs.view(torch.int32)
-    _kernel(wide)[grid](x2, qw, w.d, out, n_tok, n, k, k // QK, BN=bn, BK=bk, num_warps=warps,
+    _kernel()[grid](x2, w.qs, w.d, out, n_tok, n, k, k // QK, BN=bn, BK=bk, num_warps=warps,
                     enable_fp_fusion=True)  # explicit: Triton 3.10 turns the default off
     return out

@@ -82,35 +82,55 @@ def combine_reference(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tens
     return h_mid + (routed if shared is None else routed + shared)
 
 
-def _combine_body(H, ROWS, WTS, SHARED, OUT, E, K, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
-    # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]. Program (token, column block).
+def gather_rows(rows: Tensor, cpu_rows: Tensor, hit: Tensor, inv: Tensor) -> Tensor:
+    """Each entry's row from the tier that computed it: rows [N, K, E] where hit [N, K] != 0, else
+    cpu_rows[inv] (cpu_rows [M, E], inv [N, K] int32): the decode tiers' form (torch ops, exact copies)."""
+    picked = cpu_rows.index_select(0, inv.reshape(-1)).view(rows.shape)
+    return torch.where(hit[..., None] != 0, rows, picked)
+
+
+def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K, HAS_SHARED: tl.constexpr,
+                  GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]; with GATHER, entry (t, k) reads
+    # CPU f32 [M, E] row INV[t, k] where HIT[t, k] == 0 (int32 [N, K]). Program (token, column block).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < E
-    w0 = tl.load(WTS + t * K)
-    acc = tl.load(ROWS + t * K * E + cols, mask=live, other=0.0) * w0
-    for k in range(1, K):
-        wk = tl.load(WTS + t * K + k)
-        acc = acc + tl.load(ROWS + (t * K + k) * E + cols, mask=live, other=0.0) * wk
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for k in range(0, K):
+        src = ROWS + (t * K + k) * E
+        if GATHER:
+            cpu_row = CPU + tl.load(INV + t * K + k).to(tl.int64) * E
+            src = tl.where(tl.load(HIT + t * K + k) != 0, src, cpu_row)
+        prod = tl.load(src + cols, mask=live, other=0.0) * tl.load(WTS + t * K + k)
+        acc = tl.where(k == 0, prod, acc + prod)  # rows[0] * w[0], then + rows[k] * w[k]: torch's roundings
     if HAS_SHARED:
         acc = acc + tl.load(SHARED + t * E + cols, mask=live, other=0.0)
     h = tl.load(H + t * E + cols, mask=live, other=0.0)
     tl.store(OUT + t * E + cols, h + acc, mask=live)
 
 
-def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None) -> Tensor:
-    """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable."""
+def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None,
+                  gather: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable.
+    gather = (cpu_rows, hit, inv): the rows are gather_rows(rows, *gather), read in place."""
     n, k, e = rows.shape
     if h_mid.shape != (n, e) or weights.shape != (n, k) or (shared is not None and shared.shape != (n, e)):
         raise ValueError(f"combine_fused: h_mid {list(h_mid.shape)}, rows {list(rows.shape)}, weights "
                          f"{list(weights.shape)}, shared {None if shared is None else list(shared.shape)}")
     h_mid, rows, weights = h_mid.contiguous(), rows.contiguous(), weights.contiguous()
+    cpu, hit, inv = gather if gather is not None else (rows, weights, weights)  # unread without GATHER
+    if gather is not None and (hit.shape != (n, k) or inv.shape != (n, k) or cpu.shape[-1] != e):
+        raise ValueError(f"combine_fused: gather hit {list(hit.shape)}, inv {list(inv.shape)}, cpu rows "
+                         f"{list(cpu.shape)} for rows {list(rows.shape)}")
     out = torch.empty_like(h_mid)
     if n:
         block = 1024
         sh = shared.contiguous() if shared is not None else h_mid  # unread without HAS_SHARED
-        _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, out, e, k, HAS_SHARED=shared is not None,
-                                           BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, cpu.contiguous(), hit.contiguous(),
+                                           inv.contiguous(), out, e, k, HAS_SHARED=shared is not None,
+                                           GATHER=gather is not None, BLOCK=block, num_warps=4,
+                                           enable_fp_fusion=False)
     return out
 
 

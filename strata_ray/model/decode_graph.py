@@ -119,10 +119,12 @@ class DecodeGraphs:
         prev = self.layers[layer - 1]
         routed = prev.routed
         if self.rows is not None:  # [K, E] rows of the previous layer -> [1, E], in k order
-            rows = self.rows.rows().view(1, self.hp.n_expert_used, -1)
-            if self.device.type == "cuda":  # one launch instead of 2K + 1, the very same bits
-                return combine_fused(prev.h_mid, rows, prev.weights, prev.shared)
-            routed = combine_rows(rows, prev.weights)
+            K = self.hp.n_expert_used
+            if self.device.type == "cuda":  # one launch instead of ~2K + 4 (gather, combine), the same bits
+                gpu, cpu, hit, inv = self.rows.parts()
+                return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared,
+                                     gather=(cpu, hit.view(1, K), inv.view(1, K)))
+            routed = combine_rows(self.rows.rows().view(1, K, -1), prev.weights)
         moe = routed if prev.shared is None else routed + prev.shared
         return prev.h_mid + moe
 

@@ -63,7 +63,9 @@ interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRE
 @interpret
 def test_interpreted_matches_reference():
     pytest.importorskip("triton")
-    _cases("cpu", 4, 2, 32, [(1, 1), (1, 33), (3, 222), (2, SPLIT + 1), (5, 2 * SPLIT + 40)])
+    # up to 18 splits: the combine's second chunk of 16
+    shapes = [(1, 1), (1, 33), (3, 222), (2, SPLIT + 1), (5, 2 * SPLIT + 40), (2, 17 * SPLIT + 9)]
+    _cases("cpu", 4, 2, 32, shapes)
 
 
 @pytest.mark.gpu

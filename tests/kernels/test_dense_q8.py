@@ -177,8 +177,10 @@ def test_tiles_depend_on_the_shape_only():
     for n, k in [(1, 32), (33, 96), (2048, 4096), (8192, 2048), (151936, 2048), (5000, 2880)]:
         bn, bk, warps = gemv_tiles(n, k)
         assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and 32 <= bk <= 1024 and warps >= 1
-        assert bn <= max(1, 1 << (n - 1).bit_length()) and bk <= max(32, 1 << (k - 1).bit_length())
-    assert gemv_tiles(8192, 2048) == (8, 512, 4) and gemv_tiles(151936, 2048) == (8, 512, 4)
+        assert 2 <= bn <= 16 and bk <= max(32, 1 << (k - 1).bit_length())
+    # the sweep's winners on the H200 (session 7)
+    assert gemv_tiles(8192, 2048) == (8, 512, 4) and gemv_tiles(151936, 2048) == (16, 256, 4)
+    assert gemv_tiles(2048, 4096) == (2, 1024, 4)
 
 
 def test_module_imports_and_runs_on_cpu_without_triton():
@@ -224,7 +226,7 @@ def test_interpreted_gemv_other_tiles():
     _need_triton()
     w, _ = _weight(70, 2048)
     x = torch.from_numpy(np.random.default_rng(9).standard_normal((2, 2048)).astype(np.float32))
-    for tiles in [(1, 32, 4), (2, 256, 1), (8, 1024, 8), (16, 512, 4), (32, 128, 2)]:
+    for tiles in [(1, 32, 4), (2, 256, 1), (8, 1024, 8), (16, 512, 4), (32, 128, 2), (16, 256, 4)]:
         _assert_close_to_exact(q8_gemv(x, w, tiles=tiles), x, w)
 
 
@@ -342,14 +344,3 @@ def test_gpu_gemv_replays_in_a_cuda_graph():
     assert np.array_equal(_bits(y), _bits(q8_linear(x, w)))
     assert not torch.equal(y, eager)
 
-
-@interpret
-@pytest.mark.parametrize("tiles", [(1, 1024, 2), (4, 512, 4), (8, 1024, 8), (16, 256, 4)])
-def test_interpreted_wide_gemv_matches_exact(tiles):
-    """The 16-byte-load body: ragged chunks (1280 columns), clamped row blocks (33 rows), token rows."""
-    _need_triton()
-    w, _ = _weight(33, 1280)
-    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 1280)).astype(np.float32))
-    got = q8_gemv(x, w, out=torch.full((3, 33), float("nan")), tiles=tiles, wide=True)
-    _assert_close_to_exact(got, x, w)
-    assert np.array_equal(_bits(q8_gemv(x[1:2], w, tiles=tiles, wide=True)), _bits(got[1:2]))

@@ -22,6 +22,7 @@ from strata_ray.kernels.fused_small import (  # noqa: E402
     combine_fused,
     combine_reference,
     fused_enabled,
+    gather_rows,
     rms_norm_fused,
 )
 from strata_ray.model import ops  # noqa: E402
@@ -44,6 +45,27 @@ def test_combine_reference_is_the_decode_formula(shared):
     h, rows, w, sh = _combine_inputs(3, 10, 64, shared)
     moe = combine_rows(rows, w) if sh is None else combine_rows(rows, w) + sh
     assert torch.equal(combine_reference(h, rows, w, sh), h + moe)
+
+
+def _gather_inputs(n, k, e, device="cpu", seed=0):
+    """Tier parts: GPU rows [n, k, e], CPU rows [m, e], hit / inv int32 [n, k] (misses numbered in order)."""
+    g = torch.Generator().manual_seed(seed)
+    hit = (torch.rand(n, k, generator=g) < 0.5).to(torch.int32)
+    m = int((hit == 0).sum())
+    inv = torch.zeros(n, k, dtype=torch.int32)
+    inv[hit == 0] = torch.arange(m, dtype=torch.int32)
+    cpu = torch.randn(max(m, 1), e, generator=g)
+    return cpu.to(device), hit.to(device), inv.to(device)
+
+
+def test_gather_rows_is_the_tiers_where():
+    rows = torch.randn(2, 6, 40)
+    cpu, hit, inv = _gather_inputs(2, 6, 40)
+    got = gather_rows(rows, cpu, hit, inv)
+    for t in range(2):
+        for k in range(6):
+            want = rows[t, k] if hit[t, k] else cpu[inv[t, k]]
+            assert torch.equal(got[t, k], want)
 
 
 def test_fused_enabled_policy(monkeypatch):
@@ -76,6 +98,10 @@ def _combine_cases(device):
     for n, k, e, shared in cases:
         args = _combine_inputs(n, k, e, shared, device, seed=n * k)
         assert torch.equal(combine_fused(*args), combine_reference(*args)), (n, k, e, shared)
+        h, rows, w, sh = args  # the tiers' form: rows gathered from two tiers in the kernel
+        gather = _gather_inputs(n, k, e, device, seed=n + k)
+        want = combine_reference(h, gather_rows(rows, *gather), w, sh)
+        assert torch.equal(combine_fused(h, rows, w, sh, gather=gather), want), (n, k, e, shared)
 
 
 interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
