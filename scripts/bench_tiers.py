@@ -174,6 +174,9 @@ def main() -> None:
     ap.add_argument("--fused-decode", choices=["0", "1"], default=None,
                     help="1: fused Triton kernels in decode on CUDA (GDN core, norms, combine, attention); "
                     "0: the torch ops (default: STRATA_FUSED_DECODE, 1)")
+    ap.add_argument("--gather-copy", choices=["0", "1"], default=None,
+                    help="1: the prompt path's pinned expert copies as one gather kernel a batch; 0: three "
+                    "copies an expert (default: STRATA_GATHER_COPY, 1)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -181,6 +184,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
         os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
+    if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)
+        os.environ["STRATA_GATHER_COPY"] = args.gather_copy
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
     if not os.path.exists(path):
@@ -264,6 +269,7 @@ def main() -> None:
         "decode_pipeline": cfg.decode_pipeline,
         "dense_q8": cfg.dense_q8,
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
+        "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
         "layers": hp.n_layer,
         "card_gib": args.card_gib,

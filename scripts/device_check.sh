@@ -21,6 +21,7 @@
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
+#     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
 #     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
@@ -128,6 +129,11 @@ done
 # decode at 8K with the fused decode kernels off, then on (STRATA_FUSED_DECODE; GDN core, norms, combine, attention)
 for fd in ${FUSED_MODES:-0 1}; do
     step fused 100 env GOMP_SPINCOUNT=300000 "${decode[@]}" --fused-decode "$fd" --json-out "$work/fused-$fd.json"
+done
+# prefill at 1K and 8K with the pinned expert copies as per-part copies, then as one gather kernel a batch
+for gc in ${GATHER_MODES:-0 1}; do
+    step gather 120 python scripts/bench_tiers.py --model "$M80" --depths 1024,8192 --decode 8 --chunk 4096 \
+        --gather-copy "$gc" --json-out "$work/gather-$gc.json"
 done
 # the dense Q8_0 GEMV against copy bandwidth: today's tiles, then both bodies' sweeps at 1 token
 step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 --sweep

@@ -160,6 +160,21 @@ class HostStore:
         lay = self.layers[b]  # views of the block
         return tuple(torch.from_numpy(a[e].reshape(-1)) for a in (lay.gate, lay.up, lay.down))
 
+    def pinned_addresses(self, b: int) -> tuple[tuple[int, int, int], ...] | None:
+        """Layer b's gate, up, down in page-locked memory as (address of expert 0, bytes from one expert to
+        the next, bytes of one expert's part), or None when the layer is not pinned: what a device kernel
+        needs to read any expert's parts straight (kernels/gather_copy)."""
+        block = self._blocks.get(b)
+        if block is None or not block.registered:
+            return None
+        lay = self.layers[b]
+        out = []
+        for a in (lay.gate, lay.up, lay.down):  # [X, rows, RB]; each expert's rows contiguous
+            if a.strides[1:] != (a.shape[2], 1):
+                return None
+            out.append((a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]))
+        return tuple(out)
+
     def blob_bytes(self, b: int, e: int) -> bytes:
         """The pair's blob (gate | up | down), for byte-for-byte checks."""
         return b"".join(p.tobytes() for p in self.blob_parts(b, e))

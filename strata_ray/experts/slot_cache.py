@@ -15,6 +15,7 @@ boundary, after the event (`land_swaps`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -193,7 +194,7 @@ class SlotCache:
         group's buffers are filled by FILL_THREADS threads at once (numpy copies release the GIL) while
         the previous group's host-to-device copies run, so the host side is not one memcpy at a time."""
         if self.is_cuda:
-            items = [it for it in items if not self._copy_pinned(*it)]
+            items = self._copy_pinned_many(items)
         if not self.staged:
             for layer, expert, slot in items:
                 self.copy_blob(layer, expert, slot)
@@ -210,6 +211,29 @@ class SlotCache:
                 sizes = list(self._fillers.map(self._fill, bufs, [p[0] for p in part], [p[1] for p in part]))
             for i, n, (_, _, slot) in zip(bufs, sizes, part, strict=True):
                 self._issue(i, n, slot)
+
+    def _copy_pinned_many(self, items: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Copy the pairs of pinned layers on the current stream; return the others. All in one gather
+        launch (kernels/gather_copy: the device reads the page-locked store itself) unless
+        STRATA_GATHER_COPY=0, then three copies a pair."""
+        if os.environ.get("STRATA_GATHER_COPY", "1") == "0":
+            return [it for it in items if not self._copy_pinned(*it)]
+        from strata_ray.kernels.gather_copy import gather_copy
+
+        desc, rest = [], []
+        base = self.storage.data_ptr()
+        for layer, expert, slot in items:
+            parts = self.store.pinned_addresses(layer)
+            if parts is None or self.blob % 4 or any(v % 4 for part in parts for v in part):
+                if not self._copy_pinned(layer, expert, slot):  # the kernel moves aligned 32-bit words
+                    rest.append((layer, expert, slot))
+                continue
+            dst = base + slot * self.blob  # gate | up | down, as copy_blob writes them
+            for addr, stride, n in parts:
+                desc.append((addr + expert * stride, dst, n))
+                dst += n
+        gather_copy(np.array(desc, dtype=np.int64).reshape(-1, 3), self.device)
+        return rest
 
     def _copy_pinned(self, layer: int, expert: int, slot: int) -> bool:
         """Copy the pair from its page-locked layer on the current stream; False when it is not pinned."""

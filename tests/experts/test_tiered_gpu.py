@@ -53,10 +53,14 @@ def test_greedy_tokens_identical_across_cache_sizes_on_cuda(tiny_next_q4):
 
 
 @pytest.mark.parametrize("n_tok", [1, 5, 24])
-@pytest.mark.parametrize("copies", ["staged", "ring overlap", "pinned store", "pinned, overlap"])
-def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_tok, copies):
+@pytest.mark.parametrize("copies", ["staged", "ring overlap", "pinned store", "pinned, overlap",
+                                    "pinned, overlap, per-part copies"])
+def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_tok, copies, monkeypatch):
     """24 tokens stream the misses through the ring: from staging buffers on the compute stream, in two
-    halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store."""
+    halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store (one gather
+    kernel a batch, or with STRATA_GATHER_COPY=0 three copies a pair)."""
+    if "per-part" in copies:
+        monkeypatch.setenv("STRATA_GATHER_COPY", "0")
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=12,
                        ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else 0.0)
     _, gpu = load_tiered_model(cfg, "cuda", progress=False)

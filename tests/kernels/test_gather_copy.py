@@ -1,0 +1,82 @@
+"""Host-to-device copies of many parts in one launch (strata_ray/kernels/gather_copy.py).
+
+CPU tests run in CI; the kernel runs on the GPU (python -m pytest -m gpu tests/kernels/test_gather_copy.py)
+and under the Triton interpreter (opt-in, host memory to host memory):
+    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_gather_copy.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from strata_ray.kernels.gather_copy import (  # noqa: E402
+    BLOCK_WORDS,
+    CHUNK_BYTES,
+    _kernel,
+    check_descriptors,
+    gather_copy,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+# (source offset, destination offset, bytes): a part of 1 word, a ragged last step, several chunks
+PARTS = [(0, 64, 4), (4 * 1001, 8 * 1000, 3 * CHUNK_BYTES + 12), (CHUNK_BYTES, 0, 60)]
+
+
+def _src(n: int = 4 * CHUNK_BYTES) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, size=n, dtype=np.uint8)
+
+
+def _want(src: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros(size, np.uint8)
+    for s, d, n in PARTS:
+        out[d : d + n] = src[s : s + n]
+    return out
+
+
+def test_descriptor_checks():
+    with pytest.raises(ValueError, match=r"int64 \[n, 3\]"):
+        check_descriptors(np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        check_descriptors(np.array([[4, 8, 6]], np.int64))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        check_descriptors(np.array([[4, 8, 0]], np.int64))
+    check_descriptors(np.zeros((0, 3), np.int64))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
+def test_interpreted_copies_every_part():
+    pytest.importorskip("triton")
+    src = _src()
+    dst = np.zeros(4 * CHUNK_BYTES, np.uint8)
+    desc = np.array([(src.ctypes.data + s, dst.ctypes.data + d, n) for s, d, n in PARTS], np.int64)
+    chunks = -(-int(desc[:, 2].max()) // CHUNK_BYTES)
+    kernel = _kernel()  # the launch gather_copy makes, on host memory (the interpreter's "device")
+    kernel[(len(PARTS), chunks)](torch.from_numpy(desc), CHUNK_WORDS=CHUNK_BYTES // 4, BLOCK=BLOCK_WORDS)
+    assert np.array_equal(dst, _want(src, dst.size))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_copies_from_a_registered_block():
+    from strata_ray.experts.host_arena import HostBlock
+
+    src = _src()
+    block = HostBlock(src.size, register=True)
+    host = block.view(0, (src.size,))
+    host[:] = src
+    dst = torch.zeros(4 * CHUNK_BYTES, dtype=torch.uint8, device="cuda")
+    desc = np.array([(host.ctypes.data + s, dst.data_ptr() + d, n) for s, d, n in PARTS], np.int64)
+    gather_copy(desc, dst.device)
+    torch.cuda.synchronize()
+    assert np.array_equal(dst.cpu().numpy(), _want(src, dst.numel()))
+    del host
+    block.close()
