@@ -142,7 +142,8 @@ def test_the_session_5_h200_run_gives_the_documented_table(capsys):
 
 def test_the_session_6_and_7_h200_runs_give_the_documented_table(capsys):
     """docs/compare/h200-2026-11-29-s6 (the defaults) and -s6-f32 (STRATA_DENSE_Q8=0): session 6's flashbench
-    JSON (two repeats) against the same llama-bench JSON; h200-2026-11-30-s7: session 7's (fused decode)."""
+    JSON (two repeats) against the same llama-bench JSON; h200-2026-11-30-s7: session 7's (fused decode),
+    -s7-gather: the same with the prompt path's gather copies."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "docs"
@@ -153,8 +154,9 @@ def test_the_session_6_and_7_h200_runs_give_the_documented_table(capsys):
         ("s6-f32", "budget", "budget, dense f32", "| 1024 | 801.2 | 1542.4 | 0.52x | 34.8 | 54.1 | 0.64x |"),
         ("s7", "budget", "budget (24 GiB card)", "| 1024 | 708.0 | 1542.4 | 0.46x | 51.4 | 54.1 | 0.95x |"),
         ("s7", "cpu-experts", "cpu-experts", "| 8192 | 880.9 | 1726.5 | 0.51x | 35.3 | 35.4 | 1.00x |"),
+        ("s7-gather", "budget", "budget, gather copies", "| 1024 | 1095.8 | 1542.4 | 0.71x | 53.4 | 54.1 | 0.99x |"),
     ):
-        day = "30" if run == "s7" else "29"
+        day = "30" if run.startswith("s7") else "29"
         d = root / "compare" / f"h200-2026-11-{day}-{run}"
         llama = [str(d / f"llama-{setup}-prefill.json"), str(d / f"llama-{setup}-decode.json")]
         ours = str(d / f"ours-{setup}.json")
