@@ -154,7 +154,8 @@ def test_the_session_6_and_7_h200_runs_give_the_documented_table(capsys):
         ("s6-f32", "budget", "budget, dense f32", "| 1024 | 801.2 | 1542.4 | 0.52x | 34.8 | 54.1 | 0.64x |"),
         ("s7", "budget", "budget (24 GiB card)", "| 1024 | 708.0 | 1542.4 | 0.46x | 51.4 | 54.1 | 0.95x |"),
         ("s7", "cpu-experts", "cpu-experts", "| 8192 | 880.9 | 1726.5 | 0.51x | 35.3 | 35.4 | 1.00x |"),
-        ("s7-gather", "budget", "budget, gather copies", "| 1024 | 1095.8 | 1542.4 | 0.71x | 53.4 | 54.1 | 0.99x |"),
+        ("s7-gather", "budget", "budget, gather copies",
+         "| 1024 | 1095.8 | 1542.4 | 0.71x | 53.4 | 54.1 | 0.99x |"),
     ):
         day = "30" if run.startswith("s7") else "29"
         d = root / "compare" / f"h200-2026-11-{day}-{run}"

@@ -7,18 +7,12 @@ Triton interpreter (opt-in):
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import torch
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import torch  # noqa: E402
-
-from strata_ray.kernels.attention_decode import SPLIT, attention_decode  # noqa: E402
-from strata_ray.model import ops  # noqa: E402
+from strata_ray.kernels.attention_decode import SPLIT, attention_decode
+from strata_ray.model import ops
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -57,7 +51,6 @@ def test_bad_shapes():
         attention_decode(q, k, v, 3, 1.0)
 
 
-interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
 
 
 @interpret

@@ -1,8 +1,8 @@
 """Dense Q8_0 weights and their linear (strata_ray/kernels/dense_q8.py).
 
 CPU tests run in CI. GPU tests: python -m pytest -m gpu tests/kernels/test_dense_q8.py.
-Triton-interpreter tests (the GEMV's indexing, masks and sums on the CPU; opt-in, needs triton):
-    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_dense_q8.py
+Triton-interpreter tests (the GEMV's indexing, masks and sums on the CPU): on CPU machines with triton
+(tests/kernels/triton_interpret.py; STRATA_TRITON_INTERPRET=1 forces it).
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import quants as gguf_quants
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter  # noqa: E402
-from gguf import quants as gguf_quants  # noqa: E402
-
-from strata_ray.kernels.dense_q8 import (  # noqa: E402
+from strata_ray.kernels.dense_q8 import (
     GEMV_MAX_TOKENS,
     Q8Weight,
     gemv_tiles,
@@ -32,7 +28,7 @@ from strata_ray.kernels.dense_q8 import (  # noqa: E402
     q8_linear,
     q8_linear_reference,
 )
-from strata_ray.model import quants  # noqa: E402
+from strata_ray.model import quants
 
 Q8_0 = GGMLQuantizationType.Q8_0
 EPS32 = float(np.finfo(np.float32).eps)
@@ -198,7 +194,6 @@ def test_module_imports_and_runs_on_cpu_without_triton():
 
 # ---- the Triton GEMV under the CPU interpreter (opt-in) ----------------------------------------------------
 
-interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
 
 
 def _need_triton():

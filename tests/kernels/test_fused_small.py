@@ -1,23 +1,17 @@
 """RMSNorm and the MoE combine in one launch each (strata_ray/kernels/fused_small.py).
 
 CPU tests run in CI; the kernels run on the GPU (python -m pytest -m gpu tests/kernels/test_fused_small.py)
-and under the Triton interpreter (opt-in):
-    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_fused_small.py
+and under the Triton interpreter on CPU machines with triton (tests/kernels/triton_interpret.py;
+STRATA_TRITON_INTERPRET=1 forces it).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import torch
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import torch  # noqa: E402
-
-from strata_ray.kernels.fused_small import (  # noqa: E402
+from strata_ray.kernels.fused_small import (
     FUSED_MAX_TOKENS,
     combine_fused,
     combine_reference,
@@ -25,8 +19,8 @@ from strata_ray.kernels.fused_small import (  # noqa: E402
     gather_rows,
     rms_norm_fused,
 )
-from strata_ray.model import ops  # noqa: E402
-from strata_ray.model.moe import combine_rows  # noqa: E402
+from strata_ray.model import ops
+from strata_ray.model.moe import combine_rows
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -104,7 +98,6 @@ def _combine_cases(device):
         assert torch.equal(combine_fused(h, rows, w, sh, gather=gather), want), (n, k, e, shared)
 
 
-interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
 
 
 @interpret

@@ -1,24 +1,18 @@
 """Host-to-device copies of many parts in one launch (strata_ray/kernels/gather_copy.py).
 
 CPU tests run in CI; the kernel runs on the GPU (python -m pytest -m gpu tests/kernels/test_gather_copy.py)
-and under the Triton interpreter (opt-in, host memory to host memory):
-    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_gather_copy.py
+and under the Triton interpreter on CPU machines with triton (tests/kernels/triton_interpret.py;
+STRATA_TRITON_INTERPRET=1 forces it).
 """
 
 from __future__ import annotations
 
-import os
-
+import numpy as np
 import pytest
+import torch
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from strata_ray.kernels.gather_copy import (  # noqa: E402
+from strata_ray.kernels.gather_copy import (
     BLOCK_WORDS,
     CHUNK_BYTES,
     _kernel,
@@ -52,7 +46,7 @@ def test_descriptor_checks():
     check_descriptors(np.zeros((0, 3), np.int64))
 
 
-@pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
+@interpret
 def test_interpreted_copies_every_part():
     pytest.importorskip("triton")
     src = _src()

@@ -1,23 +1,17 @@
 """The fused GDN step (strata_ray/kernels/gdn_step.py) against its torch reference twin.
 
 CPU tests run in CI (the reference is the model's GDN core). The fused kernels run on the GPU
-(python -m pytest -m gpu tests/kernels/test_gdn_step.py) and under the Triton interpreter (opt-in):
-    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_gdn_step.py
+(python -m pytest -m gpu tests/kernels/test_gdn_step.py) and under the Triton interpreter on CPU machines
+with triton (tests/kernels/triton_interpret.py; STRATA_TRITON_INTERPRET=1 forces it).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import torch
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import torch  # noqa: E402
-
-from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference  # noqa: E402
+from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference
 
 HAS_CUDA = torch.cuda.is_available()
 SMALL = GDNDims(nk=2, nv=4, dk=32, dv=32)  # r = 2: two v-heads read each k-head
@@ -78,7 +72,6 @@ def _fused_cases(device: str, dims: GDNDims, sizes):
         assert torch.equal(S, got[1]) and torch.equal(conv, got[2]), T
 
 
-interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
 
 
 @interpret

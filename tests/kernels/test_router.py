@@ -1,24 +1,18 @@
 """The fused router (strata_ray/kernels/router.py) against moe.route's torch form.
 
 CPU tests run in CI; the kernels run on the GPU (python -m pytest -m gpu tests/kernels/test_router.py)
-and under the Triton interpreter (opt-in):
-    STRATA_TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_router.py
+and under the Triton interpreter on CPU machines with triton (tests/kernels/triton_interpret.py;
+STRATA_TRITON_INTERPRET=1 forces it).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
+import torch
+from triton_interpret import interpret
 
-INTERPRET = os.environ.get("STRATA_TRITON_INTERPRET") == "1"
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
-
-import torch  # noqa: E402
-
-from strata_ray.kernels.router import route_reference, route_topk, router_logits  # noqa: E402
-from strata_ray.model.moe import route  # noqa: E402
+from strata_ray.kernels.router import route_reference, route_topk, router_logits
+from strata_ray.model.moe import route
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -49,7 +43,6 @@ def _cases(device, shapes):
     assert route_topk(flat, 3)[0].tolist() == [[0, 1, 2]]
 
 
-interpret = pytest.mark.skipif(not INTERPRET, reason="set STRATA_TRITON_INTERPRET=1 (needs triton)")
 
 
 @interpret

@@ -1,0 +1,32 @@
+"""Whether this test run executes the Triton kernels under Triton's CPU interpreter. Import it before triton.
+
+STRATA_TRITON_INTERPRET=1: yes, every interpreter test (the expert kernels' slow ones too, minutes);
+=0: no. Unset: yes on a machine with triton and without a CUDA device (CI installs triton for this), so the
+fused kernels' indexing, masks and sums are checked on every CPU run; a CUDA machine runs the same
+kernels compiled instead (-m gpu). The kernels here are jitted on first call, so setting TRITON_INTERPRET
+now is early enough even when triton was imported before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+
+def _interpret() -> bool:
+    flag = os.environ.get("STRATA_TRITON_INTERPRET")
+    if flag is not None:
+        return flag == "1"
+    return importlib.util.find_spec("triton") is not None and not torch.cuda.is_available()
+
+
+INTERPRET = _interpret()
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+interpret = pytest.mark.skipif(
+    not INTERPRET, reason="Triton interpreter: needs triton and no CUDA device, or STRATA_TRITON_INTERPRET=1"
+)
