@@ -7,6 +7,12 @@ host makes today (Python driver, the pool's parallel call). Layers of random Q4_
 shapes (E 2048, n_ff 512), top-10 with `--misses` entries a layer on the CPU.
 
     PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 8] [--misses 6] [--tokens 10]
+        [--experts 24] [--fresh]
+
+By default every token routes to the same experts, and 8 layers of 24 experts (340 MB) are reused for all
+48: on a host with a large L3 (the H200 machine's 300 MiB) much of that is served from cache, so the rate
+is above what the engine sees. --fresh draws new routing every token and layer, and with --layers 48
+--experts 64 (5.4 GB) the experts come from DRAM as in the engine.
 
 The thread playing the device spins on a core of its own: give the pool at most the other cores (on the
 2-core VM, --threads 1), or the pool's threads and the spinner share cores and both numbers mean little.
@@ -37,20 +43,35 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
     ap.add_argument("--misses", type=int, default=6, help="entries a layer computed on the CPU")
     ap.add_argument("--tokens", type=int, default=10)
+    ap.add_argument("--fresh", action="store_true", help="new routing every token (else the same experts)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     distinct = [random_layer(rng, args.experts, E, N_FF, (Q4_0, Q4_0, Q4_0), from_floats=False)
                 for _ in range(args.layers)]
     layers = [distinct[i % len(distinct)] for i in range(48)]
     res = np.full(48 * args.experts, -1, np.int32)
-    ids = np.stack([rng.choice(args.experts, K, replace=False) for _ in layers])  # [48, K]
-    for layer in range(48):  # the first K - misses entries resident
-        res[layer * args.experts + ids[layer, : K - args.misses]] = 0
+    n_routes = args.tokens if args.fresh else 1
+    routes = [np.stack([rng.choice(args.experts, K, replace=False) for _ in layers]) for _ in range(n_routes)]
+
+    def route(token: int) -> np.ndarray:
+        """Token's ids [48, K], its first K - misses entries marked resident in `res` (between tokens:
+        the worker reads the table only during its call)."""
+        ids = routes[token % n_routes]
+        res[:] = -1
+        for layer in range(48):
+            res[layer * args.experts + ids[layer, : K - args.misses]] = 0
+        return ids
+
     xs = rng.standard_normal((48, 1, E)).astype(np.float32)
+    blob_mb = 3 * E * N_FF // 32 * 18 / 1e6
+    held = args.layers * args.experts * blob_mb
+    print(f"experts: {args.layers} distinct layers x {args.experts} ({held:.0f} MB), "
+          f"{'new' if args.fresh else 'the same'} routing every token")
 
     pool = CpuPool(args.threads)
     direct = []
-    for _ in range(args.tokens):
+    for token in range(args.tokens):
+        ids = route(token)
         for layer, lay in enumerate(layers):
             miss = ids[layer, K - args.misses :]
             t = time.perf_counter()
@@ -63,7 +84,8 @@ def main() -> None:
         b = worker.buf
         waits[team] = []
         base = 1
-        for _ in range(args.tokens):
+        for token in range(args.tokens):
+            ids = route(token)
             b["routed"][0] = b["rows_flag"][0] = base - 1
             thread = threading.Thread(target=worker.run, args=(base,))
             thread.start()
@@ -80,7 +102,7 @@ def main() -> None:
             base += 48
     skip = 48  # the first token of each: warm-up
     d = np.median(direct[skip:]) * 1e3
-    mb = args.misses * 3 * E * N_FF // 32 * 18 / 1e6
+    mb = args.misses * blob_mb
     print(f"{args.threads} threads, {args.misses} CPU entries a layer ({mb:.1f} MB of experts):")
     print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
     labels = {False: "token worker, two regions a layer:", True: "token worker, one team a token:   "}
