@@ -28,6 +28,7 @@ import torch
 from strata_ray.config import EngineConfig
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.experts.build import build_expert_backend
+from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
@@ -103,19 +104,38 @@ def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) 
     return _profiled(f"decode of {n_tokens} tokens", steps, row_limit=25, trace_out=trace_out)
 
 
+def _layer_times(clock: LayerClock, depth: int) -> dict:
+    """Print and return the prefill's per-layer split (LayerClock): experts, dense part, host in the call."""
+    s = clock.summary()
+    calls = s.pop("calls")
+    kind = "device" if clock.cuda else "host"
+    print(f"depth {depth}: prefill layer times over {len(calls)} expert calls (ms a call, {kind} clock): "
+          f"experts {s['experts_ms_mean']:.2f}, dense before them {s['dense_ms_mean']:.2f}, host inside the "
+          f"call {s['host_ms_mean']:.2f}", flush=True)
+    for c in sorted(calls, key=lambda c: -c["experts"])[:3]:
+        print(f"  slowest: layer {c['layer']} experts {c['experts']:.2f} ms, host {c['host']:.2f} ms",
+              flush=True)
+    return {f"prefill_{k}": round(v, 3) for k, v in s.items()}
+
+
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
-              trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None) -> dict:
+              trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None,
+              layer_times: bool = False) -> dict:
     model = loaded.model
     rng = np.random.default_rng(depth)
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
     tiers.metrics.counts = type(tiers.metrics.counts)()
+    clock = LayerClock(tiers.device) if layer_times else None
     with torch.inference_mode():
         state = model.new_state()
+        tiers.clock = clock
         t0 = time.perf_counter()
         logits = _prefill(model, prompt, state, chunk, trace_prefill)
         sync()
         prefill_s = time.perf_counter() - t0
+        tiers.clock = None
         print(f"depth {depth}: prefill {prefill_s:.1f} s", flush=True)
+        split = _layer_times(clock, depth) if clock is not None else {}
         tok = int(logits[-1].argmax())
         for _ in range(3):  # warm-up steps (kernel autotune, CPU pool threads)
             tok = int(model.forward([tok], state)[-1].argmax())
@@ -138,7 +158,8 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
             tiers.metrics.counts = timed
     tiers.finish()
     s = tiers.metrics.summary()
-    return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s}
+    return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s,
+            **split}
 
 
 def main() -> None:
@@ -177,6 +198,8 @@ def main() -> None:
     ap.add_argument("--gather-copy", choices=["0", "1"], default=None,
                     help="1: the prompt path's pinned expert copies as one gather kernel a batch; 0: three "
                     "copies an expert (default: STRATA_GATHER_COPY, 1)")
+    ap.add_argument("--layer-times", action="store_true",
+                    help="time each layer's expert call and the dense part before it during prefill (events)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
@@ -249,7 +272,8 @@ def main() -> None:
         first = not results
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
                       trace_prefill=args.trace_prefill == depth,
-                      trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out)
+                      trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out,
+                      layer_times=args.layer_times)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

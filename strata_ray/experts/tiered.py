@@ -28,6 +28,7 @@ from torch.profiler import record_function
 
 from strata_ray.experts.adaptive import AdaptiveTier, Swap
 from strata_ray.experts.host_store import HostStore
+from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.metrics import TierMetrics
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
@@ -148,6 +149,7 @@ class TieredExperts:
         # with decode_cpu_thread, else the caller's.
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host <-> device copies (CUDA)
+        self.clock: LayerClock | None = None  # set to time each expert call (bench_tiers --layer-times)
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
         """Let the coordinator actor decide the adaptive rounds (when this cache has rounds at all)."""
@@ -162,10 +164,17 @@ class TieredExperts:
 
     # -- the ExpertBackend -----------------------------------------------------------------------------
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        clock = self.clock
+        if clock is not None:
+            clock.start(layer)
         if not torch.autograd._profiler_enabled():  # record_function costs ~10 us a call even when idle
-            return self._experts(layer, x, ids, weights)
-        with record_function("strata::experts"):  # named in torch.profiler traces (bench_tiers)
-            return self._experts(layer, x, ids, weights)
+            out = self._experts(layer, x, ids, weights)
+        else:
+            with record_function("strata::experts"):  # named in torch.profiler traces (bench_tiers)
+                out = self._experts(layer, x, ids, weights)
+        if clock is not None:
+            clock.end(layer)
+        return out
 
     def _experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n_tok, k = ids.shape
