@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import combine_fused
+from strata_ray.kernels.fused_small import combine_fused, fused_enabled
 from strata_ray.model import ops
 from strata_ray.model.attention import attention_inputs, attention_output
 from strata_ray.model.gdn import gdn_block
@@ -120,7 +120,7 @@ class DecodeGraphs:
         routed = prev.routed
         if self.rows is not None:  # [K, E] rows of the previous layer -> [1, E], in k order
             K = self.hp.n_expert_used
-            if self.device.type == "cuda":  # one launch instead of ~2K + 4 (gather, combine), the same bits
+            if fused_enabled(prev.h_mid, 1):  # one launch instead of ~2K + 4 (gather, combine), the same bits
                 gpu, cpu, hit, inv = self.rows.parts()
                 return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared,
                                      gather=(cpu, hit.view(1, K), inv.view(1, K)))
