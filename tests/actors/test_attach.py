@@ -78,8 +78,8 @@ def test_attaches_and_places_named_actors(cluster):
     assert strata_actors(address) == {}  # not kept: removed at the end of the run
 
 
-def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
-    address, model = cluster
+def _interrupt_while_generating(address: str, model: str) -> tuple[int, str]:
+    """Start a long generation, SIGINT it right after its first streamed text; (exit code, stderr)."""
     p = subprocess.Popen(
         [sys.executable, "-m", "strata_ray.run", "--model", model, "--prompt", "x", "--max-tokens", "100000",
          "--temperature", "1", "--seed", "1"],
@@ -92,7 +92,18 @@ def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
     assert ready and p.stdout.read(1) != "", p.stderr.read() if p.poll() is not None else "no output"
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 130 and err.splitlines()[-1] == "strata_ray: interrupted", err
+    return p.returncode, err
+
+
+def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
+    address, model = cluster
+    # A run that finished its ~1 s generation before the signal landed (a loaded CI host: CI saw it once)
+    # shows nothing about Ctrl-C: try again, at most three times in all.
+    for _ in range(3):
+        code, err = _interrupt_while_generating(address, model)
+        if not (code == 0 and "generated:" in err):
+            break
+    assert code == 130 and err.splitlines()[-1] == "strata_ray: interrupted", err
     assert strata_actors(address) == {}
     r = run_cli(address, "--model", model, "--prompt", "x", "--max-tokens", "2")  # the cluster still runs
     assert r.returncode == 0, r.stderr

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpret import interpret
 
 from strata_ray.kernels.attention_decode import SPLIT, attention_decode
 from strata_ray.model import ops
+from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
-from triton_interpret import interpret
 
 from strata_ray.kernels.dense_q8 import (
     GEMV_MAX_TOKENS,
@@ -29,6 +28,7 @@ from strata_ray.kernels.dense_q8 import (
     q8_linear_reference,
 )
 from strata_ray.model import quants
+from tests.kernels.triton_interpret import interpret
 
 Q8_0 = GGMLQuantizationType.Q8_0
 EPS32 = float(np.finfo(np.float32).eps)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpret import interpret
 
 from strata_ray.kernels.fused_small import (
     FUSED_MAX_TOKENS,
@@ -21,6 +20,7 @@ from strata_ray.kernels.fused_small import (
 )
 from strata_ray.model import ops
 from strata_ray.model.moe import combine_rows
+from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_interpret import interpret
 
 from strata_ray.kernels.gather_copy import (
     BLOCK_WORDS,
@@ -19,6 +18,7 @@ from strata_ray.kernels.gather_copy import (
     check_descriptors,
     gather_copy,
 )
+from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 # (source offset, destination offset, bytes): a part of 1 word, a ragged last step, several chunks

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpret import interpret
 
 from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference
+from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 SMALL = GDNDims(nk=2, nv=4, dk=32, dv=32)  # r = 2: two v-heads read each k-head

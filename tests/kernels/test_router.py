@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interpret import interpret
 
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model.moe import route
+from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -1,10 +1,14 @@
-"""Whether this test run executes the Triton kernels under Triton's CPU interpreter. Import it before triton.
+"""Whether this test run executes the Triton kernels under Triton's CPU interpreter.
 
 STRATA_TRITON_INTERPRET=1: yes, every interpreter test (the expert kernels' slow ones too, minutes);
 =0: no. Unset: yes on a machine with triton and without a CUDA device (CI installs triton for this), so the
 fused kernels' indexing, masks and sums are checked on every CPU run; a CUDA machine runs the same
-kernels compiled instead (-m gpu). The kernels here are jitted on first call, so setting TRITON_INTERPRET
-now is early enough even when triton was imported before.
+kernels compiled instead (-m gpu).
+
+TRITON_INTERPRET must be set before triton is first imported anywhere in the process: triton's own
+library functions (tl.sum, tl.max, ...) are jitted at its import, and jitted for the compiler they fail
+inside an interpreted kernel ("Cannot call @triton.jit'd outside of the scope of a kernel"; CI hit it when
+another test module imported triton first). tests/conftest.py imports this module before any test module.
 """
 
 from __future__ import annotations
