@@ -24,6 +24,8 @@ import functools
 import torch
 from torch import Tensor
 
+from .tile_plan import next_pow2
+
 # keys a partial program covers; fixed, because it decides the bits. 256 gave 64 programs at 8K keys
 # (2 kv heads), 90 us a call on the H200 (latency-bound, 360 GB/s); 64 gives 256 programs
 SPLIT = 64
@@ -122,7 +124,7 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     S, Hkv, _ = k.shape
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
         raise ValueError(f"attention_decode needs float32 q, k, v, got {q.dtype} {k.dtype} {v.dtype}")
-    if H % Hkv or D & (D - 1) or D < 16 or S < q_offset + T or v.shape != k.shape:
+    if not attention_decode_supports(q, k) or S < q_offset + T or v.shape != k.shape:
         raise ValueError(f"attention_decode: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} at "
                          f"offset {q_offset} (H a multiple of Hkv, D a power of two >= 16, S >= offset + T)")
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
@@ -136,6 +138,6 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     partial, combine = _kernels()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     partial[(T * Hkv, ns)](q, k, v, m, ell, acc, q_offset, S, scale, H, Hkv, ns, REP=rep,
-                           REP_P=max(16, 1 << (rep - 1).bit_length()), D=D, SPLIT_=SPLIT, BK_=BK, num_warps=8)
+                           REP_P=max(16, next_pow2(rep)), D=D, SPLIT_=SPLIT, BK_=BK, num_warps=8)
     combine[(T * H,)](m, ell, acc, out, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, num_warps=4)
     return out

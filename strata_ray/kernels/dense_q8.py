@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .tile_plan import next_pow2
+
 QK = 32  # elements of a Q8_0 block
 BLOCK_BYTES = 34  # fp16 d + 32 int8
 GEMV_MAX_TOKENS = 16  # rows up to which CUDA runs the GEMV (decode, MTP verify windows)
@@ -161,10 +163,6 @@ def _dequantized_linear(x: Tensor, w: Q8Weight) -> Tensor:
 # ---- the Triton GEMV --------------------------------------------------------------------------------
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def gemv_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BN rows, BK columns, warps) of a program, from the matrix shape alone, never the token count:
     the tiles fix each row's reduction order, so this is what makes the GEMV batch invariant.
@@ -174,7 +172,7 @@ def gemv_tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     --sweep, 1 token): 8192x2048 at 8/512 9.0 us (47% of copy bandwidth), 2048x4096 at 2/1024 5.9 us
     (36%), 151936x2048 at 16/256 103 us (77%); session 6's one-word-a-thread body took 19.2, 10.8 and 268."""
     bn = min(16, max(2, 1 << max(0, (n_rows // 1024).bit_length() - 1)))
-    bk = max(32, min(1024, 4096 // bn, _next_pow2(n_cols)))
+    bk = max(32, min(1024, 4096 // bn, next_pow2(n_cols)))
     return bn, bk, 4
 
 

@@ -25,6 +25,8 @@ import os
 import torch
 from torch import Tensor
 
+from .tile_plan import next_pow2
+
 FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows take the fused kernels
 
 tl = None  # triton.language once _kernels() ran
@@ -36,10 +38,6 @@ def fused_enabled(x: Tensor, n_tokens: int) -> bool:
     return (x.device.type == "cuda" and n_tokens <= FUSED_MAX_TOKENS
             and not (x.requires_grad and torch.is_grad_enabled())
             and os.environ.get("STRATA_FUSED_DECODE", "1") != "0")
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------------
@@ -64,7 +62,7 @@ def rms_norm_fused(x: Tensor, w: Tensor, eps: float) -> Tensor:
     x2 = x.reshape(-1, n).contiguous()  # [rows, n]
     out = torch.empty_like(x2)
     if x2.shape[0]:
-        block = _next_pow2(n)
+        block = next_pow2(n)
         _kernels()[0][(x2.shape[0],)](x2, w.contiguous(), out, n, eps, BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
     return out.view(x.shape)

@@ -21,6 +21,8 @@ import functools
 import torch
 from torch import Tensor
 
+from .tile_plan import next_pow2
+
 tl = None  # triton.language once _kernels() ran
 
 
@@ -101,6 +103,6 @@ def route_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
     wts = torch.empty((T, k), dtype=torch.float32, device=logits.device)
     if T:
-        bx, bkp = 1 << max(0, X - 1).bit_length(), max(2, 1 << (k - 1).bit_length())
+        bx, bkp = next_pow2(X), max(2, next_pow2(k))
         _kernels()[1][(T,)](logits.contiguous(), ids, wts, X, K=k, BX=bx, BKP=bkp, num_warps=4)
     return ids, wts

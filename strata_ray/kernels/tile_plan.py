@@ -8,6 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1): Triton's tile sizes must be powers of two."""
+    return 1 << max(0, v - 1).bit_length()
+
+
 def plan_tiles_host(slot: np.ndarray, bt: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """slot int [M] -> (order int32 [M], sorted_slot int32 [M], tile_start int32 [n_tiles]).
 
