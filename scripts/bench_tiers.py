@@ -104,8 +104,9 @@ def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) 
     return _profiled(f"decode of {n_tokens} tokens", steps, row_limit=25, trace_out=trace_out)
 
 
-def _layer_times(clock: LayerClock, depth: int) -> dict:
-    """Print and return the prefill's per-layer split (LayerClock): experts, dense part, host in the call."""
+def _layer_times(clock: LayerClock, depth: int, kind_of=None) -> dict:
+    """Print and return the prefill's per-layer split (LayerClock): experts, dense part, host in the call, and
+    the named phases' mean ms a call by layer kind (kind_of(layer), e.g. "gdn" / "attention")."""
     s = clock.summary()
     calls = s.pop("calls")
     kind = "device" if clock.cuda else "host"
@@ -115,7 +116,21 @@ def _layer_times(clock: LayerClock, depth: int) -> dict:
     for c in sorted(calls, key=lambda c: -c["experts"])[:3]:
         print(f"  slowest: layer {c['layer']} experts {c['experts']:.2f} ms, host {c['host']:.2f} ms",
               flush=True)
-    return {f"prefill_{k}": round(v, 3) for k, v in s.items()}
+    phases: dict[str, dict[str, list[float]]] = {}  # kind -> phase -> ms per call
+    for c in calls:
+        if c["dense"] is None:  # a forward's first layer: its dense part has no mark before it
+            continue
+        group = phases.setdefault(kind_of(c["layer"]) if kind_of else "all", {})
+        for name, ms in c["phases"].items():
+            group.setdefault(name, []).append(ms)
+    out = {f"prefill_{k}": round(v, 3) for k, v in s.items()}
+    for group, by_name in sorted(phases.items()):
+        means = {name: sum(v) / len(v) for name, v in by_name.items()}
+        n = max(len(v) for v in by_name.values())
+        print(f"  {group} layers ({n} calls), ms a call: "
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in means.items()), flush=True)
+        out[f"prefill_phases_{group}"] = {name: round(ms, 3) for name, ms in means.items()}
+    return out
 
 
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
@@ -135,7 +150,11 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         prefill_s = time.perf_counter() - t0
         tiers.clock = None
         print(f"depth {depth}: prefill {prefill_s:.1f} s", flush=True)
-        split = _layer_times(clock, depth) if clock is not None else {}
+
+        def kind_of(layer: int) -> str:
+            return "gdn" if loaded.hp.is_recurrent(layer) else "attention"
+
+        split = _layer_times(clock, depth, kind_of) if clock is not None else {}
         tok = int(logits[-1].argmax())
         for _ in range(3):  # warm-up steps (kernel autotune, CPU pool threads)
             tok = int(model.forward([tok], state)[-1].argmax())

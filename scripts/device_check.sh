@@ -22,7 +22,8 @@
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
-#     ltimes    prefill at 1K and 8K on it, each layer's expert call and dense part timed (--layer-times)
+#     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
+#               (--layer-times), once per LTIMES_ENVS entry (default "-": no extra environment)
 #     rows      bench_token_rows.py at 14 threads: the same experts every token, then fresh ones from DRAM
 #     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
@@ -137,9 +138,15 @@ for gc in ${GATHER_MODES:-0 1}; do
     step gather 120 python scripts/bench_tiers.py --model "$M80" --depths 1024,8192 --decode 8 --chunk 4096 \
         --gather-copy "$gc" --json-out "$work/gather-$gc.json"
 done
-# prefill at 1K and 8K with each layer's expert call and the dense part before it timed by CUDA events
-step ltimes 120 python scripts/bench_tiers.py --model "$M80" --depths 1024,8192 --decode 4 --chunk 4096 \
-    --layer-times --json-out "$work/ltimes.json"
+# prefill at 1K and 8K with each layer's expert call, its phases and the dense part before it timed by CUDA
+# events, once per LTIMES_ENVS entry ("-" = the defaults; e.g. "- STRATA_STREAM_ALL=0 STRATA_RING_SLOTS=256",
+# several variables joined by commas)
+for le in ${LTIMES_ENVS:--}; do
+    envs=()
+    [[ $le == - ]] || IFS=, read -r -a envs <<< "$le"
+    step ltimes 120 env "${envs[@]}" python scripts/bench_tiers.py --model "$M80" --depths 1024,8192 --decode 4 \
+        --chunk 4096 --layer-times --json-out "$work/ltimes-${le//[=,]/_}.json"
+done
 # a decode layer's CPU rows flag to flag, 14 threads: the same experts every token (L3-friendly), then new
 # routing over 5.4 GB of experts (DRAM, as in the engine)
 step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10

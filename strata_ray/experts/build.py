@@ -8,6 +8,7 @@ which is what makes the output independent of placement. Float experts keep the 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -47,9 +48,9 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     if pin_gib is None:
         pin_gib = auto_pin_gib() if device.type == "cuda" else 0.0
     store = HostStore(loaded_file, pin_gib=pin_gib)
-    n_slots = cache_slots(config, store, device)
+    ring = ring_slots(config.ring_overlap) if device.type == "cuda" else 0
+    n_slots = cache_slots(config, store, device, ring_slots=ring)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
-    ring = (RING_SLOTS_OVERLAP if config.ring_overlap else RING_SLOTS) if device.type == "cuda" else 0
     cache = SlotCache(store, residency, device, ring_slots=ring)
     cache.fill(profile, progress=reporter.fill if reporter is not None else progress)
     rounds = None
@@ -60,6 +61,17 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline)
+
+
+def ring_slots(overlap: bool) -> int:
+    """The prompt ring's slots on CUDA: RING_SLOTS_OVERLAP (two halves) or RING_SLOTS; STRATA_RING_SLOTS
+    sets another even count (a benchmark knob: more slots, fewer cache slots at auto sizing)."""
+    raw = os.environ.get("STRATA_RING_SLOTS")
+    if raw is None:
+        return RING_SLOTS_OVERLAP if overlap else RING_SLOTS
+    if not raw.isdigit() or int(raw) < 2 or int(raw) % 2:
+        raise ValueError(f"STRATA_RING_SLOTS must be an even count of at least 2, got {raw!r}")
+    return int(raw)
 
 
 def auto_pin_gib() -> float:

@@ -41,10 +41,11 @@ class SlotCacheError(RuntimeError):
     """The cache could not be set up (slot 0 read back differently, no memory); one line."""
 
 
-def cache_slots(config, store: HostStore, device: torch.device) -> int:
+def cache_slots(config, store: HostStore, device: torch.device, ring_slots: int = 0) -> int:
     """Slots for `--expert-cache N|auto`, capped at the number of trunk pairs.
 
-    auto: (free VRAM - vram_reserve_mib - a prompt chunk's temporaries) / max_blob, where
+    auto: (free VRAM - vram_reserve_mib - a prompt chunk's temporaries - the prompt ring's `ring_slots`
+    slots) / max_blob, where
     --vram-budget-mib pretends the card has that much memory (budget minus what is in use now). A CPU
     primary has no VRAM: auto is 0 slots unless a budget is given (then the budget minus the reserve, as
     host memory)."""
@@ -55,7 +56,7 @@ def cache_slots(config, store: HostStore, device: torch.device) -> int:
     if device.type == "cuda":
         from strata_ray.engine.prefill import chunk_bytes, prefill_chunk
 
-        reserve += chunk_bytes(store.hp, prefill_chunk(config, "cuda"))
+        reserve += chunk_bytes(store.hp, prefill_chunk(config, "cuda")) + ring_slots * store.max_blob
         free, total = torch.cuda.mem_get_info(device)
         if config.vram_budget_mib is not None:
             free = config.vram_budget_mib * MIB - (total - free)
@@ -112,6 +113,7 @@ class SlotCache:
         # read the other; _ring_read[h] marks the end of the compute stream's last reads of half h
         self.ring_stream = torch.cuda.Stream(self.device) if self.is_cuda and ring_slots else None
         self._ring_read: list = [None, None]
+        self._ring_copied: list = [None, None]  # the ring stream's last copies into half h (copy_ring)
         self.fill_seconds = 0.0
         self.fill_line = ""
         self.staged = self.is_cuda if staging is None else staging
@@ -152,21 +154,29 @@ class SlotCache:
     def ring_slot(self, i: int) -> int:
         return self.n_slots + i
 
-    def copy_ring(self, items: Sequence[tuple[int, int, int]], half: int) -> None:
+    def copy_ring(self, items: Sequence[tuple[int, int, int]], half: int, wait: bool = True) -> None:
         """copy_blobs into ring half `half` on the ring stream, after the compute stream's last reads of
         that half (ring_read); the compute stream then waits for these copies only, so the next half's
-        copies run while this half's kernels do. On a CPU primary: copy_blobs."""
+        copies run while this half's kernels do. wait=False leaves that wait to a later `ring_wait(half)`
+        (a prefetch: the copies run beside whatever the compute stream does first). On a CPU primary:
+        copy_blobs."""
         if self.ring_stream is None:
             self.copy_blobs(items)
             return
-        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.ring_stream):
             if self._ring_read[half] is not None:
                 self.ring_stream.wait_event(self._ring_read[half])
             self.copy_blobs(items)
             copied = torch.cuda.Event()
             copied.record(self.ring_stream)
-        compute.wait_event(copied)
+        self._ring_copied[half] = copied
+        if wait:
+            self.ring_wait(half)
+
+    def ring_wait(self, half: int) -> None:
+        """The compute stream waits for the last copies into ring half `half` (no-op on a CPU primary)."""
+        if self.ring_stream is not None and self._ring_copied[half] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ring_copied[half])
 
     def ring_read(self, half: int) -> None:
         """The compute stream's kernels reading ring half `half` are queued: later copies into it wait."""

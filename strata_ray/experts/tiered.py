@@ -19,6 +19,7 @@ the swap stream and become resident at a later boundary).
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,6 +38,9 @@ from strata_ray.kernels.cpu_pool import SINGLE_THREAD_BYTES, CpuPool, cpu_count,
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
+
+ALIGN_INT32 = 4  # _upload's arrays start on 16-byte boundaries (4 int32)
+STREAM_ALL_TOKENS = 1024  # prompt chunks from this size stream every non-resident expert (DESIGN section 8)
 
 
 class LocalRounds:
@@ -150,6 +154,13 @@ class TieredExperts:
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host <-> device copies (CUDA)
         self.clock: LayerClock | None = None  # set to time each expert call (bench_tiers --layer-times)
+        # the prompt ring: the half the next batch goes to (halves alternate across layers), and the batch a
+        # layer copied ahead for the next one ((half, items) or None); STRATA_STREAM_ALL=0 streams only the
+        # routed experts, one layer at a time (the plan before session 8; same bits)
+        self._ring_half = 0
+        self._prefetched: tuple | None = None
+        self.prefetches_used = 0  # ring batches a layer found already copied (tests, benchmarks)
+        self.stream_all = os.environ.get("STRATA_STREAM_ALL", "1") != "0"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
         """Let the coordinator actor decide the adaptive rounds (when this cache has rounds at all)."""
@@ -183,6 +194,9 @@ class TieredExperts:
         decode = n_tok <= DECODE_MAX_TOKENS
         # decode: x comes along for the CPU tier (8 KB a token), in the same single sync as the ids
         ids_h, x_h = self.to_host(ids, x, with_x=decode or not self.cache.is_cuda)  # [M], [N, E]
+        clock = self.clock
+        if clock is not None:
+            clock.point(layer, "sync")  # the routing's copy to the host (the device idles after it)
         t0 = time.perf_counter()
         m = ids_h.size
         tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
@@ -218,8 +232,12 @@ class TieredExperts:
             on_device = self._upload(tok[hit], slot[hit], hit, miss, *plan)
         if hit.size:
             self._cache_rows(layer, x, x_h, tok[hit], slot[hit], hit, rows, mode, on_device)
+            if clock is not None:
+                clock.point(layer, "hits")  # the host's planning and the resident experts' kernels
         if stream_misses:
             self._stream_rows(layer, x, tok[miss], ids_h[miss], miss, rows)
+            if clock is not None:
+                clock.point(layer, "stream")  # the ring batches: copies (waited for) and kernels
         host = time.perf_counter() - t0
         if cpu_job is not None:
             t1 = time.perf_counter()
@@ -294,6 +312,13 @@ class TieredExperts:
                 tok = torch.arange(m, dtype=torch.int32, device=dev)
                 slot = torch.zeros(m, dtype=torch.int32, device=dev)  # slot 0 (its bytes: any)
                 expert_ffn_gpu(x_d, tok, slot, view, mode=mode, variant=self.kernel_variant)
+            if self.cache.ring_slots:  # the prompt ring: its index upload, copies (the gather kernel), tiles
+                m = 33
+                x_d = torch.zeros((m, lay.n_embd), dtype=torch.float32, device=dev)  # [M, E]
+                rows = torch.empty((m, lay.n_embd), dtype=torch.float32, device=dev)
+                ids = np.arange(m, dtype=np.int64)
+                self._stream_rows(layer, x_d, ids, ids % self.n_expert, ids, rows)
+        self._prefetched = None
         self._combine(torch.zeros((1, 1, lay.n_embd), device=dev), torch.ones((1, 1), device=dev))
         torch.cuda.synchronize(dev)
 
@@ -345,10 +370,19 @@ class TieredExperts:
     def _upload(self, *arrays: np.ndarray, buffer: str = "index") -> list[torch.Tensor]:
         """int32 device tensors of these host index arrays, in one pinned host-to-device copy through the
         staging buffer `buffer` (one upload per buffer name and layer: the copy may still be in flight)."""
+        # each array starts on a 16-byte boundary: Triton compiles a kernel once per pointer alignment
+        # (16-byte aligned or not), so unaligned starts cost the first prompt a compile per new combination
+        # of its index pointers (session 8: 4.4 s over its first layers)
         sizes = [a.size for a in arrays]
-        pin = self._staging(buffer, sum(sizes), torch.int32)
-        np.concatenate([a.astype(np.int32, copy=False) for a in arrays], out=pin.numpy())
-        return list(torch.split(pin.to(self.device, non_blocking=True), sizes))
+        padded = [-(-n // ALIGN_INT32) * ALIGN_INT32 for n in sizes]
+        pin = self._staging(buffer, sum(padded), torch.int32)
+        host, at = pin.numpy(), 0
+        for a, n, p in zip(arrays, sizes, padded, strict=True):
+            host[at : at + n] = a
+            at += p
+        dev = pin.to(self.device, non_blocking=True)
+        starts = np.cumsum([0, *padded[:-1]])
+        return [dev[s : s + n] for s, n in zip(starts.tolist(), sizes, strict=True)]
 
     def _staged_rows(self, cpu_rows: np.ndarray) -> torch.Tensor:
         """The CPU tier's rows f32 [m, E] on the device, copied through a pinned buffer."""
@@ -374,22 +408,31 @@ class TieredExperts:
         """Prompt path: copy the non-resident experts into the ring slots, a batch at a time, and compute
         their entries there. Without ring_overlap a batch is the whole ring and the copies share the compute
         stream (a ring slot is only overwritten after the kernel that read it); with it, batches alternate
-        between the ring's halves and their copies run on the ring stream while the other half computes."""
+        between the ring's halves and their copies run on the ring stream while the other half computes.
+
+        A chunk of STREAM_ALL_TOKENS or more streams every non-resident expert of the layer in id order
+        (DESIGN section 8: such a chunk routes to nearly all of them), so the plan does not depend on the
+        routing: the next layer's first batch is copied here, at the end of this layer, and its copies run
+        beside the next layer's attention / GDN instead of after its routing."""
         from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
         ring = self.cache.ring_slots
         size = ring // 2 if self.ring_overlap else ring
-        experts = np.unique(exp)
+        stream_all = self.ring_overlap and x.shape[0] >= STREAM_ALL_TOKENS and self.stream_all
+        experts = self._streamed_experts(layer) if stream_all else np.unique(exp)
+        prefetched, self._prefetched = self._prefetched, None
         batches = []  # (half, ring items, tok, ring slot, entry) per batch, host side
         for n, c0 in enumerate(range(0, experts.size, size)):
             batch = experts[c0 : c0 + size]
-            half = n % 2 if self.ring_overlap else 0
+            half = (self._ring_half + n) % 2 if self.ring_overlap else 0
             first = half * size  # the batch's first ring slot
             ring_of = np.full(self.n_expert, -1, np.int64)
             ring_of[batch] = self.cache.ring_slot(first) + np.arange(batch.size)
             sel = np.flatnonzero(ring_of[exp] >= 0)
             items = [(layer, int(e), self.cache.ring_slot(first + i)) for i, e in enumerate(batch)]
             batches.append((half, items, tok[sel], ring_of[exp[sel]], entries[sel]))
+        if self.ring_overlap:
+            self._ring_half = (self._ring_half + len(batches)) % 2
         # every batch's indices in one pinned copy: no host sync between batches, so the host fills the next
         # batch's staging buffers while the device computes this one
         on_device = self._upload(*(a for b in batches for a in b[2:]), buffer="ring_index")
@@ -397,7 +440,10 @@ class TieredExperts:
         for n, (half, items, *_) in enumerate(batches):
             tok_d, slot_d, entries_d = on_device[3 * n : 3 * n + 3]
             with record_function("strata::ring_copies"):  # once per ring batch: its cost does not matter
-                if self.ring_overlap:
+                if n == 0 and prefetched == (half, items):  # copied at the end of the previous layer
+                    self.cache.ring_wait(half)
+                    self.prefetches_used += 1
+                elif self.ring_overlap:
                     self.cache.copy_ring(items, half)
                 else:
                     self.cache.copy_blobs(items)
@@ -405,6 +451,25 @@ class TieredExperts:
             if self.ring_overlap:
                 self.cache.ring_read(half)
             rows[entries_d] = out
+        if stream_all and layer + 1 < self.n_layers:
+            self._prefetch(layer + 1, size)
+
+    def _streamed_experts(self, layer: int) -> np.ndarray:
+        """The experts a STREAM_ALL_TOKENS chunk streams at `layer`: every non-resident one, in id order."""
+        if layer >= self.n_layers:  # the MTP layer: nothing of it is resident
+            return np.arange(self.n_expert)
+        return np.flatnonzero(self.residency.layer_slots(layer) < 0)
+
+    def _prefetch(self, layer: int, size: int) -> None:
+        """Copy `layer`'s first ring batch into the next ring half now, without the compute stream waiting:
+        the batch _stream_rows will plan there (residency does not change inside a forward)."""
+        batch = self._streamed_experts(layer)[:size]
+        if not batch.size:
+            return
+        half = self._ring_half
+        items = [(layer, int(e), self.cache.ring_slot(half * size + i)) for i, e in enumerate(batch)]
+        self.cache.copy_ring(items, half, wait=False)
+        self._prefetched = (half, items)
 
     def count_entries(
         self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float
@@ -435,6 +500,7 @@ class TieredExperts:
     # -- windows and adaptive rounds ------------------------------------------------------------------
     def start_forward(self, n_tok: int) -> None:
         """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one."""
+        self._prefetched = None  # a prefetch is only used by the forward that made it
         self.window_boundary()
         self._in_window = n_tok <= DECODE_MAX_TOKENS
 

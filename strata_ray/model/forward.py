@@ -72,6 +72,7 @@ class Model:
         state = self.new_state() if state is None else state
         pos0, T = state.pos, ids.shape[0]
         h = ops.embedding(ids, w["token_embd.weight"])  # [T, E]
+        clock = getattr(self.experts, "clock", None)  # a LayerClock timing this forward (bench_tiers)
         for layer in range(hp.n_layer):
             p = f"blk.{layer}"
             x = ops.rms_norm(h, w[f"{p}.attn_norm.weight"], hp.rms_eps)
@@ -79,6 +80,8 @@ class Model:
                 out, state.gdn[layer] = gdn_block(hp, w, layer, x, state.gdn[layer], pos0)
             else:
                 out = attention_block(hp, w, layer, x, state.kv[layer], pos0)
+            if clock is not None:
+                clock.point(layer, "mixer")  # norm + attention / GDN; the router's part follows
             h = h + out
             x = ops.rms_norm(h, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
             h = h + moe_block(w, layer, x, hp.n_expert_used, self.experts)

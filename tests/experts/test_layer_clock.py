@@ -26,6 +26,25 @@ def test_spans_on_the_host_clock():
     assert s["dense_ms_mean"] == pytest.approx(second["dense"])
 
 
+def test_named_points_split_a_call_into_phases():
+    clock = LayerClock(torch.device("cpu"))
+    for layer in range(2):
+        time.sleep(0.01)
+        clock.point(layer, "mixer")
+        clock.start(layer)
+        time.sleep(0.02)
+        clock.point(layer, "sync")
+        time.sleep(0.005)
+        clock.end(layer)
+    first, second = clock.summary()["calls"]
+    assert set(first["phases"]) == {"start", "sync", "end"}  # no mark before layer 0's mixer point
+    assert set(second["phases"]) == {"mixer", "start", "sync", "end"}
+    assert second["phases"]["mixer"] >= 10.0 and second["phases"]["sync"] >= 20.0
+    parts = second["phases"]["mixer"] + second["phases"]["start"]
+    assert parts == pytest.approx(second["dense"])  # the dense part = the phases before the call
+    assert second["phases"]["sync"] + second["phases"]["end"] == pytest.approx(second["experts"])
+
+
 def _forward_with_clock(model_path: str, device: str) -> dict:
     loaded, tiers = load_tiered_model(EngineConfig(model=model_path, device=device, expert_cache=10), device,
                                       progress=False)
@@ -41,6 +60,7 @@ def test_a_forward_marks_every_layer(tiny_next_q4):
     assert [c["layer"] for c in s["calls"]] == list(range(hp.n_layer))
     assert all(c["experts"] > 0 for c in s["calls"])
     assert all(c["dense"] is not None for c in s["calls"][1:])
+    assert all("mixer" in c["phases"] and "sync" in c["phases"] for c in s["calls"][1:])
 
 
 @pytest.mark.gpu
