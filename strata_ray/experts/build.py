@@ -24,7 +24,13 @@ from strata_ray.experts.tiered import LocalRounds, TieredExperts
 log = logging.getLogger("strata_ray.experts")
 
 RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob), STRATA_RING_OVERLAP=0
-RING_SLOTS_OVERLAP = 64  # two halves of 32: the ring's copies overlap its kernels (the default)
+# The overlapped ring (the default): two halves, copies into one while the kernels read the other, and the
+# next layer's first half copied during this layer's attention / GDN. As many slots as RING_BYTES holds,
+# within [RING_SLOTS_OVERLAP_MIN, RING_SLOTS_OVERLAP] and at most two halves of a layer's experts; the
+# cache gives them up at auto sizing. 80b-a3b (1.77 MB blobs): 256 slots, ~450 MB (session 8, 8K prefill
+# at a 24 GiB budget: 1,140 tok/s with 64 slots and a layer at a time, 1,728 with 256).
+RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 256, 32
+RING_BYTES = 512 << 20
 # auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
 # of physical memory (the OS, the page cache of the dense weights, other processes)
 PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2
@@ -48,7 +54,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     if pin_gib is None:
         pin_gib = auto_pin_gib() if device.type == "cuda" else 0.0
     store = HostStore(loaded_file, pin_gib=pin_gib)
-    ring = ring_slots(config.ring_overlap) if device.type == "cuda" else 0
+    ring = ring_slots(config.ring_overlap, store.max_blob, hp.n_expert) if device.type == "cuda" else 0
     n_slots = cache_slots(config, store, device, ring_slots=ring)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots)
     cache = SlotCache(store, residency, device, ring_slots=ring)
@@ -63,12 +69,15 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline)
 
 
-def ring_slots(overlap: bool) -> int:
-    """The prompt ring's slots on CUDA: RING_SLOTS_OVERLAP (two halves) or RING_SLOTS; STRATA_RING_SLOTS
-    sets another even count (a benchmark knob: more slots, fewer cache slots at auto sizing)."""
+def ring_slots(overlap: bool, blob_bytes: int, n_expert: int) -> int:
+    """The prompt ring's slots on CUDA: RING_SLOTS without overlap, else an even count from RING_BYTES (see
+    there); STRATA_RING_SLOTS sets another even count (a benchmark knob)."""
     raw = os.environ.get("STRATA_RING_SLOTS")
     if raw is None:
-        return RING_SLOTS_OVERLAP if overlap else RING_SLOTS
+        if not overlap:
+            return RING_SLOTS
+        fit = min(RING_SLOTS_OVERLAP, RING_BYTES // max(1, blob_bytes), 2 * n_expert)
+        return max(RING_SLOTS_OVERLAP_MIN, fit - fit % 2)
     if not raw.isdigit() or int(raw) < 2 or int(raw) % 2:
         raise ValueError(f"STRATA_RING_SLOTS must be an even count of at least 2, got {raw!r}")
     return int(raw)

@@ -1,6 +1,7 @@
 """load_tiered_model: float experts keep the plain float path (no tiers) on the file it opened."""
 
 import gguf
+import pytest
 import torch
 
 from strata_ray.config import EngineConfig
@@ -37,3 +38,21 @@ def test_auto_pinning_leaves_memory_for_everything_else():
 
     gib = auto_pin_gib()
     assert 0.0 <= gib <= max(0.0, available_memory() / 2**30 - PIN_LEAVE_GIB + 1e-6)
+
+
+def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
+    from strata_ray.experts.build import RING_BYTES, RING_SLOTS, ring_slots
+
+    monkeypatch.delenv("STRATA_RING_SLOTS", raising=False)
+    assert ring_slots(False, 1_769_472, 512) == RING_SLOTS  # no overlap: the plain ring
+    assert ring_slots(True, 1_769_472, 512) == 256  # 80b-a3b blobs: the cap (~450 MB)
+    big = ring_slots(True, 10 << 20, 128)  # a 10 MiB blob: what RING_BYTES holds, even
+    assert big == 50 and big * (10 << 20) <= RING_BYTES
+    assert ring_slots(True, 1 << 30, 512) == 32  # never fewer than two halves of 16
+    assert ring_slots(True, 4096, 8) == 32  # a tiny model: two halves of its 8 experts, at least 32
+    monkeypatch.setenv("STRATA_RING_SLOTS", "6")
+    assert ring_slots(True, 1_769_472, 512) == 6
+    for bad in ("7", "0", "x"):
+        monkeypatch.setenv("STRATA_RING_SLOTS", bad)
+        with pytest.raises(ValueError, match="STRATA_RING_SLOTS"):
+            ring_slots(True, 1_769_472, 512)
