@@ -25,12 +25,13 @@ log = logging.getLogger("strata_ray.experts")
 
 RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob), STRATA_RING_OVERLAP=0
 # The overlapped ring (the default): two halves, copies into one while the kernels read the other, and the
-# next layer's first half copied during this layer's attention / GDN. As many slots as RING_BYTES holds,
-# within [RING_SLOTS_OVERLAP_MIN, RING_SLOTS_OVERLAP] and at most two halves of a layer's experts; the
-# cache gives them up at auto sizing. 80b-a3b (1.77 MB blobs): 256 slots, ~450 MB (session 8, 8K prefill
-# at a 24 GiB budget: 1,140 tok/s with 64 slots and a layer at a time, 1,728 with 256).
-RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 256, 32
-RING_BYTES = 512 << 20
+# next layer's first half copied while this layer computes and during the next one's attention / GDN. As
+# many slots as RING_BYTES holds, within [RING_SLOTS_OVERLAP_MIN, RING_SLOTS_OVERLAP] and at most a layer's
+# experts a half; the cache gives them up at auto sizing. 80b-a3b (1.77 MB blobs): 606 slots, a half holds
+# the ~275 experts a layer streams at a 24 GiB budget, so a layer's copies all run ahead of it (session 8,
+# 8K prefill at that budget: 1,140 tok/s with 64 slots and a layer at a time, 1,728 with 256).
+RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 1024, 32
+RING_BYTES = 1 << 30
 # auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
 # of physical memory (the OS, the page cache of the dense weights, other processes)
 PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2

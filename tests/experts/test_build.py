@@ -45,9 +45,10 @@ def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
 
     monkeypatch.delenv("STRATA_RING_SLOTS", raising=False)
     assert ring_slots(False, 1_769_472, 512) == RING_SLOTS  # no overlap: the plain ring
-    assert ring_slots(True, 1_769_472, 512) == 256  # 80b-a3b blobs: the cap (~450 MB)
-    big = ring_slots(True, 10 << 20, 128)  # a 10 MiB blob: what RING_BYTES holds, even
-    assert big == 50 and big * (10 << 20) <= RING_BYTES
+    assert ring_slots(True, 1_769_472, 512) == 606  # 80b-a3b blobs: what RING_BYTES holds, even
+    big = ring_slots(True, 10 << 20, 128)  # a 10 MiB blob
+    assert big == 102 and big * (10 << 20) <= RING_BYTES
+    assert ring_slots(True, 1 << 20, 128) == 256  # at most a layer's experts a half
     assert ring_slots(True, 1 << 30, 512) == 32  # never fewer than two halves of 16
     assert ring_slots(True, 4096, 8) == 32  # a tiny model: two halves of its 8 experts, at least 32
     monkeypatch.setenv("STRATA_RING_SLOTS", "6")
