@@ -106,6 +106,39 @@ WIDE_DECODE_SWEEP = [  # wide-kernel decode knobs (bits must not change)
 WIDE_PROMPT_SWEEP = [{}, {"prompt_br": 128}, {"prompt_bt": 128}, {"prompt_warps": 4}, {"prompt_stages": 2}]
 
 
+SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
+    {"br": 16}, {"br": 64}, {"nb": 4}, {"nb": 16}, {"warps": 2}, {"warps": 8}, {"sum_br": 32},
+    {"sum_br": 256, "sum_warps": 8},
+]
+
+
+def split_sweep(rows, x, calls, want, slots, wname, n_tok, nbytes, reps) -> None:
+    """Split decode tile tuning (SPLIT knobs one at a time); every setting must give the simple bits."""
+    import torch
+
+    import strata_ray.kernels.expert_gpu as eg
+
+    def run_all():
+        return [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="split") for t, s_ in calls]
+
+    base = dict(eg.SPLIT)
+    try:
+        for knobs in SPLIT_SWEEP:
+            eg.SPLIT.update(knobs)
+            got = run_all()
+            same = all(map(torch.equal, got, want))
+            _, kern_s = device_seconds(run_all, reps)
+            dt = kern_s / len(calls)
+            label = ", ".join(f"{k}={v}" for k, v in knobs.items())
+            rows.append(("gpu decode sweep (split)", wname, f"{n_tok} tok; {label}", f"{dt * 1e6:.1f} us",
+                         f"{nbytes / dt / 1e9:.0f} GB/s, {'bits same' if same else 'BITS DIFFER'}"))
+            eg.SPLIT.clear()
+            eg.SPLIT.update(base)
+    finally:
+        eg.SPLIT.clear()
+        eg.SPLIT.update(base)
+
+
 def _calls(rng, n_slots, n_tok, dev):
     import torch
 
@@ -167,11 +200,15 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
     eg.WIDE.update(defaults)
 
 
-def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True
-              ) -> dict:
+def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
+              variants=("simple", "wide", "split")) -> dict:
     import torch
 
     from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
+
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"bench_kernels: unknown variant(s) {', '.join(unknown)} (of {', '.join(VARIANTS)})")
 
     dev = torch.device("cuda")
     info = {"gpu": torch.cuda.get_device_name(0)}
@@ -206,9 +243,10 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                 ids = np.concatenate([rng.permutation(cand)[:TOP_K] for _ in range(n_tok)])
                 n_exp.append(len(set(ids.tolist())))
                 calls.append((tok, torch.from_numpy(ids.astype(np.int32)).to(dev)))
-            for variant in VARIANTS:
-                for tok_, slot in calls:
-                    expert_ffn_gpu(x, tok_, slot, slots, mode="decode", variant=variant)  # compile, warm
+            want = [expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="simple") for t, s_ in calls]
+            for variant in variants:
+                got = [expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant) for t, s_ in calls]
+                bits = "bits same" if all(map(torch.equal, got, want)) else "BITS DIFFER from simple"
                 reps = 5 if quick else 20
 
                 def run_all(x=x, calls=calls, slots=slots, variant=variant):
@@ -226,8 +264,10 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                 rows.append((f"gpu decode ({variant})", type_name(wtype),
                              f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
                              f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
-                             f"{gbs:.0f} GB/s ({pct:.0f}% of copy)"))
-        if sweeps and wtype in (Q4_0, Q8_0):
+                             f"{gbs:.0f} GB/s ({pct:.0f}% of copy), {bits}"))
+                if sweeps and variant == "split" and n_tok in (1, 8) and wtype in (Q4_0, Q8_0):
+                    split_sweep(rows, x, calls, want, slots, type_name(wtype), n_tok, experts * per, reps)
+        if sweeps and wtype in (Q4_0, Q8_0) and "wide" in variants:
             decode_sweep(rows, slots, type_name(wtype), per, rng, n_slots, quick)
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
@@ -236,7 +276,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         slot = torch.stack([torch.randperm(n_slots, device=dev)[:TOP_K] for _ in range(n_tok)]).reshape(-1)
         slot = slot.to(torch.int32)
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
-        for variant in VARIANTS:
+        for variant in [v for v in variants if v != "split"]:  # split's prompt tiles are simple's
             expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant)
             _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
                                                      variant=variant), 3 if quick else 10)
@@ -245,7 +285,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
             rows.append((f"gpu prompt ({variant})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
                          f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}"))
-        if sweeps and wtype == Q4_0:
+        if sweeps and wtype == Q4_0 and "wide" in variants:
             prompt_sweep(rows, slots, type_name(wtype), x, tok, slot, peak, quick)
         del slots
         torch.cuda.empty_cache()
@@ -297,7 +337,9 @@ def main() -> None:
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the wide kernels' knob sweeps")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split)")
+    ap.add_argument("--variants", default="simple,wide,split",
+                    help="GPU kernel variants to time (comma-separated: simple, wide, split)")
     args = ap.parse_args()
     if args.graph_probe:
         graph_probe(args.graph_probe)
@@ -322,7 +364,7 @@ def main() -> None:
                                f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
         types = tuple({"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K}[t] for t in args.types.split(","))
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
-                         sweeps=not args.no_sweep)
+                         sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")))
     bench_cpu(rows, pool, args.quick)
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "

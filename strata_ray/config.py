@@ -357,8 +357,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
         values["arena_pin_gib"] = parse_value(float_range(0.0, 1e6), env["STRATA_ARENA_PIN_GIB"],
                                               "STRATA_ARENA_PIN_GIB")
     if env.get("STRATA_KERNEL_VARIANT", "") != "":
-        values["kernel_variant"] = parse_value(_choice("wide", "simple"), env["STRATA_KERNEL_VARIANT"],
-                                               "STRATA_KERNEL_VARIANT")
+        values["kernel_variant"] = parse_value(_choice("wide", "simple", "split"),
+                                               env["STRATA_KERNEL_VARIANT"], "STRATA_KERNEL_VARIANT")
     if env.get("STRATA_DECODE_GRAPHS", "") != "":
         values["decode_graphs"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_GRAPHS"],
                                               "STRATA_DECODE_GRAPHS") == "1"

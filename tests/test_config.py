@@ -203,7 +203,7 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
     assert config([], {"STRATA_KERNEL_VARIANT": "wide"}).kernel_variant == "wide"
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_KERNEL_VARIANT": "fast"})
-    assert str(e.value) == "STRATA_KERNEL_VARIANT: invalid value 'fast' (allowed: wide or simple)"
+    assert str(e.value) == "STRATA_KERNEL_VARIANT: invalid value 'fast' (allowed: wide or simple or split)"
 
 
 def test_decode_graphs_are_on_by_default_and_an_env_switch():

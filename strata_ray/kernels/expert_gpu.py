@@ -29,10 +29,10 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
-from .triton_blocks import block_step, float_block_step, quant_blocks, swiglu
+from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
-VARIANTS = ("wide", "simple")
+VARIANTS = ("wide", "simple", "split")
 # "simple" decode tile tuning (bits do not depend on these): 32-blocks per unrolled step, warps.
 DECODE_UNROLL_MAX = 4
 DECODE_WARPS = 4
@@ -43,6 +43,9 @@ DECODE_WARPS = 4
 # the simple prompt tile (64 x 64, 4 warps) spills 560-960 bytes per thread.
 WIDE = dict(gu_br=32, gu_nb=8, gu_warps=8, down_br=16, down_nb=8, down_warps=4, decode_stages=1,
             prompt_bt=64, prompt_br=64, prompt_warps=8, prompt_stages=3)
+# "split" decode tiles (bits do not depend on these): br rows x nb 32-blocks of block terms a program;
+# sum_br rows a program of the ordered sums (a multiple of 32: it requantizes whole h blocks).
+SPLIT = dict(br=32, nb=8, warps=4, sum_br=128, sum_warps=4)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 
 
@@ -148,6 +151,66 @@ def _expert_mm_wide_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
 
 
 @triton.jit
+def _expert_terms_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
+                         W1, W2, stride1, stride2, RB1, RB2, TERMS1, TERMS2, M, R, K, n_blocks,
+                         T1: tl.constexpr, T2: tl.constexpr, GATED: tl.constexpr, BT: tl.constexpr,
+                         BR: tl.constexpr, NB: tl.constexpr):
+    """Split decode tile, first pass: the fp32 block terms of BR rows x NB blocks of one slot for its <= BT
+    entries, into TERMS [M, n_blocks, R] (entry, block, row). No term depends on another, so every program
+    loads all of its weight bytes at once; _expert_sum_kernel adds them per row in block order."""
+    pid_r = tl.program_id(0)
+    start = tl.load(TILE_START + tl.program_id(2))
+    if start < 0:
+        return
+    offs = start + tl.arange(0, BT)
+    in_range = offs < M
+    slot0 = tl.load(SORTED_SLOT + start)
+    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
+    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
+    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
+    w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
+    w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    k = tl.arange(0, 32)[None, :]
+    for u in tl.static_range(NB):
+        b = tl.program_id(1) * NB + u
+        if b < n_blocks:
+            a = tl.load(AQ + arow[:, None] * K + b * 32 + k, mask=valid[:, None], other=0)
+            ad = tl.load(AD + arow * n_blocks + b, mask=valid, other=0.0)
+            asum = tl.load(AS + arow * n_blocks + b, mask=valid, other=0)
+            toffs = (ent[:, None] * n_blocks + b) * R + rows[None, :]  # [BT, BR]
+            t1 = block_term(w1, b, a, ad, asum, T1, False, False)
+            tl.store(TERMS1 + toffs, t1, mask=valid[:, None])
+            if GATED:
+                t2 = block_term(w2, b, a, ad, asum, T2, False, False)
+                tl.store(TERMS2 + toffs, t2, mask=valid[:, None])
+
+
+@triton.jit
+def _expert_sum_kernel(TERMS1, TERMS2, OUT, HQ, HD, HS, R, n_blocks, GATED: tl.constexpr, BR: tl.constexpr):
+    """Split decode tile, second pass: entry m's rows [BR] summed from 0.0 over the block terms in block order
+    (the simple tile's exact sequence); gated: SwiGLU and the requantized h, else the rows into OUT."""
+    m = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]; R % BR == 0 (a multiple of 32 when gated)
+    base = m * n_blocks * R + rows
+    acc1 = tl.zeros((BR,), tl.float32)
+    acc2 = tl.zeros((BR,), tl.float32)
+    for b in range(n_blocks):
+        acc1 = acc1 + tl.load(TERMS1 + base + b * R)
+        if GATED:
+            acc2 = acc2 + tl.load(TERMS2 + base + b * R)
+    if GATED:
+        h = swiglu(acc1, acc2)  # [BR]
+        q, d, s = quant_blocks(tl.reshape(h, (BR // 32, 32)))
+        tl.store(HQ + m * R + rows, tl.reshape(q, (BR,)))
+        cols = tl.program_id(0) * (BR // 32) + tl.arange(0, BR // 32)
+        tl.store(HD + m * (R // 32) + cols, d)
+        tl.store(HS + m * (R // 32) + cols, s)
+    else:
+        tl.store(OUT + m * R + rows, acc1)
+
+
+@triton.jit
 def _combine_kernel(ROWS, W, OUT, E, K: tl.constexpr, BE: tl.constexpr):
     """out[n] = rows[n, 0] * w[n, 0], then + rows[n, k] * w[n, k] for k = 1..K-1, each op rounded
     (no FMA: _OPTS): moe.combine_rows' exact sequence, in one launch instead of 2K - 1."""
@@ -220,9 +283,37 @@ def _float_view(w: torch.Tensor, t: int) -> torch.Tensor:
     return w.view({F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}[t])
 
 
+def _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated):
+    """The split decode tile (two passes: block terms, then ordered sums); same bits as the simple one."""
+    order, sorted_slot, tile_start, bt = plan
+    (w1, t1), (w2, t2) = mats
+    aq, ad, asum, _ = act
+    n_blocks = k // QK
+    br, nb = SPLIT["br"], min(SPLIT["nb"], n_blocks)
+    while r % br:
+        br //= 2
+    terms1 = torch.empty((m, n_blocks, r), dtype=torch.float32, device=aq.device)  # [M, blocks, R]
+    terms2 = torch.empty_like(terms1) if gated else terms1
+    if tile_start.numel() > 65535:
+        raise KernelError(f"too many entry tiles in one launch ({tile_start.numel()})")
+    grid = (r // br, triton.cdiv(n_blocks, nb), tile_start.numel())
+    _expert_terms_kernel[grid](aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0),
+                               w2.stride(0), w1.stride(1), w2.stride(1), terms1, terms2, m, r, k, n_blocks,
+                               T1=t1, T2=t2, GATED=gated, BT=bt, BR=br, NB=nb, num_warps=SPLIT["warps"],
+                               **_OPTS)
+    sbr = SPLIT["sum_br"]
+    while r % sbr:
+        sbr //= 2
+    _expert_sum_kernel[(r // sbr, m)](terms1, terms2, out, hq, hd, hs, r, n_blocks, GATED=gated, BR=sbr,
+                                      num_warps=SPLIT["sum_warps"], **_OPTS)
+
+
 def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode, variant):
     order, sorted_slot, tile_start = plan[:3]
     bt, use_dot = plan[3], mode == "prompt"
+    if variant == "split" and not use_dot and not is_float:  # decode tiles; prompt tiles stay simple
+        _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated)
+        return
     wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)
     (w1, t1), (w2, t2) = mats
     aq, ad, asum, af = act

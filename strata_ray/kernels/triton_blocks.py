@@ -106,18 +106,25 @@ def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr, F
     """acc [BT, BR] += contribution of 32-block b of weight rows starting at byte pointers w [BR],
     for activation blocks a int8 [BT, 32] with scales ad f32 [BT] and sums asum int32 [BT].
     FAST_I2F: int->float by the exact magic-number trick (Q8_0/Q4_0/Q4_K dots stay below 2^22)."""
+    return acc + block_term(w, b, a, ad, asum, T, USE_DOT, FAST_I2F)
+
+
+@triton.jit
+def block_term(w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr, FAST_I2F: tl.constexpr):
+    """The fp32 term [BT, BR] that block_step adds for 32-block b (contract step 2: one rounded value a
+    block, added to the row's sum in block order by whoever holds the sum)."""
     k = tl.arange(0, 32)[None, :]
     if T == T_Q8_0:
         blk = w + b * 34
         wq = tl.load(blk[:, None] + 2 + k).to(tl.int8, bitcast=True)
         s = f16_at(blk)[None, :] * ad[:, None]
-        acc = acc + to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
+        t = to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
     elif T == T_Q4_0:
         blk = w + b * 18
         byte = tl.load(blk[:, None] + 2 + (k % 16)).to(tl.int32)
         wq = (tl.where(k < 16, byte & 0xF, byte >> 4) - 8).to(tl.int8)
         s = f16_at(blk)[None, :] * ad[:, None]
-        acc = acc + to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
+        t = to_f32(idot(a, wq, USE_DOT), FAST_I2F) * s
     elif T == T_Q4_K:
         j = b % 8
         sb = w + (b // 8) * 144
@@ -133,7 +140,7 @@ def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr, F
         msum = m[None, :] * asum[:, None]
         t1 = to_f32(big, FAST_I2F) * (f16_at(sb)[None, :] * ad[:, None])
         t2 = to_f32(msum, FAST_I2F) * (f16_at(sb + 2)[None, :] * ad[:, None])
-        acc = acc + (t1 - t2)
+        t = t1 - t2
     else:  # Q6_K
         j = b % 8
         h = j // 4
@@ -147,8 +154,8 @@ def block_step(acc, w, b, a, ad, asum, T: tl.constexpr, USE_DOT: tl.constexpr, F
         lo = idot(a, tl.where(k < 16, q, 0).to(tl.int8), USE_DOT)
         hi = idot(a, tl.where(k >= 16, q, 0).to(tl.int8), USE_DOT)
         big = lo * sc0[None, :] + hi * sc1[None, :]
-        acc = acc + big.to(tl.float32) * (f16_at(sb + 208)[None, :] * ad[:, None])
-    return acc
+        t = big.to(tl.float32) * (f16_at(sb + 208)[None, :] * ad[:, None])
+    return t
 
 
 @triton.jit

@@ -39,7 +39,7 @@ CASES = [  # (tokens, entries, top-k; 0 = random pairs)
 ]
 
 
-@pytest.mark.parametrize("variant", ["simple", "wide"])
+@pytest.mark.parametrize("variant", ["simple", "wide", "split"])
 @pytest.mark.parametrize("name", [*TYPE_SETS, *FLOAT_SETS])
 def test_gpu_rows_equal_cpu_rows(name, variant):
     rng = np.random.default_rng(7)
@@ -55,7 +55,7 @@ def test_gpu_rows_equal_cpu_rows(name, variant):
             assert np.array_equal(gpu.view(np.int32), cpu.view(np.int32)), (name, n_tok, n_ent, mode, variant)
 
 
-@pytest.mark.parametrize("variant", ["simple", "wide"])
+@pytest.mark.parametrize("variant", ["simple", "wide", "split"])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K+Q6_K"])
 def test_one_hot_expert_and_duplicates(name, variant):
     """200 entries on one slot (many tiles of one expert) and repeated (token, expert) entries."""
