@@ -22,9 +22,11 @@
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
+#   KERNELS_ARGS="--types Q4_0 --variants simple,split"   extra arguments of the kernels step
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
 #               (--layer-times), once per LTIMES_ENVS entry (default "-": no extra environment)
 #     rows      bench_token_rows.py at 14 threads: the same experts every token, then fresh ones from DRAM
+#     resident  decode at 8K on it with every expert on the GPU, per RESIDENT_VARIANTS (expert kernel variants)
 #     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
@@ -86,7 +88,8 @@ fi
 # compile (or load) the CPU pool's parallel kernel once, before the steps that would each pay for it
 step warm 240 python scripts/bench_cpu_kernels.py --threads 15 --types Q4_0 --tokens 1 --top-k 10 --experts 64 \
     --reps 1
-step kernels 180 python scripts/bench_kernels.py --quick --section-out "$work/kernels.md"
+# shellcheck disable=SC2086
+step kernels 180 python scripts/bench_kernels.py --quick ${KERNELS_ARGS:-} --section-out "$work/kernels.md"
 for sp in ${CPU_SPINS:-100}; do  # OpenMP spin counts: between calls the threads sleep (100) or spin
     step cpu 90 env GOMP_SPINCOUNT="$sp" python scripts/bench_cpu_kernels.py --threads 1,15 --types Q4_0,Q8_0 \
         --tokens 1 --top-k 1,3,5,10
@@ -146,6 +149,12 @@ for le in ${LTIMES_ENVS:--}; do
     [[ $le == - ]] || IFS=, read -r -a envs <<< "$le"
     step ltimes 120 env "${envs[@]}" python scripts/bench_tiers.py --model "$M80" --depths 1024,8192 --decode 4 \
         --chunk 4096 --layer-times --json-out "$work/ltimes-${le//[=,]/_}.json"
+done
+# decode at 8K with every expert resident (an 80 GiB card) with each GPU expert kernel variant in
+# RESIDENT_VARIANTS (default "simple split"): the expert kernels in series with the dense segment
+for kv in ${RESIDENT_VARIANTS:-simple split}; do
+    step resident 120 env STRATA_KERNEL_VARIANT="$kv" python scripts/bench_tiers.py --model "$M80" --card-gib 80 \
+        --depths 8192 --decode 32 --chunk 4096 --json-out "$work/resident-$kv.json"
 done
 # a decode layer's CPU rows flag to flag, 14 threads: the same experts every token (L3-friendly), then new
 # routing over 5.4 GB of experts (DRAM, as in the engine)
