@@ -57,6 +57,9 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
                          f"{dt * 1e3:.2f} ms", f"{gbs:.1f} GB/s"))
 
 
+EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum")  # profiler names
+
+
 def device_seconds(fn, reps: int) -> tuple[float, float]:
     """(all GPU kernels, expert kernels) device seconds per fn() call, from the CUDA profiler:
     pure kernel time, free of Python launch gaps."""
@@ -76,7 +79,7 @@ def device_seconds(fn, reps: int) -> tuple[float, float]:
         if ev.key.startswith("Memcpy") or ev.key.startswith("Memset") or us <= 0:
             continue
         total += us
-        if "_expert_mm" in ev.key or "_act_quant_kernel" in ev.key:
+        if any(name in ev.key for name in EXPERT_KERNELS):
             ours += us
     return total / reps / 1e6, ours / reps / 1e6
 
