@@ -143,7 +143,7 @@ def test_the_session_5_h200_run_gives_the_documented_table(capsys):
 def test_the_session_6_and_7_h200_runs_give_the_documented_table(capsys):
     """docs/compare/h200-2026-11-29-s6 (the defaults) and -s6-f32 (STRATA_DENSE_Q8=0): session 6's flashbench
     JSON (two repeats) against the same llama-bench JSON; h200-2026-11-30-s7: session 7's (fused decode),
-    -s7-gather: the same with the prompt path's gather copies."""
+    -s7-gather: the same with the prompt path's gather copies; -s8: session 8's prompt path."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "docs"
@@ -156,8 +156,11 @@ def test_the_session_6_and_7_h200_runs_give_the_documented_table(capsys):
         ("s7", "cpu-experts", "cpu-experts", "| 8192 | 880.9 | 1726.5 | 0.51x | 35.3 | 35.4 | 1.00x |"),
         ("s7-gather", "budget", "budget, gather copies",
          "| 1024 | 1095.8 | 1542.4 | 0.71x | 53.4 | 54.1 | 0.99x |"),
+        ("s8", "budget", "budget, session 8", "| 8192 | 2306.5 | 2668.1 | 0.86x | 59.5 | 56.9 | 1.05x |"),
+        ("s8", "cpu-experts", "cpu-experts, session 8",
+         "| 8192 | 1917.6 | 1726.5 | 1.11x | 43.0 | 35.4 | 1.21x |"),
     ):
-        day = "30" if run.startswith("s7") else "29"
+        day = "30" if run.startswith(("s7", "s8")) else "29"
         d = root / "compare" / f"h200-2026-11-{day}-{run}"
         llama = [str(d / f"llama-{setup}-prefill.json"), str(d / f"llama-{setup}-decode.json")]
         ours = str(d / f"ours-{setup}.json")
