@@ -63,6 +63,19 @@ def _act_quant_kernel(X, Q, D, S, n_blocks, BB: tl.constexpr):
 
 
 @triton.jit
+def _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT: tl.constexpr):
+    """The entries of the tile starting at sorted entry `start`: (its slot, valid [BT] (in range and of that
+    slot), ent int64 [BT] entry ids, arow int64 [BT] activation rows); invalid lanes read 0."""
+    offs = start + tl.arange(0, BT)
+    in_range = offs < M
+    slot0 = tl.load(SORTED_SLOT + start)
+    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
+    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
+    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    return slot0, valid, ent, arow
+
+
+@triton.jit
 def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
                       W1, W2, stride1, stride2, RB1, RB2,
                       OUT, HQ, HD, HS, M, R, K, n_blocks,
@@ -73,12 +86,7 @@ def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     start = tl.load(TILE_START + tl.program_id(1))
     if start < 0:
         return
-    offs = start + tl.arange(0, BT)
-    in_range = offs < M
-    slot0 = tl.load(SORTED_SLOT + start)
-    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
-    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
-    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
     rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
     w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
     w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
@@ -125,12 +133,7 @@ def _expert_mm_wide_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     start = tl.load(TILE_START + tl.program_id(1))
     if start < 0:
         return
-    offs = start + tl.arange(0, BT)
-    in_range = offs < M
-    slot0 = tl.load(SORTED_SLOT + start)
-    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
-    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
-    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
     rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
     base1 = slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1  # [BR] byte offsets
     base2 = slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
@@ -163,12 +166,7 @@ def _expert_terms_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     start = tl.load(TILE_START + tl.program_id(2))
     if start < 0:
         return
-    offs = start + tl.arange(0, BT)
-    in_range = offs < M
-    slot0 = tl.load(SORTED_SLOT + start)
-    valid = in_range & (tl.load(SORTED_SLOT + offs, mask=in_range, other=-1) == slot0)
-    ent = tl.load(ORDER + offs, mask=valid, other=0).to(tl.int64)  # [BT] entry ids
-    arow = tl.load(ACT_ROW + ent, mask=valid, other=0).to(tl.int64)  # [BT] activation rows
+    slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
     rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
     w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
     w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
@@ -293,21 +291,16 @@ def _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated):
     (w1, t1), (w2, t2) = mats
     aq, ad, asum, _ = act
     n_blocks = k // QK
-    br, nb = SPLIT["br"], min(SPLIT["nb"], n_blocks)
-    while r % br:
-        br //= 2
+    br, nb = _row_tile(r, SPLIT["br"]), min(SPLIT["nb"], n_blocks)
     terms1 = torch.empty((m, n_blocks, r), dtype=torch.float32, device=aq.device)  # [M, blocks, R]
     terms2 = torch.empty_like(terms1) if gated else terms1
-    if tile_start.numel() > 65535:
-        raise KernelError(f"too many entry tiles in one launch ({tile_start.numel()})")
-    grid = (r // br, triton.cdiv(n_blocks, nb), tile_start.numel())
+    row_tiles, n_tiles = _grid(r, br, tile_start)
+    grid = (row_tiles, triton.cdiv(n_blocks, nb), n_tiles)
     _expert_terms_kernel[grid](aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0),
                                w2.stride(0), w1.stride(1), w2.stride(1), terms1, terms2, m, r, k, n_blocks,
                                T1=t1, T2=t2, GATED=gated, BT=bt, BR=br, NB=nb, EVEN=n_blocks % nb == 0,
                                num_warps=SPLIT["warps"], **_OPTS)
-    sbr = SPLIT["sum_br"]
-    while r % sbr:
-        sbr //= 2
+    sbr = _row_tile(r, SPLIT["sum_br"])
     _expert_sum_kernel[(r // sbr, m)](terms1, terms2, out, hq, hd, hs, r, N_BLOCKS=n_blocks, GATED=gated,
                                       BR=sbr, num_warps=SPLIT["sum_warps"], **_OPTS)
 
@@ -336,9 +329,7 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
         return
     if use_dot:
         br = WIDE["prompt_br"] if wide else 64
-        while r % br:
-            br //= 2
-        br = max(br, 32)
+        br = max(_row_tile(r, br), 32)
         warps, stages = (WIDE["prompt_warps"], WIDE["prompt_stages"]) if wide else (4, None)
     else:
         br, warps, stages = 32, DECODE_WARPS, None
@@ -355,6 +346,13 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
         out, hq, hd, hs, m, r, k, k // QK,
         T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
         USE_DOT=use_dot, FAST_I2F=wide, num_warps=warps, **opts)
+
+
+def _row_tile(r: int, br: int) -> int:
+    """br halved until it divides the r rows of a launch (a row tile never straddles the end)."""
+    while r % br:
+        br //= 2
+    return br
 
 
 def _grid(r: int, br: int, tile_start: torch.Tensor) -> tuple[int, int]:
