@@ -127,7 +127,7 @@ def split_sweep(rows, x, calls, want, slots, wname, n_tok, nbytes, reps) -> None
     base = dict(eg.SPLIT)
     try:
         for knobs in SPLIT_SWEEP:
-            eg.SPLIT.update(knobs)
+            eg.SPLIT.update(base, **knobs)  # one knob set at a time over the defaults
             got = run_all()
             same = all(map(torch.equal, got, want))
             _, kern_s = device_seconds(run_all, reps)
@@ -135,10 +135,7 @@ def split_sweep(rows, x, calls, want, slots, wname, n_tok, nbytes, reps) -> None
             label = ", ".join(f"{k}={v}" for k, v in knobs.items())
             rows.append(("gpu decode sweep (split)", wname, f"{n_tok} tok; {label}", f"{dt * 1e6:.1f} us",
                          f"{nbytes / dt / 1e9:.0f} GB/s, {'bits same' if same else 'BITS DIFFER'}"))
-            eg.SPLIT.clear()
-            eg.SPLIT.update(base)
     finally:
-        eg.SPLIT.clear()
         eg.SPLIT.update(base)
 
 

@@ -83,11 +83,10 @@ class LayerClock:
                 call = by_start.get(id(mark))
             if before is not None and mark.layer >= before.layer:
                 pending[mark.name] = pending.get(mark.name, 0.0) + self._span(before, mark)
-            if mark.name == "end" and call is not None:
-                call["phases"] = pending
+            if mark.name == "end":
+                if call is not None:
+                    call["phases"] = pending
                 pending, call = {}, None
-            elif mark.name == "end":
-                pending = {}
             before = mark
         out = {"calls": calls}
         for key in ("experts", "dense", "host"):

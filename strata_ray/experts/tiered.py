@@ -318,7 +318,6 @@ class TieredExperts:
                 rows = torch.empty((m, lay.n_embd), dtype=torch.float32, device=dev)
                 ids = np.arange(m, dtype=np.int64)
                 self._stream_rows(layer, x_d, ids, ids % self.n_expert, ids, rows)
-        self._prefetched = None
         self._combine(torch.zeros((1, 1, lay.n_embd), device=dev), torch.ones((1, 1), device=dev))
         torch.cuda.synchronize(dev)
 
@@ -376,13 +375,13 @@ class TieredExperts:
         sizes = [a.size for a in arrays]
         padded = [-(-n // ALIGN_INT32) * ALIGN_INT32 for n in sizes]
         pin = self._staging(buffer, sum(padded), torch.int32)
-        host, at = pin.numpy(), 0
+        host, starts, at = pin.numpy(), [], 0
         for a, n, p in zip(arrays, sizes, padded, strict=True):
             host[at : at + n] = a
+            starts.append(at)
             at += p
         dev = pin.to(self.device, non_blocking=True)
-        starts = np.cumsum([0, *padded[:-1]])
-        return [dev[s : s + n] for s, n in zip(starts.tolist(), sizes, strict=True)]
+        return [dev[s : s + n] for s, n in zip(starts, sizes, strict=True)]
 
     def _staged_rows(self, cpu_rows: np.ndarray) -> torch.Tensor:
         """The CPU tier's rows f32 [m, E] on the device, copied through a pinned buffer."""
@@ -429,8 +428,8 @@ class TieredExperts:
             ring_of = np.full(self.n_expert, -1, np.int64)
             ring_of[batch] = self.cache.ring_slot(first) + np.arange(batch.size)
             sel = np.flatnonzero(ring_of[exp] >= 0)
-            items = [(layer, int(e), self.cache.ring_slot(first + i)) for i, e in enumerate(batch)]
-            batches.append((half, items, tok[sel], ring_of[exp[sel]], entries[sel]))
+            batches.append((half, self._ring_items(layer, batch, first), tok[sel], ring_of[exp[sel]],
+                            entries[sel]))
         if self.ring_overlap:
             self._ring_half = (self._ring_half + len(batches)) % 2
         # every batch's indices in one pinned copy: no host sync between batches, so the host fills the next
@@ -467,9 +466,13 @@ class TieredExperts:
         if not batch.size:
             return
         half = self._ring_half
-        items = [(layer, int(e), self.cache.ring_slot(half * size + i)) for i, e in enumerate(batch)]
+        items = self._ring_items(layer, batch, half * size)
         self.cache.copy_ring(items, half, wait=False)
         self._prefetched = (half, items)
+
+    def _ring_items(self, layer: int, batch: np.ndarray, first: int) -> list[tuple[int, int, int]]:
+        """(layer, expert, ring slot) copies of `batch` into the ring from its slot `first` on."""
+        return [(layer, int(e), self.cache.ring_slot(first + i)) for i, e in enumerate(batch)]
 
     def count_entries(
         self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float
