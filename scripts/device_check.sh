@@ -17,7 +17,8 @@
 #               each GOMP_SPINCOUNT in DECODE_SPINS (default "300000"), or the DECODE_RUNS triples
 #               threads:mode:spin
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
-#               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA)
+#               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA); once per card size
+#               in TRACE_CARDS (GiB, default "24"; 80 holds every expert)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
@@ -165,7 +166,12 @@ step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 --sweep
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
-step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --trace-decode 3 --trace-out "$work/decode-trace.json" --json-out "$work/trace.json"
+for gib in ${TRACE_CARDS:-24}; do
+    step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --card-gib "$gib" --trace-decode 3 \
+        --trace-out "$work/decode-trace-$gib.json" --json-out "$work/trace-$gib.json"
+    step trace 60 python scripts/trace_summary.py "$work/decode-trace-$gib.json" --tokens 3
+    rm -f "$work/decode-trace-$gib.json"  # tens of MB: the summary is what comes back
+done
 step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
     OURS_ARGS=--local OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${tests_pid:-}" ]]; then

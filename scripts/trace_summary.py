@@ -1,0 +1,83 @@
+"""Where a traced decode's device time goes: busy time, idle gaps and kernels by name, from a Chrome trace.
+
+    python scripts/trace_summary.py out/decode-trace-80.json --tokens 3
+
+torch.profiler's tables add up kernel times; they do not say how long the device sat idle between kernels
+(launch latency inside graphs, host waits, flag round trips). This reads the trace's device events
+(kernels, copies, memsets), merges them into busy intervals over all streams, and prints the span, the busy
+time, the gaps by size, and the kernels by total time, each per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+GAP_EDGES_US = (2, 5, 10, 20, 50, 100, 1000)
+
+
+def device_events(path: str) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device event in the trace, by start."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    out = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+           if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    return sorted(out)
+
+
+def busy_intervals(events: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
+    """The union of the events' intervals over all streams."""
+    merged: list[list[float]] = []
+    for start, end, _ in events:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def summarize(events: list[tuple[float, float, str]], tokens: int, top: int) -> str:
+    if not events:
+        return "no device events in the trace"
+    busy = busy_intervals(events)
+    span = busy[-1][1] - busy[0][0]
+    busy_us = sum(b - a for a, b in busy)
+    gaps = [b[0] - a[1] for a, b in zip(busy, busy[1:], strict=False)]
+    lines = [f"{len(events)} device events over {span / 1e3:.2f} ms: busy {busy_us / 1e3:.2f} ms "
+             f"({busy_us / span:.0%}), idle {(span - busy_us) / 1e3:.2f} ms; per token ({tokens}): "
+             f"span {span / tokens / 1e3:.2f} ms, busy {busy_us / tokens / 1e3:.2f} ms, "
+             f"{len(events) / tokens:.0f} events"]
+    lines.append("idle gaps by size (count, total ms per token):")
+    lo = 0.0
+    for hi in (*GAP_EDGES_US, float("inf")):
+        sel = [g for g in gaps if lo <= g < hi]
+        if sel:
+            per_token_ms = sum(sel) / tokens / 1e3
+            lines.append(f"  {lo:>6g}-{hi:<6g} us: {len(sel) / tokens:7.0f}  {per_token_ms:7.2f} ms")
+        lo = hi
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for start, end, name in events:
+        by_name[name].append(end - start)
+    lines.append(f"top {top} device ops by total time per token (count, total ms, mean us):")
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for name, durs in ranked:
+        lines.append(f"  {len(durs) / tokens:6.0f}  {sum(durs) / tokens / 1e3:7.3f} ms  "
+                     f"{sum(durs) / len(durs):8.1f} us  {name[:90]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="a Chrome trace from torch.profiler (bench_tiers --trace-out)")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens the trace covers (per-token figures)")
+    ap.add_argument("--top", type=int, default=30, help="how many ops to list")
+    args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error("--tokens must be at least 1")
+    print(summarize(device_events(args.trace), args.tokens, args.top))
+
+
+if __name__ == "__main__":
+    main()

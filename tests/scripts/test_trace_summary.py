@@ -1,0 +1,41 @@
+"""scripts/trace_summary.py on a hand-made Chrome trace: busy union over streams, gaps, kernels by name."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _event(name: str, ts: float, dur: float, stream: int, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": stream}
+
+
+def test_busy_gaps_and_ranking(tmp_path):
+    events = [
+        _event("gemv", 0, 10, 7),
+        _event("copy", 5, 10, 9, cat="gpu_memcpy"),  # overlaps gemv on another stream: busy 0-15
+        _event("gemv", 18, 10, 7),  # 3 us gap
+        _event("attn", 128, 50, 7),  # 100 us gap
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # host: ignored
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path), "--tokens", "2"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    first = out.splitlines()[0]
+    assert "4 device events over 0.18 ms: busy 0.07 ms (42%), idle 0.10 ms" in first
+    assert "busy 0.04 ms, 2 events" in first  # per token of 2 (0.075 / 2 rounds to 0.04)
+    assert "2-5      us:       0     0.00 ms" in out  # one 3 us gap over two tokens
+    assert "100-1000   us:       0     0.05 ms" in out
+    ranked = [line.split()[-1] for line in out.split("top 30 device ops")[1].splitlines()[1:]]
+    assert ranked == ["attn", "gemv", "copy"]
+
+
+def test_no_device_events(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": []}))
+    out = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "no device events in the trace"
