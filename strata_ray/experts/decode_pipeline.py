@@ -69,22 +69,19 @@ class PipelinedDecodeRows:
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """The device's half of a layer: which entries are resident, and their rows (no host in the loop)."""
-        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, plan_tiles, tile_entries
+        """The device's half of a layer: which entries are resident, and their rows (no host in the loop).
+        One token's tiles hold one entry each, so the plan is one launch (kernels/decode_plan.py)."""
+        from strata_ray.kernels.decode_plan import decode_plan
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, tile_entries
 
         tiers = self.tiers
         view = tiers.cache.layer_view(layer)
-        slot = self.table[layer * tiers.n_expert + ids.view(-1)]  # [K] int32 slot or -1
-        hit = slot >= 0
-        self.hit.copy_(hit.to(torch.int32))
-        full = torch.where(hit, slot, torch.full_like(slot, -1))
-        bt = tile_entries(1, "decode", tiers.kernel_variant, view.is_float)
-        order, sorted_slot, starts = plan_tiles(full, bt, view.gate.shape[0])
-        # tiles of slot -1 (the misses, sorted first) are dropped: their rows come from the worker
-        keep = (starts >= 0) & (sorted_slot[starts.clamp(min=0).long()] >= 0)
-        starts = torch.where(keep, starts, torch.full_like(starts, -1))
-        expert_ffn_gpu(x, self.tok, sorted_slot, view, mode="decode", out=self.gpu_rows,
-                       variant=tiers.kernel_variant, plan=(order, sorted_slot, starts))
+        if tile_entries(1, "decode", tiers.kernel_variant, view.is_float) != 1:
+            raise RuntimeError("the one-launch decode plan needs tiles of one entry")
+        _, order, slot, starts = decode_plan(self.table, layer * tiers.n_expert, ids.view(-1), tiers.n_expert,
+                                             hit=self.hit)
+        expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
+                       variant=tiers.kernel_variant, plan=(order, slot, starts))
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
         """Capture every layer's resident-rows graph over the decode graphs' static xs[layer] [1, E] and

@@ -1,0 +1,87 @@
+"""One token's resident-entry plan in one launch: which of its K routed entries sit in the slot cache, and
+the expert kernels' tiles over them.
+
+The pipelined decode (experts/decode_pipeline.py) plans each layer on the device, inside the layer's graph.
+Through the general `expert_gpu.plan_tiles` (a stable sort, then cummax / cumsum / scatter to cut runs of
+one slot into tiles) and the masking of the misses' tiles, that plan took ~30 small kernels a layer,
+~1,400 launches a token on the 48-layer 80b-a3b. A one-token launch has tiles of one entry (BT = 1:
+`tile_entries(1, "decode", ...)`), and K distinct experts, so no sort is needed: entry k is tile k, live
+where its expert is resident. The expert kernels compute each tile's rows alone, so the rows have the
+same bits whatever the tiles' order.
+
+`decode_plan_reference` is the torch twin (the oracle of the tests; also the CPU form). Triton is imported
+on first use only; TRITON_INTERPRET=1 runs the kernel on the CPU (tests/kernels/test_decode_plan.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .tile_plan import next_pow2
+
+tl = None  # triton.language once _kernel() ran
+
+
+def _check(table: Tensor, base: int, ids: Tensor, n_expert: int) -> None:
+    if table.dtype != torch.int32 or table.ndim != 1:
+        raise ValueError(f"decode_plan: the residency table must be int32 [L * X], got {table.dtype} "
+                         f"{list(table.shape)}")
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError(f"decode_plan: ids must be one token's [K] expert ids, got {list(ids.shape)}")
+    if base < 0 or base + n_expert > table.numel():
+        raise ValueError(f"decode_plan: layer base {base} + {n_expert} experts is past the table "
+                         f"({table.numel()} entries)")
+
+
+def decode_plan_reference(table: Tensor, base: int, ids: Tensor, n_expert: int
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """table int32 [L * X] (slot or -1), base = layer * X, ids int [K] -> (hit int32 [K], order int32 [K],
+    slot int32 [K], tile_start int32 [K]): order is k, slot the entry's slot (-1: not resident), tile k
+    starts at entry k where resident, else -1 (no tile)."""
+    _check(table, base, ids, n_expert)
+    slot = table[base + ids.long()]  # [K] int32
+    hit = slot >= 0
+    k = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
+    return hit.to(torch.int32), k, slot, torch.where(hit, k, torch.full_like(k, -1))
+
+
+def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, base, K, BLOCK: tl.constexpr):
+    # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START int32 [K]. One program, one lane an entry.
+    k = tl.arange(0, BLOCK)
+    live = k < K
+    expert = tl.load(IDS + k, mask=live, other=0).to(tl.int64)
+    slot = tl.load(TABLE + base + expert, mask=live, other=-1)
+    hit = slot >= 0
+    tl.store(HIT + k, hit.to(tl.int32), mask=live)
+    tl.store(ORDER + k, k, mask=live)
+    tl.store(SLOT + k, slot, mask=live)
+    tl.store(START + k, tl.where(hit, k, -1), mask=live)
+
+
+def decode_plan(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """decode_plan_reference in one launch (the same tensors); CUDA-graph capturable. hit: an int32 [K]
+    tensor to write the mask into (a graph's static buffer), else a new one."""
+    _check(table, base, ids, n_expert)
+    n = ids.numel()
+    if hit is None:
+        hit = torch.empty(n, dtype=torch.int32, device=ids.device)
+    elif hit.shape != (n,) or hit.dtype != torch.int32 or not hit.is_contiguous():
+        raise ValueError(f"decode_plan: hit must be a contiguous int32 [{n}] tensor")
+    order, slot, start = (torch.empty(n, dtype=torch.int32, device=ids.device) for _ in range(3))
+    _kernel()[(1,)](table, ids.contiguous(), hit, order, slot, start, base, n, BLOCK=next_pow2(n),
+                    num_warps=1)
+    return hit, order, slot, start
+
+
+@functools.cache
+def _kernel():
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    return triton.jit(_plan_body)

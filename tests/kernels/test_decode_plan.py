@@ -1,0 +1,77 @@
+"""One token's resident-entry plan (strata_ray/kernels/decode_plan.py): the torch twin's meaning, the kernel's
+tensors equal to it (Triton interpreter on CPU machines, compiled with -m gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.kernels.decode_plan import decode_plan, decode_plan_reference
+from strata_ray.kernels.tile_plan import plan_tiles_host
+from tests.kernels.triton_interpret import interpret
+
+HAS_CUDA = torch.cuda.is_available()
+N_LAYER, N_EXPERT = 3, 37
+
+
+def _table(seed: int, resident: float) -> torch.Tensor:
+    """[L * X] int32: each (layer, expert) a distinct slot with probability `resident`, else -1."""
+    g = torch.Generator().manual_seed(seed)
+    live = torch.rand(N_LAYER * N_EXPERT, generator=g) < resident
+    table = torch.full((N_LAYER * N_EXPERT,), -1, dtype=torch.int32)
+    table[live] = torch.randperm(int(live.sum()), generator=g).to(torch.int32)
+    return table
+
+
+def _cases():
+    for seed, resident, k in [(0, 0.5, 10), (1, 0.0, 10), (2, 1.0, 10), (3, 0.5, 1), (4, 0.3, 33)]:
+        g = torch.Generator().manual_seed(100 + seed)
+        yield _table(seed, resident), seed % N_LAYER, torch.randperm(N_EXPERT, generator=g)[:k]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_reference_tiles_are_the_resident_entries_of_plan_tiles(case):
+    """Its live tiles are plan_tiles' one-entry tiles (BT = 1) minus those of slot -1: the same (entry, slot)
+    pairs, so the expert kernels compute the same rows."""
+    table, layer, ids = list(_cases())[case]
+    hit, order, slot, start = decode_plan_reference(table, layer * N_EXPERT, ids, N_EXPERT)
+    want_slot = table[layer * N_EXPERT + ids]
+    assert torch.equal(hit, (want_slot >= 0).to(torch.int32))
+    got = {(int(order[s]), int(slot[s])) for s in start.tolist() if s >= 0}
+    h_order, h_slot, h_start = plan_tiles_host(np.where(want_slot >= 0, want_slot, -1), 1)
+    want = {(int(h_order[s]), int(h_slot[s])) for s in h_start if h_slot[s] >= 0}
+    assert got == want and len(got) == int(hit.sum())
+
+
+def test_bad_arguments():
+    table = _table(0, 0.5)
+    with pytest.raises(ValueError, match="past the table"):
+        decode_plan_reference(table, N_LAYER * N_EXPERT, torch.arange(3), N_EXPERT)
+    with pytest.raises(ValueError, match="int32"):
+        decode_plan_reference(table.long(), 0, torch.arange(3), N_EXPERT)
+    with pytest.raises(ValueError, match="one token"):
+        decode_plan_reference(table, 0, torch.arange(6).view(2, 3), N_EXPERT)
+
+
+def _kernel_cases(device):
+    for table, layer, ids in _cases():
+        table, ids = table.to(device), ids.to(device)
+        want = decode_plan_reference(table, layer * N_EXPERT, ids, N_EXPERT)
+        hit = torch.full((ids.numel(),), 7, dtype=torch.int32, device=device)  # poisoned: every lane written
+        got = decode_plan(table, layer * N_EXPERT, ids, N_EXPERT, hit=hit)
+        assert got[0] is hit
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+
+
+@interpret
+def test_interpreted_kernel_equals_reference():
+    pytest.importorskip("triton")
+    _kernel_cases("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_kernel_equals_reference():
+    _kernel_cases("cuda")
