@@ -29,10 +29,11 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
+from .expert_words import launch_words, words_supported
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
-VARIANTS = ("wide", "simple", "split")
+VARIANTS = ("wide", "simple", "split", "words")
 # "simple" decode tile tuning (bits do not depend on these): 32-blocks per unrolled step, warps.
 DECODE_UNROLL_MAX = 4
 DECODE_WARPS = 4
@@ -311,6 +312,10 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
     if variant == "split" and not use_dot and not is_float:  # decode tiles; prompt tiles stay simple
         _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated)
         return
+    if (variant == "words" and not use_dot and not is_float
+            and words_supported(mats[0][1], mats[1][1], k, bt)):  # else the simple tile (same bits)
+        launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)
+        return
     wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)
     (w1, t1), (w2, t2) = mats
     aq, ad, asum, af = act
@@ -365,7 +370,7 @@ def kernel_variant(variant: str | None = None) -> str:
     """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else "simple"."""
     v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or "simple"
     if v not in VARIANTS:
-        raise KernelError(f"unknown expert kernel variant {v!r} (wide or simple)")
+        raise KernelError(f"unknown expert kernel variant {v!r} ({', '.join(VARIANTS)})")
     return v
 
 

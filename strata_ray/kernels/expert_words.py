@@ -1,0 +1,160 @@
+"""The "words" decode tile: one token's expert rows with the weights read as 32-bit words, two blocks a word
+run. Same bits as the simple tile (and the CPU), for Q4_0 and Q8_0 layers; other shapes take the simple tile.
+
+The simple tile loads each weight byte of a 32-block with a byte load of its own (twice for Q4_0's two
+nibbles), at addresses 18 or 34 bytes apart from row to row, one block per loop step: on the H200 its
+launches read 4-7% of HBM bandwidth (session 8), waiting on each step's loads. A pair of blocks is a whole
+number of words (Q4_0 36 bytes = 9 words, Q8_0 68 = 17), so here a program loads its rows' blocks pair by
+pair as words, every chunk of CHUNK_PAIRS pairs of every step at once (the chunk loop is unrolled: no load
+waits for the sums), and unpacks bytes and nibbles in registers:
+
+    pair words (Q4_0):  w0 = [d0 d0 q q] w1..w3 = [q q q q] w4 = [q q d1 d1] w5..w8 = [q q q q]
+    block 0 = words 0..S, block 1 = words S+1..: S = 4 (Q4_0) or 8 (Q8_0)
+
+Each weight byte is multiplied by the activation code at its place in the block (gathered once a program
+from the token's codes, zero on the scale bytes), so a block's integer dot is the sum over its words: an
+exact integer, as in the contract (Q4_0's -8 offset comes back through the activation sum). The fp32 part is
+the simple tile's to the letter: term = float(dot) * (d * ad), added to the row's sum from 0.0 in block
+order (each term picked out of its chunk by a masked sum of zeros and itself: exact).
+
+Only one-token tiles (BT = 1: `tile_entries(1, "decode", ...)`): the decode step and the pipelined decode.
+Knobs in WORDS (bits do not depend on them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .contract import Q4_0, Q8_0
+from .triton_blocks import T_Q4_0, quant_blocks, swiglu
+
+# br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk
+WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=4)
+_OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
+_PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
+
+
+def words_supported(t1: int, t2: int, k: int, bt: int) -> bool:
+    """Whether the words tile serves a launch: one weight type of the two, Q4_0 or Q8_0, a whole number of
+    chunks a row, tiles of one entry."""
+    return bt == 1 and t1 == t2 and t1 in _PAIR and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0
+
+
+@triton.jit
+def _chunk_terms(wbase, c, AD, AS, dbase, alo, ahi,
+                 T: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr):
+    """The fp32 block terms of chunk c (NP pairs) of BR rows: (t0, t1) [BR, NP], blocks 2p and 2p + 1.
+    wbase int32 pointers [BR] to the rows' first word; alo / ahi int32 [NP, WPP, 4] the activation codes at
+    each byte's place (ahi: Q4_0's high nibbles)."""
+    p = c * NP + tl.arange(0, NP)  # [NP] pairs of this chunk
+    w = tl.arange(0, WPP)  # [WPP] words of a pair
+    ptrs = wbase[:, None, None] + (p * WP)[None, :, None] + w[None, None, :]  # [BR, NP, WPP]
+    words = tl.load(ptrs, mask=(w < WP)[None, None, :], other=0)
+    shift = (tl.arange(0, 4) * 8)[None, None, None, :]
+    byte = (words[:, :, :, None] >> shift) & 0xFF  # [BR, NP, WPP, 4]
+    if T == T_Q4_0:  # Q4_0: nibbles times the codes of values j and j + 16
+        prod = (byte & 0xF) * alo[None, :, :, :] + (byte >> 4) * ahi[None, :, :, :]
+    else:  # Q8_0: signed bytes
+        prod = (byte - ((byte & 0x80) << 1)) * alo[None, :, :, :]
+    per_word = tl.sum(prod, axis=3)  # [BR, NP, WPP] exact
+    first = (w <= S)[None, None, :]
+    dot0 = tl.sum(tl.where(first, per_word, 0), axis=2)  # [BR, NP]
+    dot1 = tl.sum(tl.where(first, 0, per_word), axis=2)
+    b0 = 2 * p  # [NP] block ids
+    if T == T_Q4_0:
+        dot0 = dot0 - 8 * tl.load(AS + dbase + b0)[None, :]
+        dot1 = dot1 - 8 * tl.load(AS + dbase + b0 + 1)[None, :]
+    d0 = tl.sum(tl.where((w == 0)[None, None, :], words & 0xFFFF, 0), axis=2)  # [BR, NP] f16 bits
+    d1 = tl.sum(tl.where((w == S)[None, None, :], (words >> 16) & 0xFFFF, 0), axis=2)
+    d0 = d0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    d1 = d1.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    t0 = dot0.to(tl.float32) * (d0 * tl.load(AD + dbase + b0)[None, :])
+    t1 = dot1.to(tl.float32) * (d1 * tl.load(AD + dbase + b0 + 1)[None, :])
+    return t0, t1
+
+
+@triton.jit
+def _act_codes(AQ, abase, c, NP: tl.constexpr, WPP: tl.constexpr, WP: tl.constexpr, BB: tl.constexpr,
+               DB: tl.constexpr, HI: tl.constexpr):
+    """int32 [NP, WPP, 4]: the activation code at each byte of chunk c's pairs (0 on scale and pad bytes);
+    HI: the code 16 places on (a Q4_0 byte's high nibble)."""
+    p = c * NP + tl.arange(0, NP)
+    w = tl.arange(0, WPP)
+    i = tl.arange(0, 4)
+    o = (w * 4)[:, None] + i[None, :]  # [WPP, 4] byte offset in the pair
+    blk = (o >= BB).to(tl.int32)
+    pos = o - 2 - BB * blk  # place in the block's data
+    ok = (pos >= 0) & (pos < DB) & (w < WP)[:, None]
+    idx = ((2 * p)[:, None, None] + blk[None, :, :]) * 32 + pos[None, :, :] + (16 if HI else 0)
+    return tl.load(AQ + abase + idx, mask=ok[None, :, :], other=0).to(tl.int32)
+
+
+@triton.jit
+def _pick(t, j, NP: tl.constexpr):
+    """Column j of t [BR, NP], exactly (the other columns add +0.0)."""
+    return tl.sum(tl.where((tl.arange(0, NP) == j)[None, :], t, 0.0), axis=1)
+
+
+@triton.jit
+def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1, W2, stride1, stride2,
+                         RB1, RB2, OUT, HQ, HD, HS, R, K, n_blocks,
+                         T: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, NP: tl.constexpr,
+                         N_CHUNKS: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr,
+                         BB: tl.constexpr, DB: tl.constexpr):
+    """BR rows of one entry's expert (tile of one entry): gated, h = swiglu(gate, up) requantized into HQ /
+    HD / HS; else the rows into OUT. Row byte strides RB and slot strides are multiples of 4 (words)."""
+    pid_r = tl.program_id(0)
+    start = tl.load(TILE_START + tl.program_id(1))
+    if start < 0:
+        return
+    slot = tl.load(SORTED_SLOT + start).to(tl.int64)
+    ent = tl.load(ORDER + start).to(tl.int64)
+    arow = tl.load(ACT_ROW + ent).to(tl.int64)
+    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
+    w1 = W1.to(tl.pointer_type(tl.int32)) + (slot * stride1 + rows.to(tl.int64) * RB1) // 4
+    w2 = W2.to(tl.pointer_type(tl.int32)) + (slot * stride2 + rows.to(tl.int64) * RB2) // 4
+    abase = arow * K
+    dbase = arow * n_blocks
+    acc1 = tl.zeros((BR,), tl.float32)
+    acc2 = tl.zeros((BR,), tl.float32)
+    for c in tl.static_range(N_CHUNKS):
+        alo = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, False)
+        if T == T_Q4_0:
+            ahi = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, True)
+        else:
+            ahi = alo
+        t0, t1 = _chunk_terms(w1, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S)
+        if GATED:
+            u0, u1 = _chunk_terms(w2, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S)
+        for j in tl.static_range(NP):  # blocks 2j, 2j + 1 of the chunk, in order
+            acc1 = acc1 + _pick(t0, j, NP)
+            acc1 = acc1 + _pick(t1, j, NP)
+            if GATED:
+                acc2 = acc2 + _pick(u0, j, NP)
+                acc2 = acc2 + _pick(u1, j, NP)
+    if GATED:
+        h = swiglu(acc1, acc2)  # [BR]
+        q, d, s = quant_blocks(tl.reshape(h, (BR // 32, 32)))
+        tl.store(HQ + ent * R + rows, tl.reshape(q, (BR,)))
+        cols = pid_r * (BR // 32) + tl.arange(0, BR // 32)
+        tl.store(HD + ent * (R // 32) + cols, d)
+        tl.store(HS + ent * (R // 32) + cols, s)
+    else:
+        tl.store(OUT + ent * R + rows, acc1)
+
+
+def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
+    """One launch of the words tile over the plan's one-entry tiles (words_supported must hold)."""
+    order, sorted_slot, tile_start, _ = plan
+    (w1, t), (w2, _) = mats
+    aq, ad, asum, _ = act
+    wp, wpp, s, bb, db = _PAIR[t]
+    n_blocks = k // 32
+    np_ = WORDS["chunk_pairs"]
+    br = row_tile(r, WORDS["gu_br"] if gated else WORDS["down_br"])
+    _expert_words_kernel[grid(r, br, tile_start)](
+        aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0), w2.stride(0),
+        w1.stride(1), w2.stride(1), out, hq, hd, hs, r, k, n_blocks,
+        T=t, GATED=gated, BR=br, NP=np_, N_CHUNKS=n_blocks // (2 * np_), WP=wp, WPP=wpp, S=s, BB=bb, DB=db,
+        num_warps=WORDS["gu_warps"] if gated else WORDS["down_warps"], **_OPTS)

@@ -1,0 +1,77 @@
+"""The words decode tile (strata_ray/kernels/expert_words.py) under Triton's CPU interpreter: one token's rows
+bit-identical to the numba rows for Q4_0 and Q8_0, one and several chunks a row, 1 to 33 entries; shapes it
+does not serve fall back to the simple tile, with the same bits (CI runs this on CPU machines with triton;
+the GPU run is tests/kernels/test_expert_gpu.py, -m gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.random_weights import random_layer
+from tests.kernels.triton_interpret import interpret
+
+N_EXPERT = 37
+
+
+def _layer(types: tuple[int, int, int], n_embd: int, n_ff: int) -> ExpertLayer:
+    rng = np.random.default_rng(sum(types) + n_embd + n_ff)
+    return random_layer(rng, N_EXPERT, n_embd, n_ff, types, from_floats=types[0] in (Q8_0, Q4_0))
+
+
+def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0) -> None:
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+    rng = np.random.default_rng(seed + n_ent)
+    x = (rng.standard_normal((n_tok, layer.n_embd)) * 2).astype(np.float32)
+    tok = (np.arange(n_ent) % n_tok).astype(np.int32)
+    exp = rng.permutation(N_EXPERT)[:n_ent].astype(np.int32) if n_ent <= N_EXPERT else \
+        rng.integers(0, N_EXPERT, n_ent).astype(np.int32)
+    want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
+    mats = (torch.from_numpy(np.ascontiguousarray(w)) for w in (layer.gate, layer.up, layer.down))
+    slots = ExpertLayer(*mats, layer.gate_type, layer.up_type, layer.down_type)
+    out = torch.full((n_ent, layer.n_embd), float("nan"))  # poisoned: every element must be written
+    got = expert_ffn_gpu(torch.from_numpy(x), torch.from_numpy(tok), torch.from_numpy(exp), slots,
+                         mode="decode", out=out, variant="words")
+    assert np.array_equal(got.numpy().view(np.int32), want), (n_tok, n_ent)
+
+
+def test_words_supported_shapes():
+    from strata_ray.kernels.expert_words import words_supported
+
+    assert words_supported(Q4_0, Q4_0, 2048, 1) and words_supported(Q8_0, Q8_0, 512, 1)
+    assert not words_supported(Q4_0, Q4_0, 2048, 2)  # tiles of several entries
+    assert not words_supported(Q4_0, Q8_0, 2048, 1)  # gate and up of two types
+    assert not words_supported(Q4_K, Q4_K, 2048, 1)
+    assert not words_supported(Q4_0, Q4_0, 96, 1)  # 3 blocks: not whole chunks
+
+
+@interpret
+@pytest.mark.parametrize("wtype", [Q4_0, Q8_0], ids=["Q4_0", "Q8_0"])
+@pytest.mark.parametrize(("n_embd", "n_ff", "n_ent"), [(256, 256, 1), (512, 256, 10), (256, 256, 33)])
+def test_words_rows_equal_cpu_rows(wtype, n_embd, n_ff, n_ent):
+    """256 values = one chunk of 4 pairs a row, 512 = two chunks (gate+up at 512: down has one); 33 entries
+    over 37 experts."""
+    _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent)
+
+
+@interpret
+def test_words_mixed_down_type_and_fallbacks():
+    """Q4_0 gate/up with a Q8_0 down (each launch its own type); a 3-block row and a 5-token launch take the
+    simple tile."""
+    _check(_layer((Q4_0, Q4_0, Q8_0), 256, 256), 1, 10)
+    _check(_layer((Q8_0, Q8_0, Q8_0), 96, 64), 1, 3)
+    _check(_layer((Q4_0, Q4_0, Q4_0), 256, 256), 5, 7)
+
+
+@interpret
+def test_words_knobs_give_the_same_bits(monkeypatch):
+    """One pair a chunk (8 chunks a row), 64-row programs."""
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 1, "gu_br": 64, "down_br": 64})
+    _check(_layer((Q4_0,) * 3, 256, 256), 1, 4)
+    _check(_layer((Q8_0,) * 3, 256, 256), 1, 4)
