@@ -57,7 +57,8 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
                          f"{dt * 1e3:.2f} ms", f"{gbs:.1f} GB/s"))
 
 
-EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum")  # profiler names
+# profiler names of the expert kernels
+EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words")
 
 
 def device_seconds(fn, reps: int) -> tuple[float, float]:
@@ -113,30 +114,39 @@ SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
     {"br": 16}, {"br": 64}, {"nb": 4}, {"nb": 16}, {"warps": 2}, {"warps": 8}, {"sum_br": 32},
     {"sum_br": 256, "sum_warps": 8},
 ]
+WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
+    {"chunk_pairs": 2}, {"chunk_pairs": 1}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
+    {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
+]
 
 
-def split_sweep(rows, x, calls, want, slots, wname, n_tok, nbytes, reps) -> None:
-    """Split decode tile tuning (SPLIT knobs one at a time); every setting must give the simple bits."""
+def knob_sweep(rows, variant, x, calls, want, slots, wname, n_tok, nbytes, reps) -> None:
+    """Decode tile tuning for the split or words variant (its knobs one set at a time over the defaults);
+    every setting must give the simple bits."""
     import torch
 
     import strata_ray.kernels.expert_gpu as eg
+    import strata_ray.kernels.expert_words as ew
+
+    knobs_now, sweep = {"split": (eg.SPLIT, SPLIT_SWEEP), "words": (ew.WORDS, WORDS_SWEEP)}[variant]
 
     def run_all():
-        return [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant="split") for t, s_ in calls]
+        return [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant) for t, s_ in calls]
 
-    base = dict(eg.SPLIT)
+    base = dict(knobs_now)
     try:
-        for knobs in SPLIT_SWEEP:
-            eg.SPLIT.update(base, **knobs)  # one knob set at a time over the defaults
+        for knobs in sweep:
+            knobs_now.update(base, **knobs)
             got = run_all()
             same = all(map(torch.equal, got, want))
             _, kern_s = device_seconds(run_all, reps)
             dt = kern_s / len(calls)
             label = ", ".join(f"{k}={v}" for k, v in knobs.items())
-            rows.append(("gpu decode sweep (split)", wname, f"{n_tok} tok; {label}", f"{dt * 1e6:.1f} us",
+            rows.append((f"gpu decode sweep ({variant})", wname, f"{n_tok} tok; {label}",
+                         f"{dt * 1e6:.1f} us",
                          f"{nbytes / dt / 1e9:.0f} GB/s, {'bits same' if same else 'BITS DIFFER'}"))
     finally:
-        eg.SPLIT.update(base)
+        knobs_now.update(base)
 
 
 def _calls(rng, n_slots, n_tok, dev):
@@ -265,8 +275,11 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                              f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
                              f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
                              f"{gbs:.0f} GB/s ({pct:.0f}% of copy), {bits}"))
-                if sweeps and variant == "split" and n_tok in (1, 8) and wtype in (Q4_0, Q8_0):
-                    split_sweep(rows, x, calls, want, slots, type_name(wtype), n_tok, experts * per, reps)
+                # the words tile serves one token (more take the simple tile)
+                sweep_toks = {"split": (1, 8), "words": (1,)}.get(variant, ())
+                if sweeps and n_tok in sweep_toks and wtype in (Q4_0, Q8_0):
+                    knob_sweep(rows, variant, x, calls, want, slots, type_name(wtype), n_tok, experts * per,
+                               reps)
         if sweeps and wtype in (Q4_0, Q8_0) and "wide" in variants:
             decode_sweep(rows, slots, type_name(wtype), per, rng, n_slots, quick)
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
@@ -276,7 +289,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         slot = torch.stack([torch.randperm(n_slots, device=dev)[:TOP_K] for _ in range(n_tok)]).reshape(-1)
         slot = slot.to(torch.int32)
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
-        for variant in [v for v in variants if v != "split"]:  # split's prompt tiles are simple's
+        for variant in [v for v in variants if v not in ("split", "words")]:  # their prompt tiles: simple's
             expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant)
             _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
                                                      variant=variant), 3 if quick else 10)
@@ -337,9 +350,9 @@ def main() -> None:
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
     ap.add_argument("--variants", default="simple,wide,split",
-                    help="GPU kernel variants to time (comma-separated: simple, wide, split)")
+                    help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     args = ap.parse_args()
     if args.graph_probe:
         graph_probe(args.graph_probe)
