@@ -22,7 +22,7 @@ def _layer(types: tuple[int, int, int], n_embd: int, n_ff: int) -> ExpertLayer:
     return random_layer(rng, N_EXPERT, n_embd, n_ff, types, from_floats=types[0] in (Q8_0, Q4_0))
 
 
-def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0) -> None:
+def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0, device: str = "cpu") -> None:
     from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
     rng = np.random.default_rng(seed + n_ent)
@@ -31,12 +31,12 @@ def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0) -> None:
     exp = rng.permutation(N_EXPERT)[:n_ent].astype(np.int32) if n_ent <= N_EXPERT else \
         rng.integers(0, N_EXPERT, n_ent).astype(np.int32)
     want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
-    mats = (torch.from_numpy(np.ascontiguousarray(w)) for w in (layer.gate, layer.up, layer.down))
+    mats = (torch.from_numpy(np.ascontiguousarray(w)).to(device) for w in (layer.gate, layer.up, layer.down))
     slots = ExpertLayer(*mats, layer.gate_type, layer.up_type, layer.down_type)
-    out = torch.full((n_ent, layer.n_embd), float("nan"))  # poisoned: every element must be written
-    got = expert_ffn_gpu(torch.from_numpy(x), torch.from_numpy(tok), torch.from_numpy(exp), slots,
+    out = torch.full((n_ent, layer.n_embd), float("nan"), device=device)  # poisoned: every element written
+    got = expert_ffn_gpu(*(torch.from_numpy(a).to(device) for a in (x, tok, exp)), slots,
                          mode="decode", out=out, variant="words")
-    assert np.array_equal(got.numpy().view(np.int32), want), (n_tok, n_ent)
+    assert np.array_equal(got.cpu().numpy().view(np.int32), want), (n_tok, n_ent)
 
 
 def test_words_supported_shapes():
@@ -75,3 +75,17 @@ def test_words_knobs_give_the_same_bits(monkeypatch):
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 1, "gu_br": 64, "down_br": 64})
     _check(_layer((Q4_0,) * 3, 256, 256), 1, 4)
     _check(_layer((Q8_0,) * 3, 256, 256), 1, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("wtype", [Q4_0, Q8_0], ids=["Q4_0", "Q8_0"])
+def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
+    """The compiled tile at the 80b-a3b's widths (2048 / 512) and the test sizes, with its knob extremes."""
+    import strata_ray.kernels.expert_words as ew
+
+    for n_embd, n_ff, n_ent in [(2048, 512, 10), (256, 256, 1), (512, 256, 33)]:
+        _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent, device="cuda")
+    _check(_layer((Q4_0, Q4_0, Q8_0), 256, 256), 1, 10, device="cuda")
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 1, "gu_br": 64, "down_br": 16})
+    _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
