@@ -117,6 +117,7 @@ SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
 WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"chunk_pairs": 2}, {"chunk_pairs": 1}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
     {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
+    {"dp4a": False},
 ]
 
 

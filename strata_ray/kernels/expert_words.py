@@ -23,14 +23,18 @@ Knobs in WORDS (bits do not depend on them).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from .contract import Q4_0, Q8_0
 from .triton_blocks import T_Q4_0, quant_blocks, swiglu
 
-# br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk
-WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=4)
+# br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
+# dp4a: a word's products by the dp4a instruction (inline PTX: not under the Triton interpreter, which runs
+# the plain products, the same integers)
+WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=4, dp4a=True)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -42,22 +46,43 @@ def words_supported(t1: int, t2: int, k: int, bt: int) -> bool:
 
 
 @triton.jit
+def _dp4a(a, b, c, SIGNED: tl.constexpr):
+    """c + the dot of a's and b's 4 bytes (b signed; a signed or unsigned): one dp4a, exact."""
+    b = tl.broadcast_to(b, a.shape)
+    if SIGNED:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _chunk_terms(wbase, c, AD, AS, dbase, alo, ahi,
-                 T: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr):
+                 T: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr,
+                 DP4A: tl.constexpr):
     """The fp32 block terms of chunk c (NP pairs) of BR rows: (t0, t1) [BR, NP], blocks 2p and 2p + 1.
-    wbase int32 pointers [BR] to the rows' first word; alo / ahi int32 [NP, WPP, 4] the activation codes at
-    each byte's place (ahi: Q4_0's high nibbles)."""
+    wbase int32 pointers [BR] to the rows' first word; alo / ahi the activation codes at each byte's place
+    (ahi: Q4_0's high nibbles), int32 [NP, WPP, 4], or with DP4A packed four bytes a word [NP, WPP]."""
     p = c * NP + tl.arange(0, NP)  # [NP] pairs of this chunk
     w = tl.arange(0, WPP)  # [WPP] words of a pair
     ptrs = wbase[:, None, None] + (p * WP)[None, :, None] + w[None, None, :]  # [BR, NP, WPP]
     words = tl.load(ptrs, mask=(w < WP)[None, None, :], other=0)
-    shift = (tl.arange(0, 4) * 8)[None, None, None, :]
-    byte = (words[:, :, :, None] >> shift) & 0xFF  # [BR, NP, WPP, 4]
-    if T == T_Q4_0:  # Q4_0: nibbles times the codes of values j and j + 16
-        prod = (byte & 0xF) * alo[None, :, :, :] + (byte >> 4) * ahi[None, :, :, :]
-    else:  # Q8_0: signed bytes
-        prod = (byte - ((byte & 0x80) << 1)) * alo[None, :, :, :]
-    per_word = tl.sum(prod, axis=3)  # [BR, NP, WPP] exact
+    if DP4A:  # a word's 4 (Q8_0) or 8 (Q4_0) products in one or two instructions
+        zero = tl.zeros(words.shape, tl.int32)
+        if T == T_Q4_0:
+            per_word = _dp4a(words & 0x0F0F0F0F, alo[None, :, :], zero, False)
+            per_word = _dp4a((words >> 4) & 0x0F0F0F0F, ahi[None, :, :], per_word, False)
+        else:
+            per_word = _dp4a(words, alo[None, :, :], zero, True)
+    else:
+        shift = (tl.arange(0, 4) * 8)[None, None, None, :]
+        byte = (words[:, :, :, None] >> shift) & 0xFF  # [BR, NP, WPP, 4]
+        if T == T_Q4_0:  # Q4_0: nibbles times the codes of values j and j + 16
+            prod = (byte & 0xF) * alo[None, :, :, :] + (byte >> 4) * ahi[None, :, :, :]
+        else:  # Q8_0: signed bytes
+            prod = (byte - ((byte & 0x80) << 1)) * alo[None, :, :, :]
+        per_word = tl.sum(prod, axis=3)  # [BR, NP, WPP] exact
     first = (w <= S)[None, None, :]
     dot0 = tl.sum(tl.where(first, per_word, 0), axis=2)  # [BR, NP]
     dot1 = tl.sum(tl.where(first, 0, per_word), axis=2)
@@ -76,9 +101,10 @@ def _chunk_terms(wbase, c, AD, AS, dbase, alo, ahi,
 
 @triton.jit
 def _act_codes(AQ, abase, c, NP: tl.constexpr, WPP: tl.constexpr, WP: tl.constexpr, BB: tl.constexpr,
-               DB: tl.constexpr, HI: tl.constexpr):
+               DB: tl.constexpr, HI: tl.constexpr, PACK: tl.constexpr):
     """int32 [NP, WPP, 4]: the activation code at each byte of chunk c's pairs (0 on scale and pad bytes);
-    HI: the code 16 places on (a Q4_0 byte's high nibble)."""
+    HI: the code 16 places on (a Q4_0 byte's high nibble); PACK: the four codes of a word as its bytes,
+    int32 [NP, WPP] (dp4a's operand)."""
     p = c * NP + tl.arange(0, NP)
     w = tl.arange(0, WPP)
     i = tl.arange(0, 4)
@@ -87,7 +113,11 @@ def _act_codes(AQ, abase, c, NP: tl.constexpr, WPP: tl.constexpr, WP: tl.constex
     pos = o - 2 - BB * blk  # place in the block's data
     ok = (pos >= 0) & (pos < DB) & (w < WP)[:, None]
     idx = ((2 * p)[:, None, None] + blk[None, :, :]) * 32 + pos[None, :, :] + (16 if HI else 0)
-    return tl.load(AQ + abase + idx, mask=ok[None, :, :], other=0).to(tl.int32)
+    codes = tl.load(AQ + abase + idx, mask=ok[None, :, :], other=0).to(tl.int32)
+    if PACK:  # disjoint bytes: the sum is the packed word
+        return tl.sum((codes & 0xFF) << (i * 8)[None, None, :], axis=2)
+    else:
+        return codes
 
 
 @triton.jit
@@ -101,7 +131,7 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
                          RB1, RB2, OUT, HQ, HD, HS, R, K, n_blocks,
                          T: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, NP: tl.constexpr,
                          N_CHUNKS: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr,
-                         BB: tl.constexpr, DB: tl.constexpr):
+                         BB: tl.constexpr, DB: tl.constexpr, DP4A: tl.constexpr):
     """BR rows of one entry's expert (tile of one entry): gated, h = swiglu(gate, up) requantized into HQ /
     HD / HS; else the rows into OUT. Row byte strides RB and slot strides are multiples of 4 (words)."""
     pid_r = tl.program_id(0)
@@ -119,14 +149,14 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
     acc1 = tl.zeros((BR,), tl.float32)
     acc2 = tl.zeros((BR,), tl.float32)
     for c in tl.static_range(N_CHUNKS):
-        alo = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, False)
+        alo = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, False, DP4A)
         if T == T_Q4_0:
-            ahi = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, True)
+            ahi = _act_codes(AQ, abase, c, NP, WPP, WP, BB, DB, True, DP4A)
         else:
             ahi = alo
-        t0, t1 = _chunk_terms(w1, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S)
+        t0, t1 = _chunk_terms(w1, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S, DP4A)
         if GATED:
-            u0, u1 = _chunk_terms(w2, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S)
+            u0, u1 = _chunk_terms(w2, c, AD, AS, dbase, alo, ahi, T, NP, WP, WPP, S, DP4A)
         for j in tl.static_range(NP):  # blocks 2j, 2j + 1 of the chunk, in order
             acc1 = acc1 + _pick(t0, j, NP)
             acc1 = acc1 + _pick(t1, j, NP)
@@ -157,4 +187,5 @@ def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_til
         aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0), w2.stride(0),
         w1.stride(1), w2.stride(1), out, hq, hd, hs, r, k, n_blocks,
         T=t, GATED=gated, BR=br, NP=np_, N_CHUNKS=n_blocks // (2 * np_), WP=wp, WPP=wpp, S=s, BB=bb, DB=db,
+        DP4A=WORDS["dp4a"] and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=WORDS["gu_warps"] if gated else WORDS["down_warps"], **_OPTS)
