@@ -212,7 +212,7 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
-              variants=("simple", "wide", "split")) -> dict:
+              variants=("simple", "wide", "split"), tokens=(1, 2, 4, 8), prompt: bool = True) -> dict:
     import torch
 
     from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
@@ -243,7 +243,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                             wtype, wtype, wtype)
         per = expert_bytes(host)
         del host
-        for n_tok in (1, 2, 4, 8):
+        for n_tok in tokens:
             # 8 entry sets over different experts, run round-robin so L2 (50 MB) cannot serve them.
             calls, n_exp = [], []
             x = torch.randn(n_tok, E, device=dev)
@@ -283,6 +283,10 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                                reps)
         if sweeps and wtype in (Q4_0, Q8_0) and "wide" in variants:
             decode_sweep(rows, slots, type_name(wtype), per, rng, n_slots, quick)
+        if not prompt:
+            del slots
+            torch.cuda.empty_cache()
+            continue
         # Prompt chunk: 4096 tokens x top-10 over all slots (about 160 entries per expert).
         n_tok = 1024 if quick else 4096
         x = torch.randn(n_tok, E, device=dev)
@@ -354,7 +358,15 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
     ap.add_argument("--variants", default="simple,wide,split",
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
+    ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
+    ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
     args = ap.parse_args()
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+    except ValueError:
+        ap.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
+    if not all(1 <= t <= 8 for t in tokens):
+        ap.error(f"--tokens: decode launches are 1 to 8 tokens, got {args.tokens!r}")
     if args.graph_probe:
         graph_probe(args.graph_probe)
         return
@@ -378,7 +390,8 @@ def main() -> None:
                                f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
         types = tuple({"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K}[t] for t in args.types.split(","))
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
-                         sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")))
+                         sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")), tokens=tokens,
+                         prompt=not args.no_prompt)
     bench_cpu(rows, pool, args.quick)
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "
