@@ -258,8 +258,11 @@ def main() -> None:
         used = total - free
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
+    # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
+    variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
-                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8)
+                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
+                       kernel_variant=variant)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from strata_ray.kernels.contract import KERNEL_VARIANTS
+
 DEFAULT_MODEL_NAME = "strata-tiny-next"
 PREFILL_MAX = 8192
 PREFILL_ALIGN = 64  # GDN chunks are aligned to absolute positions, so prompt chunks are multiples of 64
@@ -81,7 +83,8 @@ class EngineConfig:
     # STRATA_ARENA_PIN_GIB (env only): cap on the pinned host store; None = auto (on CUDA: as much as the
     # host's available memory allows, experts.build.auto_pin_gib), 0 = none
     arena_pin_gib: float | None = None
-    kernel_variant: str = "simple"  # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, same bits
+    # STRATA_KERNEL_VARIANT (env only): GPU expert kernels, all with the same bits
+    kernel_variant: str = KERNEL_VARIANTS[0]
     decode_graphs: bool = True  # STRATA_DECODE_GRAPHS=0 (env only): one-token forwards without CUDA graphs
     ring_overlap: bool = True  # STRATA_RING_OVERLAP=0 (env only): prompt ring copies on the compute stream
     # STRATA_DECODE_CPU_THREAD=1 (env only): on CUDA a helper thread computes a decode layer's CPU rows
@@ -357,7 +360,7 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
         values["arena_pin_gib"] = parse_value(float_range(0.0, 1e6), env["STRATA_ARENA_PIN_GIB"],
                                               "STRATA_ARENA_PIN_GIB")
     if env.get("STRATA_KERNEL_VARIANT", "") != "":
-        values["kernel_variant"] = parse_value(_choice("wide", "simple", "split"),
+        values["kernel_variant"] = parse_value(_choice(*KERNEL_VARIANTS),
                                                env["STRATA_KERNEL_VARIANT"], "STRATA_KERNEL_VARIANT")
     if env.get("STRATA_DECODE_GRAPHS", "") != "":
         values["decode_graphs"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_GRAPHS"],

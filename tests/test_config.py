@@ -199,11 +199,12 @@ def test_cli_help_exits_0():
 
 def test_kernel_variant_is_an_env_switch_carried_by_the_config():
     """Actors never read the environment: STRATA_KERNEL_VARIANT reaches the kernels through EngineConfig."""
-    assert config([]).kernel_variant == "simple"  # the variant proven on the H200
+    assert config([]).kernel_variant == "words"  # one-token Q4_0/Q8_0 decode tiles; else the simple ones
     assert config([], {"STRATA_KERNEL_VARIANT": "wide"}).kernel_variant == "wide"
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_KERNEL_VARIANT": "fast"})
-    assert str(e.value) == "STRATA_KERNEL_VARIANT: invalid value 'fast' (allowed: wide or simple or split)"
+    want = "STRATA_KERNEL_VARIANT: invalid value 'fast' (allowed: words or simple or wide or split)"
+    assert str(e.value) == want
 
 
 def test_decode_graphs_are_on_by_default_and_an_env_switch():

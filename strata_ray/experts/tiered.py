@@ -117,13 +117,13 @@ class TieredExperts:
         pool: CpuPool | None = None,
         rounds=None,
         prior: Profile | None = None,
-        kernel_variant: str = "simple",
+        kernel_variant: str = "words",
         ring_overlap: bool = False,
         decode_cpu_thread: bool = False,
         decode_pipeline: bool = False,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
-        self.kernel_variant = kernel_variant  # GPU expert kernels: "simple" or "wide" (same bits)
+        self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
         self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
         # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
         self.decode_cpu_thread = decode_cpu_thread

@@ -63,6 +63,8 @@ from dataclasses import dataclass
 import numpy as np
 
 QK = 32  # activation block (values)
+# GPU expert kernel variants (STRATA_KERNEL_VARIANT), all giving the same bits; the first is the default
+KERNEL_VARIANTS = ("words", "simple", "wide", "split")
 DECODE_MAX_TOKENS = 8  # a launch of at most this many tokens is a decode/verify window (GEMV-like tiles)
 
 # GGML type ids (gguf.GGMLQuantizationType values), named by GGUF type name.

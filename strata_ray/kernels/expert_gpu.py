@@ -9,15 +9,17 @@ BR output rows of one tile, so a slot's weight rows are read once per tile.
 Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, several 32-blocks
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 
-Two kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument):
+Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
+- "words" (default): one-token decode launches of Q4_0/Q8_0 layers take the words tile (expert_words.py:
+  weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on the H200
+  (session 9); every other launch is the simple one's.
+- "simple": the first kernels (one 32-block per step), proven bit-identical to the CPU on the H200.
 - "wide": decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
   chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out
   of one reduction and only the fp32 terms are added one block at a time, in block order. The
   prompt tiles are larger, and int->float uses an exact magic-number conversion.
-- "simple" (default): the first kernels (one 32-block per step). They are the default because they are
-  the ones proven bit-identical to the CPU on the H200; "wide" passed the bitwise checks only under
-  Triton's CPU interpreter so far and becomes the default once `pytest -m gpu` and the benchmark have
-  run it on a GPU (docs/BENCHMARKS.md, Kernels).
+- "split": decode tiles in two passes, block terms then ordered sums (_expert_terms_kernel,
+  _expert_sum_kernel).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import DECODE_MAX_TOKENS, QK, ExpertLayer, KernelError
+from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
 from .expert_words import launch_words, words_supported
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, swiglu
 from .triton_chunks import mm_chunked
 
-VARIANTS = ("wide", "simple", "split", "words")
+VARIANTS = KERNEL_VARIANTS
 # "simple" decode tile tuning (bits do not depend on these): 32-blocks per unrolled step, warps.
 DECODE_UNROLL_MAX = 4
 DECODE_WARPS = 4
@@ -367,8 +369,8 @@ def _grid(r: int, br: int, tile_start: torch.Tensor) -> tuple[int, int]:
 
 
 def kernel_variant(variant: str | None = None) -> str:
-    """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else "simple"."""
-    v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or "simple"
+    """The kernel variant to use: the argument, else STRATA_KERNEL_VARIANT, else the default (words)."""
+    v = variant or os.environ.get("STRATA_KERNEL_VARIANT") or VARIANTS[0]
     if v not in VARIANTS:
         raise KernelError(f"unknown expert kernel variant {v!r} ({', '.join(VARIANTS)})")
     return v
@@ -382,7 +384,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
     mode: "decode", "prompt" or "auto" (decode when N <= 8). Both give the same bits.
     out: optional f32 [M, E] to write the rows into (every element is written).
-    variant: "wide" or "simple" kernels (default: STRATA_KERNEL_VARIANT, else "simple"); same bits.
+    variant: one of VARIANTS (default: STRATA_KERNEL_VARIANT, else "words"); same bits.
     plan: (order, sorted_slot, tile_start) int32 cuda tensors from `plan_tiles_host(slot,
     tile_entries(N, mode, variant, is_float))`, to skip planning on the device (about 15 small launches).
     """

@@ -34,7 +34,7 @@ from .triton_blocks import T_Q4_0, quant_blocks, swiglu
 # br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
 # dp4a: a word's products by the dp4a instruction (inline PTX: not under the Triton interpreter, which runs
 # the plain products, the same integers)
-WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=4, dp4a=True)
+WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
