@@ -115,7 +115,7 @@ SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
     {"sum_br": 256, "sum_warps": 8},
 ]
 WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
-    {"chunk_pairs": 2}, {"chunk_pairs": 1}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
+    {"chunk_pairs": 2}, {"chunk_pairs": 4}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
     {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
     {"dp4a": False},
 ]
@@ -215,8 +215,10 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
               variants=("simple", "wide", "split"), tokens=(1, 2, 4, 8), prompt: bool = True) -> dict:
     import torch
 
+    import strata_ray.kernels.expert_words as ew
     from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
 
+    ew.WORDS["types"] = (Q4_0, Q8_0)  # the opt-in Q8_0 words tile is measured too (bits checked)
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"bench_kernels: unknown variant(s) {', '.join(unknown)} (of {', '.join(VARIANTS)})")

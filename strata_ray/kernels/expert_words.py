@@ -1,5 +1,6 @@
 """The "words" decode tile: one token's expert rows with the weights read as 32-bit words, two blocks a word
-run. Same bits as the simple tile (and the CPU), for Q4_0 and Q8_0 layers; other shapes take the simple tile.
+run. Same bits as the simple tile (and the CPU), for Q4_0 and (opt-in, WORDS["types"]) Q8_0 layers; other
+shapes take the simple tile.
 
 The simple tile loads each weight byte of a 32-block with a byte load of its own (twice for Q4_0's two
 nibbles), at addresses 18 or 34 bytes apart from row to row, one block per loop step: on the H200 its
@@ -33,16 +34,19 @@ from .triton_blocks import T_Q4_0, quant_blocks, swiglu
 
 # br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
 # dp4a: a word's products by the dp4a instruction (inline PTX: not under the Triton interpreter, which runs
-# the plain products, the same integers)
-WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True)
+# the plain products, the same integers); types: the weight types the tile serves. Q8_0 is opt-in: its
+# plain products gave the CPU's bits on the H200 (session 9, call 2) but neither its speed nor its dp4a
+# form has been measured there yet.
+WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,))
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
 
 def words_supported(t1: int, t2: int, k: int, bt: int) -> bool:
-    """Whether the words tile serves a launch: one weight type of the two, Q4_0 or Q8_0, a whole number of
-    chunks a row, tiles of one entry."""
-    return bt == 1 and t1 == t2 and t1 in _PAIR and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0
+    """Whether the words tile serves a launch: one weight type of the two, in WORDS["types"] (Q4_0, and
+    Q8_0 when added), a whole number of chunks a row, tiles of one entry."""
+    return (bt == 1 and t1 == t2 and t1 in _PAIR and t1 in WORDS["types"]
+            and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0)
 
 
 @triton.jit

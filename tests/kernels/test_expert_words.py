@@ -17,6 +17,14 @@ from tests.kernels.triton_interpret import interpret
 N_EXPERT = 37
 
 
+@pytest.fixture(autouse=True)
+def _q8_0_words(monkeypatch):
+    """Q8_0 is opt-in for the tile (WORDS["types"]): these tests check its bits too."""
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setitem(ew.WORDS, "types", (Q4_0, Q8_0))
+
+
 def _layer(types: tuple[int, int, int], n_embd: int, n_ff: int) -> ExpertLayer:
     rng = np.random.default_rng(sum(types) + n_embd + n_ff)
     return random_layer(rng, N_EXPERT, n_embd, n_ff, types, from_floats=types[0] in (Q8_0, Q4_0))
@@ -39,7 +47,8 @@ def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0, device: st
     assert np.array_equal(got.cpu().numpy().view(np.int32), want), (n_tok, n_ent)
 
 
-def test_words_supported_shapes():
+def test_words_supported_shapes(monkeypatch):
+    import strata_ray.kernels.expert_words as ew
     from strata_ray.kernels.expert_words import words_supported
 
     assert words_supported(Q4_0, Q4_0, 2048, 1) and words_supported(Q8_0, Q8_0, 512, 1)
@@ -47,14 +56,16 @@ def test_words_supported_shapes():
     assert not words_supported(Q4_0, Q8_0, 2048, 1)  # gate and up of two types
     assert not words_supported(Q4_K, Q4_K, 2048, 1)
     assert not words_supported(Q4_0, Q4_0, 96, 1)  # 3 blocks: not whole chunks
+    monkeypatch.setitem(ew.WORDS, "types", (Q4_0,))  # the default: Q8_0 takes the simple tile
+    assert words_supported(Q4_0, Q4_0, 2048, 1) and not words_supported(Q8_0, Q8_0, 512, 1)
 
 
 @interpret
-@pytest.mark.parametrize("wtype", [Q4_0, Q8_0], ids=["Q4_0", "Q8_0"])
-@pytest.mark.parametrize(("n_embd", "n_ff", "n_ent"), [(256, 256, 1), (512, 256, 10), (256, 256, 33)])
+@pytest.mark.parametrize(("wtype", "n_embd", "n_ff", "n_ent"), [
+    (Q4_0, 256, 256, 1), (Q4_0, 512, 128, 10), (Q4_0, 256, 64, 33), (Q8_0, 256, 256, 1), (Q8_0, 512, 128, 5),
+], ids=["Q4_0-1", "Q4_0-512-10", "Q4_0-33", "Q8_0-1", "Q8_0-512-5"])
 def test_words_rows_equal_cpu_rows(wtype, n_embd, n_ff, n_ent):
-    """256 values = one chunk of 4 pairs a row, 512 = two chunks (gate+up at 512: down has one); 33 entries
-    over 37 experts."""
+    """256 values = 4 pairs a row, 512 = 8; 64 = one pair (a 64-wide down); 33 entries over 37 experts."""
     _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent)
 
 
@@ -69,10 +80,10 @@ def test_words_mixed_down_type_and_fallbacks():
 
 @interpret
 def test_words_knobs_give_the_same_bits(monkeypatch):
-    """One pair a chunk (8 chunks a row), 64-row programs."""
+    """Two pairs a chunk (2 chunks a row at 256 values), 64-row programs."""
     import strata_ray.kernels.expert_words as ew
 
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 1, "gu_br": 64, "down_br": 64})
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 2, "gu_br": 64, "down_br": 64})
     _check(_layer((Q4_0,) * 3, 256, 256), 1, 4)
     _check(_layer((Q8_0,) * 3, 256, 256), 1, 4)
 
@@ -87,5 +98,5 @@ def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
     for n_embd, n_ff, n_ent in [(2048, 512, 10), (256, 256, 1), (512, 256, 33)]:
         _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent, device="cuda")
     _check(_layer((Q4_0, Q4_0, Q8_0), 256, 256), 1, 10, device="cuda")
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 1, "gu_br": 64, "down_br": 16})
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 4, "gu_br": 64, "down_br": 16})
     _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
