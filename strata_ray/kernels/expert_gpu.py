@@ -10,9 +10,9 @@ Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, s
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 
 Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
-- "words" (default): one-token decode launches of Q4_0/Q8_0 layers take the words tile (expert_words.py:
-  weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on the H200
-  (session 9); every other launch is the simple one's.
+- "words" (default): one-token decode launches of Q4_0 layers (Q8_0: opt-in) take the words tile
+  (expert_words.py: weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on
+  the H200 (session 9); every other launch is the simple one's.
 - "simple": the first kernels (one 32-block per step), proven bit-identical to the CPU on the H200.
 - "wide": decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
   chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out
