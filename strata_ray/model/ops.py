@@ -15,7 +15,15 @@ from strata_ray.kernels.attention_decode import attention_decode, attention_deco
 from strata_ray.kernels.fused_small import fused_enabled, rms_norm_fused
 
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
-GDN_GROUP = 16  # chunks whose state-free part runs in one launch (always this many: fixed shapes)
+# chunks whose state-free part runs in one launch (always this many on a device: fixed shapes). 16 on CUDA
+# (a 4096-token layer: ~600 launches instead of ~1,600); 4 on CPUs, where the bits are the same and 16 was
+# 10-25% slower on the 2-core VM (session 9: T = 1024-4096, 4-16 heads)
+GDN_GROUP = 16
+GDN_GROUP_CPU = 4
+
+
+def gdn_group(device: torch.device) -> int:
+    return GDN_GROUP if device.type == "cuda" else GDN_GROUP_CPU
 
 
 def linear(x: Tensor, w) -> Tensor:
@@ -255,21 +263,22 @@ def gdn_chunked(
 
     Chunks start at token 0 of this call; the tail is padded with identity steps (g = 0, beta = 0, k = 0),
     which change neither the state nor the earlier outputs. What does not depend on the state (the WY solve,
-    the decays, the intra-chunk products) runs for GDN_GROUP chunks at once, always in groups of exactly
-    that many (padded with identity chunks), so every launch has one shape and a chunk's result does not
-    depend on how many chunks share the call; then the state passes through the chunks in order, four
+    the decays, the intra-chunk products) runs for gdn_group(device) chunks at once, always in groups of
+    exactly that many (padded with identity chunks), so every launch has one shape and a chunk's result does
+    not depend on how many chunks share the call; then the state passes through the chunks in order, four
     products each (a 4096-token prompt: ~600 launches a layer instead of ~1,600).
     """
     T = q.shape[0]
+    group = gdn_group(q.device)
     n = -(-T // chunk)  # chunks holding tokens
-    n_pad = -(-n // GDN_GROUP) * GDN_GROUP
+    n_pad = -(-n // group) * group
     pad = n_pad * chunk - T
     H = q.shape[1]
 
-    def grouped(x: Tensor) -> Tensor:  # [T, H, ...] -> [groups, H, GDN_GROUP, chunk, ...], contiguous
+    def grouped(x: Tensor) -> Tensor:  # [T, H, ...] -> [groups, H, group, chunk, ...], contiguous
         x = x.movedim(0, 1)
         x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
-        x = x.reshape(H, n_pad // GDN_GROUP, GDN_GROUP, chunk, *x.shape[2:])
+        x = x.reshape(H, n_pad // group, group, chunk, *x.shape[2:])
         return x.movedim(1, 0).contiguous()
 
     if T == 0:
@@ -278,7 +287,7 @@ def gdn_chunked(
     outs = []
     for gi in range(q.shape[0]):
         parts = _gdn_group(q[gi], k[gi], v[gi], g[gi], beta[gi])
-        for c in range(min(GDN_GROUP, n - gi * GDN_GROUP)):
+        for c in range(min(group, n - gi * group)):
             o, S = _gdn_chunk_step(*(t[:, c] for t in parts), S)
             outs.append(o)
     o = torch.cat(outs, dim=1)[:, :T]  # [H, T, dv]

@@ -31,6 +31,19 @@ def test_chunked_equals_recurrent(T):
     torch.testing.assert_close(S_c, S_r, atol=2e-5, rtol=1e-4)
 
 
+def test_chunk_groups_do_not_change_the_bits(monkeypatch):
+    """The CPU's group size (GDN_GROUP_CPU) is a speed knob: 16, 4 and 1 chunks a group give the same bits,
+    at 33 (one partial chunk), 222 and 1100 tokens (groups of 16 padded with identity chunks)."""
+    for T in (33, 222, 1100):
+        args = _inputs(T, seed=T)
+        got = []
+        for group in (16, 4, 1):
+            monkeypatch.setattr(ops, "GDN_GROUP_CPU", group)
+            got.append(ops.gdn_chunked(*args))
+        for o, S in got[1:]:
+            assert torch.equal(o, got[0][0]) and torch.equal(S, got[0][1]), T
+
+
 def test_matches_transformers_chunk_and_recurrent_fallbacks():
     T = 100
     q, k, v, g, beta, S0 = _inputs(T, seed=3)
