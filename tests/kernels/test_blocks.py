@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TYPE_SETS, layer_for
 from numba import njit
 
 from strata_ray.kernels.block_dots import HAS_AVX2, HAS_VNNI, ROWS, row_dots_intrinsic
@@ -13,6 +12,7 @@ from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0
 from strata_ray.kernels.random_weights import random_blocks
 from strata_ray.kernels.reference import dequantize_rows
 from strata_ray.kernels.spec import act_quant_ref, decode_int_blocks, matmul_spec
+from tests.kernels.layers import TYPE_SETS, layer_for
 
 NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 # Byte offsets of the fp16 scales in a block / super-block, and the block size.

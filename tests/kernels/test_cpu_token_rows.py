@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import N_EMBD, layer_for
 
 from strata_ray.kernels.contract import KernelError
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, cycles_per_second
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_cpu_token import reached
+from tests.kernels.layers import N_EMBD, layer_for
 
 N_EXPERT = 37
 LAYERS = ["Q4_0", "Q8_0", "Q4_K+Q6_K"]

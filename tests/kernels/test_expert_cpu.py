@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
 
 from strata_ray.kernels.contract import Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_arrays, group_entries
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.kernels.spec import expert_ffn_spec
+from tests.kernels.layers import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
 
 
 def _rel(a, b):

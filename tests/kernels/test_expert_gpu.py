@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
 
 from strata_ray.kernels.act_quant import quantize_act_sums
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from tests.kernels.layers import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,

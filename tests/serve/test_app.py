@@ -276,7 +276,7 @@ def test_placement_problem_names_what_is_missing():
 
 def test_replicas_that_can_never_be_placed_fail_in_one_line_instead_of_waiting(tmp_path):
     """A real local cluster and more replicas than it has CPUs: Serve would wait for them forever."""
-    from conftest import free_port
+    from tests.serve.conftest import free_port
 
     done = subprocess.run(
         [sys.executable, "-m", "strata_ray.run", "serve", "--address", "local", "--device", "cpu",
