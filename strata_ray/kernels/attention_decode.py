@@ -24,6 +24,7 @@ import functools
 import torch
 from torch import Tensor
 
+from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
 # keys a partial program covers; fixed, because it decides the bits. 256 gave 64 programs at 8K keys
@@ -31,7 +32,7 @@ from .tile_plan import next_pow2
 SPLIT = 64
 BK = 32  # keys a program step scores
 
-tl = None  # triton.language once _kernels() ran
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 def _attn_partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
@@ -100,15 +101,8 @@ def _attn_combine_body(M, L, ACC, O, q_offset, n_keys, H, NS, D: tl.constexpr, S
 
 @functools.cache
 def _kernels():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
     # the runtime sizes unspecialized: a new cache length never compiles a new binary
-    dyn = ["q_offset", "n_keys", "NS"]
-    return (triton.jit(_attn_partial_body, do_not_specialize=dyn),
-            triton.jit(_attn_combine_body, do_not_specialize=dyn))
+    return jit_bodies(_attn_partial_body, _attn_combine_body, do_not_specialize=["q_offset", "n_keys", "NS"])
 
 
 def attention_decode_supports(q: Tensor, k: Tensor) -> bool:

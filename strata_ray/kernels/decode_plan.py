@@ -20,9 +20,10 @@ import functools
 import torch
 from torch import Tensor
 
+from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
-tl = None  # triton.language once _kernel() ran
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 def _check(table: Tensor, base: int, ids: Tensor, n_expert: int) -> None:
@@ -79,9 +80,4 @@ def decode_plan(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tenso
 
 @functools.cache
 def _kernel():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(_plan_body)
+    return jit_bodies(_plan_body)[0]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
 QK = 32  # elements of a Q8_0 block
@@ -36,7 +37,7 @@ BLOCK_BYTES = 34  # fp16 d + 32 int8
 GEMV_MAX_TOKENS = 16  # rows up to which CUDA runs the GEMV (decode, MTP verify windows)
 DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past GEMV_MAX_TOKENS (CUDA)
 
-tl = None  # triton.language once _kernel() ran; the kernel body reads it as a global at compile time
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 class Q8Weight:
@@ -205,13 +206,8 @@ def _gemv_body(X, QS, D, OUT, n_tok, N, K, KB, BN: tl.constexpr, BK: tl.constexp
 
 @functools.cache
 def _kernel():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
     # n_tok unspecialized: T = 1 and T = 16 run the very same binary (batch invariance)
-    return triton.jit(_gemv_body, do_not_specialize=["n_tok"])
+    return jit_bodies(_gemv_body, do_not_specialize=["n_tok"])[0]
 
 
 def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,

@@ -25,11 +25,12 @@ import os
 import torch
 from torch import Tensor
 
+from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
 FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows take the fused kernels
 
-tl = None  # triton.language once _kernels() ran
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 def fused_enabled(x: Tensor, n_tokens: int) -> bool:
@@ -134,9 +135,4 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
 
 @functools.cache
 def _kernels():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(_rms_norm_body), triton.jit(_combine_body)
+    return jit_bodies(_rms_norm_body, _combine_body)

@@ -19,10 +19,12 @@ import functools
 import numpy as np
 import torch
 
+from .lazy_triton import jit_bodies
+
 CHUNK_BYTES = 64 << 10  # bytes a program copies (a 590 KB part: 10 programs)
 BLOCK_WORDS = 2048  # 32-bit words a program step moves (8 KB)
 
-tl = None  # triton.language once _kernel() ran
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 def _gather_body(DESC, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
@@ -40,12 +42,7 @@ def _gather_body(DESC, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
 
 @functools.cache
 def _kernel():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(_gather_body)
+    return jit_bodies(_gather_body)[0]
 
 
 def check_descriptors(desc: np.ndarray) -> None:

@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-tl = None  # triton.language once _kernels() ran
+from .lazy_triton import jit_bodies
+
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 @dataclass(frozen=True)
@@ -130,13 +132,8 @@ def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, 
 
 @functools.cache
 def _kernels():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
     # T unspecialized: a 1-token and a 16-token call run the same binaries
-    return triton.jit(_conv_body, do_not_specialize=["T"]), triton.jit(_delta_body, do_not_specialize=["T"])
+    return jit_bodies(_conv_body, _delta_body, do_not_specialize=["T"])
 
 
 def _pow2(v: int) -> bool:

@@ -21,9 +21,10 @@ import functools
 import torch
 from torch import Tensor
 
+from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
-tl = None  # triton.language once _kernels() ran
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
 def route_reference(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -75,12 +76,7 @@ def _topk_body(LOGITS, IDS, WTS, X, K: tl.constexpr, BX: tl.constexpr, BKP: tl.c
 
 @functools.cache
 def _kernels():
-    global tl
-    import triton
-    import triton.language
-
-    tl = triton.language
-    return triton.jit(_logits_body), triton.jit(_topk_body)
+    return jit_bodies(_logits_body, _topk_body)
 
 
 def router_logits(x: Tensor, w: Tensor) -> Tensor:
