@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -37,7 +38,10 @@ from .triton_blocks import T_Q4_0, quant_blocks, swiglu
 # the plain products, the same integers); types: the weight types the tile serves. Q8_0 is opt-in: its
 # plain products gave the CPU's bits on the H200 (session 9, call 2) but neither its speed nor its dp4a
 # form has been measured there yet.
-WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,))
+# split_gu: gate and up rows in programs of their own (gu_split_br rows, down_warps), twice the programs of
+# the fused gate+up tile, then one small SwiGLU + requantization launch (not measured on the GPU yet).
+WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
+             split_gu=False, gu_split_br=16)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -135,9 +139,10 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
                          RB1, RB2, OUT, HQ, HD, HS, R, K, n_blocks,
                          T: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, NP: tl.constexpr,
                          N_CHUNKS: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr,
-                         BB: tl.constexpr, DB: tl.constexpr, DP4A: tl.constexpr):
+                         BB: tl.constexpr, DB: tl.constexpr, DP4A: tl.constexpr, SPLIT_GU: tl.constexpr):
     """BR rows of one entry's expert (tile of one entry): gated, h = swiglu(gate, up) requantized into HQ /
-    HD / HS; else the rows into OUT. Row byte strides RB and slot strides are multiples of 4 (words)."""
+    HD / HS; else the rows into OUT [M, R]; SPLIT_GU (not gated): the first R / BR row programs take W1's
+    rows, the others W2's, into OUT [M, 2, R]. Row byte strides RB and slot strides are multiples of 4."""
     pid_r = tl.program_id(0)
     start = tl.load(TILE_START + tl.program_id(1))
     if start < 0:
@@ -145,9 +150,17 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
     slot = tl.load(SORTED_SLOT + start).to(tl.int64)
     ent = tl.load(ORDER + start).to(tl.int64)
     arow = tl.load(ACT_ROW + ent).to(tl.int64)
+    out_row = OUT + ent * R
+    if SPLIT_GU:
+        which = pid_r // (R // BR)  # 0: gate, 1: up
+        pid_r = pid_r - which * (R // BR)
+        out_row = OUT + (ent * 2 + which) * R
     rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
     w1 = W1.to(tl.pointer_type(tl.int32)) + (slot * stride1 + rows.to(tl.int64) * RB1) // 4
     w2 = W2.to(tl.pointer_type(tl.int32)) + (slot * stride2 + rows.to(tl.int64) * RB2) // 4
+    if SPLIT_GU:
+        if which == 1:
+            w1 = w2
     abase = arow * K
     dbase = arow * n_blocks
     acc1 = tl.zeros((BR,), tl.float32)
@@ -175,7 +188,26 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
         tl.store(HD + ent * (R // 32) + cols, d)
         tl.store(HS + ent * (R // 32) + cols, s)
     else:
-        tl.store(OUT + ent * R + rows, acc1)
+        tl.store(out_row + rows, acc1)
+
+
+@triton.jit
+def _swiglu_quant_kernel(GU, HQ, HD, HS, ORDER, TILE_START, R, NBB: tl.constexpr):
+    """The gated tile's tail for split gate / up programs: GU f32 [M, 2, R] (gate rows, then up rows) ->
+    h = swiglu(gate, up) requantized into HQ int8 [M, R], HD f32 / HS int32 [M, R / 32]: the very ops of the
+    fused tile. Program (tile of one entry, NBB 32-blocks)."""
+    start = tl.load(TILE_START + tl.program_id(0))
+    if start < 0:
+        return
+    ent = tl.load(ORDER + start).to(tl.int64)
+    blk = tl.program_id(1) * NBB + tl.arange(0, NBB)  # [NBB]
+    cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBB, 32]
+    g = tl.load(GU + ent * 2 * R + cols)
+    u = tl.load(GU + ent * 2 * R + R + cols)
+    q, d, s = quant_blocks(swiglu(g, u))
+    tl.store(HQ + ent * R + cols, q)
+    tl.store(HD + ent * (R // 32) + blk, d)
+    tl.store(HS + ent * (R // 32) + blk, s)
 
 
 def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
@@ -186,10 +218,18 @@ def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_til
     wp, wpp, s, bb, db = _PAIR[t]
     n_blocks = k // 32
     np_ = WORDS["chunk_pairs"]
-    br = row_tile(r, WORDS["gu_br"] if gated else WORDS["down_br"])
-    _expert_words_kernel[grid(r, br, tile_start)](
+    split = gated and WORDS["split_gu"]
+    br = row_tile(r, WORDS["gu_split_br" if split else "gu_br" if gated else "down_br"])
+    dest = out
+    if split:  # gate and up rows in programs of their own, then SwiGLU and the requantization
+        dest = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=aq.device)  # [M, 2, n_ff]
+    _expert_words_kernel[grid(2 * r if split else r, br, tile_start)](
         aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0), w2.stride(0),
-        w1.stride(1), w2.stride(1), out, hq, hd, hs, r, k, n_blocks,
-        T=t, GATED=gated, BR=br, NP=np_, N_CHUNKS=n_blocks // (2 * np_), WP=wp, WPP=wpp, S=s, BB=bb, DB=db,
-        DP4A=WORDS["dp4a"] and os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=WORDS["gu_warps"] if gated else WORDS["down_warps"], **_OPTS)
+        w1.stride(1), w2.stride(1), dest, hq, hd, hs, r, k, n_blocks,
+        T=t, GATED=gated and not split, BR=br, NP=np_, N_CHUNKS=n_blocks // (2 * np_), WP=wp, WPP=wpp, S=s,
+        BB=bb, DB=db, DP4A=WORDS["dp4a"] and os.environ.get("TRITON_INTERPRET") != "1", SPLIT_GU=split,
+        num_warps=WORDS["down_warps" if split or not gated else "gu_warps"], **_OPTS)
+    if split:
+        nbb = min(16, (r // 32) & -(r // 32))  # a power of two dividing the row's 32-blocks
+        _swiglu_quant_kernel[(tile_start.numel(), r // 32 // nbb)](dest, hq, hd, hs, order, tile_start, r,
+                                                                   NBB=nbb, num_warps=4, **_OPTS)

@@ -79,6 +79,17 @@ def test_words_mixed_down_type_and_fallbacks():
 
 
 @interpret
+def test_words_split_gate_up_gives_the_same_bits(monkeypatch):
+    """Gate and up rows in programs of their own (16 rows), then SwiGLU and the requantization in a launch of
+    their own: the fused tile's bits."""
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "split_gu": True, "gu_split_br": 16})
+    _check(_layer((Q4_0,) * 3, 256, 128), 1, 5)
+    _check(_layer((Q8_0,) * 3, 256, 64), 1, 3)
+
+
+@interpret
 def test_words_knobs_give_the_same_bits(monkeypatch):
     """Two pairs a chunk (2 chunks a row at 256 values), 64-row programs."""
     import strata_ray.kernels.expert_words as ew
@@ -99,4 +110,6 @@ def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
         _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent, device="cuda")
     _check(_layer((Q4_0, Q4_0, Q8_0), 256, 256), 1, 10, device="cuda")
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 4, "gu_br": 64, "down_br": 16})
+    _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "split_gu": True})
     _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
