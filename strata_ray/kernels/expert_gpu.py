@@ -315,7 +315,7 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
         _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated)
         return
     if (variant == "words" and not use_dot and not is_float
-            and words_supported(mats[0][1], mats[1][1], k, bt)):  # else the simple tile (same bits)
+            and words_supported(mats[0][1], mats[1][1], k, bt, (mats[0][0], mats[1][0]))):  # else simple
         launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)
         return
     wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)

@@ -46,11 +46,13 @@ _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
 
-def words_supported(t1: int, t2: int, k: int, bt: int) -> bool:
+def words_supported(t1: int, t2: int, k: int, bt: int, mats: tuple = ()) -> bool:
     """Whether the words tile serves a launch: one weight type of the two, in WORDS["types"] (Q4_0, and
-    Q8_0 when added), a whole number of chunks a row, tiles of one entry."""
+    Q8_0 when added), a whole number of chunks a row, tiles of one entry, and the weight tensors (mats, uint8
+    [S, rows, row_bytes]) starting and striding on 4-byte words."""
     return (bt == 1 and t1 == t2 and t1 in _PAIR and t1 in WORDS["types"]
-            and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0)
+            and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0
+            and all(w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 for w in mats))
 
 
 @triton.jit

@@ -56,6 +56,10 @@ def test_words_supported_shapes(monkeypatch):
     assert not words_supported(Q4_0, Q8_0, 2048, 1)  # gate and up of two types
     assert not words_supported(Q4_K, Q4_K, 2048, 1)
     assert not words_supported(Q4_0, Q4_0, 96, 1)  # 3 blocks: not whole chunks
+    w = torch.zeros((2, 4, 72), dtype=torch.uint8)  # [S, rows, row_bytes]: 2 slots of 4 Q4_0 rows of 128
+    assert words_supported(Q4_0, Q4_0, 128, 1, (w, w))
+    odd = torch.zeros(2 * 4 * 72 + 2, dtype=torch.uint8)[2:].view(2, 4, 72)  # starts 2 bytes into a word
+    assert not words_supported(Q4_0, Q4_0, 128, 1, (w, odd))
     monkeypatch.setitem(ew.WORDS, "types", (Q4_0,))  # the default: Q8_0 takes the simple tile
     assert words_supported(Q4_0, Q4_0, 2048, 1) and not words_supported(Q8_0, Q8_0, 512, 1)
 
