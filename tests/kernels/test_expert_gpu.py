@@ -39,7 +39,7 @@ CASES = [  # (tokens, entries, top-k; 0 = random pairs)
 ]
 
 
-@pytest.mark.parametrize("variant", ["simple", "wide", "split"])
+@pytest.mark.parametrize("variant", ["words", "simple", "wide", "split"])
 @pytest.mark.parametrize("name", [*TYPE_SETS, *FLOAT_SETS])
 def test_gpu_rows_equal_cpu_rows(name, variant):
     rng = np.random.default_rng(7)
