@@ -274,7 +274,7 @@ def main() -> None:
         tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
-    print(f"kernels ready in {tiers.warm_up():.1f} s", flush=True)
+    print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant})", flush=True)
     model = Model(hp, weights, experts=tiers)
     if dev == "cuda" and not args.no_graphs:
         t = time.perf_counter()
@@ -314,6 +314,7 @@ def main() -> None:
         "decode_cpu_thread": cfg.decode_cpu_thread,
         "decode_pipeline": cfg.decode_pipeline,
         "dense_q8": cfg.dense_q8,
+        "kernel_variant": cfg.kernel_variant,
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,
