@@ -6,8 +6,8 @@ The simple tile loads each weight byte of a 32-block with a byte load of its own
 nibbles), at addresses 18 or 34 bytes apart from row to row, one block per loop step: on the H200 its
 launches read 4-7% of HBM bandwidth (session 8), waiting on each step's loads. A pair of blocks is a whole
 number of words (Q4_0 36 bytes = 9 words, Q8_0 68 = 17), so here a program loads its rows' blocks pair by
-pair as words, every chunk of CHUNK_PAIRS pairs of every step at once (the chunk loop is unrolled: no load
-waits for the sums), and unpacks bytes and nibbles in registers:
+pair as words, WORDS["chunk_pairs"] pairs a chunk, every chunk's loads at once (the chunk loop is unrolled:
+no load waits for the sums), and multiplies a word's bytes (Q4_0: its low and high nibbles) by dp4a:
 
     pair words (Q4_0):  w0 = [d0 d0 q q] w1..w3 = [q q q q] w4 = [q q d1 d1] w5..w8 = [q q q q]
     block 0 = words 0..S, block 1 = words S+1..: S = 4 (Q4_0) or 8 (Q8_0)
@@ -19,7 +19,9 @@ the simple tile's to the letter: term = float(dot) * (d * ad), added to the row'
 order (each term picked out of its chunk by a masked sum of zeros and itself: exact).
 
 Only one-token tiles (BT = 1: `tile_entries(1, "decode", ...)`): the decode step and the pipelined decode.
-Knobs in WORDS (bits do not depend on them).
+Knobs in WORDS (bits do not depend on them). On the H200 (session 9, 1 token x top-10 Q4_0, E = 2048,
+n_ff = 512): 38.6 us a layer against the simple tile's 102 (11% of HBM copy against 4%); with every expert
+resident, 8K decode 117 tok/s against 89.
 """
 
 from __future__ import annotations
