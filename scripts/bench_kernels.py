@@ -20,7 +20,7 @@ import time
 import numpy as np
 from bench_cpu_kernels import host_copy_gbs  # the sibling script (scripts/ is sys.path[0] when run)
 
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
+from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
@@ -213,7 +213,7 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
-              variants=("simple", "wide", "split"), tokens=(1, 2, 4, 8), prompt: bool = True) -> dict:
+              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
@@ -359,7 +359,7 @@ def main() -> None:
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
-    ap.add_argument("--variants", default="simple,wide,split",
+    ap.add_argument("--variants", default="words,simple,wide,split",
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
