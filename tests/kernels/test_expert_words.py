@@ -5,6 +5,8 @@ the GPU run is tests/kernels/test_expert_gpu.py, -m gpu)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -25,9 +27,10 @@ def _q8_0_words(monkeypatch):
     monkeypatch.setitem(ew.WORDS, "types", (Q4_0, Q8_0))
 
 
-def _layer(types: tuple[int, int, int], n_embd: int, n_ff: int) -> ExpertLayer:
+@functools.cache
+def _layer(types: tuple[int, int, int], n_embd: int, n_ff: int, n_expert: int = N_EXPERT) -> ExpertLayer:
     rng = np.random.default_rng(sum(types) + n_embd + n_ff)
-    return random_layer(rng, N_EXPERT, n_embd, n_ff, types, from_floats=types[0] in (Q8_0, Q4_0))
+    return random_layer(rng, n_expert, n_embd, n_ff, types, from_floats=types[0] in (Q8_0, Q4_0))
 
 
 def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0, device: str = "cpu") -> None:
@@ -36,8 +39,9 @@ def _check(layer: ExpertLayer, n_tok: int, n_ent: int, seed: int = 0, device: st
     rng = np.random.default_rng(seed + n_ent)
     x = (rng.standard_normal((n_tok, layer.n_embd)) * 2).astype(np.float32)
     tok = (np.arange(n_ent) % n_tok).astype(np.int32)
-    exp = rng.permutation(N_EXPERT)[:n_ent].astype(np.int32) if n_ent <= N_EXPERT else \
-        rng.integers(0, N_EXPERT, n_ent).astype(np.int32)
+    n_expert = layer.gate.shape[0]
+    exp = rng.permutation(n_expert)[:n_ent].astype(np.int32) if n_ent <= n_expert else \
+        rng.integers(0, n_expert, n_ent).astype(np.int32)
     want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
     mats = (torch.from_numpy(np.ascontiguousarray(w)).to(device) for w in (layer.gate, layer.up, layer.down))
     slots = ExpertLayer(*mats, layer.gate_type, layer.up_type, layer.down_type)
@@ -110,10 +114,12 @@ def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
     """The compiled tile at the 80b-a3b's widths (2048 / 512) and the test sizes, with its knob extremes."""
     import strata_ray.kernels.expert_words as ew
 
-    for n_embd, n_ff, n_ent in [(2048, 512, 10), (256, 256, 1), (512, 256, 33)]:
+    wide = _layer((wtype,) * 3, 2048, 512, 12)  # the 80b-a3b's widths, 12 experts (quantized once)
+    _check(wide, 1, 10, device="cuda")
+    for n_embd, n_ff, n_ent in [(256, 256, 1), (512, 256, 33)]:
         _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent, device="cuda")
     _check(_layer((Q4_0, Q4_0, Q8_0), 256, 256), 1, 10, device="cuda")
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "chunk_pairs": 4, "gu_br": 64, "down_br": 16})
-    _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
+    _check(wide, 1, 10, device="cuda")
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "split_gu": True})
-    _check(_layer((wtype,) * 3, 2048, 512), 1, 10, device="cuda")
+    _check(wide, 1, 10, device="cuda")
