@@ -313,6 +313,47 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
     return info
 
 
+def bench_host_weights(rows: list, variants, reps: int = 10) -> None:
+    """The decode tiles reading the weights straight from pinned host memory (zero-copy over PCIe, as a
+    budget decode could for some of a layer's misses): 1 token x top-10 Q4_0, GB/s of expert bytes; the rows
+    must have the bits of the same tile over device slots."""
+    import torch
+
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+    rng = np.random.default_rng(3)
+    n_slots = 64
+    host = random_layer(rng, n_slots, E, N_FF, (Q4_0,) * 3)
+    pinned = ExpertLayer(*(torch.from_numpy(w).pin_memory() for w in (host.gate, host.up, host.down)),
+                         Q4_0, Q4_0, Q4_0)
+    device = ExpertLayer(*(w.cuda() for w in (pinned.gate, pinned.up, pinned.down)), Q4_0, Q4_0, Q4_0)
+    per = expert_bytes(host)
+    x = torch.randn(1, E, device="cuda")
+    tok = torch.zeros(TOP_K, dtype=torch.int32, device="cuda")
+    calls = [torch.from_numpy(rng.permutation(n_slots)[:TOP_K].astype(np.int32)).cuda() for _ in range(6)]
+    for variant in variants:
+        if variant not in ("words", "simple"):
+            continue
+        want = [expert_ffn_gpu(x, tok, s_, device, mode="decode", variant=variant) for s_ in calls]
+        try:
+            got = [expert_ffn_gpu(x, tok, s_, pinned, mode="decode", variant=variant) for s_ in calls]
+        except Exception as e:  # a driver or Triton that will not take host pointers: say so, go on
+            rows.append((f"gpu decode, host weights ({variant})", "Q4_0", "1 tok x top-10", "n/a",
+                         f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+            continue
+        same = all(map(torch.equal, got, want))
+
+        def run_all(variant=variant):
+            for s_ in calls:
+                expert_ffn_gpu(x, tok, s_, pinned, mode="decode", variant=variant)
+
+        _, kern_s = device_seconds(run_all, reps)
+        dt = kern_s / len(calls)
+        rows.append((f"gpu decode, host weights ({variant})", "Q4_0", "1 tok x top-10 (10 experts)",
+                     f"{dt * 1e6:.1f} us", f"{TOP_K * per / dt / 1e9:.1f} GB/s over PCIe, "
+                     f"{'bits same' if same else 'BITS DIFFER'} as from device slots"))
+
+
 class _Printing(list):
     """A row list that prints each row as it lands, so a run cut short by a time limit still reports."""
 
@@ -363,6 +404,8 @@ def main() -> None:
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
+    ap.add_argument("--host-weights", action="store_true",
+                    help="also time the decode tiles over weights in pinned host memory (zero-copy, PCIe)")
     args = ap.parse_args()
     try:
         tokens = tuple(int(t) for t in args.tokens.split(","))
@@ -395,6 +438,8 @@ def main() -> None:
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
                          sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")), tokens=tokens,
                          prompt=not args.no_prompt)
+        if args.host_weights:
+            bench_host_weights(_Printing(rows), tuple(args.variants.split(",")))
     bench_cpu(rows, pool, args.quick)
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "
