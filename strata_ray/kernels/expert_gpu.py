@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
 from .expert_words import launch_words, words_supported
-from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, swiglu
+from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, row_offsets, swiglu
 from .triton_chunks import mm_chunked
 
 VARIANTS = KERNEL_VARIANTS
@@ -90,9 +90,9 @@ def _expert_mm_kernel(AQ, AD, AS, AF, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     if start < 0:
         return
     slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
-    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
-    w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
-    w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    rows, off1, off2 = row_offsets(pid_r, slot0, stride1, stride2, RB1, RB2, BR)
+    w1 = W1 + off1
+    w2 = W2 + off2
     acc1 = tl.zeros((BT, BR), tl.float32)
     acc2 = tl.zeros((BT, BR), tl.float32)
     k = tl.arange(0, 32)[None, :]
@@ -137,9 +137,7 @@ def _expert_mm_wide_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     if start < 0:
         return
     slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
-    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
-    base1 = slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1  # [BR] byte offsets
-    base2 = slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    rows, base1, base2 = row_offsets(pid_r, slot0, stride1, stride2, RB1, RB2, BR)  # [BR] byte offsets
     acc1 = tl.zeros((BT, BR), tl.float32)
     acc2 = tl.zeros((BT, BR), tl.float32)
     acc1, acc2 = mm_chunked(acc1, acc2, W1, W1H, W2, W2H, base1, base2, AQ, AD, AS, arow, valid, K,
@@ -170,9 +168,9 @@ def _expert_terms_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START,
     if start < 0:
         return
     slot0, valid, ent, arow = _tile_entries(start, M, ORDER, SORTED_SLOT, ACT_ROW, BT)
-    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
-    w1 = W1 + slot0.to(tl.int64) * stride1 + rows.to(tl.int64) * RB1
-    w2 = W2 + slot0.to(tl.int64) * stride2 + rows.to(tl.int64) * RB2
+    rows, off1, off2 = row_offsets(pid_r, slot0, stride1, stride2, RB1, RB2, BR)
+    w1 = W1 + off1
+    w2 = W2 + off2
     k = tl.arange(0, 32)[None, :]
     for u in tl.static_range(NB):
         b = tl.program_id(1) * NB + u

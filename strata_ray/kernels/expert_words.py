@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .contract import Q4_0, Q8_0
-from .triton_blocks import T_Q4_0, quant_blocks, swiglu
+from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 
 # br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
 # dp4a: a word's products by the dp4a instruction (inline PTX: not under the Triton interpreter, which runs
@@ -159,9 +159,9 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
         which = pid_r // (R // BR)  # 0: gate, 1: up
         pid_r = pid_r - which * (R // BR)
         out_row = OUT + (ent * 2 + which) * R
-    rows = pid_r * BR + tl.arange(0, BR)  # [BR]; R % BR == 0
-    w1 = W1.to(tl.pointer_type(tl.int32)) + (slot * stride1 + rows.to(tl.int64) * RB1) // 4
-    w2 = W2.to(tl.pointer_type(tl.int32)) + (slot * stride2 + rows.to(tl.int64) * RB2) // 4
+    rows, off1, off2 = row_offsets(pid_r, slot, stride1, stride2, RB1, RB2, BR)  # byte offsets [BR]
+    w1 = W1.to(tl.pointer_type(tl.int32)) + off1 // 4
+    w2 = W2.to(tl.pointer_type(tl.int32)) + off2 // 4
     if SPLIT_GU:
         if which == 1:
             w1 = w2

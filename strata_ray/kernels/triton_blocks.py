@@ -29,6 +29,15 @@ T_Q6_K = tl.constexpr(c.Q6_K)
 
 
 @triton.jit
+def row_offsets(pid_r, slot0, stride1, stride2, RB1, RB2, BR: tl.constexpr):
+    """Row tile pid_r of slot slot0: (rows [BR], byte offsets [BR] of those rows in W1 and in W2), the
+    expert tiles' common prologue (R % BR == 0)."""
+    rows = pid_r * BR + tl.arange(0, BR)
+    slot = slot0.to(tl.int64)
+    return rows, slot * stride1 + rows.to(tl.int64) * RB1, slot * stride2 + rows.to(tl.int64) * RB2
+
+
+@triton.jit
 def f16_at(p):
     """IEEE half stored little-endian at byte pointer(s) p -> f32 (exact)."""
     bits = tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 8)
