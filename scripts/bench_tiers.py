@@ -259,10 +259,12 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
+    # and STRATA_PCIE_SHARE likewise
     variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
+    pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
-                       kernel_variant=variant)
+                       kernel_variant=variant, pcie_share=pcie_share)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
@@ -274,7 +276,8 @@ def main() -> None:
         tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
-    print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant})", flush=True)
+    print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}, "
+          f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
     model = Model(hp, weights, experts=tiers)
     if dev == "cuda" and not args.no_graphs:
         t = time.perf_counter()
@@ -315,6 +318,7 @@ def main() -> None:
         "decode_pipeline": cfg.decode_pipeline,
         "dense_q8": cfg.dense_q8,
         "kernel_variant": cfg.kernel_variant,
+        "pcie_share": cfg.pcie_share,
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,

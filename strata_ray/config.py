@@ -99,6 +99,11 @@ class EngineConfig:
     # float32's bytes: more expert cache in the same budget, and a quarter of the decode GEMVs' reads);
     # 0: float32 as on the CPU. The CPU path always dequantizes (it is the reference's arithmetic).
     dense_q8: bool = True
+    # STRATA_PCIE_SHARE (env only, permille 0-1000): in the pipelined decode the GPU computes this share of
+    # a layer's non-resident entries itself, reading their weights from the page-locked host store over
+    # PCIe while the CPU pool computes the rest (contract.pcie_entries: the first ones in k order); 0: the
+    # CPU pool computes every miss. Same bits either way (the arithmetic contract).
+    pcie_share: int = 0
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -376,6 +381,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_DECODE_PIPELINE", "") != "":
         values["decode_pipeline"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_PIPELINE"],
                                                 "STRATA_DECODE_PIPELINE") == "1"
+    if env.get("STRATA_PCIE_SHARE", "") != "":
+        values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:

@@ -207,6 +207,14 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
     assert str(e.value) == want
 
 
+def test_pcie_share_is_a_permille_env_switch():
+    assert config([]).pcie_share == 0
+    assert config([], {"STRATA_PCIE_SHARE": "600"}).pcie_share == 600
+    with pytest.raises(ConfigError) as e:
+        config([], {"STRATA_PCIE_SHARE": "0.6"})
+    assert str(e.value) == "STRATA_PCIE_SHARE: invalid value '0.6' (allowed: an integer from 0 to 1000)"
+
+
 def test_decode_graphs_are_on_by_default_and_an_env_switch():
     assert config([]).decode_graphs is True
     assert config([], {"STRATA_DECODE_GRAPHS": "0"}).decode_graphs is False

@@ -16,6 +16,12 @@ rows() = where(hit, gpu rows, cpu rows[inv]) [K, E], combined in k order as ever
 and the same combine as DecodeRows, so the same bits. The tables change only at window boundaries
 (layer 0 of a token, before the worker starts), so host and device agree on every entry.
 
+With `tiers.pcie_share` (STRATA_PCIE_SHARE) the device also computes the first pcie_entries(M, share) of a
+layer's M misses (k order; contract.pcie_entries), reading their weights from the page-locked host store
+over PCIe (kernels/decode_plan.decode_plan_pcie: the same rule as the worker's), while the worker computes the
+others: the CPU rows, which bound the budget decode, shrink by that share. Layers not page-locked keep every
+miss on the CPU. The same kernels over other bytes: the same bits.
+
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
 no worker, no flags, no rows to upload; a layer is its ids' copy back (for the window counts) and its
 resident-rows graph. On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9).
@@ -51,11 +57,19 @@ class PipelinedDecodeRows:
         self._inv_pin = torch.zeros(k, dtype=torch.int32, pin_memory=True)  # [K]
         self.routed, self.rows_flag = HostFlag(dev), HostFlag(dev)
         layers = [tiers.store.layer(layer) for layer in range(tiers.n_layers)]
+        # the misses the device reads over PCIe: each page-locked layer's share, and its experts as (CPU,
+        # page-locked) torch views the expert kernels read from the device (unified addressing)
+        self.shares = [tiers.pcie_share if tiers.store.pinned_parts(layer, 0) is not None else 0
+                       for layer in range(tiers.n_layers)]
+        self.host_views = [_host_view(lay) if share else None for lay, share in zip(layers, self.shares,
+                                                                                    strict=True)]
         self.worker = CpuTokenRows(
             layers, tiers.residency.res, k, tiers.pool.n_threads,
             buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
                      "inv": self._inv_pin.numpy(), "routed": self.routed.host,
                      "rows_flag": self.rows_flag.host})
+        self.worker.shares[:] = self.shares
+        self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
         self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._job = None
@@ -78,24 +92,41 @@ class PipelinedDecodeRows:
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """The device's half of a layer: which entries are resident, and their rows (no host in the loop).
-        One token's tiles hold one entry each, so the plan is one launch (kernels/decode_plan.py)."""
-        from strata_ray.kernels.decode_plan import decode_plan
+        """The device's half of a layer: which entries are resident, and their rows (no host in the loop);
+        with a PCIe share also the rows of the misses it reads from the host store. One token's tiles hold
+        one entry each, so the plan is one launch (kernels/decode_plan.py)."""
+        from strata_ray.kernels.decode_plan import decode_plan, decode_plan_pcie
         from strata_ray.kernels.expert_gpu import expert_ffn_gpu, tile_entries
 
         tiers = self.tiers
         view = tiers.cache.layer_view(layer)
         if tile_entries(1, "decode", tiers.kernel_variant, view.is_float) != 1:
             raise RuntimeError("the one-launch decode plan needs tiles of one entry")
-        _, order, slot, starts = decode_plan(self.table, layer * tiers.n_expert, ids.view(-1), tiers.n_expert,
-                                             hit=self.hit)
-        expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
-                       variant=tiers.kernel_variant, plan=(order, slot, starts))
+        base, share = layer * tiers.n_expert, self.shares[layer]
+        if not share:
+            _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
+            if tiers.cache.n_slots:
+                expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
+                               variant=tiers.kernel_variant, plan=(order, slot, starts))
+            return
+        _, order, slot, starts, hslot, hstarts = decode_plan_pcie(self.table, base, ids.view(-1),
+                                                                  tiers.n_expert, share, hit=self.hit)
+        # the PCIe tiles on a forked stream beside the resident ones: they wait on host memory, the others on
+        # HBM; both write disjoint rows of gpu_rows, and the join orders them before the combine
+        main = torch.cuda.current_stream(tiers.device)
+        self._fork.wait_stream(main)
+        with torch.cuda.stream(self._fork):
+            expert_ffn_gpu(x, self.tok, hslot, self.host_views[layer], mode="decode", out=self.gpu_rows,
+                           variant=tiers.kernel_variant, plan=(order, hslot, hstarts))
+        if tiers.cache.n_slots:
+            expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
+                           variant=tiers.kernel_variant, plan=(order, slot, starts))
+        main.wait_stream(self._fork)
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
         """Capture every layer's resident-rows graph over the decode graphs' static xs[layer] [1, E] and
         ids[layer] [1, K], after a warm-up on a side stream."""
-        if self.tiers.cache.n_slots == 0:
+        if self.tiers.cache.n_slots == 0 and not any(self.shares):
             return
         if ids is None:
             raise ValueError("the pipelined decode captures over the routing's ids buffers too")
@@ -143,7 +174,7 @@ class PipelinedDecodeRows:
         self._ids_pin.copy_(ids.view(-1), non_blocking=True)
         self._x_pin.copy_(x, non_blocking=True)
         self.routed.write(v)  # fenced after the copies: the worker reads them once it sees v
-        if tiers.cache.n_slots:
+        if layer in self._graphs:
             self._graphs[layer].replay()
         self.rows_flag.wait(v)
         self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
@@ -175,9 +206,10 @@ class PipelinedDecodeRows:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
         counts.cpu_seconds += self.worker.busy_seconds()
         for layer in range(tiers.n_layers):
-            m = int(self.worker.n_miss[layer])
+            m, p = int(self.worker.n_miss[layer]), int(self.worker.n_pcie[layer])
             host = self._host if layer == 0 else 0.0
-            tiers.count_entries(layer, self.worker.seen_ids[layer].copy(), 1, k - m, m, True, host)
+            tiers.count_entries(layer, self.worker.seen_ids[layer].copy(), 1, k - m - p, m, True, host,
+                                pcie=p)
 
     def abort(self) -> None:
         """After a failure mid-token: end the worker's wait and release the device's waits."""
@@ -191,6 +223,15 @@ class PipelinedDecodeRows:
         if job is not None:
             job.result()
         self.worker.buf["stop"][0] = 0
+
+
+def _host_view(layer):
+    """An ExpertLayer of CPU torch views over a page-locked host layer: the expert kernels read it from the
+    device (a registered range's host address is its device address under unified addressing)."""
+    from strata_ray.kernels.contract import ExpertLayer
+
+    return ExpertLayer(*(torch.from_numpy(a) for a in (layer.gate, layer.up, layer.down)),
+                       layer.gate_type, layer.up_type, layer.down_type)
 
 
 def pipeline_supported(tiers) -> bool:

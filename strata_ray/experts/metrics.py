@@ -17,6 +17,7 @@ class TierCounts:
     tokens: int = 0  # tokens those windows computed
     slot_hits: int = 0  # (token, k) entries computed from the cache slots
     cpu_entries: int = 0  # entries computed by the CPU pool from the host store
+    pcie_entries: int = 0  # entries the GPU computed from the page-locked host store over PCIe
     prompt_entries: int = 0  # entries of prompt chunks (any tier)
     swaps: int = 0  # adaptive swaps issued
     rounds: int = 0  # adaptive rounds whose swaps were applied
@@ -28,7 +29,7 @@ class TierCounts:
 
     @property
     def entries(self) -> int:
-        return self.slot_hits + self.cpu_entries
+        return self.slot_hits + self.cpu_entries + self.pcie_entries
 
     @property
     def hit_rate(self) -> float:
@@ -59,7 +60,8 @@ class TierMetrics:
         return {
             **asdict(c),
             "hit_rate": c.hit_rate,
-            "tier_rates": {"cache": c.hit_rate, "cpu": c.cpu_entries / c.entries if c.entries else 0.0},
+            "tier_rates": {"cache": c.hit_rate, "cpu": c.cpu_entries / c.entries if c.entries else 0.0,
+                           "pcie": c.pcie_entries / c.entries if c.entries else 0.0},
             "host_ms_per_token": c.per_token_ms(c.host_seconds),
             "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
             "wait_ms_per_token": c.per_token_ms(c.wait_seconds),
@@ -70,8 +72,10 @@ class TierMetrics:
         # the routing sync's wait exists on CUDA only: a CPU run would print a zero
         wait_ms = c.per_token_ms(c.wait_seconds)
         wait = f", waiting for the GPU {wait_ms:.2f} ms/token" if c.wait_seconds else ""
+        pcie = f", {c.pcie_entries} read over PCIe" if c.pcie_entries else ""
         return (
-            f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries, {c.swaps} swaps, "
+            f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries{pcie}, "
+            f"{c.swaps} swaps, "
             f"host {c.per_token_ms(c.host_seconds):.2f} ms/token, "
             f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token{wait}"
         )
@@ -96,6 +100,9 @@ class _RayTierMetrics:
         self.cpu_entries = Counter(
             "strata_expert_cpu_entries", description="decode entries computed by the CPU"
         )
+        self.pcie_entries = Counter(
+            "strata_expert_pcie_entries", description="decode entries the GPU read from host memory over PCIe"
+        )
         self.swaps = Counter("strata_expert_swaps", description="adaptive swaps issued")
         self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
         self.host_ms = Gauge("strata_expert_host_ms_per_token", description="host time per decode token")
@@ -104,7 +111,7 @@ class _RayTierMetrics:
                              description="time per decode token the host waited for the GPU at routing syncs")
 
     def push(self, now: TierCounts, before: TierCounts) -> None:
-        for name in ("slot_hits", "cpu_entries", "swaps"):
+        for name in ("slot_hits", "cpu_entries", "pcie_entries", "swaps"):
             delta = getattr(now, name) - getattr(before, name)
             if delta > 0:
                 getattr(self, name).inc(delta)

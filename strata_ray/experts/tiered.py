@@ -121,6 +121,7 @@ class TieredExperts:
         ring_overlap: bool = False,
         decode_cpu_thread: bool = False,
         decode_pipeline: bool = False,
+        pcie_share: int = 0,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
@@ -130,6 +131,9 @@ class TieredExperts:
         # decode on CUDA: the whole token enqueued at once, a numba worker serving every layer's CPU rows
         # (PipelinedDecodeRows; the config's default; decode_cpu_thread, an explicit opt-in, wins over it)
         self.decode_pipeline = decode_pipeline
+        # the pipelined decode: permille of a layer's misses the GPU reads over PCIe from the page-locked
+        # store (contract.pcie_entries; layers not page-locked: none)
+        self.pcie_share = pcie_share
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
@@ -475,8 +479,10 @@ class TieredExperts:
         return [(layer, int(e), self.cache.ring_slot(first + i)) for i, e in enumerate(batch)]
 
     def count_entries(
-        self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float
+        self, layer: int, ids_h: np.ndarray, n_tok: int, hits: int, misses: int, decode: bool, host: float,
+        pcie: int = 0,
     ) -> None:
+        """misses: entries the CPU pool computed; pcie: misses the GPU computed from the host store."""
         c = self.metrics.counts
         if not decode:
             c.prompt_entries += hits + misses
@@ -484,6 +490,7 @@ class TieredExperts:
         self._window[layer] += np.bincount(ids_h, minlength=self.n_expert)  # +1 per routed entry
         c.slot_hits += hits
         c.cpu_entries += misses
+        c.pcie_entries += pcie
         c.host_seconds += host
         if layer == 0:
             c.windows += 1

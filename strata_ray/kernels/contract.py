@@ -67,6 +67,16 @@ QK = 32  # activation block (values)
 KERNEL_VARIANTS = ("words", "simple", "wide", "split")
 DECODE_MAX_TOKENS = 8  # a launch of at most this many tokens is a decode/verify window (GEMV-like tiles)
 
+
+def pcie_entries(n_miss: int, share_permille: int) -> int:
+    """How many of a decode layer's n_miss non-resident entries the GPU computes itself, reading their
+    weights from the page-locked host store over PCIe: the first this-many misses in k order; the CPU pool
+    takes the rest. One integer rule that the device plan (decode_plan.decode_plan_pcie), the CPU worker
+    (expert_cpu_token) and their tests all evaluate, so the two sides split a layer without talking.
+    share_permille: 0-1000, the share of the misses, rounded half up."""
+    return (n_miss * share_permille + 500) // 1000
+
+
 # GGML type ids (gguf.GGMLQuantizationType values), named by GGUF type name.
 F32, F16, Q4_0, Q8_0, Q4_K, Q6_K, BF16 = 0, 1, 2, 8, 12, 14, 30
 QUANT_TYPES = (Q8_0, Q4_0, Q4_K, Q6_K)

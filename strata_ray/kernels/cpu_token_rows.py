@@ -85,6 +85,10 @@ class CpuTokenRows:
         self.buf = buffers
         self.seen_ids = np.zeros((self.n_layers, k), np.int64)  # [L, K] each layer's routed experts
         self.n_miss = np.zeros(self.n_layers, np.int64)  # [L] entries computed here
+        self.n_pcie = np.zeros(self.n_layers, np.int64)  # [L] misses the GPU read over PCIe instead
+        # [L] each layer's permille of misses the GPU takes (contract.pcie_entries); set by the caller
+        # between tokens, the device plan reads the same values
+        self.shares = np.zeros(self.n_layers, np.int64)
         self.busy = np.zeros(self.n_layers, np.int64)  # [L] cycles from a layer's routing to its rows flag
         self._rate = None  # cycles a second, measured on first use
         # the team form (one parallel region a token) needs every member running at once: OpenMP or
@@ -107,14 +111,15 @@ class CpuTokenRows:
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
             if self.team:
                 token_rows_team(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
-                                b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
-                                base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids, self.n_miss,
-                                self.busy, self._sync)
+                                self.shares, b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
+                                b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
+                                self.n_miss, self.n_pcie, self.busy, self._sync)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
-                                  b["ids"], b["x"], b["rows"], b["inv"], b["routed"], b["rows_flag"],
-                                  base & 0xFFFFFFFF, b["stop"], self.n_threads, self.single_thread_bytes,
-                                  self.blob_bytes, self.seen_ids, self.n_miss, self.busy))
+                                  self.shares, b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
+                                  b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads,
+                                  self.single_thread_bytes, self.blob_bytes, self.seen_ids, self.n_miss,
+                                  self.n_pcie, self.busy))
 
     def stop(self) -> None:
         """End the call's current wait (the device will not raise `routed` again: an error, a shutdown)."""

@@ -16,3 +16,15 @@ def test_summary_and_line_give_per_token_times():
     assert "waiting for the GPU" not in line  # no routing-sync wait (a CPU run): not printed
     c.wait_seconds = 0.02
     assert m.line().endswith("waiting for the GPU 5.00 ms/token")
+
+
+def test_pcie_entries_are_a_tier_of_their_own():
+    """Misses the GPU read over PCIe count as entries (not hits), in the tier rates and the line."""
+    m = TierMetrics()
+    c = m.counts
+    c.tokens, c.slot_hits, c.cpu_entries = 1, 30, 10
+    assert "PCIe" not in m.line()
+    c.pcie_entries = 10
+    s = m.summary()
+    assert s["hit_rate"] == 0.6 and s["tier_rates"] == {"cache": 0.6, "cpu": 0.2, "pcie": 0.2}
+    assert "60.0% cache hits, 10 CPU entries, 10 read over PCIe" in m.line()

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from strata_ray.kernels.contract import KernelError
+from strata_ray.kernels.contract import KernelError, pcie_entries
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, cycles_per_second
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_cpu_token import reached
@@ -56,9 +56,16 @@ def compiled():
         assert worker.run(1) == -1
 
 
+def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray) -> np.ndarray:
+    """The entries of a layer's routing ids [K] the worker computes: its misses after the first
+    pcie_entries(M, share) (the GPU's, read over PCIe)."""
+    miss = np.flatnonzero(worker.res[layer * worker.n_expert + ids] < 0)
+    return miss[pcie_entries(miss.size, int(worker.shares[layer])):]
+
+
 def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray) -> list[np.ndarray]:
     """Per layer: write the routing, raise `routed`, wait for the rows; returns each layer's [K, E] rows
-    in entry order (resident entries' rows are zeros: the device computes those)."""
+    in entry order (resident and PCIe entries' rows are zeros: the device computes those)."""
     b, k = worker.buf, worker.k
     out = []
     for layer in range(worker.n_layers):
@@ -68,17 +75,18 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
         b["routed"][0] = v
         _wait(b["rows_flag"], v)
         rows = np.zeros((k, worker.n_embd), np.float32)
-        for j in range(k):
-            if worker.res[layer * worker.n_expert + ids[layer, j]] < 0:
-                rows[j] = b["rows"][b["inv"][j]]
+        for j in _cpu_entries(worker, layer, ids[layer]):
+            rows[j] = b["rows"][b["inv"][j]]
         out.append(rows)
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team", [(1, True, False), (5, True, False), (5, False, False),
-                                             (1, True, True), (5, True, True)])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, rng):
-    """team: one parallel region for the token (token_rows_team), its members meeting at counters."""
+@pytest.mark.parametrize("k,parallel,team,shares", [
+    (1, True, False, 0), (5, True, False, 0), (5, False, False, 0), (1, True, True, 0), (5, True, True, 0),
+    (5, True, True, (600, 0, 1000)), (5, False, False, (400, 1000, 1)), (1, True, False, (600, 0, 600))])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, rng):
+    """team: one parallel region for the token (token_rows_team), its members meeting at counters. shares:
+    each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first ones."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
@@ -88,6 +96,7 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, rng):
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
                           team=team)
     assert worker.team == team
+    worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
     worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
     got = []
@@ -98,8 +107,10 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, rng):
         assert (worker.busy > 0).all()
         assert 0 < worker.busy_seconds() < wall
     for layer, lay in enumerate(layers):
-        miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
+        all_miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
+        miss = _cpu_entries(worker, layer, ids[layer])
         assert worker.n_miss[layer] == miss.size
+        assert worker.n_pcie[layer] == all_miss.size - miss.size
         assert (worker.seen_ids[layer] == ids[layer]).all()
         if miss.size:
             want = expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), ids[layer, miss], lay)

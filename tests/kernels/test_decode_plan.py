@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from strata_ray.kernels.decode_plan import decode_plan, decode_plan_reference
+from strata_ray.kernels.contract import pcie_entries
+from strata_ray.kernels.decode_plan import (
+    decode_plan,
+    decode_plan_pcie,
+    decode_plan_pcie_reference,
+    decode_plan_reference,
+)
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from tests.kernels.triton_interpret import interpret
 
@@ -44,6 +50,30 @@ def test_reference_tiles_are_the_resident_entries_of_plan_tiles(case):
     assert got == want and len(got) == int(hit.sum())
 
 
+@pytest.mark.parametrize("share", [1, 250, 600, 1000])
+@pytest.mark.parametrize("case", range(5))
+def test_pcie_reference_takes_the_first_misses_in_k_order(case, share):
+    """The PCIe entries are the first pcie_entries(M, share) misses in k order; hit marks them as well, the
+    resident tiles are decode_plan's, and every PCIe tile reads its own expert from the host layer."""
+    table, layer, ids = list(_cases())[case]
+    base = layer * N_EXPERT
+    r_hit, r_order, r_slot, r_start = decode_plan_reference(table, base, ids, N_EXPERT)
+    hit, order, slot, start, hslot, hstart = decode_plan_pcie_reference(table, base, ids, N_EXPERT, share)
+    assert torch.equal(order, r_order) and torch.equal(slot, r_slot) and torch.equal(start, r_start)
+    misses = [k for k in range(ids.numel()) if r_hit[k] == 0]
+    pcie = misses[: pcie_entries(len(misses), share)]
+    assert hstart.tolist() == [k if k in pcie else -1 for k in range(ids.numel())]
+    assert hit.tolist() == [int(r_hit[k] == 1 or k in pcie) for k in range(ids.numel())]
+    assert hslot.tolist() == ids.tolist()
+
+
+def test_pcie_entries_rule():
+    """Half up, never more than the misses, none at share 0, all at 1000."""
+    assert [pcie_entries(m, 600) for m in range(7)] == [0, 1, 1, 2, 2, 3, 4]
+    assert all(pcie_entries(m, 0) == 0 and pcie_entries(m, 1000) == m for m in range(40))
+    assert all(0 <= pcie_entries(m, s) <= m for m in range(40) for s in range(0, 1001, 7))
+
+
 def test_bad_arguments():
     table = _table(0, 0.5)
     with pytest.raises(ValueError, match="past the table"):
@@ -52,6 +82,8 @@ def test_bad_arguments():
         decode_plan_reference(table.long(), 0, torch.arange(3), N_EXPERT)
     with pytest.raises(ValueError, match="one token"):
         decode_plan_reference(table, 0, torch.arange(6).view(2, 3), N_EXPERT)
+    with pytest.raises(ValueError, match="permille"):
+        decode_plan_pcie_reference(table, 0, torch.arange(3), N_EXPERT, 1001)
 
 
 def _kernel_cases(device):
@@ -63,6 +95,13 @@ def _kernel_cases(device):
         assert got[0] is hit
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
+        for share in (1, 600, 1000):
+            want = decode_plan_pcie_reference(table, layer * N_EXPERT, ids, N_EXPERT, share)
+            hit = torch.full((ids.numel(),), 7, dtype=torch.int32, device=device)
+            got = decode_plan_pcie(table, layer * N_EXPERT, ids, N_EXPERT, share, hit=hit)
+            assert got[0] is hit and len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w)
 
 
 @interpret
