@@ -10,6 +10,12 @@ addressable from the device under unified addressing) and write the device bytes
 
 The copies are byte-exact (32-bit words; every part's size and both addresses are multiples of 4). The
 reference twin is the plain `dst.copy_(src)` of each part, which the GPU test compares byte for byte.
+
+`stage_experts` is the decode's form (experts/decode_pipeline.py, STRATA_PCIE_SHARE): the experts to copy
+come from a plan on the device (entry k's expert where its start is >= 0), so the host knows neither which
+nor how many, and the launch can sit in a CUDA graph. Each is copied whole (gate, up, down) into staging
+slot k. The expert kernels then read it from device memory: read in place over PCIe, their small scattered
+loads ran at 21 GB/s on the H200 (session 10), against ~45-50 GB/s for these contiguous copies.
 """
 
 from __future__ import annotations
@@ -40,9 +46,68 @@ def _gather_body(DESC, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(dst + idx, tl.load(src + idx, mask=live), mask=live)
 
 
+def _stage_body(START, EXPERT, SRC, DST, slot_bytes, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    # START, EXPERT int32 [K]: entry k is copied where START[k] >= 0, expert EXPERT[k]; SRC int64 [3, 4]: per
+    # part (host address of expert 0, bytes from one expert to the next, bytes of the part, the part's offset
+    # in a staging slot); DST uint8: the staging slots, slot_bytes apart. Program (entry, part, chunk).
+    k = tl.program_id(0)
+    part = tl.program_id(1).to(tl.int64)
+    live = tl.load(START + k) >= 0
+    expert = tl.load(EXPERT + k).to(tl.int64)
+    src = (tl.load(SRC + part * 4) + expert * tl.load(SRC + part * 4 + 1)).to(tl.pointer_type(tl.int32))
+    n = tl.where(live, tl.load(SRC + part * 4 + 2) // 4, 0)  # words of this part; none for other entries
+    dst = (DST + k.to(tl.int64) * slot_bytes + tl.load(SRC + part * 4 + 3)).to(tl.pointer_type(tl.int32))
+    w0 = tl.program_id(2).to(tl.int64) * CHUNK_WORDS
+    for off in range(w0, tl.minimum(w0 + CHUNK_WORDS, n), BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        m = idx < n
+        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+
+
+STAGE_CHUNK_BYTES = 32 << 10  # bytes a staging program copies (a 590 KB part: 18 programs)
+
+
 @functools.cache
 def _kernel():
     return jit_bodies(_gather_body)[0]
+
+
+@functools.cache
+def _stage_kernel():
+    return jit_bodies(_stage_body)[0]
+
+
+def stage_table(parts, offsets, slot_bytes: int) -> np.ndarray:
+    """The int64 [3, 4] table stage_experts reads: per part (gate, up, down) of a page-locked host layer,
+    parts[i] = (address of expert 0, bytes from one expert to the next, bytes of the part) (as
+    HostStore.pinned_addresses gives them) and offsets[i], the part's offset in a staging slot of
+    slot_bytes. Everything must be a multiple of 4 bytes and fit in the slot (ValueError, one line)."""
+    table = np.array([(*p, o) for p, o in zip(parts, offsets, strict=True)], np.int64)
+    if table.shape != (3, 4):
+        raise ValueError(f"stage_table: three parts of (address, stride, bytes, offset), got {table.shape}")
+    if (table % 4).any() or slot_bytes % 4 or (table[:, 2] <= 0).any():
+        raise ValueError("stage_table: addresses, strides, sizes and offsets must be multiples of 4 bytes")
+    if int((table[:, 2] + table[:, 3]).max()) > slot_bytes:
+        raise ValueError("stage_table: a part ends past its staging slot")
+    return table
+
+
+def stage_experts(start: torch.Tensor, expert: torch.Tensor, table: torch.Tensor, staging: torch.Tensor,
+                  part_bytes: int) -> None:
+    """Copy the experts a decode plan picked into staging slots, on the current stream (no host sync:
+    graph-capturable). start, expert: int32 [K] on the device (entry k is copied where start[k] >= 0,
+    expert expert[k] into slot k); table: stage_table's int64 [3, 4] on the device; staging: uint8
+    [>= K, slot bytes] on the device, 4-byte aligned; part_bytes: the table's largest part."""
+    if table.shape != (3, 4) or table.dtype != torch.int64:
+        raise ValueError(f"stage_experts: table must be int64 [3, 4], got {table.dtype} {list(table.shape)}")
+    if staging.ndim != 2 or staging.dtype != torch.uint8 or staging.shape[0] < start.numel():
+        raise ValueError(f"stage_experts: staging must be uint8 [>= {start.numel()}, slot bytes]")
+    if staging.data_ptr() % 4 or staging.stride(0) != staging.shape[1]:
+        raise ValueError("stage_experts: staging must be contiguous and 4-byte aligned")
+    chunks = -(-part_bytes // STAGE_CHUNK_BYTES)
+    _stage_kernel()[(start.numel(), 3, chunks)](start, expert, table, staging, staging.shape[1],
+                                                CHUNK_WORDS=STAGE_CHUNK_BYTES // 4, BLOCK=BLOCK_WORDS,
+                                                num_warps=4)
 
 
 def check_descriptors(desc: np.ndarray) -> None:

@@ -14,9 +14,12 @@ import torch
 from strata_ray.kernels.gather_copy import (
     BLOCK_WORDS,
     CHUNK_BYTES,
+    STAGE_CHUNK_BYTES,
     _kernel,
     check_descriptors,
     gather_copy,
+    stage_experts,
+    stage_table,
 )
 from tests.kernels.triton_interpret import interpret
 
@@ -72,5 +75,74 @@ def test_gpu_copies_from_a_registered_block():
     gather_copy(desc, dst.device)
     torch.cuda.synchronize()
     assert np.array_equal(dst.cpu().numpy(), _want(src, dst.numel()))
+    del host
+    block.close()
+
+
+# ---- stage_experts: the decode plan's experts, whole, into staging slots ----------------------------------
+N_EXP, K_STAGE = 5, 4
+PART_BYTES = (3 * STAGE_CHUNK_BYTES + 20, 36, STAGE_CHUNK_BYTES)  # several chunks and a ragged step; 9 words
+
+
+def _host_layer() -> np.ndarray:
+    """[N_EXP, row] uint8: each expert's gate | up | down bytes in a host row, 8 spare bytes after."""
+    return np.random.default_rng(11).integers(0, 256, size=(N_EXP, sum(PART_BYTES) + 8), dtype=np.uint8)
+
+
+def _stage_case(host: np.ndarray, slot_bytes: int):
+    offsets = (0, PART_BYTES[0], PART_BYTES[0] + PART_BYTES[1])
+    parts = [(host.ctypes.data + o, host.strides[0], n) for o, n in zip(offsets, PART_BYTES, strict=True)]
+    start = torch.tensor([-1, 1, -1, 3], dtype=torch.int32)  # entries 1 and 3 are copied
+    expert = torch.tensor([0, 4, 2, 1], dtype=torch.int32)
+    return stage_table(parts, offsets, slot_bytes), start, expert
+
+
+def _stage_want(host: np.ndarray, staging: np.ndarray, start, expert) -> np.ndarray:
+    want = staging.copy()
+    n = sum(PART_BYTES)
+    for k in range(K_STAGE):
+        if start[k] >= 0:
+            want[k, :n] = host[int(expert[k]), :n]
+    return want
+
+
+def test_stage_table_checks():
+    host = _host_layer()
+    table, _, _ = _stage_case(host, sum(PART_BYTES))
+    assert table.shape == (3, 4) and table[1, 3] == PART_BYTES[0]
+    with pytest.raises(ValueError, match="past its staging slot"):
+        _stage_case(host, sum(PART_BYTES) - 4)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        stage_table([(6, 8, 4)] * 3, (0, 4, 8), 16)
+
+
+@interpret
+def test_interpreted_staging_copies_the_planned_experts_only():
+    pytest.importorskip("triton")
+    host = _host_layer()
+    slot_bytes = sum(PART_BYTES) + 12
+    table, start, expert = _stage_case(host, slot_bytes)
+    staging = torch.full((K_STAGE, slot_bytes), 7, dtype=torch.uint8)  # poison: untouched slots keep it
+    before = staging.numpy().copy()
+    stage_experts(start, expert, torch.from_numpy(table), staging, max(PART_BYTES))
+    assert np.array_equal(staging.numpy(), _stage_want(host, before, start, expert))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_staging_from_a_registered_block():
+    from strata_ray.experts.host_arena import HostBlock
+
+    src = _host_layer()
+    block = HostBlock(src.nbytes, register=True)
+    host = block.view(0, src.shape)
+    host[:] = src
+    slot_bytes = sum(PART_BYTES) + 12
+    table, start, expert = _stage_case(host, slot_bytes)
+    staging = torch.full((K_STAGE, slot_bytes), 7, dtype=torch.uint8, device="cuda")
+    before = staging.cpu().numpy()
+    stage_experts(start.cuda(), expert.cuda(), torch.from_numpy(table).cuda(), staging, max(PART_BYTES))
+    torch.cuda.synchronize()
+    assert np.array_equal(staging.cpu().numpy(), _stage_want(src, before, start, expert))
     del host
     block.close()
