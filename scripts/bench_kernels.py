@@ -354,12 +354,17 @@ def bench_host_weights(rows: list, variants, reps: int = 10) -> None:
                      f"{'bits same' if same else 'BITS DIFFER'} as from device slots"))
 
 
-class _Printing(list):
-    """A row list that prints each row as it lands, so a run cut short by a time limit still reports."""
+class _Printing:
+    """Appends to `rows` and prints each row as it lands, so a run cut short by a time limit still reports.
+    (It wraps the list: a list subclass built from `rows` was a copy, and the GPU rows never reached the
+    markdown section, session 10.)"""
+
+    def __init__(self, rows: list):
+        self.rows = rows
 
     def append(self, row) -> None:
         print("| " + " | ".join(row) + " |", flush=True)
-        super().append(row)
+        self.rows.append(row)
 
 
 def graph_probe(which: str) -> None:

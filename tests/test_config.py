@@ -208,7 +208,7 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
 
 
 def test_pcie_share_is_a_permille_env_switch():
-    assert config([]).pcie_share == 0
+    assert config([]).pcie_share == 400
     assert config([], {"STRATA_PCIE_SHARE": "600"}).pcie_share == 600
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_PCIE_SHARE": "0.6"})
