@@ -19,7 +19,7 @@
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA); once per card size
 #               in TRACE_CARDS (GiB, default "24"; 80 holds every expert)
-#     ours      compare_llamacpp.sh's our half on it (CONTEXTS=1024,8192 GEN=32 REPEATS=1, --local;
+#     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
@@ -178,7 +178,7 @@ for gib in ${TRACE_CARDS:-24}; do
     step trace 60 python scripts/trace_summary.py "$work/decode-trace-$gib.json" --tokens 3
     rm -f "$work/decode-trace-$gib.json"  # tens of MB: the summary is what comes back
 done
-step ours 300 env MODEL="$M80" CONTEXTS=1024,8192 GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
+step ours 300 env MODEL="$M80" CONTEXTS="${OURS_CONTEXTS:-1024,8192}" GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
     OURS_ARGS=--local OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${tests_pid:-}" ]]; then
     wait "$tests_pid"
