@@ -354,6 +354,69 @@ def bench_host_weights(rows: list, variants, reps: int = 10) -> None:
                      f"{'bits same' if same else 'BITS DIFFER'} as from device slots"))
 
 
+def bench_staging(rows: list, reps: int = 20) -> None:
+    """The decode's PCIe share (STRATA_PCIE_SHARE): n experts copied whole from a page-locked host layer into
+    staging slots by gather_copy.stage_experts (one launch, planned on the device), against the copy engine
+    (three copy_ calls an expert); GB/s of expert bytes, CUDA events around `reps` launches, bytes checked."""
+    import torch
+
+    from strata_ray.experts.host_arena import HostBlock
+    from strata_ray.kernels.gather_copy import stage_experts, stage_table
+
+    rng = np.random.default_rng(5)
+    n_expert = 64
+    host = random_layer(rng, n_expert, E, N_FF, (Q4_0,) * 3)
+    parts = [w.reshape(n_expert, -1) for w in (host.gate, host.up, host.down)]  # [X, bytes] each
+    sizes = [p.shape[1] for p in parts]
+    block = HostBlock(sum(p.nbytes for p in parts), register=True)
+    views, off = [], 0
+    for p in parts:  # the arena's layout: each part's experts contiguous, one part after the other
+        views.append(block.view(off, p.shape))
+        views[-1][:] = p
+        off += p.nbytes
+    blob = sum(sizes)
+    offsets = (0, sizes[0], sizes[0] + sizes[1])
+    table = stage_table([(v.ctypes.data, v.strides[0], n) for v, n in zip(views, sizes, strict=True)],
+                        offsets, blob)
+    table_d = torch.from_numpy(table).cuda()
+    staging = torch.zeros((TOP_K, blob), dtype=torch.uint8, device="cuda")
+    pinned = [torch.from_numpy(v) for v in views]  # page-locked CPU tensors [X, bytes]
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(reps):
+            fn()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) / 1e3 / reps
+
+    for n in (1, 2, 3, 5, 10):
+        experts = rng.choice(n_expert, TOP_K, replace=False).astype(np.int32)
+        start = torch.tensor([k if k < n else -1 for k in range(TOP_K)], dtype=torch.int32, device="cuda")
+        staging.zero_()
+        dt = timed(functools.partial(stage_experts, start, torch.from_numpy(experts).cuda(), table_d, staging,
+                                     max(sizes)))
+        got = staging[:n].cpu().numpy()
+        same = all(np.array_equal(got[k, o : o + sz], v[experts[k]])
+                   for k in range(n) for v, o, sz in zip(views, offsets, sizes, strict=True))
+        copies = [(staging[k, o : o + sz], pin[int(experts[k])])
+                  for k in range(n) for pin, o, sz in zip(pinned, offsets, sizes, strict=True)]
+        de = timed(functools.partial(_copy_all, copies))
+        rows.append(("stage experts (PCIe share)", "Q4_0", f"{n} experts of {blob / 1e6:.2f} MB",
+                     f"{dt * 1e6:.1f} us", f"{n * blob / dt / 1e9:.1f} GB/s (copy engine, 3 copies an "
+                     f"expert: {n * blob / de / 1e9:.1f} GB/s), {'bytes same' if same else 'BYTES DIFFER'}"))
+    del pinned, views, copies
+    block.close()
+
+
+def _copy_all(copies) -> None:
+    for dst, src in copies:
+        dst.copy_(src, non_blocking=True)
+
+
 class _Printing:
     """Appends to `rows` and prints each row as it lands, so a run cut short by a time limit still reports.
     (It wraps the list: a list subclass built from `rows` was a copy, and the GPU rows never reached the
@@ -409,6 +472,8 @@ def main() -> None:
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
+    ap.add_argument("--staging", action="store_true",
+                    help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
                     help="also time the decode tiles over weights in pinned host memory (zero-copy, PCIe)")
     args = ap.parse_args()
@@ -445,6 +510,8 @@ def main() -> None:
                          prompt=not args.no_prompt)
         if args.host_weights:
             bench_host_weights(_Printing(rows), tuple(args.variants.split(",")))
+        if args.staging:
+            bench_staging(_Printing(rows))
     bench_cpu(rows, pool, args.quick)
     lines = ["## Kernels", "",
              f"Expert kernels (`scripts/bench_kernels.py`), shape E={E}, n_ff={N_FF}, top-{TOP_K}; "
