@@ -1,0 +1,71 @@
+"""PipelinedDecodeRows' parts that run without CUDA: the PCIe share's staging slots. The pipelined decode
+itself needs CUDA graphs (tests/experts/test_tiered_gpu.py, -m gpu); here the staging copy (Triton
+interpreter) and the slot views it feeds are checked against the host layer, byte for byte, and the rows
+the expert kernels compute from the slots against the CPU rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.experts.decode_pipeline import _staging_plan
+from strata_ray.experts.host_store import BlobLayout
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.gather_copy import stage_experts
+from tests.kernels.layers import N_EMBD, layer_for
+from tests.kernels.triton_interpret import interpret
+
+K = 4
+
+
+def _layout(lay) -> BlobLayout:
+    return BlobLayout(lay.n_embd, lay.n_ff, lay.gate.shape[2], lay.up.shape[2], lay.down.shape[2],
+                      lay.gate_type, lay.up_type, lay.down_type)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K+Q6_K"])
+def test_staging_views_are_the_slot_cache_layout(name):
+    """The views cut staging slot k into gate | up | down as a cache slot's blob; its table points at each
+    part of an expert in the host layer (HostStore.pinned_addresses' form)."""
+    lay = layer_for(name)
+    layout = _layout(lay)
+    staging = torch.zeros((K, layout.nbytes + 8), dtype=torch.uint8)
+    parts = [(a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]) for a in (lay.gate, lay.up, lay.down)]
+    table, part_bytes, slots = _staging_plan(parts, layout, staging)
+    assert part_bytes == max(layout.gate_bytes, layout.up_bytes, layout.down_bytes)
+    assert table[:, 3].tolist() == [0, layout.gate_bytes, layout.gate_bytes + layout.up_bytes]
+    blob = np.concatenate([lay.gate[5].ravel(), lay.up[5].ravel(), lay.down[5].ravel()])
+    staging[2, : blob.size] = torch.from_numpy(blob)
+    for view, host in zip((slots.gate, slots.up, slots.down), (lay.gate, lay.up, lay.down), strict=True):
+        assert tuple(view.shape) == (K, *host.shape[1:])
+        assert np.array_equal(view[2].numpy(), host[5])
+
+
+@interpret
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0+Q4_0"])
+def test_staged_experts_give_the_cpu_rows(name):
+    """stage_experts fills the slots the plan picks (entries 0 and 2 here) from the host layer; the rows from
+    those slots equal the rows from the host layer, bit for bit."""
+    pytest.importorskip("triton")
+    from strata_ray.kernels.contract import ExpertLayer
+
+    lay = layer_for(name)
+    layout = _layout(lay)
+    staging = torch.full((K, layout.nbytes), 7, dtype=torch.uint8)
+    parts = [(a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]) for a in (lay.gate, lay.up, lay.down)]
+    table, part_bytes, slots = _staging_plan(parts, layout, staging)
+    start = torch.tensor([0, -1, 2, -1], dtype=torch.int32)
+    expert = torch.tensor([11, 3, 30, 0], dtype=torch.int32)
+    stage_experts(start, expert, table, staging, part_bytes)
+    for k, e in ((0, 11), (2, 30)):
+        for view, host in zip((slots.gate, slots.up, slots.down), (lay.gate, lay.up, lay.down), strict=True):
+            assert np.array_equal(view[k].numpy(), host[e])
+    assert (staging[1] == 7).all() and (staging[3] == 7).all()  # entries the plan left out: untouched
+    x = np.random.default_rng(0).standard_normal((1, N_EMBD)).astype(np.float32)
+    tok = np.zeros(2, np.int32)
+    want = expert_ffn_cpu(x, tok, np.array([11, 30], np.int32), lay)
+    staged = ExpertLayer(*(np.ascontiguousarray(v.numpy()) for v in (slots.gate, slots.up, slots.down)),
+                         lay.gate_type, lay.up_type, lay.down_type)
+    got = expert_ffn_cpu(x, tok, np.array([0, 2], np.int32), staged)
+    assert want.shape == (2, N_EMBD) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
