@@ -166,7 +166,8 @@ def tier_counters(engine) -> dict[str, dict[str, int]] | None:
     """Cumulative expert counters per tier, {tier: {"experts", "hits", "lookups"}}, or None for an engine
     without tiers (float experts: see reference_tiers). An engine may report its own through
     `expert_tiers()`; otherwise they are read from its TieredExperts (`engine.tiers`): the primary cache
-    computes its slot hits, the CPU pool every other routed entry of the decode windows."""
+    computes its slot hits, the CPU pool every other routed entry of the decode windows, less those the GPU
+    computed from the host store over PCIe (a "pcie" tier, once there are any)."""
     report = getattr(engine, "expert_tiers", None)
     if callable(report):
         return {name: dict(v) for name, v in report().items()}
@@ -175,11 +176,15 @@ def tier_counters(engine) -> dict[str, dict[str, int]] | None:
         return None
     c = tiers.metrics.counts
     resident = int(tiers.residency.n_resident)
-    return {
+    out = {
         "primary": {"experts": resident, "hits": c.slot_hits, "lookups": c.entries},
         "cpu": {"experts": tiers.n_layers * tiers.n_expert - resident, "hits": c.cpu_entries,
                 "lookups": c.entries},
     }
+    if c.pcie_entries:  # the GPU's share of the misses (STRATA_PCIE_SHARE): the host store's experts too
+        out["pcie"] = {"experts": tiers.n_layers * tiers.n_expert - resident, "hits": c.pcie_entries,
+                       "lookups": c.entries}
+    return out
 
 
 def reference_tiers(engine, tokens: int) -> dict[str, dict[str, float]]:

@@ -46,3 +46,22 @@ def test_prometheus_text():
     assert 'strata_tier_hits_total{tier="cpu"} 2' in text
     for line in text.splitlines():
         assert line.startswith("#") or len(line.split(" ")) == 2
+
+
+def test_tier_counters_add_a_pcie_tier_once_the_gpu_read_misses():
+    """The GPU's share of the misses (STRATA_PCIE_SHARE) is a tier of its own; the three tiers' hits sum to
+    the lookups. (A plain namespace stands in for the engine: tier_counters reads four attributes.)"""
+    from types import SimpleNamespace
+
+    from strata_ray.experts.metrics import TierMetrics
+
+    metrics = TierMetrics()
+    tiers = SimpleNamespace(metrics=metrics, residency=SimpleNamespace(n_resident=6), n_layers=2, n_expert=8)
+    engine = SimpleNamespace(tiers=tiers)
+    c = metrics.counts
+    c.slot_hits, c.cpu_entries = 5, 3
+    assert set(status.tier_counters(engine)) == {"primary", "cpu"}
+    c.pcie_entries = 2
+    got = status.tier_counters(engine)
+    assert got["pcie"] == {"experts": 10, "hits": 2, "lookups": 10}
+    assert sum(t["hits"] for t in got.values()) == got["cpu"]["lookups"] == 10
