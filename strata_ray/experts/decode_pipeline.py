@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows
 from strata_ray.kernels.fused_small import gather_rows
@@ -241,14 +242,8 @@ class PipelinedDecodeRows:
 def _staging_plan(parts, layout, staging: torch.Tensor) -> tuple[torch.Tensor, int, ExpertLayer]:
     """A page-locked layer's (stage table on the device, its largest part, the staging slots as that layer's
     ExpertLayer: uint8 [K, rows, row_bytes] views in the slot cache's blob layout)."""
-    offsets = (0, layout.gate_bytes, layout.gate_bytes + layout.up_bytes)
-    table = stage_table(parts, offsets, staging.shape[1])
-    shapes = ((layout.n_ff, layout.gate_rb), (layout.n_ff, layout.up_rb), (layout.n_embd, layout.down_rb))
-    blob = staging.shape[1]
-    views = [staging.as_strided((staging.shape[0], rows, rb), (blob, rb, 1), off)
-             for (rows, rb), off in zip(shapes, offsets, strict=True)]
-    slots = ExpertLayer(*views, layout.gate_type, layout.up_type, layout.down_type)
-    return torch.from_numpy(table).to(staging.device), int(table[:, 2].max()), slots
+    table = stage_table(parts, [off for _, _, off in layout.parts], staging.shape[1])
+    return torch.from_numpy(table).to(staging.device), int(table[:, 2].max()), blob_views(staging, layout)
 
 
 def pipeline_supported(tiers) -> bool:

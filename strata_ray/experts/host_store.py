@@ -56,6 +56,12 @@ class BlobLayout:
         return self.n_embd * self.down_rb
 
     @property
+    def parts(self) -> tuple[tuple[int, int, int], ...]:
+        """(rows, row bytes, offset in the blob) of gate, up and down."""
+        return ((self.n_ff, self.gate_rb, 0), (self.n_ff, self.up_rb, self.gate_bytes),
+                (self.n_embd, self.down_rb, self.gate_bytes + self.up_bytes))
+
+    @property
     def nbytes(self) -> int:
         return self.gate_bytes + self.up_bytes + self.down_bytes
 

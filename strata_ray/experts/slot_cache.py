@@ -37,6 +37,15 @@ STAGING = 16  # pinned staging buffers for blob copies: two groups, one filling 
 FILL_THREADS = 8  # threads that fill a group's staging buffers from the host store at once
 
 
+
+def blob_views(storage: torch.Tensor, layout) -> ExpertLayer:
+    """A layer's gate/up/down over slots of blobs: storage uint8 [S, blob bytes] (torch) -> uint8 [S, rows,
+    row_bytes] strided views, in the blob layout (host_store.BlobLayout.parts) that copies fill."""
+    n, blob = storage.shape
+    parts = [storage.as_strided((n, r, rb), (blob, rb, 1), storage.storage_offset() + off)
+             for r, rb, off in layout.parts]
+    return ExpertLayer(*parts, layout.gate_type, layout.up_type, layout.down_type)
+
 class SlotCacheError(RuntimeError):
     """The cache could not be set up (slot 0 read back differently, no memory); one line."""
 
@@ -129,25 +138,17 @@ class SlotCache:
         view = self._views.get(b)
         if view is None:
             lay = self.store.layouts[b]
-            n = self.storage.shape[0]
-            shapes = (
-                (lay.n_ff, lay.gate_rb, 0),
-                (lay.n_ff, lay.up_rb, lay.gate_bytes),
-                (lay.n_embd, lay.down_rb, lay.gate_bytes + lay.up_bytes),
-            )
             if self.is_cuda:
-                parts = [
-                    self.storage.as_strided((n, r, rb), (self.blob, rb, 1), off) for r, rb, off in shapes
-                ]
+                view = blob_views(self.storage, lay)
             else:
-                base = self.storage.numpy()
+                n, base = self.storage.shape[0], self.storage.numpy()
                 parts = [
                     np.lib.stride_tricks.as_strided(
                         base[:, off:], (n, r, rb), (self.blob, rb, 1), writeable=False
                     )
-                    for r, rb, off in shapes
+                    for r, rb, off in lay.parts
                 ]
-            view = ExpertLayer(*parts, lay.gate_type, lay.up_type, lay.down_type)
+                view = ExpertLayer(*parts, lay.gate_type, lay.up_type, lay.down_type)
             self._views[b] = view
         return view
 

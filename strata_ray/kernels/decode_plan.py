@@ -9,10 +9,11 @@ one slot into tiles) and the masking of the misses' tiles, that plan took ~30 sm
 where its expert is resident. The expert kernels compute each tile's rows alone, so the rows have the
 same bits whatever the tiles' order.
 
-`decode_plan_pcie` adds the misses the GPU reads over PCIe (a budget decode: the page-locked host store is
-addressable from the device): the first `contract.pcie_entries(M, share)` of a layer's M misses in k order
-get tiles over the host store's layer (slot = the expert id there), the CPU worker computes the others. The
-hit mask then marks them too: the combine takes their rows from the GPU's rows.
+`decode_plan_pcie` adds the misses the GPU computes itself (a budget decode, STRATA_PCIE_SHARE): the first
+`contract.pcie_entries(M, share)` of a layer's M misses in k order, the CPU worker computing the others.
+Their host_start marks them and host_slot names their expert in the host store: the pipelined decode copies
+entry k's expert into staging slot k over PCIe (gather_copy.stage_experts) and runs their tiles there. The
+hit mask marks them too: the combine takes their rows from the GPU's rows.
 
 `decode_plan_reference` / `decode_plan_pcie_reference` are the torch twins (the oracles of the tests; also
 the CPU form). Triton is imported on first use only; TRITON_INTERPRET=1 runs the kernel on the CPU
