@@ -114,28 +114,26 @@ class PipelinedDecodeRows:
         if tile_entries(1, "decode", tiers.kernel_variant, view.is_float) != 1:
             raise RuntimeError("the one-launch decode plan needs tiles of one entry")
         base, share = layer * tiers.n_expert, self.shares[layer]
-        if not share:
-            _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
-            if tiers.cache.n_slots:
-                expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
-                               variant=tiers.kernel_variant, plan=(order, slot, starts))
-            return
-        _, order, slot, starts, hslot, hstarts = decode_plan_pcie(self.table, base, ids.view(-1),
-                                                                  tiers.n_expert, share, hit=self.hit)
-        # the PCIe entries on a forked stream beside the resident tiles: their copies wait on the host's
-        # memory, the resident tiles on HBM; both write disjoint rows of gpu_rows, and the join orders them
-        # before the combine. Entry k's expert lands in staging slot k.
-        table, part_bytes, slots = self._stage[layer]
         main = torch.cuda.current_stream(tiers.device)
-        self._fork.wait_stream(main)
-        with torch.cuda.stream(self._fork):
-            stage_experts(hstarts, hslot, table, self.staging, part_bytes)
-            expert_ffn_gpu(x, self.tok, order, slots, mode="decode", out=self.gpu_rows,
-                           variant=tiers.kernel_variant, plan=(order, order, hstarts))
+        if share:
+            _, order, slot, starts, hslot, hstarts = decode_plan_pcie(self.table, base, ids.view(-1),
+                                                                      tiers.n_expert, share, hit=self.hit)
+            # the PCIe entries on a forked stream beside the resident tiles: their copies wait on the host's
+            # memory, the resident tiles on HBM; both write disjoint rows of gpu_rows, and the join below
+            # orders them before the combine. Entry k's expert lands in staging slot k.
+            table, part_bytes, slots = self._stage[layer]
+            self._fork.wait_stream(main)
+            with torch.cuda.stream(self._fork):
+                stage_experts(hstarts, hslot, table, self.staging, part_bytes)
+                expert_ffn_gpu(x, self.tok, order, slots, mode="decode", out=self.gpu_rows,
+                               variant=tiers.kernel_variant, plan=(order, order, hstarts))
+        else:
+            _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
         if tiers.cache.n_slots:
             expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
                            variant=tiers.kernel_variant, plan=(order, slot, starts))
-        main.wait_stream(self._fork)
+        if share:
+            main.wait_stream(self._fork)
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
         """Capture every layer's resident-rows graph over the decode graphs' static xs[layer] [1, E] and

@@ -37,7 +37,6 @@ STAGING = 16  # pinned staging buffers for blob copies: two groups, one filling 
 FILL_THREADS = 8  # threads that fill a group's staging buffers from the host store at once
 
 
-
 def blob_views(storage: torch.Tensor, layout) -> ExpertLayer:
     """A layer's gate/up/down over slots of blobs: storage uint8 [S, blob bytes] (torch) -> uint8 [S, rows,
     row_bytes] strided views, in the blob layout (host_store.BlobLayout.parts) that copies fill."""
@@ -45,6 +44,7 @@ def blob_views(storage: torch.Tensor, layout) -> ExpertLayer:
     parts = [storage.as_strided((n, r, rb), (blob, rb, 1), storage.storage_offset() + off)
              for r, rb, off in layout.parts]
     return ExpertLayer(*parts, layout.gate_type, layout.up_type, layout.down_type)
+
 
 class SlotCacheError(RuntimeError):
     """The cache could not be set up (slot 0 read back differently, no memory); one line."""

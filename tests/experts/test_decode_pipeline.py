@@ -24,6 +24,12 @@ def _layout(lay) -> BlobLayout:
                       lay.gate_type, lay.up_type, lay.down_type)
 
 
+def _pinned_addresses(lay):
+    """HostStore.pinned_addresses' form for a C-contiguous layer: per part (address of expert 0, bytes from
+    one expert to the next, bytes of the part)."""
+    return [(a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]) for a in (lay.gate, lay.up, lay.down)]
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K+Q6_K"])
 def test_staging_views_are_the_slot_cache_layout(name):
     """The views cut staging slot k into gate | up | down as a cache slot's blob; its table points at each
@@ -31,7 +37,7 @@ def test_staging_views_are_the_slot_cache_layout(name):
     lay = layer_for(name)
     layout = _layout(lay)
     staging = torch.zeros((K, layout.nbytes + 8), dtype=torch.uint8)
-    parts = [(a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]) for a in (lay.gate, lay.up, lay.down)]
+    parts = _pinned_addresses(lay)
     table, part_bytes, slots = _staging_plan(parts, layout, staging)
     assert part_bytes == max(layout.gate_bytes, layout.up_bytes, layout.down_bytes)
     assert table[:, 3].tolist() == [0, layout.gate_bytes, layout.gate_bytes + layout.up_bytes]
@@ -53,7 +59,7 @@ def test_staged_experts_give_the_cpu_rows(name):
     lay = layer_for(name)
     layout = _layout(lay)
     staging = torch.full((K, layout.nbytes), 7, dtype=torch.uint8)
-    parts = [(a.ctypes.data, a.strides[0], a.shape[1] * a.shape[2]) for a in (lay.gate, lay.up, lay.down)]
+    parts = _pinned_addresses(lay)
     table, part_bytes, slots = _staging_plan(parts, layout, staging)
     start = torch.tensor([0, -1, 2, -1], dtype=torch.int32)
     expert = torch.tensor([11, 3, 30, 0], dtype=torch.int32)
