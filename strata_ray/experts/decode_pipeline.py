@@ -32,6 +32,7 @@ resident-rows graph. On the H200 at 8K that removed ~0.2 ms a layer of round tri
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -56,6 +57,7 @@ class PipelinedDecodeRows:
         self.hit = torch.zeros(k, dtype=torch.int32, device=dev)  # [K] 1 where resident (device plan)
         self.inv = torch.zeros(k, dtype=torch.int32, device=dev)  # [K] a miss's row in cpu_rows (worker)
         self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
+        self._ident = torch.arange(k, dtype=torch.int32, device=dev)  # [K] the down launches' rows
         self._ids_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K] written by the device
         self._x_pin = torch.zeros((1, n_embd), dtype=torch.float32, pin_memory=True)  # [1, E]
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=True)  # [K, E] the worker's
@@ -67,7 +69,8 @@ class PipelinedDecodeRows:
         self.shares = [0] * tiers.n_layers
         self._stage: dict[int, tuple[torch.Tensor, int, ExpertLayer]] = {}
         self.staging = None
-        if tiers.pcie_share:
+        # no share when the cache holds every expert: an all-resident token then launches no staging tiles
+        if tiers.pcie_share and tiers.cache.n_slots < tiers.n_layers * tiers.n_expert:
             self.staging = torch.empty((k, tiers.store.max_blob), dtype=torch.uint8, device=dev)  # [K, blob]
             for layer in range(tiers.n_layers):
                 parts = tiers.store.pinned_addresses(layer)
@@ -107,7 +110,7 @@ class PipelinedDecodeRows:
         with a PCIe share also the rows of the misses it reads from the host store. One token's tiles hold
         one entry each, so the plan is one launch (kernels/decode_plan.py)."""
         from strata_ray.kernels.decode_plan import decode_plan, decode_plan_pcie
-        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, tile_entries
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, quantize_act_gpu, tile_entries
 
         tiers = self.tiers
         view = tiers.cache.layer_view(layer)
@@ -115,6 +118,7 @@ class PipelinedDecodeRows:
             raise RuntimeError("the one-launch decode plan needs tiles of one entry")
         base, share = layer * tiers.n_expert, self.shares[layer]
         main = torch.cuda.current_stream(tiers.device)
+        act = quantize_act_gpu(x)  # [1, E] codes, scales, sums: once for both tiers' launches
         if share:
             _, order, slot, starts, hslot, hstarts = decode_plan_pcie(self.table, base, ids.view(-1),
                                                                       tiers.n_expert, share, hit=self.hit)
@@ -126,12 +130,14 @@ class PipelinedDecodeRows:
             with torch.cuda.stream(self._fork):
                 stage_experts(hstarts, hslot, table, self.staging, part_bytes)
                 expert_ffn_gpu(x, self.tok, order, slots, mode="decode", out=self.gpu_rows,
-                               variant=tiers.kernel_variant, plan=(order, order, hstarts))
+                               variant=tiers.kernel_variant, plan=(order, order, hstarts), act=act,
+                               ident=self._ident)
         else:
             _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
         if tiers.cache.n_slots:
             expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
-                           variant=tiers.kernel_variant, plan=(order, slot, starts))
+                           variant=tiers.kernel_variant, plan=(order, slot, starts), act=act,
+                           ident=self._ident)
         if share:
             main.wait_stream(self._fork)
 
@@ -159,8 +165,11 @@ class PipelinedDecodeRows:
             self._graphs[layer] = g
 
     # -- the enqueued part ------------------------------------------------------------------------------
-    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync)."""
+    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+             beside: Callable[[], None] | None = None) -> None:
+        """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync). beside: device
+        work only the next layer reads (the shared expert), enqueued after the routing's flag and the
+        resident rows, before the wait for the CPU rows: it runs while the worker computes."""
         t0 = time.perf_counter()
         tiers = self.tiers
         if layer == 0:
@@ -178,6 +187,8 @@ class PipelinedDecodeRows:
         if self._resident_token:
             self._ids_all[layer].copy_(ids.view(-1), non_blocking=True)
             self._graphs[layer].replay()  # hit = 1 for every entry: the combine reads no CPU row
+            if beside is not None:
+                beside()
             if layer == tiers.n_layers - 1:
                 self._done.record()
             self._host += time.perf_counter() - t0
@@ -188,6 +199,8 @@ class PipelinedDecodeRows:
         self.routed.write(v)  # fenced after the copies: the worker reads them once it sees v
         if layer in self._graphs:
             self._graphs[layer].replay()
+        if beside is not None:
+            beside()
         self.rows_flag.wait(v)
         self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
         self.inv.copy_(self._inv_pin, non_blocking=True)

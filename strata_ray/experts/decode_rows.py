@@ -38,6 +38,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -166,8 +167,11 @@ class DecodeRows:
         if job is not None:
             self.tiers.metrics.counts.cpu_seconds += job.result()
 
-    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """Layer `layer`'s rows for one token: x [1, E] normed MoE input, ids [1, K] -> rows() ready."""
+    def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+             beside: Callable[[], None] | None = None) -> None:
+        """Layer `layer`'s rows for one token: x [1, E] normed MoE input, ids [1, K] -> rows() ready.
+        beside: device work of the layer that only the next layer reads (the shared expert), enqueued after
+        the resident rows so that it runs while the CPU computes the misses."""
         tiers = self.tiers
         if layer == 0:
             tiers.start_forward(1)
@@ -207,6 +211,8 @@ class DecodeRows:
                 slots = slot[hits]
                 rows = expert_ffn_cpu(x_h, self._zero_tok[:n_hit], slots, view, pool=tiers.pool_for(slots))
                 self.gpu_rows[torch.from_numpy(hits)] = torch.from_numpy(rows)
+        if beside is not None:
+            beside()
         host = time.perf_counter() - t0
         if value is not None:  # the device waits for the helper's flag, then uploads its rows
             t1 = time.perf_counter()

@@ -57,12 +57,12 @@ def _attn_partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
         live_k = j < tl.minimum(k0 + SPLIT_, visible)
         kv_off = (j[:, None].to(tl.int64) * Hkv + g) * D + d[None, :]  # [BK, D]
         kb = tl.load(K + kv_off, mask=live_k[:, None], other=0.0)
+        vb = tl.load(V + kv_off, mask=live_k[:, None], other=0.0)  # with k: one memory wait a tile
         sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [REP_P, BK]
         sc = tl.where(live_k[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite: every tile has a live key
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        vb = tl.load(V + kv_off, mask=live_k[:, None], other=0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
         m_i = m_new

@@ -22,6 +22,7 @@ function that `_kernel()` hands to `triton.jit` on first use, after binding the 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,6 +56,7 @@ class Q8Weight:
             raise ValueError(f"Q8Weight qs on {qs.device} but d on {d.device}")
         self.qs = qs.contiguous()  # [N, K]
         self.d = d.contiguous()  # [N, K // 32]
+        self.fused: tuple[Q8Weight, int] | None = None  # (the matrix this one's rows are part of, first row)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray | Tensor, n_rows: int, n_cols: int,
@@ -115,6 +117,40 @@ class Q8Weight:
 
     def __repr__(self) -> str:
         return f"Q8Weight({list(self.shape)}, device={self.device})"
+
+
+def fuse_rows(weights: Sequence[Q8Weight]) -> list[Q8Weight]:
+    """Matrices of one width that a layer applies to the same input (the GDN's q k v | z | b a, the shared
+    expert's gate | up) -> views of one matrix holding their rows in order: the same bytes, stored once, and
+    `q8_linear_rows` over the views is one GEMV launch instead of one per matrix."""
+    k = weights[0].shape[1]
+    if any(w.shape[1] != k or w.device != weights[0].device for w in weights):
+        raise ValueError("fuse_rows: the matrices must share their width and device")
+    whole = Q8Weight(torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]))
+    views, r0 = [], 0
+    for w in weights:
+        n = w.shape[0]
+        view = Q8Weight(whole.qs[r0 : r0 + n], whole.d[r0 : r0 + n])  # contiguous row slices: views
+        view.fused = (whole, r0)
+        views.append(view)
+        r0 += n
+    return views
+
+
+def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
+    """[q8_linear(x, w) for w in weights]; on CUDA at most GEMV_MAX_TOKENS tokens, views that fuse_rows made
+    of one matrix, in order and covering it, run as ONE GEMV over that matrix (its tiles from its own shape:
+    the rows' bits are those of the fused launch, the same in every such call; batch invariant)."""
+    first = weights[0].fused
+    n_tok = x.numel() // weights[0].shape[1]
+    whole = first[0] if first is not None else None
+    covers = whole is not None and [w.fused for w in weights] == [
+        (whole, r0) for r0 in itertools.accumulate([0] + [w.shape[0] for w in weights[:-1]])
+    ] and sum(w.shape[0] for w in weights) == whole.shape[0]
+    if not (covers and x.device.type == "cuda" and n_tok <= GEMV_MAX_TOKENS):
+        return [q8_linear(x, w) for w in weights]
+    y = q8_linear(x, whole)  # [..., N1 + N2 + ...]
+    return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 
 def _check(x: Tensor, w: Q8Weight) -> None:

@@ -376,7 +376,7 @@ def kernel_variant(variant: str | None = None) -> str:
 
 def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots: ExpertLayer,
                    mode: str = "auto", out: torch.Tensor | None = None,
-                   variant: str | None = None, plan=None) -> torch.Tensor:
+                   variant: str | None = None, plan=None, act=None, ident=None) -> torch.Tensor:
     """rows f32 [M, E] (cuda): row m = down(swiglu(gate x, up x)) of slot[m] for token tok[m].
 
     x f32 [N, E]; tok, slot int [M] (cuda); slots: ExpertLayer of cuda uint8 [S, rows, row_bytes].
@@ -385,6 +385,8 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     variant: one of VARIANTS (default: STRATA_KERNEL_VARIANT, else "words"); same bits.
     plan: (order, sorted_slot, tile_start) int32 cuda tensors from `plan_tiles_host(slot,
     tile_entries(N, mode, variant, is_float))`, to skip planning on the device (about 15 small launches).
+    act: quantize_act_gpu(x), when the caller launches several calls over one x (quantized once);
+    ident: int32 [M] holding 0..M-1 (the down launch's rows), when the caller keeps one.
     """
     slots.validate()
     variant = kernel_variant(variant)
@@ -406,7 +408,8 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     bt = tile_entries(x.shape[0], mode, variant, slots.is_float)
     plan = (*(plan if plan is not None else plan_tiles(slot, bt, slots.gate.shape[0])), bt)
     tok32 = tok.to(torch.int32).contiguous()
-    ident = torch.arange(m, dtype=torch.int32, device=dev)
+    if ident is None:
+        ident = torch.arange(m, dtype=torch.int32, device=dev)
     gate_up = ((slots.gate, slots.gate_type), (slots.up, slots.up_type))
     down = ((slots.down, slots.down_type), (slots.down, slots.down_type))
     if slots.is_float:
@@ -417,7 +420,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
         _launch_mm((none, none, none, h), ident, plan, down, out, none, none, none, m, n_embd, n_ff,
                    False, True, mode, variant)
         return out
-    xq, xd, xs = quantize_act_gpu(x)
+    xq, xd, xs = act if act is not None else quantize_act_gpu(x)
     hq = torch.empty((m, n_ff), dtype=torch.int8, device=dev)
     hd = torch.empty((m, n_ff // QK), dtype=torch.float32, device=dev)
     hs = torch.empty((m, n_ff // QK), dtype=torch.int32, device=dev)

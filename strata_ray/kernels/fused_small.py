@@ -55,18 +55,21 @@ def _rms_norm_body(X, W, OUT, n, eps, BLOCK: tl.constexpr):
     tl.store(OUT + row * n + cols, x * r * w, mask=live)
 
 
-def rms_norm_fused(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """ops.rms_norm in one launch: x float32 [..., n], w [n] -> [..., n]. CUDA-graph capturable."""
+def rms_norm_fused(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """ops.rms_norm in one launch: x float32 [..., n], w [n] -> [..., n] (into `out`, a contiguous float32
+    tensor of x's shape, when given: no copy after). CUDA-graph capturable."""
     n = x.shape[-1]
     if w.shape != (n,) or x.dtype != torch.float32 or w.dtype != torch.float32:
         raise ValueError(f"rms_norm_fused: x {x.dtype} {list(x.shape)} and w {w.dtype} {list(w.shape)}")
+    if out is not None and (out.shape != x.shape or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"rms_norm_fused: out must be contiguous float32 {list(x.shape)}")
     x2 = x.reshape(-1, n).contiguous()  # [rows, n]
-    out = torch.empty_like(x2)
+    y = torch.empty_like(x2) if out is None else out
     if x2.shape[0]:
         block = next_pow2(n)
-        _kernels()[0][(x2.shape[0],)](x2, w.contiguous(), out, n, eps, BLOCK=block,
+        _kernels()[0][(x2.shape[0],)](x2, w.contiguous(), y, n, eps, BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
-    return out.view(x.shape)
+    return y.view(x.shape) if out is None else out
 
 
 # ---- the MoE combine ------------------------------------------------------------------------------------

@@ -146,9 +146,12 @@ def gdn_step_supports(dims: GDNDims) -> bool:
 
 
 def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv_w: Tensor, ssm_a: Tensor,
-             dt_bias: Tensor, norm_w: Tensor, dims: GDNDims, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """gdn_step_reference (all tokens in the recurrent form) in two launches; new tensors out, CUDA-graph
-    capturable (no host sync, no data-dependent shapes)."""
+             dt_bias: Tensor, norm_w: Tensor, dims: GDNDims, eps: float,
+             state_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """gdn_step_reference (all tokens in the recurrent form) in two launches; new tensors out, or the new
+    states into state_out = (S', conv'), which may be S and conv themselves (a program reads its head's
+    state, or its channels' rows, before it writes them: in place is safe; the decode graphs' buffers).
+    CUDA-graph capturable (no host sync, no data-dependent shapes)."""
     T, C = mixed.shape
     nk, nv, dk, dv = dims.nk, dims.nv, dims.dk, dims.dv
     kw = conv_w.shape[1]
@@ -156,11 +159,16 @@ def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv
         raise ValueError(f"gdn_step: unsupported dims {dims} for {C} channels (dk = dv, powers of two)")
     mixed, z, ba = mixed.contiguous(), z.contiguous(), ba.contiguous()
     y = torch.empty_like(mixed)
-    new_conv = torch.empty_like(conv)
     o = torch.empty_like(z)
-    new_S = torch.empty_like(S)
+    if state_out is None:
+        new_S, new_conv = torch.empty_like(S), torch.empty_like(conv)
+    else:
+        new_S, new_conv = state_out
+        if new_S.shape != S.shape or new_conv.shape != conv.shape or not (new_S.is_contiguous()
+                                                                          and new_conv.is_contiguous()):
+            raise ValueError("gdn_step: state_out must be contiguous tensors of the states' shapes")
     if T == 0:
-        return z.new_zeros(z.shape), S.clone(), conv.clone()
+        return z.new_zeros(z.shape), new_S.copy_(S), new_conv.copy_(conv)
     conv_k, delta_k = _kernels()
     conv_k[(C // dk,)](mixed, conv.contiguous(), conv_w.contiguous(), y, new_conv, T, C, dims.key_dim,
                        dk**-0.5, BC=dk, KW=kw, num_warps=4)

@@ -91,13 +91,20 @@ def router_logits(x: Tensor, w: Tensor) -> Tensor:
     return out
 
 
-def route_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """route_reference in one launch: logits [T, X] -> (ids [T, K] int64, weights [T, K] float32)."""
+def route_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """route_reference in one launch: logits [T, X] -> (ids [T, K] int64, weights [T, K] float32), into
+    `out` (two contiguous tensors of those shapes and types) when given."""
     T, X = logits.shape
     if not 0 < k <= X:
         raise ValueError(f"route_topk: k={k} of {X} experts")
-    ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
-    wts = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    if out is None:
+        ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
+        wts = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    else:
+        ids, wts = out
+        if (ids.shape != (T, k) or wts.shape != (T, k) or ids.dtype != torch.int64
+                or wts.dtype != torch.float32 or not (ids.is_contiguous() and wts.is_contiguous())):
+            raise ValueError(f"route_topk: out must be contiguous int64 and float32 [{T}, {k}]")
     if T:
         bx, bkp = next_pow2(X), max(2, next_pow2(k))
         _kernels()[1][(T,)](logits.contiguous(), ids, wts, X, K=k, BX=bx, BKP=bkp, num_warps=4)

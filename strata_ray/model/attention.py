@@ -15,8 +15,8 @@ from strata_ray.model.state import KVCache
 def _projections(hp: HParams, w: Mapping[str, Tensor], p: str, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q (with the output gate rows for qwen3next), k, v projections; accepts a fused attn_qkv too."""
     if f"{p}.attn_q.weight" in w:
-        return (ops.linear(x, w[f"{p}.attn_q.weight"]), ops.linear(x, w[f"{p}.attn_k.weight"]),
-                ops.linear(x, w[f"{p}.attn_v.weight"]))
+        q, k, v = ops.linear_rows(x, [w[f"{p}.attn_{n}.weight"] for n in "qkv"])
+        return q, k, v
     qkv = ops.linear(x, w[f"{p}.attn_qkv.weight"])  # rows [q(+gate) | k | v]
     kv_dim = hp.n_head_kv * hp.head_dim
     q_dim = qkv.shape[-1] - 2 * kv_dim

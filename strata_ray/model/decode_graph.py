@@ -4,10 +4,12 @@ A decode step issues ~60 small torch ops per layer; launched one by one from Pyt
 on the H200 host, more than the GPU needs for them. Here the dense work between two expert calls is
 captured once into a graph and replayed per token (DESIGN section 8):
 
-    layer l (GDN):        [combine l-1 | norm | gated delta net | residual | norm | router | shared expert]
+    layer l (GDN):        [combine l-1 | norm | gated delta net | residual | norm | router]
     layer l (attention):  [combine l-1 | norm | q k v | rope]  attention over the KV cache  [gate | out |
-                          residual | norm | router | shared expert]
-    then, eager:          routed rows of layer l (the expert backend: tiers, CPU pool, host plan)
+                          residual | norm | router]
+    then:                 routed rows of layer l (the expert backend: tiers, CPU pool, host plan), and
+                          [shared expert], which the backend enqueues beside its CPU rows (only layer l+1
+                          reads it: in the pipelined decode it leaves the path the device waits on)
     last:                 [combine | output norm | logits]
 
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
@@ -128,33 +130,36 @@ class DecodeGraphs:
         moe = routed if prev.shared is None else routed + prev.shared
         return prev.h_mid + moe
 
-    def _moe_inputs(self, layer: int, h_mid: Tensor) -> None:
-        """After the mixer's residual: the MoE's normed input, routing and shared expert, into the buffers."""
+    def _moe_inputs(self, layer: int, h: Tensor, mixer_out: Tensor) -> None:
+        """The mixer's residual h + mixer_out, then the MoE's normed input and routing, written straight into
+        the buffers (the kernels take them as outputs: no copies in the graphs)."""
         hp, w, buf = self.hp, self.w, self.layers[layer]
-        buf.h_mid.copy_(h_mid)
-        x = ops.rms_norm(h_mid, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps)
-        ids, weights = route(w[f"blk.{layer}.ffn_gate_inp.weight"], x, hp.n_expert_used)
-        buf.x.copy_(x)
-        buf.ids.copy_(ids)
-        buf.weights.copy_(weights)
-        if buf.shared is not None:
-            buf.shared.copy_(shared_expert(w, layer, x))
+        torch.add(h, mixer_out, out=buf.h_mid)
+        ops.rms_norm(buf.h_mid, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps, out=buf.x)
+        route(w[f"blk.{layer}.ffn_gate_inp.weight"], buf.x, hp.n_expert_used, out=(buf.ids, buf.weights))
 
-    def _build_segments(self) -> tuple[list[tuple[Callable, Callable | None]], Callable]:
+    def _shared(self, layer: int) -> None:
+        """The shared expert of the layer's MoE input into its buffer: a segment of its own, because only the
+        next layer reads it (the expert backend enqueues it beside its CPU rows: `step`)."""
+        buf = self.layers[layer]
+        shared_expert(self.w, layer, buf.x, out=buf.shared)
+
+    def _build_segments(self) -> tuple[list[tuple[Callable, Callable | None, Callable | None]], Callable]:
+        """Per layer (before attention, after attention or None, shared expert or None); the head."""
         hp, w = self.hp, self.w
         segments = []
         for layer, buf in enumerate(self.layers):
             norm = w[f"blk.{layer}.attn_norm.weight"]
+            shared = None if buf.shared is None else (lambda layer=layer: self._shared(layer))
             if buf.gdn is not None:
                 def gdn_seg(layer=layer, buf=buf, norm=norm):
                     h = self._layer_input(layer)
                     x = ops.rms_norm(h, norm, hp.rms_eps)
-                    out, new = gdn_block(hp, w, layer, x, buf.gdn, 0)  # one token: pos0 picks no other form
-                    buf.gdn.S.copy_(new.S)
-                    buf.gdn.conv.copy_(new.conv)
-                    self._moe_inputs(layer, h + out)
+                    # one token: pos0 picks no other form; the state updated in its buffers
+                    out, _ = gdn_block(hp, w, layer, x, buf.gdn, 0, state_out=buf.gdn)
+                    self._moe_inputs(layer, h, out)
 
-                segments.append((gdn_seg, None))
+                segments.append((gdn_seg, None, shared))
                 continue
 
             def attn_in(layer=layer, buf=buf, norm=norm):
@@ -168,9 +173,9 @@ class DecodeGraphs:
                     buf.gate.copy_(gate)
 
             def attn_out(layer=layer, buf=buf):
-                self._moe_inputs(layer, buf.h_in + attention_output(w, layer, buf.o, buf.gate))
+                self._moe_inputs(layer, buf.h_in, attention_output(w, layer, buf.o, buf.gate))
 
-            segments.append((attn_in, attn_out))
+            segments.append((attn_in, attn_out, shared))
 
         def head():
             hidden = ops.rms_norm(self._layer_input(hp.n_layer), w["output_norm.weight"], hp.rms_eps)
@@ -197,7 +202,7 @@ class DecodeGraphs:
         """Warm every segment up on a side stream (lazy cuBLAS/Triton init), then capture each into a graph
         sharing one memory pool. Runs before a sequence's state is copied in: the buffers it scribbles on
         are overwritten by the adoption that follows."""
-        flat = [f for pair in segments for f in pair if f is not None] + [head]
+        flat = [f for fns in segments for f in fns if f is not None] + [head]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -213,7 +218,7 @@ class DecodeGraphs:
             with torch.cuda.graph(g, pool=pool):
                 fn()
             graphs[fn] = g.replay
-        return [(graphs[a], graphs[b] if b is not None else None) for a, b in segments], graphs[head]
+        return [tuple(graphs[f] if f is not None else None for f in fns) for fns in segments], graphs[head]
 
     # -- the step -----------------------------------------------------------------------------------------
     def _adopt(self, state: SequenceState) -> None:
@@ -247,17 +252,19 @@ class DecodeGraphs:
         self.pos.fill_(pos0)
         hp, experts = self.hp, self.model.experts
         try:
-            for layer, (before, after) in enumerate(segments):
+            for layer, (before, after, shared) in enumerate(segments):
                 buf = self.layers[layer]
                 before()
                 if after is not None:  # the attention core over the growing KV cache, eager
                     k_all, v_all = state.kv[layer].append(buf.k, buf.v)
                     buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
                     after()
-                if self.rows is not None:
-                    self.rows.step(layer, buf.x, buf.ids)
+                if self.rows is not None:  # the shared expert beside the CPU rows: off the critical path
+                    self.rows.step(layer, buf.x, buf.ids, beside=shared)
                 else:
                     buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
+                    if shared is not None:
+                        shared()
             head()
         except BaseException:
             abort = getattr(self.rows, "abort", None)  # a worker waiting on this token's flags

@@ -41,19 +41,24 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
 
 
 def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: GDNState,
-              pos0: int) -> tuple[Tensor, GDNState]:
+              pos0: int, state_out: GDNState | None = None) -> tuple[Tensor, GDNState]:
     """Gated DeltaNet of normed input x [T, E] -> ([T, E], new layer state).
 
     After the projections, the core (conv, norms, gates, delta rule, gated norm) runs as two fused kernels
-    on CUDA for decode and verify windows (kernels/gdn_step), else in the reference's torch ops."""
+    on CUDA for decode and verify windows (kernels/gdn_step), else in the reference's torch ops.
+    state_out: where the new state goes (it may be `st` itself: the decode graphs update their buffers in
+    place, the fused kernels without a copy)."""
     p = f"blk.{layer}"
     T = x.shape[0]
     dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
-    mixed = ops.linear(x, w[f"{p}.attn_qkv.weight"])  # [T, conv_dim], channels q | k | v
-    z = ops.linear(x, w[f"{p}.attn_gate.weight"])  # [T, nv * dv]
-    ba = ops.linear(x, w[f"{p}.ssm_ba.weight"])  # [T, nk * 2r], grouped per k-head: [b (r), a (r)]
+    # [T, conv_dim] channels q | k | v; [T, nv * dv]; [T, nk * 2r] grouped per k-head: [b (r), a (r)]
+    mixed, z, ba = ops.linear_rows(x, [w[f"{p}.{n}.weight"] for n in ("attn_qkv", "attn_gate", "ssm_ba")])
     core = gdn_step if fused_enabled(x, T) and T and gdn_step_supports(dims) else gdn_step_reference
     extra = {} if core is gdn_step else {"pos0": pos0}  # the fused step is recurrent only (T <= 16 < 64)
+    if core is gdn_step and state_out is not None:
+        extra["state_out"] = (state_out.S, state_out.conv)
     o, S, conv = core(mixed, z, ba, st.S, st.conv, w[f"{p}.ssm_conv1d.weight"], w[f"{p}.ssm_a"],
                       w[f"{p}.ssm_dt.bias"], w[f"{p}.ssm_norm.weight"], dims, hp.rms_eps, **extra)
+    if state_out is not None and S is not state_out.S:  # the reference's new tensors
+        S, conv = state_out.S.copy_(S), state_out.conv.copy_(conv)
     return ops.linear(o, w[f"{p}.ssm_out.weight"]), GDNState(S, conv)

@@ -22,15 +22,20 @@ class ExpertBackend(Protocol):
         ...
 
 
-def route(router_w: Tensor, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K]).
+def route(router_w: Tensor, x: Tensor, k: int,
+          out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K]),
+    written into `out` (ids int64, weights float32) when given.
 
     On CUDA, calls of at most 16 tokens run two fused launches (kernels/router)."""
     if fused_enabled(x, x.shape[0]):
         f32 = isinstance(router_w, Tensor) and router_w.dtype == torch.float32
         logits = router_logits(x, router_w) if f32 else ops.linear(x, router_w)  # [N, X]
-        return route_topk(logits, k)
-    return route_reference(ops.linear(x, router_w), k)
+        return route_topk(logits, k, out=out)
+    ids, weights = route_reference(ops.linear(x, router_w), k)
+    if out is None:
+        return ids, weights
+    return out[0].copy_(ids), out[1].copy_(weights)
 
 
 def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
@@ -78,16 +83,17 @@ class FloatExperts:
         return combine_rows(self.rows(layer, x, ids), weights)
 
 
-def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor) -> Tensor:
-    """qwen3next shared expert scaled by its per-token sigmoid gate: x [N, E] -> [N, E]."""
+def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | None = None) -> Tensor:
+    """qwen3next shared expert scaled by its per-token sigmoid gate: x [N, E] -> [N, E] (into `out` when
+    given)."""
     p = f"blk.{layer}"
     gate_w = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]
     # fused: a one-row GEMV in one launch (cuBLAS took a split-K GEMV and its reduce, ~15 us, for 8 KB)
     fused = fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32
     gate = torch.sigmoid(router_logits(x, gate_w) if fused else ops.linear(x, gate_w))  # [N, 1]
-    out = ops.swiglu(x, w[f"{p}.ffn_gate_shexp.weight"], w[f"{p}.ffn_up_shexp.weight"],
-                     w[f"{p}.ffn_down_shexp.weight"])
-    return out * gate
+    y = ops.swiglu(x, w[f"{p}.ffn_gate_shexp.weight"], w[f"{p}.ffn_up_shexp.weight"],
+                   w[f"{p}.ffn_down_shexp.weight"])
+    return torch.mul(y, gate, out=out) if out is not None else y * gate
 
 
 def moe_block(w: Mapping[str, Tensor], layer: int, x: Tensor, k: int, experts: ExpertBackend) -> Tensor:

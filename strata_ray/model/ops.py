@@ -7,6 +7,8 @@ runs on any device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -36,6 +38,16 @@ def linear(x: Tensor, w) -> Tensor:
     return q8_linear(x, w)
 
 
+def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
+    """[linear(x, w) for w in ws]. Q8Weight views of one matrix (weights.fuse_dense_rows) run as one GEMV
+    in a decode step (kernels/dense_q8.q8_linear_rows): the matrices a layer applies to the same input."""
+    if any(isinstance(w, Tensor) for w in ws):
+        return [linear(x, w) for w in ws]
+    from strata_ray.kernels.dense_q8 import q8_linear_rows
+
+    return q8_linear_rows(x, ws)
+
+
 def embedding(ids: Tensor, w) -> Tensor:
     """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor or a Q8Weight)."""
     if isinstance(w, Tensor):
@@ -43,14 +55,16 @@ def embedding(ids: Tensor, w) -> Tensor:
     return w.rows(ids.reshape(-1)).view(*ids.shape, -1)
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """Plain RMSNorm over the last dim of x [T, ...]. GGUF weights already hold the +1 of zero-centred norms.
 
     On CUDA, calls of at most 16 tokens (decode, verify windows) run one fused kernel instead (its sum in
-    another order: rounding-level differences, batch invariant among those calls)."""
+    another order: rounding-level differences, batch invariant among those calls). out: a tensor of x's
+    shape to write into (the decode graphs' buffers: the fused kernel writes it without a copy)."""
     if x.dim() >= 2 and fused_enabled(x, x.shape[0]):
-        return rms_norm_fused(x, w, eps)
-    return rms_norm_reference(x, w, eps)
+        return rms_norm_fused(x, w, eps, out=out)
+    y = rms_norm_reference(x, w, eps)
+    return y if out is None else out.copy_(y)
 
 
 def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -70,7 +84,8 @@ def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 def swiglu(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     """down(silu(gate(x)) * up(x)): one expert or the shared expert."""
-    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    g, u = linear_rows(x, (w_gate, w_up))
+    return linear(F.silu(g) * u, w_down)
 
 
 _INV_FREQ: dict[tuple[int, float, torch.device], Tensor] = {}  # rope frequencies, built once per device

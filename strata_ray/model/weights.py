@@ -69,7 +69,28 @@ def load_dense_weights(
         else:
             out[name] = t
     check_weights(hp, out, include_experts)
+    if quantized:
+        fuse_dense_rows(out)
     return out
+
+
+# the matrices a layer applies to one input, in the order the forward reads them (kernels/dense_q8.fuse_rows)
+ROW_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_ba"),
+              ("ffn_gate_shexp", "ffn_up_shexp"))
+
+
+def fuse_dense_rows(weights: dict) -> None:
+    """Every layer's ROW_GROUPS whose matrices are all Q8Weights of one width become views of one matrix
+    each (in place; the same names and bytes), so that a decode step reads each group in one GEMV launch."""
+    from strata_ray.kernels.dense_q8 import Q8Weight, fuse_rows
+
+    layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
+    for layer in layers:
+        for group in ROW_GROUPS:
+            names = [f"blk.{layer}.{n}.weight" for n in group]
+            ws = [weights.get(n) for n in names]
+            if all(isinstance(w, Q8Weight) for w in ws) and len({w.shape[1] for w in ws}) == 1:
+                weights.update(zip(names, fuse_rows(ws), strict=True))
 
 
 def check_weights(hp: HParams, weights: dict[str, Tensor], include_experts: bool = True) -> None:

@@ -22,10 +22,12 @@ from gguf import quants as gguf_quants
 from strata_ray.kernels.dense_q8 import (
     GEMV_MAX_TOKENS,
     Q8Weight,
+    fuse_rows,
     gemv_tiles,
     q8_gemv,
     q8_linear,
     q8_linear_reference,
+    q8_linear_rows,
 )
 from strata_ray.model import quants
 from tests.kernels.triton_interpret import interpret
@@ -153,6 +155,24 @@ def test_cpu_linear_is_f_linear_of_dequantized_bits(n, k):
     assert np.array_equal(_bits(q8_linear_reference(x3, w)), _bits(y3))
 
 
+def test_fused_rows_are_views_of_one_matrix_and_the_same_linear_on_cpu():
+    parts = [_weight(n, 96)[0] for n in (33, 7, 2)]
+    views = fuse_rows(parts)
+    whole, _ = views[0].fused
+    assert whole.shape == (42, 96) and [v.fused[1] for v in views] == [0, 33, 40]
+    for v, p in zip(views, parts, strict=True):
+        assert torch.equal(v.qs, p.qs) and torch.equal(v.d, p.d)
+        assert v.qs.data_ptr() == whole.qs[v.fused[1]].data_ptr()  # a view: stored once
+    x = torch.randn(3, 96)
+    got = q8_linear_rows(x, views)
+    assert all(torch.equal(a, q8_linear(x, p)) for a, p in zip(got, parts, strict=True))
+    # not the whole fused matrix in order: each matrix on its own (the same values)
+    assert all(torch.equal(a, q8_linear(x, p)) for a, p in zip(q8_linear_rows(x, views[1:]), parts[1:],
+                                                                  strict=True))
+    with pytest.raises(ValueError, match="share their width"):
+        fuse_rows([parts[0], _weight(4, 64)[0]])
+
+
 def test_linear_errors_are_one_line():
     w, _ = _weight(8, 64)
     cases = [
@@ -277,6 +297,27 @@ def test_gpu_gemv_is_batch_invariant(n, k):
         assert np.array_equal(_bits(q8_linear(x[t], w)), _bits(y16[t])), t  # a 1-D x
     assert np.array_equal(_bits(q8_linear(x[3:8], w)), _bits(y16[3:8]))
     assert np.array_equal(_bits(q8_linear(x.view(2, 8, k), w)), _bits(y16.view(2, 8, n)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 5, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 33])
+def test_gpu_fused_rows_are_one_gemv_over_the_whole(t):
+    """Views of one fused matrix: a decode call is the GEMV over the whole matrix, split (one launch, its
+    rows batch invariant); a prompt call is each matrix's own cuBLAS path."""
+    parts = [_weight(n, 2048, "cuda", seed=n)[0] for n in (8192, 4096, 64)]  # the GDN's qkv | z | ba
+    views = fuse_rows(parts)
+    x = torch.from_numpy(np.random.default_rng(t).standard_normal((t, 2048)).astype(np.float32)).cuda()
+    got = q8_linear_rows(x, views)
+    if t <= GEMV_MAX_TOKENS:
+        whole = q8_linear(x, views[0].fused[0])
+        assert np.array_equal(_bits(torch.cat(got, dim=-1)), _bits(whole))
+        one = q8_linear_rows(x[-1:], views)  # the last token alone: its row of the batch
+        assert all(np.array_equal(_bits(a), _bits(b[-1:])) for a, b in zip(one, got, strict=True))
+    else:
+        assert all(np.array_equal(_bits(a), _bits(q8_linear(x, p))) for a, p in zip(got, parts, strict=True))
+    for a, p in zip(got, parts, strict=True):
+        _assert_close_to_exact(a, x, p)
 
 
 @pytest.mark.gpu

@@ -81,6 +81,8 @@ def _norm_cases(device):
         torch.testing.assert_close(got, ops.rms_norm_reference(x, w, 1e-6), rtol=2e-6, atol=1e-6)
         for i in (0, rows - 1):  # a row alone gives its row of the batch
             assert torch.equal(rms_norm_fused(x[i : i + 1], w, 1e-6), got[i : i + 1])
+        out = torch.full_like(x, float("nan"))  # into a given buffer: the same bits, every element written
+        assert rms_norm_fused(x, w, 1e-6, out=out) is out and torch.equal(out, got)
     x3 = torch.randn(2, 16, 256).to(device)  # [T, H, D]: over the last dim
     w3 = torch.ones(256).to(device)
     want = ops.rms_norm_reference(x3, w3, 1e-6)

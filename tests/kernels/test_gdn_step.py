@@ -62,6 +62,13 @@ def _fused_cases(device: str, dims: GDNDims, sizes):
         want = gdn_step_reference(*args, dims, 1e-6)
         _check_close(got, want)
         assert all(torch.isfinite(t).all() for t in got)
+        # the new states written over the old ones (the decode graphs' buffers): the same bits
+        mixed, z, ba, S, conv, *w = args
+        S_in, conv_in = S.clone(), conv.clone()
+        o_in, S_out, conv_out = gdn_step(mixed, z, ba, S_in, conv_in, *w, dims, 1e-6,
+                                         state_out=(S_in, conv_in))
+        assert S_out is S_in and conv_out is conv_in
+        assert torch.equal(o_in, got[0]) and torch.equal(S_in, got[1]) and torch.equal(conv_in, got[2]), T
         # token by token, the state carried: the same bits as the whole call
         mixed, z, ba, S, conv, *w = args
         outs = []

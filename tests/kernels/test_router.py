@@ -38,9 +38,17 @@ def _cases(device, shapes):
         torch.testing.assert_close(wts.cpu(), ref_w.cpu(), rtol=2e-6, atol=1e-7)
         one_ids, one_w = route_topk(logits[-1:], k)  # a token alone: its row of the batch
         assert torch.equal(one_ids, ids[-1:]) and torch.equal(one_w, wts[-1:])
+        # into given buffers (the decode graphs'): the same values, every element written
+        out = (torch.full_like(ids, -7), torch.full_like(wts, float("nan")))
+        got = route_topk(logits, k, out=out)
+        assert got[0] is out[0] and got[1] is out[1]
+        assert torch.equal(out[0], ids) and torch.equal(out[1], wts)
     # ties: the lower expert id first (torch leaves the order of equal values open)
     flat = torch.zeros(1, 8, device=device)
     assert route_topk(flat, 3)[0].tolist() == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="out must be"):
+        route_topk(flat, 3, out=(torch.empty(1, 3, dtype=torch.int32, device=device),
+                                 torch.empty(1, 3, device=device)))
 
 
 

@@ -130,7 +130,7 @@ def test_dense_q8_0_kept_quantized_gives_the_dequantized_bits(next_model, tmp_pa
     """quantized=True keeps Q8_0 matrices as Q8Weight (what CUDA loads): on the CPU ops.linear and
     ops.embedding dequantize them, so the logits equal the float32 load's bit for bit, MTP head included."""
     from strata_ray.kernels.dense_q8 import Q8Weight
-    from strata_ray.model.weights import keeps_q8
+    from strata_ray.model.weights import ROW_GROUPS, keeps_q8
 
     hp, weights = next_model
     types = {n: T.Q8_0 for n, t in weights.items()
@@ -144,4 +144,11 @@ def test_dense_q8_0_kept_quantized_gives_the_dequantized_bits(next_model, tmp_pa
     assert kept == {n for n in types if keeps_q8(n, file.tensor(n))} and "token_embd.weight" in kept
     for n in kept:
         assert torch.equal(q8[n].dequantize(), flat[n]), n
+    # the matrices a layer applies to one input are views of one matrix (one GEMV in a decode step)
+    for layer in range(hp.n_layer):
+        for group in ROW_GROUPS:
+            ws = [q8.get(f"blk.{layer}.{n}.weight") for n in group]
+            if all(isinstance(w, Q8Weight) for w in ws):
+                assert len({id(w.fused[0]) for w in ws}) == 1, (layer, group)
+    assert q8["blk.0.attn_qkv.weight"].fused is not None  # a GDN layer's q k v | z | b a
     _assert_same_logits(Model(hp, flat), Model(hp, q8))
