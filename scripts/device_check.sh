@@ -18,7 +18,8 @@
 #               threads:mode:spin
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA); once per card size
-#               in TRACE_CARDS (GiB, default "24"; 80 holds every expert)
+#               in TRACE_CARDS (GiB, default "24"; 80 holds every expert); TRACE_TIMELINE=N also lists N
+#               layers of the middle token event by event (trace_summary.py --timeline)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
@@ -175,7 +176,8 @@ step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 for gib in ${TRACE_CARDS:-24}; do
     step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --card-gib "$gib" --trace-decode 3 \
         --trace-out "$work/decode-trace-$gib.json" --json-out "$work/trace-$gib.json"
-    step trace 60 python scripts/trace_summary.py "$work/decode-trace-$gib.json" --tokens 3
+    step trace 60 python scripts/trace_summary.py "$work/decode-trace-$gib.json" --tokens 3 \
+        --timeline "${TRACE_TIMELINE:-0}"
     rm -f "$work/decode-trace-$gib.json"  # tens of MB: the summary is what comes back
 done
 step ours 300 env MODEL="$M80" CONTEXTS="${OURS_CONTEXTS:-1024,8192}" GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \

@@ -1,11 +1,12 @@
 """Where a traced decode's device time goes: busy time, idle gaps and kernels by name, from a Chrome trace.
 
-    python scripts/trace_summary.py out/decode-trace-80.json --tokens 3
+    python scripts/trace_summary.py out/decode-trace-80.json --tokens 3 [--timeline 2]
 
 torch.profiler's tables add up kernel times; they do not say how long the device sat idle between kernels
 (launch latency inside graphs, host waits, flag round trips). This reads the trace's device events
 (kernels, copies, memsets), merges them into busy intervals over all streams, and prints the span, the busy
-time, the gaps by size, and the kernels by total time, each per token.
+time, the gaps by size, and the kernels by total time, each per token. --timeline N then lists N layers
+of the middle token event by event (start, length, stream, gap before): what one layer waits on.
 """
 
 from __future__ import annotations
@@ -18,13 +19,36 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_EDGES_US = (2, 5, 10, 20, 50, 100, 1000)
 
 
-def device_events(path: str) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every device event in the trace, by start."""
+LAYER_MARK = "_combine_body"  # the fused combine opens every decode layer's first graph (and the head's)
+
+
+def device_events(path: str, with_stream: bool = False) -> list[tuple]:
+    """(start us, end us, name) of every device event in the trace, by start; with_stream: (start, end,
+    name, stream)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    out = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
-           if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    out = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"], *((e.get("tid"),) if with_stream else ()))
+           for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
     return sorted(out)
+
+
+def timeline(events: list[tuple], layers: int) -> str:
+    """Event by event, `layers` layers from the middle of the trace (a layer opens at LAYER_MARK): start
+    offset, length and the idle gap before each (all streams merged), the stream, the name."""
+    marks = [i for i, e in enumerate(events) if e[2] == LAYER_MARK]
+    if len(marks) < layers + 1:
+        return f"timeline: fewer than {layers + 1} '{LAYER_MARK}' events in the trace"
+    first = len(marks) // 2
+    lo, hi = marks[first], marks[min(first + layers, len(marks) - 1)]
+    t0, end = events[lo][0], events[lo][0]
+    lines = [f"timeline of {layers} layers from event {lo} (us: start, length, idle before, stream, op):"]
+    for start, stop, name, stream in events[lo:hi]:
+        idle = max(0.0, start - end)
+        lines.append(f"  {start - t0:9.1f} {stop - start:8.1f} {idle:7.1f}{' *' if idle >= 5 else '  '} "
+                     f"{stream!s:>6} {name[:70]}")
+        end = max(end, stop)
+    lines.append(f"  {events[hi][0] - t0:9.1f}  (the next layer opens)")
+    return "\n".join(lines)
 
 
 def busy_intervals(events: list[tuple[float, float, str]]) -> list[tuple[float, float]]:
@@ -73,10 +97,15 @@ def main() -> None:
     ap.add_argument("trace", help="a Chrome trace from torch.profiler (bench_tiers --trace-out)")
     ap.add_argument("--tokens", type=int, default=1, help="tokens the trace covers (per-token figures)")
     ap.add_argument("--top", type=int, default=30, help="how many ops to list")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="then list N layers of the middle of the trace event by event")
     args = ap.parse_args()
-    if args.tokens < 1:
-        ap.error("--tokens must be at least 1")
-    print(summarize(device_events(args.trace), args.tokens, args.top))
+    if args.tokens < 1 or args.timeline < 0:
+        ap.error("--tokens must be at least 1 and --timeline at least 0")
+    events = device_events(args.trace, with_stream=True)
+    print(summarize([e[:3] for e in events], args.tokens, args.top))
+    if args.timeline:
+        print(timeline(events, args.timeline))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host})
         self.worker.shares[:] = self.shares
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
+        self._beside = torch.cuda.Stream(dev)  # step()'s `beside` work, concurrent with the layer's rows
         self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._job = None
@@ -168,8 +169,9 @@ class PipelinedDecodeRows:
     def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
              beside: Callable[[], None] | None = None) -> None:
         """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync). beside: device
-        work only the next layer reads (the shared expert), enqueued after the routing's flag and the
-        resident rows, before the wait for the CPU rows: it runs while the worker computes."""
+        work only the next layer reads (the shared expert), enqueued on a stream of its own after the
+        routing's flag, joined before the next layer: it runs beside the resident and PCIe tiles while the
+        worker computes, off the path the device waits on."""
         t0 = time.perf_counter()
         tiers = self.tiers
         if layer == 0:
@@ -186,9 +188,9 @@ class PipelinedDecodeRows:
                 self._token_base = base
         if self._resident_token:
             self._ids_all[layer].copy_(ids.view(-1), non_blocking=True)
+            self._beside_start(beside)
             self._graphs[layer].replay()  # hit = 1 for every entry: the combine reads no CPU row
-            if beside is not None:
-                beside()
+            self._beside_join(beside)
             if layer == tiers.n_layers - 1:
                 self._done.record()
             self._host += time.perf_counter() - t0
@@ -197,14 +199,26 @@ class PipelinedDecodeRows:
         self._ids_pin.copy_(ids.view(-1), non_blocking=True)
         self._x_pin.copy_(x, non_blocking=True)
         self.routed.write(v)  # fenced after the copies: the worker reads them once it sees v
+        self._beside_start(beside)
         if layer in self._graphs:
             self._graphs[layer].replay()
-        if beside is not None:
-            beside()
+        self._beside_join(beside)
         self.rows_flag.wait(v)
         self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
         self.inv.copy_(self._inv_pin, non_blocking=True)
         self._host += time.perf_counter() - t0
+
+    def _beside_start(self, beside: Callable[[], None] | None) -> None:
+        """Run `beside` on its own stream, after everything enqueued so far on the current one."""
+        if beside is not None:
+            self._beside.wait_stream(torch.cuda.current_stream(self.tiers.device))
+            with torch.cuda.stream(self._beside):
+                beside()
+
+    def _beside_join(self, beside: Callable[[], None] | None) -> None:
+        """The current stream waits for the `beside` work (before anything of the next layer)."""
+        if beside is not None:
+            torch.cuda.current_stream(self.tiers.device).wait_stream(self._beside)
 
     def finish(self) -> None:
         """Join the token's worker; count each layer's entries (window accounting, metrics: the host's

@@ -39,3 +39,23 @@ def test_no_device_events(tmp_path):
     out = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path)], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "no device events in the trace"
+
+
+def test_timeline_lists_the_middle_layers_event_by_event(tmp_path):
+    events, t = [], 0.0
+    for _ in range(4):  # each layer: combine, a gemv, then a 20 us wait, a copy on another stream
+        events += [_event("_combine_body", t, 4, 7), _event("gemv", t + 5, 10, 7),
+                   _event("copy", t + 35, 3, 9, cat="gpu_memcpy")]
+        t += 40
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path), "--timeline", "1"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.split("timeline of 1 layers")[1].splitlines()[1:]
+    assert [line.split()[-1] for line in lines[:3]] == ["_combine_body", "gemv", "copy"]
+    start, length, idle = (float(v) for v in lines[2].split()[:3])
+    assert (start, length, idle) == (35.0, 3.0, 20.0) and "*" in lines[2]  # a gap of 5 us or more is starred
+    assert lines[3].split()[0] == "40.0"  # where the next layer opens
+    few = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path), "--timeline", "9"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert "fewer than 10 '_combine_body' events" in few
