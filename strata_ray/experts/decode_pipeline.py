@@ -7,9 +7,10 @@ computes or hands off the CPU rows with Python around them: ~0.9 ms a layer on t
 enqueues a whole token at once, and one nogil numba call per token (kernels/cpu_token_rows.CpuTokenRows, on
 the tiers' CPU thread) serves every layer's CPU rows:
 
-    device, layer l:  [segment l: ... router]  ids, x -> pinned  routed := v_l  [resident rows: the slot
-                      of each entry from the device residency table, the tile plan on the device, the
-                      cache kernels]  wait rows >= v_l  rows, inv -> device  [segment l+1: combine ...]
+    device, layer l:  [segment l: ... router]  [layer graph: ids, x -> pinned, routed := v_l (one kernel,
+                      kernels/publish) | the shared expert, forked | resident rows: the slot of each entry
+                      from the device residency table, the tile plan on the device, the cache kernels]
+                      wait rows >= v_l  [segment l+1: combine, reading the worker's rows in place ...]
     worker, layer l:  wait routed >= v_l -> classify by the host table -> the CPU rows -> rows := v_l
 
 rows() = where(hit, gpu rows, cpu rows[inv]) [K, E], combined in k order as everywhere: the same kernels
@@ -25,8 +26,10 @@ tiles read them there. Layers not page-locked keep every miss on the CPU. The sa
 bytes: the same bits. (Session 10: the tiles reading the host store in place ran at 21 GB/s.)
 
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
-no worker, no flags, no rows to upload; a layer is its ids' copy back (for the window counts) and its
-resident-rows graph. On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9).
+no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
+counts). On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9). Session 11 moved the
+host's per-layer copies and flag write into the graph (one kernel) and let the combine read the worker's
+rows where it wrote them: a layer is two graphs and a wait.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ import torch
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows
-from strata_ray.kernels.fused_small import gather_rows
+from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import stage_experts, stage_table
+from strata_ray.kernels.publish import publish
 from strata_ray.kernels.stream_flags import HostFlag
 
 
@@ -84,7 +88,12 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host})
         self.worker.shares[:] = self.shares
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
-        self._beside = torch.cuda.Stream(dev)  # step()'s `beside` work, concurrent with the layer's rows
+        self._beside = torch.cuda.Stream(dev)  # capture_all's `besides`, forked beside the layer's rows
+        self._base_dev = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] this token's flag base
+        # the fused combine reads the worker's rows and their index in the page-locked buffers themselves
+        # (no copies up a layer: ~20 us of the layer's path on the H200, session 11); the torch form reads
+        # device copies
+        self.zero_copy = fused_enabled(self.gpu_rows, 1)
         self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._job = None
@@ -99,7 +108,10 @@ class PipelinedDecodeRows:
     # -- the captured part ------------------------------------------------------------------------------
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gpu rows [K, E], cpu rows [K, E], hit int32 [K], inv int32 [K]): the combine reads entry k's row
-        from gpu rows where hit, else cpu rows[inv[k]] (kernels/fused_small.gather_rows)."""
+        from gpu rows where hit, else cpu rows[inv[k]] (kernels/fused_small.gather_rows); with zero_copy
+        the cpu rows and inv are the worker's page-locked buffers."""
+        if self.zero_copy:
+            return self.gpu_rows, self._rows_pin, self.hit, self._inv_pin
         return self.gpu_rows, self.cpu_rows, self.hit, self.inv
 
     def rows(self) -> torch.Tensor:
@@ -142,13 +154,32 @@ class PipelinedDecodeRows:
         if share:
             main.wait_stream(self._fork)
 
-    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
-        """Capture every layer's resident-rows graph over the decode graphs' static xs[layer] [1, E] and
-        ids[layer] [1, K], after a warm-up on a side stream."""
-        if self.tiers.cache.n_slots == 0 and not any(self.shares):
-            return
+    def _layer_graph(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                     beside: Callable[[], None] | None) -> None:
+        """What a layer's graph holds: the routing handed to the worker (kernels/publish: ids and x into the
+        page-locked buffers, then routed := base + layer), `beside` on a forked stream, the device's rows
+        (resident tiles, PCIe share), the join."""
+        tiers, main = self.tiers, torch.cuda.current_stream(self.tiers.device)
+        publish(ids.view(-1), x, self._ids_pin, self._ids_all, self._x_pin, self.routed.tensor,
+                self._base_dev, layer)
+        if beside is not None:
+            self._beside.wait_stream(main)
+            with torch.cuda.stream(self._beside):
+                beside()
+        if tiers.cache.n_slots or self.shares[layer]:
+            self._resident_rows(layer, x, ids)
+        if beside is not None:
+            main.wait_stream(self._beside)
+
+    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
+                    besides: list[Callable[[], None] | None] | None = None) -> bool:
+        """Capture every layer's graph (_layer_graph) over the decode graphs' static xs[layer] [1, E] and
+        ids[layer] [1, K], after a warm-up on a side stream. besides[layer]: work only the next layer reads
+        (the shared expert), taken into the layer's graph beside its rows: returns True (the caller must
+        then not run it)."""
         if ids is None:
             raise ValueError("the pipelined decode captures over the routing's ids buffers too")
+        besides = besides or [None] * self.tiers.n_layers
         dev = self.tiers.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -156,22 +187,24 @@ class PipelinedDecodeRows:
             # the warm-up runs for real: over expert 0, not the ids buffers' contents (uninitialised
             # memory, whose values would index the residency table out of bounds)
             for layer in range(self.tiers.n_layers):
-                self._resident_rows(layer, xs[layer], torch.zeros_like(ids[layer]))
+                self._layer_graph(layer, xs[layer], torch.zeros_like(ids[layer]), besides[layer])
+        side.synchronize()
+        self.routed.set(0)  # the warm-up raised it to n_layers - 1: back below the first token's base
         torch.cuda.current_stream(dev).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         for layer in range(self.tiers.n_layers):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self._resident_rows(layer, xs[layer], ids[layer])
+                self._layer_graph(layer, xs[layer], ids[layer], besides[layer])
             self._graphs[layer] = g
+        return True
 
     # -- the enqueued part ------------------------------------------------------------------------------
     def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
              beside: Callable[[], None] | None = None) -> None:
-        """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync). beside: device
-        work only the next layer reads (the shared expert), enqueued on a stream of its own after the
-        routing's flag, joined before the next layer: it runs beside the resident and PCIe tiles while the
-        worker computes, off the path the device waits on."""
+        """Enqueue layer `layer`'s rows for one token: x [1, E], ids [1, K] (no host sync): its graph, then
+        (with a worker) the wait for the worker's rows. beside: work only the next layer reads that
+        capture_all did not take, enqueued after the graph."""
         t0 = time.perf_counter()
         tiers = self.tiers
         if layer == 0:
@@ -186,39 +219,22 @@ class PipelinedDecodeRows:
                 self.worker.buf["stop"][0] = 0
                 self._job = tiers.cpu_thread.submit(self.worker.run, base)
                 self._token_base = base
+                self._base_dev.fill_(base)  # the graphs' publish kernels raise routed to base + layer
+        # the layer's graph (its ids also land in _ids_all[layer]: the resident token's window counts); an
+        # all-resident token's combine reads no CPU row (hit = 1 for every entry)
+        self._graphs[layer].replay()
+        if beside is not None:
+            beside()
         if self._resident_token:
-            self._ids_all[layer].copy_(ids.view(-1), non_blocking=True)
-            self._beside_start(beside)
-            self._graphs[layer].replay()  # hit = 1 for every entry: the combine reads no CPU row
-            self._beside_join(beside)
             if layer == tiers.n_layers - 1:
                 self._done.record()
             self._host += time.perf_counter() - t0
             return
-        v = (self._token_base + layer) & 0xFFFFFFFF
-        self._ids_pin.copy_(ids.view(-1), non_blocking=True)
-        self._x_pin.copy_(x, non_blocking=True)
-        self.routed.write(v)  # fenced after the copies: the worker reads them once it sees v
-        self._beside_start(beside)
-        if layer in self._graphs:
-            self._graphs[layer].replay()
-        self._beside_join(beside)
-        self.rows_flag.wait(v)
-        self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
-        self.inv.copy_(self._inv_pin, non_blocking=True)
+        self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
+        if not self.zero_copy:  # else the combine reads them where the worker wrote them
+            self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+            self.inv.copy_(self._inv_pin, non_blocking=True)
         self._host += time.perf_counter() - t0
-
-    def _beside_start(self, beside: Callable[[], None] | None) -> None:
-        """Run `beside` on its own stream, after everything enqueued so far on the current one."""
-        if beside is not None:
-            self._beside.wait_stream(torch.cuda.current_stream(self.tiers.device))
-            with torch.cuda.stream(self._beside):
-                beside()
-
-    def _beside_join(self, beside: Callable[[], None] | None) -> None:
-        """The current stream waits for the `beside` work (before anything of the next layer)."""
-        if beside is not None:
-            torch.cuda.current_stream(self.tiers.device).wait_stream(self._beside)
 
     def finish(self) -> None:
         """Join the token's worker; count each layer's entries (window accounting, metrics: the host's

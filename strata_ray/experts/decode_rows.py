@@ -110,11 +110,13 @@ class DecodeRows:
         expert_ffn_gpu(x, self.tok, self.plan[k : 2 * k], tiers.cache.layer_view(layer), mode="decode",
                        out=self.gpu_rows, variant=tiers.kernel_variant, plan=plan)
 
-    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None) -> None:
+    def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
+                    besides=None) -> bool:
         """Capture every layer's resident-rows graph over xs[layer] [1, E] (the decode graphs' static MoE
-        inputs), after a warm-up with no tiles (tile_start -1: the kernels compile and return at once)."""
+        inputs), after a warm-up with no tiles (tile_start -1: the kernels compile and return at once).
+        besides: not taken (False: step() runs them, between the device's rows and the CPU's)."""
         if not self.capture or self.tiers.cache.n_slots == 0:
-            return
+            return False
         self.plan.fill_(-1)
         dev = self.tiers.device
         side = torch.cuda.Stream(dev)
@@ -129,6 +131,7 @@ class DecodeRows:
             with torch.cuda.graph(g, pool=pool):
                 self._resident_rows(layer, xs[layer])
             self._graphs[layer] = g
+        return False
 
     # -- the eager part ---------------------------------------------------------------------------------
     def _upload_plan(self, slot: np.ndarray, hit: np.ndarray, inv: np.ndarray, bt: int) -> None:

@@ -91,15 +91,16 @@ def gather_rows(rows: Tensor, cpu_rows: Tensor, hit: Tensor, inv: Tensor) -> Ten
     return torch.where(hit[..., None] != 0, rows, picked)
 
 
-def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K, HAS_SHARED: tl.constexpr,
+def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                   GATHER: tl.constexpr, BLOCK: tl.constexpr):
     # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]; with GATHER, entry (t, k) reads
     # CPU f32 [M, E] row INV[t, k] where HIT[t, k] == 0 (int32 [N, K]). Program (token, column block).
+    # K unrolled: every row's load is issued at once (CPU rows may be read over PCIe, page-locked memory).
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < E
     acc = tl.zeros((BLOCK,), tl.float32)
-    for k in range(0, K):
+    for k in tl.static_range(K):
         src = ROWS + (t * K + k) * E
         if GATHER:
             cpu_row = CPU + tl.load(INV + t * K + k).to(tl.int64) * E
@@ -115,7 +116,8 @@ def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K, HAS_SHARED: tl
 def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None,
                   gather: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable.
-    gather = (cpu_rows, hit, inv): the rows are gather_rows(rows, *gather), read in place."""
+    gather = (cpu_rows, hit, inv): the rows are gather_rows(rows, *gather), read in place (cpu_rows and inv
+    may be page-locked host tensors: the pipelined decode's worker writes them there)."""
     n, k, e = rows.shape
     if h_mid.shape != (n, e) or weights.shape != (n, k) or (shared is not None and shared.shape != (n, e)):
         raise ValueError(f"combine_fused: h_mid {list(h_mid.shape)}, rows {list(rows.shape)}, weights "
@@ -130,7 +132,7 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
         block = 1024
         sh = shared.contiguous() if shared is not None else h_mid  # unread without HAS_SHARED
         _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, cpu.contiguous(), hit.contiguous(),
-                                           inv.contiguous(), out, e, k, HAS_SHARED=shared is not None,
+                                           inv.contiguous(), out, e, K=k, HAS_SHARED=shared is not None,
                                            GATHER=gather is not None, BLOCK=block, num_warps=4,
                                            enable_fp_fusion=False)
     return out

@@ -209,8 +209,12 @@ class DecodeGraphs:
             for fn in flat:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        if self.rows is not None:
-            self.rows.capture_all([buf.x for buf in self.layers], [buf.ids for buf in self.layers])
+        if self.rows is not None and self.rows.capture_all([buf.x for buf in self.layers],
+                                                           [buf.ids for buf in self.layers],
+                                                           besides=[fns[2] for fns in segments]):
+            # the backend took each shared expert into its layer's graph (beside the rows)
+            segments = [(a, b, None) for a, b, _ in segments]
+            flat = [f for fns in segments for f in fns if f is not None] + [head]
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
         for fn in flat:

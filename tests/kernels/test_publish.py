@@ -1,0 +1,69 @@
+"""The routed handoff kernel (strata_ray/kernels/publish.py) against its plain twin.
+
+The kernel runs under the Triton interpreter on CPU machines with triton (tests/kernels/triton_interpret.py)
+and on the GPU, into page-locked buffers (python -m pytest -m gpu tests/kernels/test_publish.py); the
+pipelined decode's GPU tests (tests/experts/test_tiered_gpu.py) run it in every layer's graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_ray.kernels.publish import publish, publish_reference
+from tests.kernels.triton_interpret import interpret
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _buffers(k: int, e: int, layers: int, device: str, pin: bool):
+    g = torch.Generator().manual_seed(k * e)
+    ids = torch.randint(0, 512, (1, k), generator=g).to(device)
+    x = torch.randn(1, e, generator=g).to(device)
+
+    def host(*shape, dtype):
+        t = torch.full(shape, -1, dtype=dtype)
+        return t.pin_memory() if pin else t
+
+    return ids, x, host(k, dtype=torch.int64), host(layers, k, dtype=torch.int64), \
+        host(1, e, dtype=torch.float32), host(1, dtype=torch.int32)
+
+
+def _cases(device: str, pin: bool):
+    for k, e, layer, base in [(1, 32, 0, 5), (10, 2048, 3, 7), (8, 100, 47, (1 << 32) - 20)]:
+        got = _buffers(k, e, 48, device, pin)
+        want = _buffers(k, e, 48, "cpu", False)
+        b = torch.tensor([base], dtype=torch.int64, device=device)
+        publish(*got, b, layer)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        publish_reference(*[t.cpu() for t in got[:2]], *want[2:], b.cpu(), layer)
+        for a, w in zip(got[2:], want[2:], strict=True):
+            assert torch.equal(a, w), (k, e, layer)
+        assert got[3][layer].tolist() == got[0].view(-1).tolist() and (got[3][layer - 1] == -1).all()
+        assert int(got[5][0]) & 0xFFFFFFFF == (base + layer) & 0xFFFFFFFF  # the 32-bit wrap
+
+
+def test_reference_and_errors():
+    ids, x, ids_host, ids_all, x_host, flag = _buffers(10, 64, 4, "cpu", False)
+    base = torch.tensor([(1 << 32) - 1], dtype=torch.int64)
+    publish_reference(ids, x, ids_host, ids_all, x_host, flag, base, 2)
+    assert int(flag[0]) == 1 and torch.equal(ids_all[2], ids[0]) and torch.equal(x_host, x)
+    with pytest.raises(ValueError, match="int64"):
+        publish_reference(ids.int(), x, ids_host, ids_all, x_host, flag, base, 0)
+    with pytest.raises(ValueError, match="host buffers must hold"):
+        publish_reference(ids, x, ids_host[:3], ids_all, x_host, flag, base, 0)
+    with pytest.raises(ValueError, match="layer 4 of 4"):
+        publish(ids, x, ids_host, ids_all, x_host, flag, base, 4)
+
+
+@interpret
+def test_interpreted_publish_matches_reference():
+    pytest.importorskip("triton")
+    _cases("cpu", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_publish_into_page_locked_buffers():
+    _cases("cuda", True)
