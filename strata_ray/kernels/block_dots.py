@@ -295,19 +295,44 @@ def _q6_k_codes(b, row, k):
     return b.or_(lo, hi)
 
 
+def _pack_i16(b, p1, p2, form: str):
+    """Two <8 x i32> whose lanes fit in i16 -> <16 x i16> [p1 0..3, p2 0..3, p1 4..7, p2 4..7] (exact):
+    one vpackssdw (its 128-bit lanes give that order) on AVX2, else truncations and a shuffle."""
+    if form in ("vnni", "avx2"):
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_vec(_I16, 16), [_vec(_I32, 8)] * 2),
+                                            "llvm.x86.avx2.packssdw")
+        return b.call(fn, [p1, p2])
+    t1, t2 = b.trunc(p1, _vec(_I16, 8)), b.trunc(p2, _vec(_I16, 8))
+    return _shuffle(b, t1, t2, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15])
+
+
+def _madd_i16(b, x, y, form: str):
+    """<16 x i16> x, y -> <8 x i32>: lane l = x[2l] y[2l] + x[2l+1] y[2l+1] (exact for |x|, |y| < 2^15
+    short of both -2^15): one vpmaddwd on AVX2, else widened multiplies and pair adds."""
+    if form in ("vnni", "avx2"):
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16)] * 2),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return b.call(fn, [x, y])
+    p = b.mul(b.sext(x, _vec(_I32, 16)), b.sext(y, _vec(_I32, 16)))
+    return b.add(_shuffle(b, p, p, range(0, 16, 2)), _shuffle(b, p, p, range(1, 16, 2)))
+
+
 def _q6_k_products(b, grp, row):
     """Blocks in pairs (k, k + 1), 4 lanes per block as in _pairs: (q - 32) * the int8 scale of each
-    16-value half; the -32 enters as the dpbusd accumulator -32 * (sums of 4 activation codes)."""
+    16-value half; the -32 enters as the dpbusd accumulator -32 * (sums of 4 activation codes). A lane's
+    sum of 4 (q - 32) a is within +-16256, so the two halves' lanes pack into i16 and one vpmaddwd applies
+    the scales (the products stay exact below 2^31): 3 multiply operations a pair instead of 2 vpdpbusd
+    and 2 vpmulld (session 11, 2-core VM, the tile hot in L2: 19.2 -> 20.3 GB/s a core, the same sums)."""
     out = []
     for k in range(0, grp.n, 2):
         x, y = _q6_k_codes(b, row, k), _q6_k_codes(b, row, k + 1)
         (s1, s2), (o1, o2) = grp.halves(k), grp.offsets32(k)
         h, r = k // 4, k % 4
-        sc = b.sext(_load(b, row, 192 + 8 * h + 2 * r, _vec(_I8, 4)), _vec(_I32, 4))  # k: 0, 1; k + 1: 2, 3
-        p1 = _dpbusd(b, _shuffle(b, x, y, _FIRST_HALVES), s1, grp.form, acc=o1)
-        p2 = _dpbusd(b, _shuffle(b, x, y, _SECOND_HALVES), s2, grp.form, acc=o2)
-        out.append(b.add(b.mul(p1, _shuffle(b, sc, sc, [0] * 4 + [2] * 4)),
-                         b.mul(p2, _shuffle(b, sc, sc, [1] * 4 + [3] * 4))))
+        sc = b.sext(_load(b, row, 192 + 8 * h + 2 * r, _vec(_I8, 4)), _vec(_I16, 4))  # k: 0, 1; k + 1: 2, 3
+        p1 = _dpbusd(b, _shuffle(b, x, y, _FIRST_HALVES), s1, grp.form, acc=o1)  # halves 0 of k, k + 1
+        p2 = _dpbusd(b, _shuffle(b, x, y, _SECOND_HALVES), s2, grp.form, acc=o2)  # halves 1
+        scales = _shuffle(b, sc, sc, [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4)  # the packed lanes' halves
+        out.append(_madd_i16(b, _pack_i16(b, p1, p2, grp.form), scales, grp.form))
     return out, 4
 
 
