@@ -31,8 +31,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .act_quant import quantize_rows_into
+from .block_dots import ROWS
 from .contract import QK, pcie_entries
-from .expert_cpu_kernels import down_share, ffn_parallel, gate_up_share
+from .expert_cpu_kernels import down_share, ffn_parallel, gate_up_rows_share, gate_up_share, quant_share
 
 
 def _element(context, builder, signature, args):
@@ -271,21 +272,27 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, id
                 pass
             if sync[ABORT] >= 0:
                 return
-        # both barriers even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
+        # every barrier even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
         # while a member still reads this one's
         m = sync[M]
         gate, up, down = gates[layer], ups[layer], downs[layer]
         n_ff = gate.shape[1]
-        n_up = min(n_team, m * n_ff // QK)
+        # gate+up in ROWS-row units, then h's requantization as a phase of its own: a few experts' rows
+        # split ~evenly over the team (32-row units with the requantization in them left members 25% idle)
+        n_up = min(n_team, m * n_ff // ROWS)
         if t < n_up:
-            gate_up_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
-                          g_start[: m + 1], g_exp[:m], t, n_up, h, hq, hd, hs)
-        _barrier(sync, n_team * (2 * layer + 1))
+            gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
+                               g_start[: m + 1], g_exp[:m], t, n_up, h)
+        _barrier(sync, n_team * (3 * layer + 1))
+        n_quant = min(n_team, m * n_ff // QK)
+        if t < n_quant:
+            quant_share(h, hq, hd, hs, ents[:m], t, n_quant)
+        _barrier(sync, n_team * (3 * layer + 2))
         n_down = min(n_team, m * n_embd // QK)
         if t < n_down:
             down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t, n_down,
                        rows)
-        _barrier(sync, n_team * (2 * layer + 2))
+        _barrier(sync, n_team * (3 * layer + 3))
         if t == 0:  # every member's rows are in `rows` (the barrier's acquire): release them to the device
             _store_release(rows_flag, 0, v)
             busy[layer] = _cycles() - busy[layer]
