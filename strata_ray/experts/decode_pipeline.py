@@ -166,7 +166,9 @@ class PipelinedDecodeRows:
             self._beside.wait_stream(main)
             with torch.cuda.stream(self._beside):
                 beside()
-        if tiers.cache.n_slots or self.shares[layer]:
+        # every layer plans once any layer has device rows: the plan rewrites `hit`, which the combine reads,
+        # so a layer left out would keep the previous layer's (with no cache and no share, hit stays 0)
+        if tiers.cache.n_slots or any(self.shares):
             self._resident_rows(layer, x, ids)
         if beside is not None:
             main.wait_stream(self._beside)
