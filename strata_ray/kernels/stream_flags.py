@@ -35,16 +35,14 @@ def _driver():
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         wait = lib.cuStreamWaitValue32_v2
-        write = lib.cuStreamWriteValue32_v2
         host_ptr = lib.cuMemHostGetDevicePointer_v2
     except (OSError, AttributeError):
         return None
-    for fn in (wait, write):
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        fn.restype = ctypes.c_int
+    wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    wait.restype = ctypes.c_int
     host_ptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     host_ptr.restype = ctypes.c_int
-    return wait, write, host_ptr
+    return wait, host_ptr
 
 
 class HostFlag:
@@ -57,7 +55,7 @@ class HostFlag:
         drv = _driver()
         if drv is None:
             raise StreamFlagError("this CUDA driver has no cuStreamWaitValue32_v2 (CUDA 11.7 or newer)")
-        self._wait, self._write, host_ptr = drv
+        self._wait, host_ptr = drv
         self.device = device
         self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]
         self._host = self.tensor.numpy().view(np.uint32)  # the driver compares 32-bit values
@@ -86,14 +84,6 @@ class HostFlag:
         rc = self._wait(ctypes.c_void_p(stream), self._dptr, value, WAIT_GEQ)
         if rc != 0:
             raise StreamFlagError(f"cuStreamWaitValue32 failed (CUresult {rc})")
-
-    def write(self, value: int) -> None:
-        """The current stream writes `value` to the flag once the work before it is done (cuStreamWriteValue32
-        with its default memory fence: the host sees that work's writes before the value)."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        rc = self._write(ctypes.c_void_p(stream), self._dptr, value, 0)
-        if rc != 0:
-            raise StreamFlagError(f"cuStreamWriteValue32 failed (CUresult {rc})")
 
     def set(self, value: int) -> None:
         """Release the waits for values up to `value` (call after the guarded host writes: x86 stores are

@@ -7,6 +7,8 @@ pipelined decode's GPU tests (tests/experts/test_tiered_gpu.py) run it in every 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -67,3 +69,29 @@ def test_interpreted_publish_matches_reference():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_publish_into_page_locked_buffers():
     _cases("cuda", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_the_host_sees_the_flag_only_with_the_data():
+    """publish after a long kernel: the host does not see the flag early, and once it does, the ids and x
+    it guards are in host memory (the fences before the flag's store)."""
+    from strata_ray.kernels.expert_cpu_token import reached
+    from strata_ray.kernels.stream_flags import HostFlag
+
+    dev = torch.device("cuda")
+    flag = HostFlag(dev)
+    reached(flag.host, 5)  # compiled (or loaded) now: a first call inside the check would outlast the sleep
+    ids = torch.arange(10, device=dev)
+    x = torch.full((1, 2048), 3.0, device=dev)
+    ids_host, x_host = torch.zeros(10, dtype=torch.int64).pin_memory(), torch.zeros(1, 2048).pin_memory()
+    ids_all = torch.zeros(4, 10, dtype=torch.int64).pin_memory()
+    base = torch.tensor([5], dtype=torch.int64, device=dev)
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the kernel starts late, the host must not see the flag early
+    publish(ids, x, ids_host, ids_all, x_host, flag.tensor, base, 0)
+    assert not reached(flag.host, 5)
+    t = time.perf_counter()
+    while not reached(flag.host, 5):
+        assert time.perf_counter() - t < 10
+    assert bool((x_host == 3.0).all()) and ids_host.tolist() == list(range(10))
+    torch.cuda.current_stream(dev).synchronize()  # nothing of this test is pending when its memory is freed
