@@ -32,6 +32,20 @@ def _share(n_tiles, t, n_threads):
     return (n_tiles * t) // n_threads, (n_tiles * (t + 1)) // n_threads
 
 
+@njit(inline="always", nogil=True, cache=True)
+def _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ent, e, r0, arow, g_acc, u_acc, h):
+    """h[ent[j], r0:r0 + ROWS] = swiglu(gate x, up x) of expert e's rows r0.. for the entries ent (their
+    activation rows tok[ent[j]], gathered into arow): one ROWS-row tile of gate and of up."""
+    n = ent.shape[0]
+    for j in range(n):
+        arow[j] = tok[ent[j]]
+    _tile_dot(gate[e], r0, gtype, aq, ad, asum, arow[:n], g_acc)
+    _tile_dot(up[e], r0, utype, aq, ad, asum, arow[:n], u_acc)
+    for j in range(n):
+        for i in range(ROWS):
+            h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
+
+
 @njit(nogil=True, cache=True)
 def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_threads,
                   h, hq, hd, hs):
@@ -46,17 +60,9 @@ def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_ex
     for k in range(k0, k1):
         g, tile = k // tiles, k % tiles
         ent = ents[g_start[g]:g_start[g + 1]]
-        n = ent.shape[0]
-        for j in range(n):
-            arow[j] = tok[ent[j]]
-        e = g_exp[g]
         for r0 in range(tile * QK, tile * QK + QK, ROWS):
-            _tile_dot(gate[e], r0, gtype, aq, ad, asum, arow[:n], g_acc)
-            _tile_dot(up[e], r0, utype, aq, ad, asum, arow[:n], u_acc)
-            for j in range(n):
-                for i in range(ROWS):
-                    h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
-        for j in range(n):
+            _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ent, g_exp[g], r0, arow, g_acc, u_acc, h)
+        for j in range(ent.shape[0]):
             quantize_block(h[ent[j]], tile * QK, hq[ent[j]], hd[ent[j]], hs[ent[j]], tile)
 
 
@@ -72,16 +78,8 @@ def gate_up_rows_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start,
     k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
     for k in range(k0, k1):
         g, r0 = k // tiles, (k % tiles) * ROWS
-        ent = ents[g_start[g]:g_start[g + 1]]
-        n = ent.shape[0]
-        for j in range(n):
-            arow[j] = tok[ent[j]]
-        e = g_exp[g]
-        _tile_dot(gate[e], r0, gtype, aq, ad, asum, arow[:n], g_acc)
-        _tile_dot(up[e], r0, utype, aq, ad, asum, arow[:n], u_acc)
-        for j in range(n):
-            for i in range(ROWS):
-                h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
+        _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ents[g_start[g]:g_start[g + 1]], g_exp[g], r0,
+                     arow, g_acc, u_acc, h)
 
 
 @njit(nogil=True, cache=True)
