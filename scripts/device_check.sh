@@ -24,6 +24,7 @@
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
+#               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program)
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
 #   KERNELS_ARGS="--types Q4_0 --variants simple,split"   extra arguments of the kernels step
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
@@ -136,9 +137,12 @@ for run in $runs; do
         --json-out "$work/threads-$n-ct$ct-spin$sp.json"
 done
 # decode at 8K (24 GiB card) with each PCIE_SHARES permille (default "0 500 700 1000") of a layer's misses read by
-# the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE)
-for ps in ${PCIE_SHARES:-0 500 700 1000}; do
-    step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" "${decode[@]}" --json-out "$work/pcie-$ps.json"
+# the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE); an entry
+# share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32)
+for entry in ${PCIE_SHARES:-0 500 700 1000}; do
+    IFS=: read -r ps ck <<< "$entry"
+    step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
+        "${decode[@]}" --json-out "$work/pcie-$ps-${ck:-32}.json"
 done
 # decode at 8K with the fused decode kernels off, then on (STRATA_FUSED_DECODE; GDN core, norms, combine, attention)
 for fd in ${FUSED_MODES:-0 1}; do

@@ -35,48 +35,59 @@ BK = 32  # keys a program step scores
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _attn_partial_body(Q, K, V, M, L, ACC, q_offset, n_keys, scale, H, Hkv, NS,
-                  REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
-                  BK_: tl.constexpr):
-    # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D].
+def _attn_partial_body(Q, K, V, M, L, ACC, POS, q_offset, n_keys, scale, H, Hkv, NS,
+                       REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
+                       BK_: tl.constexpr, AT_DEVICE: tl.constexpr):
+    # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D]. Program (token x kv
+    # head, p): splits p, p + P, ... (P programs on axis 1) that hold keys the token sees.
+    # AT_DEVICE (a graph replays it at every position): K and V are int64 cells holding the caches' addresses,
+    # the first token's position is POS[0] and n_keys = POS[0] + the argument (the tokens of the call).
+    if AT_DEVICE:
+        q_offset = tl.load(POS)
+        n_keys = q_offset + n_keys
+        K = tl.load(K).to(tl.pointer_type(tl.float32))
+        V = tl.load(V).to(tl.pointer_type(tl.float32))
     pid = tl.program_id(0)
     t = pid // Hkv
     g = pid % Hkv
-    s = tl.program_id(1)
     heads = g * REP + tl.arange(0, REP_P)  # [REP_P] query heads of kv head g (padded rows: masked)
     live_h = tl.arange(0, REP_P) < REP
     d = tl.arange(0, D)
     q = tl.load(Q + (t * H + heads)[:, None].to(tl.int64) * D + d[None, :], mask=live_h[:, None], other=0.0)
     visible = tl.minimum(q_offset + t + 1, n_keys)  # keys 0 .. visible-1 (causal)
-    k0 = s * SPLIT_
-    m_i = tl.full((REP_P,), float("-inf"), tl.float32)
-    l_i = tl.zeros((REP_P,), tl.float32)
-    acc = tl.zeros((REP_P, D), tl.float32)
-    for kt in range(k0, tl.minimum(k0 + SPLIT_, visible), BK_):  # none when the split is past the query
-        j = kt + tl.arange(0, BK_)  # [BK]
-        live_k = j < tl.minimum(k0 + SPLIT_, visible)
-        kv_off = (j[:, None].to(tl.int64) * Hkv + g) * D + d[None, :]  # [BK, D]
-        kb = tl.load(K + kv_off, mask=live_k[:, None], other=0.0)
-        vb = tl.load(V + kv_off, mask=live_k[:, None], other=0.0)  # with k: one memory wait a tile
-        sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [REP_P, BK]
-        sc = tl.where(live_k[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite: every tile has a live key
-        p = tl.exp(sc - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
-        m_i = m_new
-    row = (t * H + heads).to(tl.int64) * NS + s  # [REP_P]
-    tl.store(M + row, m_i, mask=live_h)
-    tl.store(L + row, l_i, mask=live_h)
-    tl.store(ACC + row[:, None] * D + d[None, :], acc, mask=live_h[:, None])
+    for s in range(tl.program_id(1), (visible + SPLIT_ - 1) // SPLIT_, tl.num_programs(1)):
+        k0 = s * SPLIT_
+        m_i = tl.full((REP_P,), float("-inf"), tl.float32)
+        l_i = tl.zeros((REP_P,), tl.float32)
+        acc = tl.zeros((REP_P, D), tl.float32)
+        for kt in range(k0, tl.minimum(k0 + SPLIT_, visible), BK_):
+            j = kt + tl.arange(0, BK_)  # [BK]
+            live_k = j < tl.minimum(k0 + SPLIT_, visible)
+            kv_off = (j[:, None].to(tl.int64) * Hkv + g) * D + d[None, :]  # [BK, D]
+            kb = tl.load(K + kv_off, mask=live_k[:, None], other=0.0)
+            vb = tl.load(V + kv_off, mask=live_k[:, None], other=0.0)  # with k: one memory wait a tile
+            sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [REP_P, BK]
+            sc = tl.where(live_k[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite: every tile has a live key
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+            m_i = m_new
+        row = (t * H + heads).to(tl.int64) * NS + s  # [REP_P]
+        tl.store(M + row, m_i, mask=live_h)
+        tl.store(L + row, l_i, mask=live_h)
+        tl.store(ACC + row[:, None] * D + d[None, :], acc, mask=live_h[:, None])
 
 
-def _attn_combine_body(M, L, ACC, O, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr,
-                       SC: tl.constexpr):
+def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr,
+                       SC: tl.constexpr, AT_DEVICE: tl.constexpr):
     # One program per (token, query head): its own splits, SC at a time in increasing order, each chunk
     # added lane by lane to [SC] / [SC, D] accumulators reduced once at the end; splits past the query's
     # keys are masked to exact zeros, so a decode step and a verify window give the same bits.
+    if AT_DEVICE:  # as in the partial kernel
+        q_offset = tl.load(POS)
+        n_keys = q_offset + n_keys
     pid = tl.program_id(0)
     t = pid // H
     visible = tl.minimum(q_offset + t + 1, n_keys)
@@ -99,10 +110,25 @@ def _attn_combine_body(M, L, ACC, O, q_offset, n_keys, H, NS, D: tl.constexpr, S
     tl.store(O + pid.to(tl.int64) * D + d, tl.sum(o_lane, axis=0) / tl.sum(l_lane, axis=0))
 
 
+def _kv_append_body(KV, POS, KN, VN, ROW, BLOCK: tl.constexpr):
+    # KV int64 [2]: the K and V caches' addresses (f32 [S, Hkv, D]); KN, VN f32 [T, ROW] the new rows, written
+    # at positions POS[0] + t. Program t.
+    t = tl.program_id(0)
+    at = (tl.load(POS) + t) * ROW
+    kc = tl.load(KV).to(tl.pointer_type(tl.float32))
+    vc = tl.load(KV + 1).to(tl.pointer_type(tl.float32))
+    for c in range(0, ROW, BLOCK):
+        i = c + tl.arange(0, BLOCK)
+        live = i < ROW
+        tl.store(kc + at + i, tl.load(KN + t * ROW + i, mask=live), mask=live)
+        tl.store(vc + at + i, tl.load(VN + t * ROW + i, mask=live), mask=live)
+
+
 @functools.cache
 def _kernels():
     # the runtime sizes unspecialized: a new cache length never compiles a new binary
-    return jit_bodies(_attn_partial_body, _attn_combine_body, do_not_specialize=["q_offset", "n_keys", "NS"])
+    return jit_bodies(_attn_partial_body, _attn_combine_body, _kv_append_body,
+                      do_not_specialize=["q_offset", "n_keys", "NS"])
 
 
 def attention_decode_supports(q: Tensor, k: Tensor) -> bool:
@@ -129,9 +155,59 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     m = torch.empty((T, H, ns), dtype=torch.float32, device=q.device)
     ell = torch.empty_like(m)
     acc = torch.empty((T, H, ns, D), dtype=torch.float32, device=q.device)
-    partial, combine = _kernels()
+    partial, combine, _ = _kernels()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    partial[(T * Hkv, ns)](q, k, v, m, ell, acc, q_offset, S, scale, H, Hkv, ns, REP=rep,
-                           REP_P=max(16, next_pow2(rep)), D=D, SPLIT_=SPLIT, BK_=BK, num_warps=8)
-    combine[(T * H,)](m, ell, acc, out, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, num_warps=4)
+    partial[(T * Hkv, ns)](q, k, v, m, ell, acc, m, q_offset, S, scale, H, Hkv, ns, REP=rep,
+                           REP_P=max(16, next_pow2(rep)), D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=False,
+                           num_warps=8)
+    combine[(T * H,)](m, ell, acc, out, m, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, AT_DEVICE=False,
+                      num_warps=4)
     return out
+
+
+class DeviceAttention:
+    """attention_decode for a CUDA graph replayed at every position: the cache grows, the graph does not.
+
+    The kernels take the first token's position from a device cell (pos, int64 [1]) and the K and V caches'
+    addresses from a table (int64 [2], written by the host when a cache moves), so one captured launch serves
+    every step. The partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
+    the tokens see, each split computed as attention_decode computes it (the same body), and the scratch
+    holds the splits of max_keys keys. The bits are attention_decode's at the same position."""
+
+    def __init__(self, n_head: int, n_head_kv: int, head_dim: int, max_keys: int, device: torch.device,
+                 n_tok: int = 1, programs: int = 256):
+        self.shape = (n_head, n_head_kv, head_dim)
+        self.n_tok, self.max_keys = n_tok, max_keys
+        self.ns = -(-max_keys // SPLIT)  # splits the scratch holds
+        self.programs = min(self.ns, programs)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.m = torch.empty((n_tok, n_head, self.ns), **f32)  # [T, H, NS]
+        self.ell = torch.empty_like(self.m)
+        self.acc = torch.empty((n_tok, n_head, self.ns, head_dim), **f32)  # [T, H, NS, D]
+        self.out = torch.empty((n_tok, n_head, head_dim), **f32)  # [T, H, D]
+
+    def append(self, table: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [T, Hkv, D] into the caches `table` addresses, at positions pos[0]..pos[0] + T - 1."""
+        T, Hkv, D = k.shape
+        row = Hkv * D
+        _, _, append = _kernels()
+        append[(T,)](table, pos, k.contiguous(), v.contiguous(), row, BLOCK=min(1024, next_pow2(row)),
+                     num_warps=4)
+
+    def __call__(self, q: Tensor, table: Tensor, pos: Tensor, scale: float) -> Tensor:
+        """Attention of q [T, H, D] at positions pos[0].. over the caches in `table` (keys 0 .. pos[0] + T
+        - 1, written before) -> this object's output buffer [T, H, D]."""
+        H, Hkv, D = self.shape
+        T = q.shape[0]
+        if tuple(q.shape) != (self.n_tok, H, D) or q.dtype != torch.float32:
+            raise ValueError(f"DeviceAttention: q must be float32 {[self.n_tok, H, D]}, got {q.dtype} "
+                             f"{list(q.shape)}")
+        partial, combine, _ = _kernels()
+        keys, values = table, table[1:]  # the cells holding the caches' addresses
+        partial[(T * Hkv, self.programs)](q.contiguous(), keys, values, self.m, self.ell, self.acc, pos, 0, T,
+                                          scale, H, Hkv, self.ns, REP=H // Hkv,
+                                          REP_P=max(16, next_pow2(H // Hkv)), D=D, SPLIT_=SPLIT, BK_=BK,
+                                          AT_DEVICE=True, num_warps=8)
+        combine[(T * H,)](self.m, self.ell, self.acc, self.out, pos, 0, T, H, self.ns, D=D, SPLIT_=SPLIT,
+                          SC=16, AT_DEVICE=True, num_warps=4)
+        return self.out

@@ -21,6 +21,7 @@ loads ran at 21 GB/s on the H200 (session 10), against ~45-50 GB/s for these con
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
@@ -64,7 +65,16 @@ def _stage_body(START, EXPERT, SRC, DST, slot_bytes, CHUNK_WORDS: tl.constexpr, 
         tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
 
 
-STAGE_CHUNK_BYTES = 32 << 10  # bytes a staging program copies (a 590 KB part: 18 programs)
+# bytes a staging program copies (32 KiB: a 590 KB part in 18 programs). STRATA_STAGE_CHUNK_KIB (env only,
+# a multiple of 8) sets it: fewer, longer programs leave more of the SMs to the resident tiles beside them
+# (session 11: the staging copy slowed them ~5x); the bytes copied are the same.
+def _stage_chunk_bytes(raw: str) -> int:
+    if not raw.isdigit() or int(raw) <= 0 or int(raw) % 8:
+        raise ValueError(f"STRATA_STAGE_CHUNK_KIB must be a positive multiple of 8, got {raw!r}")
+    return int(raw) << 10
+
+
+STAGE_CHUNK_BYTES = _stage_chunk_bytes(os.environ.get("STRATA_STAGE_CHUNK_KIB", "32"))
 
 
 @functools.cache

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.norm_rope import norm_rope_fused, norm_rope_supported
 from strata_ray.model import ops
 from strata_ray.model.hparams import HParams
 from strata_ray.model.state import KVCache
@@ -23,15 +25,22 @@ def _projections(hp: HParams, w: Mapping[str, Tensor], p: str, x: Tensor) -> tup
     return qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
 
 
-def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor,
-                     pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, pos: Tensor,
+                     tables: tuple[Tensor, Tensor] | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Normed input x [T, E] at positions pos [T] (int64, on x's device) -> q [T, H, D], k and v [T, Hkv, D]
-    (normed and rotated, ready for the cache) and the output gate [T, H*D] (qwen3next) or None."""
+    (normed and rotated, ready for the cache) and the output gate [T, H*D] (qwen3next) or None. tables: the
+    positions' ops.rope_tables when the caller holds them (the decode graphs: once a token, not a layer)."""
     p = f"blk.{layer}"
     T = x.shape[0]
     H, Hkv, D = hp.n_head, hp.n_head_kv, hp.head_dim
     qg, k, v = _projections(hp, w, p, x)
     gated = qg.shape[-1] == 2 * H * D  # qwen3next: per head [q (D) | gate (D)]
+    cos, sin = tables if tables is not None else ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)
+    if fused_enabled(x, T) and norm_rope_supported(D, hp.n_rot):  # CUDA, decode / verify: one launch
+        q, k, gate = norm_rope_fused(qg.view(T, H, -1), k.view(T, Hkv, D), w[f"{p}.attn_q_norm.weight"],
+                                     w[f"{p}.attn_k_norm.weight"], hp.rms_eps, cos, sin)
+        return q, k, v.view(T, Hkv, D), gate
     if gated:
         qg = qg.view(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
@@ -40,7 +49,6 @@ def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor
     q = ops.rms_norm(q, w[f"{p}.attn_q_norm.weight"], hp.rms_eps)
     k = ops.rms_norm(k.view(T, Hkv, D), w[f"{p}.attn_k_norm.weight"], hp.rms_eps)
     v = v.view(T, Hkv, D)
-    cos, sin = ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)  # [T, 1, n_rot], shared by q and k
     return ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin), v, gate
 
 

@@ -13,7 +13,12 @@ captured once into a graph and replayed per token (DESIGN section 8):
     last:                 [combine | output norm | logits]
 
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
-are those of the eager forward. The attention core stays eager because the KV cache grows every token.
+are those of the eager forward. Captured on CUDA with the fused kernels, an attention layer is one graph
+too (kernels/attention_decode.DeviceAttention): the new k, v are written into the sequence's cache and the
+attention runs over it at the position held in a device cell, the caches' addresses read from a table the
+host rewrites only when a cache moves (it grows by doubling) or another sequence decodes; the same split
+kernels as the eager attention, so the same bits. Uncaptured (or with the fused kernels off), the attention
+core runs eagerly between the two segments drawn above.
 Everything a graph reads or writes between segments lives in buffers allocated here, outside the graphs,
 so all graphs can share one memory pool.
 
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strata_ray.kernels.attention_decode import DeviceAttention, attention_decode_supports
 from strata_ray.kernels.fused_small import combine_fused, fused_enabled
 from strata_ray.model import ops
 from strata_ray.model.attention import attention_inputs, attention_output
@@ -96,6 +102,21 @@ class DecodeGraphs:
                 buf.k, buf.v = zeros(1, Hkv, D), zeros(1, Hkv, D)
                 buf.gate = zeros(1, H * D) if gated else None
             self.layers.append(buf)
+        # captured on CUDA with the fused kernels, an attention layer is one graph like a GDN layer: the new
+        # k, v written into the sequence's cache and the attention over it at the position in self.pos, the
+        # caches' addresses read from kv_table (the host rewrites a layer's row when its cache moves)
+        self.attn: DeviceAttention | None = None
+        attn_layers = [buf for buf in self.layers if buf.q is not None]
+        if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
+                and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)):
+            self.attn = DeviceAttention(hp.n_head, hp.n_head_kv, hp.head_dim, hp.context_length, dev)
+        # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
+        # attention layer (the same ops as each layer computing them)
+        self.rope = (zeros(1, 1, hp.n_rot), zeros(1, 1, hp.n_rot)) if attn_layers else None
+        self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] K and V cache addresses
+        self._kv_at: list[tuple[int, int] | None] = [None] * hp.n_layer  # what kv_table holds, host side
+        if self.attn is not None:  # the capture's warm-up runs the kernels: a one-token cache of its own
+            self._kv_warmup = zeros(2, 1, hp.n_head_kv, hp.head_dim)  # [K | V, 1, Hkv, D]
         # an expert backend with a fixed-shape one-token step (TieredExperts): its rows are combined inside
         # the next segment's graph, and its GPU part replays as a graph of its own
         make_rows = getattr(model.experts, "decode_rows", None)
@@ -117,6 +138,10 @@ class DecodeGraphs:
     def _layer_input(self, layer: int) -> Tensor:
         """h entering `layer`: the token's embedding, or the previous layer's h + (routed + shared)."""
         if layer == 0:
+            if self.rope is not None:
+                for buf, table in zip(self.rope, ops.rope_tables(self.pos, self.hp.n_rot,
+                                                                 self.hp.rope_freq_base), strict=True):
+                    buf.copy_(table)
             return ops.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
         prev = self.layers[layer - 1]
         routed = prev.routed
@@ -162,10 +187,24 @@ class DecodeGraphs:
                 segments.append((gdn_seg, None, shared))
                 continue
 
+            if self.attn is not None:
+                def attn_seg(layer=layer, norm=norm):
+                    h = self._layer_input(layer)
+                    x = ops.rms_norm(h, norm, hp.rms_eps)
+                    q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
+                    table = self.kv_table[layer]
+                    self.attn.append(table, self.pos, k, v)
+                    o = self.attn(q, table, self.pos, hp.head_dim**-0.5)  # [1, H, D]
+                    self._moe_inputs(layer, h, attention_output(w, layer, o, gate))
+
+                segments.append((attn_seg, None, shared))
+                continue
+
             def attn_in(layer=layer, buf=buf, norm=norm):
                 h = self._layer_input(layer)
                 buf.h_in.copy_(h)
-                q, k, v, gate = attention_inputs(hp, w, layer, ops.rms_norm(h, norm, hp.rms_eps), self.pos)
+                x = ops.rms_norm(h, norm, hp.rms_eps)
+                q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                 buf.q.copy_(q)
                 buf.k.copy_(k)
                 buf.v.copy_(v)
@@ -203,6 +242,11 @@ class DecodeGraphs:
         sharing one memory pool. Runs before a sequence's state is copied in: the buffers it scribbles on
         are overwritten by the adoption that follows."""
         flat = [f for fns in segments for f in fns if f is not None] + [head]
+        if self.attn is not None:  # position 0 of the warm-up cache until the first step points at its own
+            self.pos.zero_()
+            self.kv_table[:, 0].fill_(self._kv_warmup[0].data_ptr())
+            self.kv_table[:, 1].fill_(self._kv_warmup[1].data_ptr())
+            self._kv_at = [None] * len(self.layers)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -242,6 +286,24 @@ class DecodeGraphs:
             state.gdn[layer] = GDNState(buf.gdn.S, buf.gdn.conv)
         self._owner = weakref.ref(state)
 
+    def _reserve_kv(self, state: SequenceState, need: int) -> None:
+        """Room for `need` tokens in every attention layer's cache, and kv_table pointing at the caches."""
+        if need > self.attn.max_keys:
+            raise ValueError(f"decode position {need - 1} is past the model's context ({self.attn.max_keys})")
+        for layer, buf in enumerate(self.layers):
+            if buf.q is None:
+                continue
+            kv = state.kv[layer]
+            at = kv.reserve(need, buf.k)
+            if at != self._kv_at[layer]:  # a new sequence, or its cache grew: a kernel argument, no copy
+                keys = kv.buffers()[0]
+                if keys.dtype != torch.float32 or keys.shape[1:] != buf.k.shape[1:]:
+                    raise ValueError(f"layer {layer}'s KV cache is {keys.dtype} {list(keys.shape[1:])}; the "
+                                     f"decode graphs write float32 {list(buf.k.shape[1:])}")
+                self.kv_table[layer, 0].fill_(at[0])
+                self.kv_table[layer, 1].fill_(at[1])
+                self._kv_at[layer] = at
+
     def step(self, ids: Tensor | Sequence[int], state: SequenceState,
              return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """One token (ids of length 1) at position state.pos -> logits [1, V] (and hidden [1, E]), exactly
@@ -255,6 +317,8 @@ class DecodeGraphs:
         pos0 = state.pos
         self.pos.fill_(pos0)
         hp, experts = self.hp, self.model.experts
+        if self.attn is not None:
+            self._reserve_kv(state, pos0 + 1)
         try:
             for layer, (before, after, shared) in enumerate(segments):
                 buf = self.layers[layer]
@@ -277,6 +341,10 @@ class DecodeGraphs:
             raise
         if self.rows is not None:  # the last layer's CPU rows: joined (errors raised) before the logits count
             self.rows.finish()
+        if self.attn is not None:  # the graphs wrote this token's k, v rows
+            for layer, buf in enumerate(self.layers):
+                if buf.q is not None:
+                    state.kv[layer].advance(1)
         state.pos = pos0 + 1
         logits = self.logits.clone()
         return (logits, self.hidden.clone()) if return_hidden else logits

@@ -32,18 +32,38 @@ class KVCache:
             self.length += T
             return self._k, self._v
         need = self.length + T
-        if self._k is None or need > self._k.shape[0]:
-            cap = max(need, 2 * (self._k.shape[0] if self._k is not None else 0), 64)
-            new_k = k.new_empty((cap, *k.shape[1:]))
-            new_v = v.new_empty((cap, *v.shape[1:]))
-            if self._k is not None:
-                new_k[: self.length] = self._k[: self.length]
-                new_v[: self.length] = self._v[: self.length]
-            self._k, self._v = new_k, new_v
+        self.reserve(need, k)
         self._k[self.length : need] = k
         self._v[self.length : need] = v
         self.length = need
         return self._k[:need], self._v[:need]
+
+    def reserve(self, need: int, like: Tensor) -> tuple[int, int]:
+        """Room for `need` tokens of rows shaped like `like` [T, Hkv, D] (the capacity doubles); returns the
+        keys' and values' buffer addresses, which move only when the capacity grows. A decode graph writes
+        the next rows there itself (DecodeGraphs), then calls `advance`."""
+        if self._k is None or need > self._k.shape[0]:
+            cap = max(need, 2 * (self._k.shape[0] if self._k is not None else 0), 64)
+            new_k = like.new_empty((cap, *like.shape[1:]))
+            new_v = like.new_empty((cap, *like.shape[1:]))
+            if self._k is not None:
+                new_k[: self.length] = self._k[: self.length]
+                new_v[: self.length] = self._v[: self.length]
+            self._k, self._v = new_k, new_v
+        return self._k.data_ptr(), self._v.data_ptr()
+
+    def buffers(self) -> tuple[Tensor, Tensor]:
+        """The whole key and value buffers [capacity, Hkv, D] (reserve first)."""
+        if self._k is None:
+            raise ValueError("KVCache.buffers() before any reserve or append")
+        return self._k, self._v
+
+    def advance(self, n: int) -> None:
+        """Count n more tokens, whose rows were written into the reserved buffers directly."""
+        if self._k is None or self.length + n > self._k.shape[0]:
+            room = 0 if self._k is None else self._k.shape[0]
+            raise ValueError(f"KVCache.advance({n}) past the {room} tokens reserved")
+        self.length += n
 
     def truncate(self, length: int) -> None:
         """Forget everything after the first `length` tokens (rejected speculative tokens)."""

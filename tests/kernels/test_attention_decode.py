@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_ray.kernels.attention_decode import SPLIT, attention_decode
+from strata_ray.kernels.attention_decode import SPLIT, DeviceAttention, attention_decode
 from strata_ray.model import ops
 from tests.kernels.triton_interpret import interpret
 
@@ -49,8 +49,35 @@ def test_bad_shapes():
     q, k, v = _qkv(2, 4, 4, 2, 32, "cpu")
     with pytest.raises(ValueError, match="S >= offset"):
         attention_decode(q, k, v, 3, 1.0)
+    attn = DeviceAttention(4, 2, 32, 100, torch.device("cpu"))
+    with pytest.raises(ValueError, match="q must be float32"):
+        attn(q, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1.0)
 
 
+def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
+    """DeviceAttention over caches of `capacity` rows (more than the keys), appending each step's k, v at the
+    position in a device cell: the bits of attention_decode over the keys so far, for each position (with
+    `programs` programs a kv head, fewer than the splits: each walks several)."""
+    attn = DeviceAttention(H, Hkv, D, capacity, torch.device(device), n_tok=T, programs=programs)
+    caches = torch.full((2, capacity, Hkv, D), float("nan"), device=device)  # rows past the keys: never read
+    table = torch.tensor([caches[0].data_ptr(), caches[1].data_ptr()], dtype=torch.int64, device=device)
+    pos = torch.zeros(1, dtype=torch.int64, device=device)
+    scale = D**-0.5
+    for at in positions:
+        q, k, v = _qkv(T, at + T, H, Hkv, D, device, seed=at)
+        caches[:, :at] = torch.stack((k[:at], v[:at]))  # the keys before, as a cache holds them
+        pos.fill_(at)
+        attn.append(table, pos, k[at:], v[at:])
+        assert torch.equal(caches[0, : at + T], k) and torch.equal(caches[1, : at + T], v)
+        got = attn(q, table, pos, scale)
+        assert torch.equal(got, attention_decode(q, k, v, at, scale)), (at, T)
+
+
+@interpret
+def test_interpreted_device_attention_gives_attention_decode_bits():
+    pytest.importorskip("triton")
+    _device_cases("cpu", 4, 2, 32, [0, 32, 221, 2 * SPLIT + 40], capacity=6 * SPLIT, programs=2)
+    _device_cases("cpu", 4, 2, 32, [5, 3 * SPLIT], capacity=4 * SPLIT, programs=3, T=3)
 
 
 @interpret
@@ -66,3 +93,12 @@ def test_interpreted_matches_reference():
 def test_gpu_matches_reference_80b_heads():
     """The 80b-a3b's heads (16 query heads over 2 kv heads of 256), 1 to 16 tokens, up to 8K keys."""
     _cases("cuda", 16, 2, 256, [(1, 1), (1, 33), (16, 222), (3, 1000), (1, 8192), (16, 8200)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_device_attention_gives_attention_decode_bits():
+    """The 80b-a3b's heads: DeviceAttention (the decode graphs' form) against attention_decode, bit for bit,
+    up to 8K keys, with 256 programs a kv head and with 7 (each walking many splits)."""
+    _device_cases("cuda", 16, 2, 256, [0, 1, 33, 1000, 8191], capacity=8300, programs=256)
+    _device_cases("cuda", 16, 2, 256, [222, 8191], capacity=8300, programs=7)
