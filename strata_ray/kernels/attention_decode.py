@@ -35,18 +35,20 @@ BK = 32  # keys a program step scores
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _attn_partial_body(Q, K, V, M, L, ACC, POS, q_offset, n_keys, scale, H, Hkv, NS,
+def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H, Hkv, NS,
                        REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
                        BK_: tl.constexpr, AT_DEVICE: tl.constexpr):
     # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D]. Program (token x kv
     # head, p): splits p, p + P, ... (P programs on axis 1) that hold keys the token sees.
-    # AT_DEVICE (a graph replays it at every position): K and V are int64 cells holding the caches' addresses,
-    # the first token's position is POS[0] and n_keys = POS[0] + the argument (the tokens of the call).
+    # AT_DEVICE (a graph replays it at every position): the caches sit KVT[0] and KVT[1] floats from K (= V,
+    # an anchor tensor: offsets from an argument keep the pointer's known 16-byte alignment, so the tiles load
+    # as vectors, as from the caches passed in), the first token's position is POS[0] and n_keys = POS[0] +
+    # the argument (the tokens of the call).
     if AT_DEVICE:
         q_offset = tl.load(POS)
         n_keys = q_offset + n_keys
-        K = tl.load(K).to(tl.pointer_type(tl.float32))
-        V = tl.load(V).to(tl.pointer_type(tl.float32))
+        K = K + tl.multiple_of(tl.load(KVT), 16)
+        V = V + tl.multiple_of(tl.load(KVT + 1), 16)
     pid = tl.program_id(0)
     t = pid // Hkv
     g = pid % Hkv
@@ -110,13 +112,13 @@ def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constex
     tl.store(O + pid.to(tl.int64) * D + d, tl.sum(o_lane, axis=0) / tl.sum(l_lane, axis=0))
 
 
-def _kv_append_body(KV, POS, KN, VN, ROW, BLOCK: tl.constexpr):
-    # KV int64 [2]: the K and V caches' addresses (f32 [S, Hkv, D]); KN, VN f32 [T, ROW] the new rows, written
-    # at positions POS[0] + t. Program t.
+def _kv_append_body(ANCHOR, KVT, POS, KN, VN, ROW, BLOCK: tl.constexpr):
+    # KVT int64 [2]: the K and V caches (f32 [S, Hkv, D]) as offsets in floats from ANCHOR; KN, VN f32
+    # [T, ROW] the new rows, written at positions POS[0] + t. Program t.
     t = tl.program_id(0)
     at = (tl.load(POS) + t) * ROW
-    kc = tl.load(KV).to(tl.pointer_type(tl.float32))
-    vc = tl.load(KV + 1).to(tl.pointer_type(tl.float32))
+    kc = ANCHOR + tl.multiple_of(tl.load(KVT), 16)
+    vc = ANCHOR + tl.multiple_of(tl.load(KVT + 1), 16)
     for c in range(0, ROW, BLOCK):
         i = c + tl.arange(0, BLOCK)
         live = i < ROW
@@ -157,7 +159,7 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     acc = torch.empty((T, H, ns, D), dtype=torch.float32, device=q.device)
     partial, combine, _ = _kernels()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    partial[(T * Hkv, ns)](q, k, v, m, ell, acc, m, q_offset, S, scale, H, Hkv, ns, REP=rep,
+    partial[(T * Hkv, ns)](q, k, v, m, ell, acc, m, m, q_offset, S, scale, H, Hkv, ns, REP=rep,
                            REP_P=max(16, next_pow2(rep)), D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=False,
                            num_warps=8)
     combine[(T * H,)](m, ell, acc, out, m, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, AT_DEVICE=False,
@@ -170,7 +172,10 @@ class DeviceAttention:
 
     The kernels take the first token's position from a device cell (pos, int64 [1]) and the K and V caches'
     addresses from a table (int64 [2], written by the host when a cache moves), so one captured launch serves
-    every step. The partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
+    every step. The table holds each cache's offset in floats from this object's anchor tensor
+    (`table_row`), not its address: from an argument pointer the kernels keep its alignment and load the
+    tiles as vectors (session 12: from a loaded address they did not, and an 8K decode lost 17%). The
+    partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
     the tokens see, each split computed as attention_decode computes it (the same body), and the scratch
     holds the splits of max_keys keys. The bits are attention_decode's at the same position."""
 
@@ -185,14 +190,26 @@ class DeviceAttention:
         self.ell = torch.empty_like(self.m)
         self.acc = torch.empty((n_tok, n_head, self.ns, head_dim), **f32)  # [T, H, NS, D]
         self.out = torch.empty((n_tok, n_head, head_dim), **f32)  # [T, H, D]
+        self.anchor = self.out  # the caches' offsets are counted from here
+
+    def table_row(self, keys: Tensor, values: Tensor) -> tuple[int, int]:
+        """A layer's table row: its caches (float32, on this device, 64-byte aligned) as offsets in floats
+        from the anchor."""
+        base = self.anchor.data_ptr()
+        for c in (keys, values):
+            if c.dtype != torch.float32 or c.device != self.anchor.device or (c.data_ptr() - base) % 64:
+                raise ValueError(f"DeviceAttention: a cache must be float32 on {self.anchor.device}, 64-byte "
+                                 f"aligned; got {c.dtype} on {c.device}")
+        return (keys.data_ptr() - base) // 4, (values.data_ptr() - base) // 4
 
     def append(self, table: Tensor, pos: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v [T, Hkv, D] into the caches `table` addresses, at positions pos[0]..pos[0] + T - 1."""
+        """Write k, v [T, Hkv, D] into the caches of `table` (int64 [2], table_row's), at positions pos[0]..
+        pos[0] + T - 1."""
         T, Hkv, D = k.shape
         row = Hkv * D
         _, _, append = _kernels()
-        append[(T,)](table, pos, k.contiguous(), v.contiguous(), row, BLOCK=min(1024, next_pow2(row)),
-                     num_warps=4)
+        append[(T,)](self.anchor, table, pos, k.contiguous(), v.contiguous(), row,
+                     BLOCK=min(1024, next_pow2(row)), num_warps=4)
 
     def __call__(self, q: Tensor, table: Tensor, pos: Tensor, scale: float) -> Tensor:
         """Attention of q [T, H, D] at positions pos[0].. over the caches in `table` (keys 0 .. pos[0] + T
@@ -203,8 +220,8 @@ class DeviceAttention:
             raise ValueError(f"DeviceAttention: q must be float32 {[self.n_tok, H, D]}, got {q.dtype} "
                              f"{list(q.shape)}")
         partial, combine, _ = _kernels()
-        keys, values = table, table[1:]  # the cells holding the caches' addresses
-        partial[(T * Hkv, self.programs)](q.contiguous(), keys, values, self.m, self.ell, self.acc, pos, 0, T,
+        a = self.anchor
+        partial[(T * Hkv, self.programs)](q.contiguous(), a, a, self.m, self.ell, self.acc, pos, table, 0, T,
                                           scale, H, Hkv, self.ns, REP=H // Hkv,
                                           REP_P=max(16, next_pow2(H // Hkv)), D=D, SPLIT_=SPLIT, BK_=BK,
                                           AT_DEVICE=True, num_warps=8)

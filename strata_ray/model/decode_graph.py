@@ -15,7 +15,7 @@ captured once into a graph and replayed per token (DESIGN section 8):
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
 are those of the eager forward. Captured on CUDA with the fused kernels, an attention layer is one graph
 too (kernels/attention_decode.DeviceAttention): the new k, v are written into the sequence's cache and the
-attention runs over it at the position held in a device cell, the caches' addresses read from a table the
+attention runs over it at the position held in a device cell, the caches' places read from a table the
 host rewrites only when a cache moves (it grows by doubling) or another sequence decodes; the same split
 kernels as the eager attention, so the same bits. Uncaptured (or with the fused kernels off), the attention
 core runs eagerly between the two segments drawn above.
@@ -104,7 +104,7 @@ class DecodeGraphs:
             self.layers.append(buf)
         # captured on CUDA with the fused kernels, an attention layer is one graph like a GDN layer: the new
         # k, v written into the sequence's cache and the attention over it at the position in self.pos, the
-        # caches' addresses read from kv_table (the host rewrites a layer's row when its cache moves)
+        # caches' places read from kv_table (the host rewrites a layer's row when its cache moves)
         self.attn: DeviceAttention | None = None
         attn_layers = [buf for buf in self.layers if buf.q is not None]
         if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
@@ -113,7 +113,7 @@ class DecodeGraphs:
         # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
         # attention layer (the same ops as each layer computing them)
         self.rope = (zeros(1, 1, hp.n_rot), zeros(1, 1, hp.n_rot)) if attn_layers else None
-        self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] K and V cache addresses
+        self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] DeviceAttention.table_row
         self._kv_at: list[tuple[int, int] | None] = [None] * hp.n_layer  # what kv_table holds, host side
         if self.attn is not None:  # the capture's warm-up runs the kernels: a one-token cache of its own
             self._kv_warmup = zeros(2, 1, hp.n_head_kv, hp.head_dim)  # [K | V, 1, Hkv, D]
@@ -244,8 +244,9 @@ class DecodeGraphs:
         flat = [f for fns in segments for f in fns if f is not None] + [head]
         if self.attn is not None:  # position 0 of the warm-up cache until the first step points at its own
             self.pos.zero_()
-            self.kv_table[:, 0].fill_(self._kv_warmup[0].data_ptr())
-            self.kv_table[:, 1].fill_(self._kv_warmup[1].data_ptr())
+            row = self.attn.table_row(self._kv_warmup[0], self._kv_warmup[1])
+            self.kv_table[:, 0].fill_(row[0])
+            self.kv_table[:, 1].fill_(row[1])
             self._kv_at = [None] * len(self.layers)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -296,12 +297,13 @@ class DecodeGraphs:
             kv = state.kv[layer]
             at = kv.reserve(need, buf.k)
             if at != self._kv_at[layer]:  # a new sequence, or its cache grew: a kernel argument, no copy
-                keys = kv.buffers()[0]
+                keys, values = kv.buffers()
                 if keys.dtype != torch.float32 or keys.shape[1:] != buf.k.shape[1:]:
                     raise ValueError(f"layer {layer}'s KV cache is {keys.dtype} {list(keys.shape[1:])}; the "
                                      f"decode graphs write float32 {list(buf.k.shape[1:])}")
-                self.kv_table[layer, 0].fill_(at[0])
-                self.kv_table[layer, 1].fill_(at[1])
+                row = self.attn.table_row(keys, values)
+                self.kv_table[layer, 0].fill_(row[0])
+                self.kv_table[layer, 1].fill_(row[1])
                 self._kv_at[layer] = at
 
     def step(self, ids: Tensor | Sequence[int], state: SequenceState,

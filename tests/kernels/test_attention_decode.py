@@ -52,6 +52,8 @@ def test_bad_shapes():
     attn = DeviceAttention(4, 2, 32, 100, torch.device("cpu"))
     with pytest.raises(ValueError, match="q must be float32"):
         attn(q, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1.0)
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        attn.table_row(k, torch.zeros(33)[1:])
 
 
 def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
@@ -60,7 +62,7 @@ def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
     `programs` programs a kv head, fewer than the splits: each walks several)."""
     attn = DeviceAttention(H, Hkv, D, capacity, torch.device(device), n_tok=T, programs=programs)
     caches = torch.full((2, capacity, Hkv, D), float("nan"), device=device)  # rows past the keys: never read
-    table = torch.tensor([caches[0].data_ptr(), caches[1].data_ptr()], dtype=torch.int64, device=device)
+    table = torch.tensor(attn.table_row(caches[0], caches[1]), dtype=torch.int64, device=device)
     pos = torch.zeros(1, dtype=torch.int64, device=device)
     scale = D**-0.5
     for at in positions:

@@ -1,0 +1,96 @@
+"""Decode attention over the KV cache on the GPU (a script, not a test): attention_decode as the eager
+forward calls it, DeviceAttention as the decode graphs replay it, and the norm + rope launch before it.
+
+    python scripts/bench_attention.py [--keys 1024,8192,32768] [--heads 16,2,256] [--reps 200]
+
+Per call: device time from CUDA events over `reps` calls (attention_decode launched from Python, so its
+host launch cost shows when it exceeds the kernels'; DeviceAttention replayed from one CUDA graph), GB/s
+of K and V bytes read against the card's copy bandwidth, and whether the two give the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from strata_ray.kernels.attention_decode import DeviceAttention, attention_decode
+from strata_ray.kernels.norm_rope import norm_rope_fused
+from strata_ray.model import ops
+
+
+def _timed(fn, reps: int) -> float:
+    """Seconds a call, from CUDA events around `reps` calls after a warm-up."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _graphed(fn):
+    """fn captured once into a CUDA graph; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keys", default="1024,8192,32768", help="cache lengths (keys, the new one included)")
+    ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head size (the 80b-a3b's)")
+    ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench_attention needs a CUDA GPU", file=sys.stderr)
+        return 2
+    H, Hkv, D = (int(x) for x in args.heads.split(","))
+    dev = torch.device("cuda")
+    copy = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    copy_gbs = 2 * copy.numel() / _timed(lambda: copy.clone(), 20) / 1e9  # read + write
+    print(f"device copy: {copy_gbs:.0f} GB/s (read + write)")
+    print("| keys | attention_decode (eager) | DeviceAttention (graph) | GB/s of K+V (graph) | same bits |")
+    print("|---:|---:|---:|---:|---|")
+    scale = D**-0.5
+    for n in (int(x) for x in args.keys.split(",")):
+        g = torch.Generator(device=dev).manual_seed(n)
+        q = torch.randn(1, H, D, device=dev, generator=g)
+        caches = torch.randn(2, n + 64, Hkv, D, device=dev, generator=g)  # room past the keys, as a cache has
+        k, v = caches[0, :n], caches[1, :n]
+        attn = DeviceAttention(H, Hkv, D, max(n, 1 << 15), dev)
+        table = torch.tensor(attn.table_row(caches[0], caches[1]), dtype=torch.int64, device=dev)
+        pos = torch.tensor([n - 1], dtype=torch.int64, device=dev)
+        ref = attention_decode(q, k, v, n - 1, scale)
+        t_eager = _timed(lambda q=q, k=k, v=v, n=n: attention_decode(q, k, v, n - 1, scale), args.reps)
+        replay = _graphed(lambda q=q, attn=attn, table=table, pos=pos: attn(q, table, pos, scale))
+        t_graph = _timed(replay, args.reps)
+        same = torch.equal(attn(q, table, pos, scale), ref)
+        gbs = 2 * n * Hkv * D * 4 / t_graph / 1e9
+        share = gbs / copy_gbs  # as the kernels bench counts it: bytes read / the copy rate
+        print(f"| {n} | {t_eager * 1e6:.1f} us | {t_graph * 1e6:.1f} us | {gbs:.0f} ({share:.0%}) | {same} |",
+              flush=True)
+    # q / k norms + rope (+ gate) for one token, graphed: the launch that replaced ~16 small ops
+    T = 1
+    qg = torch.randn(T, H, 2 * D, device=dev)
+    kk = torch.randn(T, Hkv, D, device=dev)
+    w = torch.ones(D, device=dev)
+    cos, sin = ops.rope_tables(torch.tensor([5000], device=dev), args.n_rot, 1e7)
+    t_nr = _timed(_graphed(lambda: norm_rope_fused(qg, kk, w, w, 1e-6, cos, sin)), args.reps)
+    print(f"norm + rope + gate, 1 token, graphed: {t_nr * 1e6:.1f} us a layer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
