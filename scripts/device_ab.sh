@@ -10,7 +10,9 @@
 # when a run fails). Each run is bench_tiers at AB_DEPTH (8192) with AB_DECODE (32) tokens; results in
 # /tmp/ab/<round>-<old|new>-<setup>.json, packed into $OUT/ab.tgz after every run (a call cut short keeps
 # what ran), and one line per run in the log.
-#   AB_SETUPS   resident (every expert on the GPU: an 80 GiB card), budget (a 24 GiB card)
+#   AB_SETUPS   resident (every expert on the GPU: an 80 GiB card), budget (a 24 GiB card); a setup may carry
+#               environment for its run: resident:STRATA_X=0,STRATA_Y=1
+#   AB_NEW_SETUPS  more setups run on the new side only (a switch the old code does not have)
 #   AB_PATCH    the patch file (ab-old.patch); AB_LIMIT seconds a run (150)
 # Needs device_check's m80 step first (the model at $M80, /tmp/m80.gguf) and its numba cache setup.
 set -uo pipefail
@@ -24,19 +26,22 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACH
 export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-300000}
 
 setup_args() {
-    case $1 in
+    case ${1%%:*} in
         resident) echo "--card-gib 80" ;;
         budget) echo "--card-gib 24" ;;
         *) echo "device_ab: unknown setup $1 (resident, budget)" >&2; return 2 ;;
     esac
 }
 
-run_one() {  # run_one ROUND SIDE SETUP
-    local args out="$work/$1-$2-$3.json"
+run_one() {  # run_one ROUND SIDE SETUP[:ENV=VAL,...]
+    local args envs=() name="$1-$2-${3//[:=,]/_}"
+    local out="$work/$name.json"
     args=$(setup_args "$3") || return 2
+    [[ $3 == *:* ]] && IFS=, read -r -a envs <<< "${3#*:}"
     # shellcheck disable=SC2086
-    timeout "${AB_LIMIT:-150}" python scripts/bench_tiers.py --model "$M80" --depths "${AB_DEPTH:-8192}" \
-        --decode "${AB_DECODE:-32}" --chunk 4096 $args --json-out "$out" > "$work/$1-$2-$3.log" 2>&1
+    timeout "${AB_LIMIT:-150}" env "${envs[@]}" python scripts/bench_tiers.py --model "$M80" \
+        --depths "${AB_DEPTH:-8192}" --decode "${AB_DECODE:-32}" --chunk 4096 $args --json-out "$out" \
+        > "$work/$name.log" 2>&1
     echo "round $1 $2 $3: exit $? $(python -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; \
 print({k: round(v, 2) for k, v in r.items() if 'tok_s' in k or k.endswith('_ms')})" "$out" 2>/dev/null)"
     [[ -n "${OUT:-}" ]] && tar czf "$OUT/ab.tgz" -C /tmp ab
@@ -47,7 +52,9 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
         if [[ $side == old ]]; then
             patch -s -p1 -R < "$patch_file" || { echo "device_ab: the patch does not revert" >&2; exit 2; }
         fi
-        for setup in ${AB_SETUPS:-resident budget}; do run_one "$round" "$side" "$setup"; done
+        setups=${AB_SETUPS:-resident budget}
+        [[ $side == new ]] && setups+=" ${AB_NEW_SETUPS:-}"
+        for setup in $setups; do run_one "$round" "$side" "$setup"; done
         [[ $side == old ]] && patch -s -p1 < "$patch_file"
     done
 done

@@ -32,6 +32,7 @@ there, bit for bit against Model.forward; `pytest -m gpu` checks the captured gr
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,8 +108,10 @@ class DecodeGraphs:
         # caches' places read from kv_table (the host rewrites a layer's row when its cache moves)
         self.attn: DeviceAttention | None = None
         attn_layers = [buf for buf in self.layers if buf.q is not None]
+        # STRATA_DECODE_DEVICE_ATTENTION=0 (env only, A/B runs): the attention core eager between two graphs
         if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
-                and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)):
+                and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)
+                and os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "1") != "0"):
             self.attn = DeviceAttention(hp.n_head, hp.n_head_kv, hp.head_dim, hp.context_length, dev)
         # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
         # attention layer (the same ops as each layer computing them)
