@@ -13,12 +13,13 @@ captured once into a graph and replayed per token (DESIGN section 8):
     last:                 [combine | output norm | logits]
 
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
-are those of the eager forward. Captured on CUDA with the fused kernels, an attention layer is one graph
-too (kernels/attention_decode.DeviceAttention): the new k, v are written into the sequence's cache and the
+are those of the eager forward. With STRATA_DECODE_DEVICE_ATTENTION=1 (opt-in: slower on the H200 so far,
+see __init__), captured on CUDA with the fused kernels, an attention layer is one graph too
+(kernels/attention_decode.DeviceAttention): the new k, v are written into the sequence's cache and the
 attention runs over it at the position held in a device cell, the caches' places read from a table the
 host rewrites only when a cache moves (it grows by doubling) or another sequence decodes; the same split
-kernels as the eager attention, so the same bits. Uncaptured (or with the fused kernels off), the attention
-core runs eagerly between the two segments drawn above.
+kernels as the eager attention, so the same bits. By default, the attention core runs eagerly between the
+two segments drawn above.
 Everything a graph reads or writes between segments lives in buffers allocated here, outside the graphs,
 so all graphs can share one memory pool.
 
@@ -108,10 +109,13 @@ class DecodeGraphs:
         # caches' places read from kv_table (the host rewrites a layer's row when its cache moves)
         self.attn: DeviceAttention | None = None
         attn_layers = [buf for buf in self.layers if buf.q is not None]
-        # STRATA_DECODE_DEVICE_ATTENTION=0 (env only, A/B runs): the attention core eager between two graphs
+        # STRATA_DECODE_DEVICE_ATTENTION=1 (env only, opt-in): on the H200 (session 12) the one-graph form
+        # gave the eager attention's bits but an all-resident 8K decode 113 tok/s against 140: the device sat
+        # idle between graphs ~0.9 ms a token more (not the kernels: their times matched). Off until
+        # explained.
         if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
                 and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)
-                and os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "1") != "0"):
+                and os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "0") == "1"):
             self.attn = DeviceAttention(hp.n_head, hp.n_head_kv, hp.head_dim, hp.context_length, dev)
         # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
         # attention layer (the same ops as each layer computing them)

@@ -4,6 +4,8 @@ On the CPU the segments run uncaptured (capture=False): the same split into segm
 state hand-offs. `pytest -m gpu` runs the captured graphs on CUDA against the eager forward there.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -27,15 +29,28 @@ def _models(device="cpu"):
     return out
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                        reason="needs a CUDA GPU")])
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module", params=["cpu", CUDA])
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=GPU),
+                                        pytest.param("cuda-device-attention", marks=GPU)])
 def models(request):
-    """On the CPU the segments uncaptured; on CUDA (-m gpu) the captured graphs, whose attention layers
-    write the KV cache and read it at the position held on the device (DeviceAttention)."""
-    return _models(request.param)
+    """On the CPU the segments uncaptured; on CUDA (-m gpu) the captured graphs, with the attention core
+    eager between them, or (STRATA_DECODE_DEVICE_ATTENTION=1) in them: the KV cache written and read at the
+    position held on the device (DeviceAttention)."""
+    device, _, variant = request.param.partition("-")
+    old = os.environ.get("STRATA_DECODE_DEVICE_ATTENTION")
+    os.environ["STRATA_DECODE_DEVICE_ATTENTION"] = "1" if variant else "0"  # read when the graphs are built
+    try:
+        models = _models(device)
+    finally:
+        if old is None:
+            del os.environ["STRATA_DECODE_DEVICE_ATTENTION"]
+        else:
+            os.environ["STRATA_DECODE_DEVICE_ATTENTION"] = old
+    if variant:
+        assert all(graphed.decode_graphs.attn is not None for _, graphed in models.values())
+    return models
 
 
 def _decode(model, prompt, steps, state=None):
