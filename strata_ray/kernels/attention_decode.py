@@ -41,9 +41,8 @@ def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H,
     # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D]. Program (token x kv
     # head, p): splits p, p + P, ... (P programs on axis 1) that hold keys the token sees.
     # AT_DEVICE (a graph replays it at every position): the caches sit KVT[0] and KVT[1] floats from K (= V,
-    # an anchor tensor: offsets from an argument keep the pointer's known 16-byte alignment, so the tiles load
-    # as vectors, as from the caches passed in), the first token's position is POS[0] and n_keys = POS[0] +
-    # the argument (the tokens of the call).
+    # an anchor tensor: offsets from an argument keep the pointer's known 16-byte alignment), the first
+    # token's position is POS[0] and n_keys = POS[0] + the argument (the tokens of the call).
     if AT_DEVICE:
         q_offset = tl.load(POS)
         n_keys = q_offset + n_keys
@@ -173,9 +172,8 @@ class DeviceAttention:
     The kernels take the first token's position from a device cell (pos, int64 [1]) and the K and V caches'
     addresses from a table (int64 [2], written by the host when a cache moves), so one captured launch serves
     every step. The table holds each cache's offset in floats from this object's anchor tensor
-    (`table_row`), not its address: from an argument pointer the kernels keep its alignment and load the
-    tiles as vectors (session 12: from a loaded address they did not, and an 8K decode lost 17%). The
-    partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
+    (`table_row`), not its address, so the kernels' pointers keep the alignment Triton knows of an argument
+    (vector loads, as from the caches passed in). The partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
     the tokens see, each split computed as attention_decode computes it (the same body), and the scratch
     holds the splits of max_keys keys. The bits are attention_decode's at the same position."""
 
