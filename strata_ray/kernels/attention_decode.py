@@ -169,13 +169,16 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
 class DeviceAttention:
     """attention_decode for a CUDA graph replayed at every position: the cache grows, the graph does not.
 
-    The kernels take the first token's position from a device cell (pos, int64 [1]) and the K and V caches'
-    addresses from a table (int64 [2], written by the host when a cache moves), so one captured launch serves
-    every step. The table holds each cache's offset in floats from this object's anchor tensor
-    (`table_row`), not its address, so the kernels' pointers keep the alignment Triton knows of an argument
-    (vector loads, as from the caches passed in). The partial kernel's grid is fixed: `programs` programs a (token, kv head) walk the splits
-    the tokens see, each split computed as attention_decode computes it (the same body), and the scratch
-    holds the splits of max_keys keys. The bits are attention_decode's at the same position."""
+    The kernels take the first token's position from a device cell (pos, int64 [1]) and the K and V caches
+    from a table (int64 [2], written by the host when a cache moves), so one captured launch serves every
+    step. The table holds each cache's offset in floats from this object's anchor tensor (`table_row`), not
+    its address, so the kernels' pointers keep the alignment Triton knows of an argument (vector loads, as
+    from the caches passed in). The partial kernel's grid is fixed: `programs` programs a (token, kv head)
+    walk the splits the tokens see, each split computed as attention_decode computes it (the same body), and
+    the scratch holds the splits of max_keys keys. The bits are attention_decode's at the same position.
+
+    Opt-in in the decode graphs (STRATA_DECODE_DEVICE_ATTENTION=1): on the H200 its kernels ran as fast as
+    attention_decode's (scripts/bench_attention.py), but the decode with it was slower (session 12)."""
 
     def __init__(self, n_head: int, n_head_kv: int, head_dim: int, max_keys: int, device: torch.device,
                  n_tok: int = 1, programs: int = 256):
