@@ -7,9 +7,11 @@ and features (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES) loads there, provided the Pyt
 version and absolute source path match. The target is read from a cache index (.nbi) made on that
 machine; the signatures from this checkout's own cache indexes (those the tests and benchmarks compiled).
 
-    # in a venv with the target's Python minor version and numba version, from the repo root:
-    python scripts/numba_cache_for.py --target-index OLD.nbi \
-        --signatures-from strata_ray/kernels/__pycache__ --cache-dir /tmp/nbc --tar .nbc/nbc.tar.xz
+    # in a venv with the target's Python minor version and numba version, from the repo root, after the
+    # CPU tests compiled this checkout's signatures (the defaults: the H200 host's index in numba_targets/,
+    # this checkout's __pycache__, /tmp/nbc: the GPU machine's NUMBA_CACHE_DIR, whose name the tarball keeps):
+    python scripts/numba_cache_for.py [--target-index OLD.nbi] \
+        [--signatures-from strata_ray/kernels/__pycache__] [--cache-dir /tmp/nbc] --tar .nbc/nbc.tar.xz
 
 Nothing is executed: the compiled code may use instructions this CPU lacks.
 """
@@ -29,6 +31,8 @@ from pathlib import Path
 
 # the kernels package's files with cached njit functions
 MODULES = ("act_quant", "blocks", "expert_cpu_kernels", "expert_cpu_token")
+# an index made on the GPU machine (session 12's probe: one cached njit function compiled there)
+DEFAULT_TARGET = "h200-emeraldrapids-py312-numba0.68.0.nbi"
 
 
 def read_index(path: str) -> tuple[str, dict]:
@@ -74,7 +78,8 @@ def compile_all(found: dict[tuple[str, str], set]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target-index", required=True, help="a .nbi file made on the target machine")
+    ap.add_argument("--target-index", default=str(Path(__file__).parent / "numba_targets" / DEFAULT_TARGET),
+                    help="a .nbi file made on the target machine (default: the lent H200 host's, kept here)")
     ap.add_argument("--signatures-from", default="strata_ray/kernels/__pycache__",
                     help="folder of this checkout's .nbi files whose signatures to compile")
     ap.add_argument("--cache-dir", default="/tmp/nbc", help="NUMBA_CACHE_DIR to fill (the target's path)")
