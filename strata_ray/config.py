@@ -384,11 +384,33 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
                                                 "STRATA_DECODE_PIPELINE") == "1"
     if env.get("STRATA_PCIE_SHARE", "") != "":
         values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
+    for name, parse in READ_WHERE_USED.items():  # switches the kernels read themselves: refused here first
+        if env.get(name, "") != "":
+            parse_value(parse, env[name], name)
     cfg = EngineConfig(**values)
     _check_combinations(cfg)
     if cfg.peer_active:
         cfg = _with_peer_env(cfg, env)
     return cfg
+
+
+def _stage_kib(s: str) -> int:
+    v = int_range(8, 1 << 20)(s)
+    if v % 8:
+        raise ValueError("a multiple of 8 from 8 to 1048576")
+    return v
+
+
+# env-only A/B switches read where they act (kernels, decode graphs), not carried by EngineConfig: a value
+# they would not take is refused with the others' one line (STRATA_FUSED_DECODE, STRATA_GATHER_COPY and
+# STRATA_STREAM_ALL: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on)
+READ_WHERE_USED: dict[str, Callable[[str], object]] = {
+    "STRATA_FUSED_DECODE": _choice("0", "1"),
+    "STRATA_GATHER_COPY": _choice("0", "1"),
+    "STRATA_STREAM_ALL": _choice("0", "1"),
+    "STRATA_DECODE_DEVICE_ATTENTION": _choice("0", "1"),
+    "STRATA_STAGE_CHUNK_KIB": _stage_kib,
+}
 
 
 def _check_combinations(cfg: EngineConfig) -> None:

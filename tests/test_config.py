@@ -215,6 +215,19 @@ def test_pcie_share_is_a_permille_env_switch():
     assert str(e.value) == "STRATA_PCIE_SHARE: invalid value '0.6' (allowed: an integer from 0 to 1000)"
 
 
+@pytest.mark.parametrize("name,value,allowed", [
+    ("STRATA_FUSED_DECODE", "off", "0 or 1"),
+    ("STRATA_DECODE_DEVICE_ATTENTION", "yes", "0 or 1"),
+    ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
+    ("STRATA_STAGE_CHUNK_KIB", "0", "an integer from 8 to 1048576"),
+])
+def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
+    config([], {name: "1" if name != "STRATA_STAGE_CHUNK_KIB" else "64"})  # good values pass
+    with pytest.raises(ConfigError) as e:
+        config([], {name: value})
+    assert str(e.value) == f"{name}: invalid value {value!r} (allowed: {allowed})"
+
+
 def test_decode_graphs_are_on_by_default_and_an_env_switch():
     assert config([]).decode_graphs is True
     assert config([], {"STRATA_DECODE_GRAPHS": "0"}).decode_graphs is False
