@@ -25,6 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def auth_env() -> dict:
+    """RAY_AUTH_MODE for a plain Ray client of the test cluster, as strata_ray.actors.launch decides it for
+    `run`: token when the user chose it or a token exists (Ray 2.5x's `ray start` turned token auth on and
+    wrote ~/.ray/auth_token; 2.60's does not, and a client forced into token mode then fails)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return {"RAY_AUTH_MODE": os.environ["RAY_AUTH_MODE"]}
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return {"RAY_AUTH_MODE": "token"} if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token) else {}
+
+
 def client_env(address: str | None) -> dict:
     """Environment of a `run` subprocess: this checkout, no GPU, attached to `address` (None: no cluster)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}

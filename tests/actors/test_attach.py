@@ -6,7 +6,6 @@ stops exactly the processes it started (never `ray stop`, which would stop every
 """
 
 import json
-import os
 import select
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from strata_ray.actors.launch import COORDINATOR_NAME, NAMESPACE, PRIMARY_NAME
 from strata_ray.model.synth import write_synth
-from tests.actors.ray_head import REPO, client_env, ray_head
+from tests.actors.ray_head import REPO, auth_env, client_env, ray_head
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def strata_actors(address: str) -> dict[str, str]:
         f"actors = list_actors(address={address!r}, filters=[('ray_namespace', '=', {NAMESPACE!r})])\n"
         "print(json.dumps({a.name: a.state for a in actors if a.state != 'DEAD'}))\n"
     )
-    env = {**client_env(address), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    env = {**client_env(address), **auth_env()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -118,7 +117,7 @@ def test_a_dying_actor_is_reported_in_one_line(cluster):
         "except Exception as e:\n"
         f"    print(json.dumps(describe_failure(e, {PRIMARY_NAME!r})))\n"
     )
-    env = {**client_env(address), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    env = {**client_env(address), **auth_env()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     message, exit_code = json.loads(r.stdout.strip().splitlines()[-1])
