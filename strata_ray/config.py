@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strata_ray.kernels.contract import KERNEL_VARIANTS
+from strata_ray.kernels.gather_copy import stage_chunk_kib
 
 DEFAULT_MODEL_NAME = "strata-tiny-next"
 PREFILL_MAX = 8192
@@ -394,13 +395,6 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     return cfg
 
 
-def _stage_kib(s: str) -> int:
-    v = int_range(8, 1 << 20)(s)
-    if v % 8:
-        raise ValueError("a multiple of 8 from 8 to 1048576")
-    return v
-
-
 # env-only A/B switches read where they act (kernels, decode graphs), not carried by EngineConfig: a value
 # they would not take is refused with the others' one line (STRATA_FUSED_DECODE, STRATA_GATHER_COPY and
 # STRATA_STREAM_ALL: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on)
@@ -409,7 +403,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_GATHER_COPY": _choice("0", "1"),
     "STRATA_STREAM_ALL": _choice("0", "1"),
     "STRATA_DECODE_DEVICE_ATTENTION": _choice("0", "1"),
-    "STRATA_STAGE_CHUNK_KIB": _stage_kib,
+    "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,
 }
 
 

@@ -219,7 +219,7 @@ def test_pcie_share_is_a_permille_env_switch():
     ("STRATA_FUSED_DECODE", "off", "0 or 1"),
     ("STRATA_DECODE_DEVICE_ATTENTION", "yes", "0 or 1"),
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
-    ("STRATA_STAGE_CHUNK_KIB", "0", "an integer from 8 to 1048576"),
+    ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     config([], {name: "1" if name != "STRATA_STAGE_CHUNK_KIB" else "64"})  # good values pass

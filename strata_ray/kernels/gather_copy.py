@@ -65,16 +65,31 @@ def _stage_body(START, EXPERT, SRC, DST, slot_bytes, CHUNK_WORDS: tl.constexpr, 
         tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
 
 
-# bytes a staging program copies (32 KiB: a 590 KB part in 18 programs). STRATA_STAGE_CHUNK_KIB (env only,
-# a multiple of 8) sets it: fewer, longer programs leave more of the SMs to the resident tiles beside them
-# (session 11: the staging copy slowed them ~5x); the bytes copied are the same.
-def _stage_chunk_bytes(raw: str) -> int:
-    if not raw.isdigit() or int(raw) <= 0 or int(raw) % 8:
-        raise ValueError(f"STRATA_STAGE_CHUNK_KIB must be a positive multiple of 8, got {raw!r}")
-    return int(raw) << 10
+def stage_chunk_kib(raw: str) -> int:
+    """A value of STRATA_STAGE_CHUNK_KIB: KiB a staging program copies (ValueError naming what is allowed;
+    config.py refuses a bad one with its one line when the engine starts)."""
+    v = int(raw) if raw.isdigit() else 0
+    if not 8 <= v <= 1 << 20 or v % 8:
+        raise ValueError("a multiple of 8 from 8 to 1048576")
+    return v
 
 
-STAGE_CHUNK_BYTES = _stage_chunk_bytes(os.environ.get("STRATA_STAGE_CHUNK_KIB", "32"))
+# bytes a staging program copies by default (a 590 KB part in 18 programs); STRATA_STAGE_CHUNK_KIB (env only)
+# sets it, read at the first staging launch: fewer, longer programs would leave more of the SMs to the
+# resident tiles beside them (session 11: the staging copy slowed them ~5x); session 12 measured 32 and 128
+# KiB the same. The bytes copied are the same either way.
+STAGE_CHUNK_BYTES = 32 << 10
+
+
+@functools.cache
+def _stage_chunk_bytes() -> int:
+    raw = os.environ.get("STRATA_STAGE_CHUNK_KIB", "")
+    if not raw:
+        return STAGE_CHUNK_BYTES
+    try:
+        return stage_chunk_kib(raw) << 10
+    except ValueError as e:
+        raise ValueError(f"STRATA_STAGE_CHUNK_KIB: invalid value {raw!r} (allowed: {e})") from None
 
 
 @functools.cache
@@ -114,9 +129,10 @@ def stage_experts(start: torch.Tensor, expert: torch.Tensor, table: torch.Tensor
         raise ValueError(f"stage_experts: staging must be uint8 [>= {start.numel()}, slot bytes]")
     if staging.data_ptr() % 4 or staging.stride(0) != staging.shape[1]:
         raise ValueError("stage_experts: staging must be contiguous and 4-byte aligned")
-    chunks = -(-part_bytes // STAGE_CHUNK_BYTES)
+    chunk = _stage_chunk_bytes()
+    chunks = -(-part_bytes // chunk)
     _stage_kernel()[(start.numel(), 3, chunks)](start, expert, table, staging, staging.shape[1],
-                                                CHUNK_WORDS=STAGE_CHUNK_BYTES // 4, BLOCK=BLOCK_WORDS,
+                                                CHUNK_WORDS=chunk // 4, BLOCK=BLOCK_WORDS,
                                                 num_warps=4)
 
 
