@@ -104,25 +104,24 @@ class DecodeGraphs:
                 buf.k, buf.v = zeros(1, Hkv, D), zeros(1, Hkv, D)
                 buf.gate = zeros(1, H * D) if gated else None
             self.layers.append(buf)
-        # captured on CUDA with the fused kernels, an attention layer is one graph like a GDN layer: the new
-        # k, v written into the sequence's cache and the attention over it at the position in self.pos, the
-        # caches' places read from kv_table (the host rewrites a layer's row when its cache moves)
-        self.attn: DeviceAttention | None = None
         attn_layers = [buf for buf in self.layers if buf.q is not None]
-        # STRATA_DECODE_DEVICE_ATTENTION=1 (env only, opt-in): on the H200 (session 12) the one-graph form
-        # gave the eager attention's bits but an all-resident 8K decode 113 tok/s against 140: the device sat
-        # idle between graphs ~0.9 ms a token more (not the kernels: their times matched). Off until
-        # explained.
+        # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
+        # attention layer (the same ops as each layer computing them)
+        self.rope = (zeros(1, 1, hp.n_rot), zeros(1, 1, hp.n_rot)) if attn_layers else None
+        # STRATA_DECODE_DEVICE_ATTENTION=1 (env only, opt-in), captured on CUDA with the fused kernels: an
+        # attention layer is one graph like a GDN layer, the new k, v written into the sequence's cache and
+        # the attention over it at the position in self.pos, the caches' places read from kv_table (the host
+        # rewrites a layer's row when its cache moves). On the H200 (session 12) it gave the eager
+        # attention's bits but an all-resident 8K decode 113 tok/s against 140: the device sat idle between
+        # graphs ~0.9 ms a token more (not the kernels: their times matched). Off until explained.
+        self.attn: DeviceAttention | None = None
         if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
                 and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)
                 and os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "0") == "1"):
             self.attn = DeviceAttention(hp.n_head, hp.n_head_kv, hp.head_dim, hp.context_length, dev)
-        # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
-        # attention layer (the same ops as each layer computing them)
-        self.rope = (zeros(1, 1, hp.n_rot), zeros(1, 1, hp.n_rot)) if attn_layers else None
-        self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] DeviceAttention.table_row
-        self._kv_at: list[tuple[int, int] | None] = [None] * hp.n_layer  # what kv_table holds, host side
-        if self.attn is not None:  # the capture's warm-up runs the kernels: a one-token cache of its own
+            self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] DeviceAttention.table_row
+            self._kv_at: list[tuple[int, int] | None] = [None] * hp.n_layer  # what kv_table holds, host side
+            # the capture's warm-up runs the kernels: a one-token cache of its own
             self._kv_warmup = zeros(2, 1, hp.n_head_kv, hp.head_dim)  # [K | V, 1, Hkv, D]
         # an expert backend with a fixed-shape one-token step (TieredExperts): its rows are combined inside
         # the next segment's graph, and its GPU part replays as a graph of its own
