@@ -151,19 +151,31 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    rep = H // Hkv
     ns = -(-S // SPLIT)
     m = torch.empty((T, H, ns), dtype=torch.float32, device=q.device)
-    ell = torch.empty_like(m)
-    acc = torch.empty((T, H, ns, D), dtype=torch.float32, device=q.device)
-    partial, combine, _ = _kernels()
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    partial[(T * Hkv, ns)](q, k, v, m, ell, acc, m, m, q_offset, S, scale, H, Hkv, ns, REP=rep,
-                           REP_P=max(16, next_pow2(rep)), D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=False,
-                           num_warps=8)
-    combine[(T * H,)](m, ell, acc, out, m, q_offset, S, H, ns, D=D, SPLIT_=SPLIT, SC=16, AT_DEVICE=False,
-                      num_warps=4)
+    scratch = (m, torch.empty_like(m), torch.empty((T, H, ns, D), dtype=torch.float32, device=q.device))
+    _launch(q, k.contiguous(), v.contiguous(), scratch, out, None, None, q_offset, S, scale, Hkv, ns)
     return out
+
+
+def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tensor], out: Tensor,
+            pos: Tensor | None, table: Tensor | None, q_offset: int, n_keys: int, scale: float, Hkv: int,
+            programs: int) -> None:
+    """The partial then the combine kernel over q [T, H, D] into out, scratch = (m, l, acc) of NS splits.
+    pos None: the keys of k, v up to q_offset + T (n_keys of them), a program a split; else (AT_DEVICE) the
+    position in pos, the caches table's offsets from k (= v), n_keys the call's tokens, `programs` programs a
+    (token, kv head) walking the splits."""
+    T, H, D = q.shape
+    m, ell, acc = scratch
+    ns = m.shape[-1]
+    at_device = pos is not None
+    cell = pos if at_device else m  # an unused pointer argument without AT_DEVICE
+    partial, combine, _ = _kernels()
+    partial[(T * Hkv, programs)](q.contiguous(), k, v, m, ell, acc, cell, table if at_device else m, q_offset,
+                                 n_keys, scale, H, Hkv, ns, REP=H // Hkv, REP_P=max(16, next_pow2(H // Hkv)),
+                                 D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=at_device, num_warps=8)
+    combine[(T * H,)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=SPLIT, SC=16,
+                      AT_DEVICE=at_device, num_warps=4)
 
 
 class DeviceAttention:
@@ -216,16 +228,10 @@ class DeviceAttention:
         """Attention of q [T, H, D] at positions pos[0].. over the caches in `table` (keys 0 .. pos[0] + T
         - 1, written before) -> this object's output buffer [T, H, D]."""
         H, Hkv, D = self.shape
-        T = q.shape[0]
         if tuple(q.shape) != (self.n_tok, H, D) or q.dtype != torch.float32:
             raise ValueError(f"DeviceAttention: q must be float32 {[self.n_tok, H, D]}, got {q.dtype} "
                              f"{list(q.shape)}")
-        partial, combine, _ = _kernels()
         a = self.anchor
-        partial[(T * Hkv, self.programs)](q.contiguous(), a, a, self.m, self.ell, self.acc, pos, table, 0, T,
-                                          scale, H, Hkv, self.ns, REP=H // Hkv,
-                                          REP_P=max(16, next_pow2(H // Hkv)), D=D, SPLIT_=SPLIT, BK_=BK,
-                                          AT_DEVICE=True, num_warps=8)
-        combine[(T * H,)](self.m, self.ell, self.acc, self.out, pos, 0, T, H, self.ns, D=D, SPLIT_=SPLIT,
-                          SC=16, AT_DEVICE=True, num_warps=4)
+        _launch(q, a, a, (self.m, self.ell, self.acc), self.out, pos, table, 0, q.shape[0], scale, Hkv,
+                self.programs)
         return self.out
