@@ -119,6 +119,10 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
     {"dp4a": False}, {"split_gu": True}, {"split_gu": True, "gu_split_br": 32},
     {"split_gu": True, "chunk_pairs": 2},
+    {"burst": True}, {"burst": True, "burst_gu_br": 4}, {"burst": True, "burst_gu_br": 16},
+    {"burst": True, "burst_gu_br": 16, "burst_down_br": 32, "burst_warps": 8},
+    {"burst": True, "burst_down_br": 8}, {"burst": True, "burst_warps": 2},
+    {"burst": True, "burst_gu_br": 4, "burst_down_br": 8, "burst_warps": 2},
 ]
 
 
@@ -468,6 +472,8 @@ def main() -> None:
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
+    ap.add_argument("--sweep-with", metavar="KNOB",
+                    help="sweep only the knob sets that set KNOB (e.g. burst: the words tile's burst form)")
     ap.add_argument("--variants", default="words,simple,wide,split",
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
@@ -486,6 +492,9 @@ def main() -> None:
     if args.graph_probe:
         graph_probe(args.graph_probe)
         return
+    if args.sweep_with:
+        for sweep in (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP):
+            sweep[:] = [knobs for knobs in sweep if args.sweep_with in knobs]
     rows: list = []
     info: dict = {}
     pool = CpuPool()

@@ -30,7 +30,8 @@
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
 #               (--layer-times), once per LTIMES_ENVS entry (default "-": no extra environment)
 #     rows      bench_token_rows.py at 14 threads: the same experts every token, then fresh ones from DRAM
-#     resident  decode at 8K on it with every expert on the GPU, per RESIDENT_VARIANTS (expert kernel variants)
+#     resident  decode at 8K on it with every expert on the GPU, per RESIDENT_VARIANTS (expert kernel variants,
+#               variant:NAME=VALUE also sets an environment variable)
 #     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
@@ -163,10 +164,15 @@ for le in ${LTIMES_ENVS:--}; do
         --chunk 4096 --layer-times --json-out "$work/ltimes-${le//[=,]/_}.json"
 done
 # decode at 8K with every expert resident (an 80 GiB card) with each GPU expert kernel variant in
-# RESIDENT_VARIANTS (default "simple split"): the expert kernels in series with the dense segment
-for kv in ${RESIDENT_VARIANTS:-simple split}; do
-    step resident 120 env STRATA_KERNEL_VARIANT="$kv" python scripts/bench_tiers.py --model "$M80" --card-gib 80 \
-        --depths 8192 --decode 32 --chunk 4096 --json-out "$work/resident-$kv.json"
+# RESIDENT_VARIANTS (default "simple split"): the expert kernels in series with the dense segment; an entry
+# variant:NAME=VALUE also sets that environment variable (e.g. words:STRATA_WORDS_BURST=1)
+n_res=0
+for kvs in ${RESIDENT_VARIANTS:-simple split}; do
+    kv=${kvs%%:*} extra=()
+    [[ $kvs == *:* ]] && extra=("${kvs#*:}")
+    n_res=$((n_res + 1))
+    step resident 120 env STRATA_KERNEL_VARIANT="$kv" "${extra[@]}" python scripts/bench_tiers.py --model "$M80" \
+        --card-gib 80 --depths 8192 --decode 32 --chunk 4096 --json-out "$work/resident-$n_res-${kvs//[:=]/_}.json"
 done
 # a decode layer's CPU rows flag to flag, 14 threads: the same experts every token (L3-friendly), then new
 # routing over 5.4 GB of experts (DRAM, as in the engine)
