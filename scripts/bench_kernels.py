@@ -58,12 +58,13 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
 
 
 # profiler names of the expert kernels
-EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words")
+EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words",
+                  "_expert_burst", "_swiglu_quant")
 
 
-def device_seconds(fn, reps: int) -> tuple[float, float]:
+def device_seconds(fn, reps: int, per_kernel: dict | None = None) -> tuple[float, float]:
     """(all GPU kernels, expert kernels) device seconds per fn() call, from the CUDA profiler:
-    pure kernel time, free of Python launch gaps."""
+    pure kernel time, free of Python launch gaps; per_kernel, when given, gets each expert kernel's."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -82,6 +83,8 @@ def device_seconds(fn, reps: int) -> tuple[float, float]:
         total += us
         if any(name in ev.key for name in EXPERT_KERNELS):
             ours += us
+            if per_kernel is not None:
+                per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us / reps / 1e6
     return total / reps / 1e6, ours / reps / 1e6
 
 
@@ -115,7 +118,7 @@ SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
     {"sum_br": 256, "sum_warps": 8},
 ]
 WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
-    {"chunk_pairs": 2}, {"chunk_pairs": 4}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
+    {"burst": False}, {"chunk_pairs": 2}, {"chunk_pairs": 4}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
     {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
     {"dp4a": False}, {"split_gu": True}, {"split_gu": True, "gu_split_br": 32},
     {"split_gu": True, "chunk_pairs": 2},
@@ -145,11 +148,14 @@ def knob_sweep(rows, variant, x, calls, want, slots, wname, n_tok, nbytes, reps)
             knobs_now.update(base, **knobs)
             got = run_all()
             same = all(map(torch.equal, got, want))
-            _, kern_s = device_seconds(run_all, reps)
+            per: dict = {}
+            _, kern_s = device_seconds(run_all, reps, per)
             dt = kern_s / len(calls)
             label = ", ".join(f"{k}={v}" for k, v in knobs.items())
+            graph_us = graph_seconds(run_all, reps) / len(calls) * 1e6
+            parts = "; ".join(f"{name[:24]} {t / len(calls) * 1e6:.1f}" for name, t in sorted(per.items()))
             rows.append((f"gpu decode sweep ({variant})", wname, f"{n_tok} tok; {label}",
-                         f"{dt * 1e6:.1f} us",
+                         f"{dt * 1e6:.1f} us (graph {graph_us:.1f} us; {parts})",
                          f"{nbytes / dt / 1e9:.0f} GB/s, {'bits same' if same else 'BITS DIFFER'}"))
     finally:
         knobs_now.update(base)
