@@ -59,7 +59,7 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
 
 # profiler names of the expert kernels
 EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words",
-                  "_expert_burst", "_swiglu_quant")
+                  "_swiglu_quant", "q4_0_rows")
 
 
 def device_seconds(fn, reps: int, per_kernel: dict | None = None) -> tuple[float, float]:
@@ -118,15 +118,14 @@ SPLIT_SWEEP = [  # split decode tile knobs (bits must not change)
     {"sum_br": 256, "sum_warps": 8},
 ]
 WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
-    {"burst": False},  # the default (the --sweep-with burst baseline)
+    {"cuda": False},  # the default (the --sweep-with cuda baseline)
     {"chunk_pairs": 2}, {"chunk_pairs": 4}, {"chunk_pairs": 8}, {"gu_warps": 4}, {"gu_br": 64},
     {"down_br": 16}, {"down_br": 64}, {"down_warps": 8}, {"chunk_pairs": 2, "gu_warps": 4, "down_br": 16},
     {"dp4a": False}, {"split_gu": True}, {"split_gu": True, "gu_split_br": 32},
     {"split_gu": True, "chunk_pairs": 2},
-    {"burst": True}, {"burst": True, "burst_gu_br": 4}, {"burst": True, "burst_gu_br": 16},
-    {"burst": True, "burst_gu_br": 16, "burst_down_br": 32, "burst_warps": 8},
-    {"burst": True, "burst_down_br": 8}, {"burst": True, "burst_warps": 2},
-    {"burst": True, "burst_gu_br": 4, "burst_down_br": 8, "burst_warps": 2},
+    {"cuda": True},  # the CUDA C form (expert_rows_cuda.py)
+    {"cuda": True, "cuda_rpw": 1}, {"cuda": True, "cuda_rpw": 4}, {"cuda": True, "cuda_warps": 2},
+    {"cuda": True, "cuda_warps": 8}, {"cuda": True, "cuda_rpw": 4, "cuda_warps": 8},
 ]
 
 
@@ -479,8 +478,8 @@ def main() -> None:
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
-    ap.add_argument("--sweep-with", metavar="KNOB",
-                    help="sweep only the knob sets that set KNOB (e.g. burst: the words tile's burst form)")
+    ap.add_argument("--sweep-with", metavar="KNOBS",
+                    help="sweep only the knob sets that set one of these (comma-separated, e.g. cuda)")
     ap.add_argument("--variants", default="words,simple,wide,split",
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
@@ -501,7 +500,7 @@ def main() -> None:
         return
     if args.sweep_with:
         for sweep in (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP):
-            sweep[:] = [knobs for knobs in sweep if args.sweep_with in knobs]
+            sweep[:] = [knobs for knobs in sweep if set(args.sweep_with.split(",")) & set(knobs)]
     rows: list = []
     info: dict = {}
     pool = CpuPool()

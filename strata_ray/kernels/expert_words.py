@@ -42,10 +42,10 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # form has been measured there yet.
 # split_gu: gate and up rows in programs of their own (gu_split_br rows, down_warps), twice the programs of
 # the fused gate+up tile, then one small SwiGLU + requantization launch (not measured on the GPU yet).
-# burst: whole rows loaded at once (_expert_burst_kernel), burst_gu_br / burst_down_br rows a program on
-# burst_warps warps, gate and up in programs of their own (not measured on the GPU yet: off).
+# cuda: Q4_0 launches on CUDA take the CUDA C kernel of expert_rows_cuda.py (STRATA_WORDS_CUDA), cuda_rpw
+# rows in flight a row group, cuda_warps warps a CTA.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
-             split_gu=False, gu_split_br=16, burst=False, burst_gu_br=8, burst_down_br=16, burst_warps=4)
+             split_gu=False, gu_split_br=16, cuda=False, cuda_rpw=2, cuda_warps=4)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -214,58 +214,6 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
 
 
 @triton.jit
-def _expert_burst_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1, W2, stride1, stride2,
-                         RB1, RB2, OUT, SCRATCH, R, K, n_blocks,
-                         T: tl.constexpr, BR: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr,
-                         WPP: tl.constexpr, S: tl.constexpr, BB: tl.constexpr, DB: tl.constexpr,
-                         DP4A: tl.constexpr, TWO: tl.constexpr):
-    """BR whole rows of one entry's expert with every weight word loaded at once (WORDS["burst"]): the
-    chunked tile's loads wait behind each chunk's cross-thread sums, so a program has one chunk (~1 KB a
-    row set) in flight at a time. Here the rows' NP pairs are one load, then their block terms [BR, 2 NP]
-    go through SCRATCH (this program's [BR, 2 NP] f32) and come back a block at a time, each added to the
-    row's sum from 0.0 in block order: the contract's fold, the same bits. TWO: the first R / BR row
-    programs take W1's rows, the others W2's, into OUT [M, 2, R] (gate, up; _swiglu_quant_kernel follows);
-    else the rows into OUT [M, R]."""
-    pid_r = tl.program_id(0)
-    start = tl.load(TILE_START + tl.program_id(1))
-    if start < 0:
-        return
-    slot = tl.load(SORTED_SLOT + start).to(tl.int64)
-    ent = tl.load(ORDER + start).to(tl.int64)
-    arow = tl.load(ACT_ROW + ent).to(tl.int64)
-    out_row = OUT + ent * R
-    pr = pid_r
-    if TWO:
-        which = pid_r // (R // BR)  # 0: gate, 1: up
-        pr = pid_r - which * (R // BR)
-        out_row = OUT + (ent * 2 + which) * R
-    rows, off1, off2 = row_offsets(pr, slot, stride1, stride2, RB1, RB2, BR)  # byte offsets [BR]
-    wbase = W1.to(tl.pointer_type(tl.int32)) + off1 // 4
-    if TWO:
-        if which == 1:
-            wbase = W2.to(tl.pointer_type(tl.int32)) + off2 // 4
-    words = _pair_words(wbase, 0, NP, WP, WPP)  # [BR, NP, WPP]: the whole rows, issued first
-    abase = arow * K
-    dbase = arow * n_blocks
-    alo = _act_codes(AQ, abase, 0, NP, WPP, WP, BB, DB, False, DP4A)
-    if T == T_Q4_0:
-        ahi = _act_codes(AQ, abase, 0, NP, WPP, WP, BB, DB, True, DP4A)
-    else:
-        ahi = alo
-    t0, t1 = _words_terms(words, 0, AD, AS, dbase, alo, ahi, T, NP, WPP, S, DP4A)  # [BR, NP] blocks 2p, 2p+1
-    r = tl.arange(0, BR)
-    sbase = SCRATCH + (tl.program_id(1) * tl.num_programs(0) + pid_r).to(tl.int64) * (BR * 2 * NP)
-    offs = r[:, None] * (2 * NP) + 2 * tl.arange(0, NP)[None, :]  # [BR, NP]
-    tl.store(sbase + offs, t0)
-    tl.store(sbase + offs + 1, t1)
-    tl.debug_barrier()  # the program's stores are visible to all its threads
-    acc = tl.zeros((BR,), tl.float32)
-    for b in tl.static_range(2 * NP):
-        acc = acc + tl.load(sbase + r * (2 * NP) + b)
-    tl.store(out_row + rows, acc)
-
-
-@triton.jit
 def _swiglu_quant_kernel(GU, HQ, HD, HS, ORDER, TILE_START, R, NBB: tl.constexpr):
     """The gated tile's tail for split gate / up programs: GU f32 [M, 2, R] (gate rows, then up rows) ->
     h = swiglu(gate, up) requantized into HQ int8 [M, R], HD f32 / HS int32 [M, R / 32]: the very ops of the
@@ -284,39 +232,6 @@ def _swiglu_quant_kernel(GU, HQ, HD, HS, ORDER, TILE_START, R, NBB: tl.constexpr
     tl.store(HS + ent * (R // 32) + blk, s)
 
 
-def _burst_serves(k: int) -> bool:
-    """Whether the burst form serves rows of k values: STRATA_WORDS_BURST, else WORDS["burst"], on and a
-    power-of-two count of pairs a row (one tl.arange), at most 64 (the registers of a program's rows)."""
-    n_pairs = k // 64
-    on = os.environ.get("STRATA_WORDS_BURST", "")  # env over WORDS (config refuses other values)
-    return (on == "1" if on else WORDS["burst"]) and n_pairs & (n_pairs - 1) == 0 and n_pairs <= 64
-
-
-def _launch_burst(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
-    """The words tile's burst form (_expert_burst_kernel): gate and up rows in programs of their own, then
-    SwiGLU and the requantization (_swiglu_quant_kernel); or the down rows."""
-    order, sorted_slot, tile_start, _ = plan
-    (w1, t), (w2, _) = mats
-    aq, ad, asum, _ = act
-    wp, wpp, s, bb, db = _PAIR[t]
-    np_ = k // 64
-    br = row_tile(r, WORDS["burst_gu_br" if gated else "burst_down_br"])
-    dest = out
-    if gated:
-        dest = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=aq.device)  # [M, 2, n_ff]
-    g = grid(2 * r if gated else r, br, tile_start)
-    # [programs, BR, blocks]: each program's block terms, read back in block order
-    scratch = torch.empty((g[0] * g[1], br, 2 * np_), dtype=torch.float32, device=aq.device)
-    _expert_burst_kernel[g](
-        aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2, w1.stride(0), w2.stride(0),
-        w1.stride(1), w2.stride(1), dest, scratch, r, k, k // 32,
-        T=t, BR=br, NP=np_, WP=wp, WPP=wpp, S=s, BB=bb, DB=db,
-        DP4A=WORDS["dp4a"] and os.environ.get("TRITON_INTERPRET") != "1", TWO=gated,
-        num_warps=WORDS["burst_warps"], **_OPTS)
-    if gated:
-        _swiglu_tail(dest, hq, hd, hs, order, tile_start, r)
-
-
 def _swiglu_tail(gu, hq, hd, hs, order, tile_start, r) -> None:
     """h = swiglu(gate, up) of GU [M, 2, R] requantized into hq / hd / hs (one launch)."""
     nbb = min(16, (r // 32) & -(r // 32))  # a power of two dividing the row's 32-blocks
@@ -324,10 +239,31 @@ def _swiglu_tail(gu, hq, hd, hs, order, tile_start, r) -> None:
                                                                NBB=nbb, num_warps=4, **_OPTS)
 
 
+def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> None:
+    """The CUDA C form (expert_rows_cuda): gate and up rows, then SwiGLU and the requantization; or the down
+    rows."""
+    from .expert_rows_cuda import launch_cuda_rows
+
+    (w1, _), (w2, _) = mats
+    if not gated:
+        launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False)
+        return
+    gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
+    launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True)
+    _swiglu_tail(gu, hq, hd, hs, plan[0], plan[2], r)
+
+
+def _cuda_serves(t: int, k: int, device: torch.device) -> bool:
+    """Whether the CUDA C form takes a launch: on, Q4_0 on a CUDA device, rows it serves."""
+    from .expert_rows_cuda import cuda_rows_on, cuda_rows_serves
+
+    return t == Q4_0 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k)
+
+
 def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
     """One launch of the words tile over the plan's one-entry tiles (words_supported must hold)."""
-    if _burst_serves(k):
-        _launch_burst(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid)
+    if _cuda_serves(mats[0][1], k, act[0].device):
+        _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)
         return
     order, sorted_slot, tile_start, _ = plan
     (w1, t), (w2, _) = mats

@@ -107,36 +107,6 @@ def test_words_knobs_give_the_same_bits(monkeypatch):
     _check(_layer((Q8_0,) * 3, 256, 256), 1, 4)
 
 
-@interpret
-@pytest.mark.parametrize(("wtype", "n_embd", "n_ff", "n_ent", "br"), [
-    (Q4_0, 256, 256, 1, 8), (Q4_0, 512, 128, 10, 4), (Q4_0, 128, 64, 33, 16), (Q8_0, 256, 64, 3, 8),
-], ids=["Q4_0-1", "Q4_0-512-10", "Q4_0-33", "Q8_0-3"])
-def test_words_burst_gives_the_same_bits(wtype, n_embd, n_ff, n_ent, br, monkeypatch):
-    """The burst form (whole rows a load, the block terms folded through scratch): 1 to 8 pairs a row, gate
-    and up in programs of their own, row tiles of 4 to 16; the CPU's bits."""
-    import strata_ray.kernels.expert_words as ew
-
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "burst": True, "burst_gu_br": br,
-                                               "burst_down_br": br})
-    _check(_layer((wtype,) * 3, n_embd, n_ff), 1, n_ent)
-
-
-def test_burst_serves_power_of_two_pair_counts(monkeypatch):
-    import strata_ray.kernels.expert_words as ew
-
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "burst": True})
-    assert ew._burst_serves(2048) and ew._burst_serves(64) and ew._burst_serves(4096)
-    assert not ew._burst_serves(768)  # 12 pairs: the chunked tile
-    assert not ew._burst_serves(8192)  # 128 pairs: too many registers
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "burst": False})
-    assert not ew._burst_serves(2048)
-    monkeypatch.setenv("STRATA_WORDS_BURST", "1")  # the environment over WORDS, either way
-    assert ew._burst_serves(2048)
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "burst": True})
-    monkeypatch.setenv("STRATA_WORDS_BURST", "0")
-    assert not ew._burst_serves(2048)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wtype", [Q4_0, Q8_0], ids=["Q4_0", "Q8_0"])
@@ -153,8 +123,4 @@ def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
     _check(wide, 1, 10, device="cuda")
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "split_gu": True})
     _check(wide, 1, 10, device="cuda")
-    for br, warps in [(8, 4), (4, 2), (16, 8)]:  # the burst form
-        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "burst": True, "burst_gu_br": br,
-                                                   "burst_down_br": 2 * br, "burst_warps": warps})
-        _check(wide, 1, 10, device="cuda")
-        _check(_layer((wtype,) * 3, 512, 256), 1, 33, device="cuda")
+

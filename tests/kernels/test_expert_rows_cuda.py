@@ -1,0 +1,91 @@
+"""The CUDA C expert rows (strata_ray/kernels/expert_rows_cuda.py): its numpy twin against the contract's
+plain row arithmetic on CPU (lanes a row 1, 4 and 32; 9 to 27 words a lane), and on the GPU (-m gpu) the
+kernel's rows against the CPU rows at awkward entry counts, both widths of the 80b-a3b and its knobs."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.kernels.act_quant import quantize_act_sums
+from strata_ray.kernels.contract import Q4_0, Q8_0, ExpertLayer
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.expert_rows_cuda import cuda_rows_serves, row_reference
+from strata_ray.kernels.random_weights import random_layer
+
+
+def _contract_row(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.float32:
+    """A Q4_0 row's dot with the codes as the contract writes it: block b's exact integer sum of (q - 8) a,
+    its term float(I) * (d * ad), added to 0.0 in block order."""
+    blocks = row.reshape(-1, 18)
+    d = blocks[:, :2].copy().view(np.float16)[:, 0].astype(np.float32)
+    q = np.concatenate([blocks[:, 2:] & 15, blocks[:, 2:] >> 4], axis=1).astype(np.int64) - 8  # [nb, 32]
+    ints = (q * aq.reshape(-1, 32).astype(np.int64)).sum(axis=1)
+    acc = np.float32(0.0)
+    for b in range(len(d)):
+        acc = np.float32(acc + np.float32(np.float32(ints[b]) * np.float32(d[b] * ad[b])))
+    return acc
+
+
+@functools.cache
+def _layer(n_embd: int, n_ff: int, n_expert: int = 4, down=Q4_0) -> ExpertLayer:
+    rng = np.random.default_rng(n_embd + n_ff + n_expert)
+    return random_layer(rng, n_expert, n_embd, n_ff, (Q4_0, Q4_0, down), from_floats=True)
+
+
+@pytest.mark.parametrize("n_embd", [64, 256, 768, 2048])
+def test_row_reference_is_the_contract_row(n_embd):
+    """64 values: one pair, one lane a row; 256: 4 lanes; 768: 12 pairs, 4 lanes of 27 words; 2048: 32."""
+    layer = _layer(n_embd, 64)
+    rng = np.random.default_rng(n_embd)
+    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
+    aq, ad, asum = (a[0] for a in quantize_act_sums(x))
+    gate = layer.gate[1]  # [n_ff rows, row bytes]
+    for r in range(0, gate.shape[0], 7):
+        want = _contract_row(gate[r], aq, ad)
+        assert row_reference(gate[r], aq, ad, asum).view(np.int32) == want.view(np.int32), r
+
+
+def test_cuda_rows_serve_whole_pairs_within_the_registers():
+    assert cuda_rows_serves(2048) and cuda_rows_serves(512) and cuda_rows_serves(64) and cuda_rows_serves(768)
+    assert not cuda_rows_serves(96)  # 3 blocks: not whole pairs
+    assert not cuda_rows_serves(64 * 9)  # 9 pairs: one lane a row, 81 words
+    assert cuda_rows_serves(4096)  # 64 pairs: 32 lanes of 18 words
+
+
+def _check(layer: ExpertLayer, n_ent: int, seed: int = 0) -> None:
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+    rng = np.random.default_rng(seed + n_ent)
+    x = (rng.standard_normal((1, layer.n_embd)) * 2).astype(np.float32)
+    tok = np.zeros(n_ent, np.int32)
+    n_expert = layer.gate.shape[0]
+    exp = rng.integers(0, n_expert, n_ent).astype(np.int32)
+    want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
+    slots = ExpertLayer(*(torch.from_numpy(np.ascontiguousarray(w)).cuda() for w in (layer.gate, layer.up,
+                                                                                       layer.down)),
+                        layer.gate_type, layer.up_type, layer.down_type)
+    out = torch.full((n_ent, layer.n_embd), float("nan"), device="cuda")  # poisoned: every element written
+    got = expert_ffn_gpu(*(torch.from_numpy(a).cuda() for a in (x, tok, exp)), slots, mode="decode", out=out,
+                         variant="words")
+    assert np.array_equal(got.cpu().numpy().view(np.int32), want), n_ent
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
+    pytest.importorskip("cupy")
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
+    wide = _layer(2048, 512, 12)  # the 80b-a3b's widths
+    _check(wide, 10)
+    _check(_layer(256, 768, 5), 33)  # 4 lanes a gate row, 12 pairs (27 words a lane) a down row
+    _check(_layer(512, 128, 5, down=Q8_0), 1)  # a Q8_0 down takes the Triton tile
+    for rpw, warps in [(1, 2), (4, 8)]:
+        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
+        _check(wide, 10)
+        _check(_layer(256, 768, 5), 3)
