@@ -276,7 +276,10 @@ def main() -> None:
         tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
-    print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}, "
+    from strata_ray.kernels.expert_rows_cuda import cuda_rows_on
+
+    rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
+    print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "
           f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
     model = Model(hp, weights, experts=tiers)
     if dev == "cuda" and not args.no_graphs:

@@ -58,6 +58,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     __shared__ int part_s[WARPS][GROUPS][WPR];   // each word's integer products
     __shared__ float d_s[WARPS][GROUPS][NB];     // each block's weight scale
     __shared__ float term_s[WARPS][GROUPS][NB];  // each block's fp32 term
+    __shared__ int act_s[2][WPR];                 // the codes at each word's bytes: low, high nibbles
+    __shared__ float ad_s[NB];                    // the activation's block scales
+    __shared__ int as_s[NB];                      // and code sums
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
     const long long slot = SORTED_SLOT[start];
@@ -70,27 +73,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     const float* ad = AD + arow * NB;
     const int* as = AS + arow * NB;
     const int n_rows = TWO ? 2 * R : R;
-
-    // the activation codes at this lane's word bytes, packed four a word (dp4a's operand), once a warp
-    int alo[WL], ahi[WL];
-#pragma unroll
-    for (int j = 0; j < WL; ++j) {
-        const int i = g + G * j, p = i / 9, w = i % 9;
-        unsigned lo = 0, hi = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int o = 4 * w + t;  // byte in the pair: [d0 d0 q0..q15 d1 d1 q0..q15]
-            const int second = o >= 18;
-            const int pos = o - 2 - 18 * second;
-            if (pos >= 0) {
-                const int base = (2 * p + second) * 32 + pos;
-                lo |= (unsigned)(unsigned char)aq[base] << (8 * t);
-                hi |= (unsigned)(unsigned char)aq[base + 16] << (8 * t);
-            }
-        }
-        alo[j] = (int)lo;
-        ahi[j] = (int)hi;
-    }
 
     // this row group's rows: every word of them loaded before any arithmetic
     const int row0 = blockIdx.x * ROWS_CTA + (warp * GROUPS + grp) * RPW;
@@ -108,6 +90,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             words[r][j] = live ? __ldg(wrow + g + G * j) : 0u;
     }
 
+    // while they come: the activation codes at each word's bytes, packed four a word (dp4a's operand), once
+    // a CTA (one entry, one activation row)
+    for (int i = threadIdx.x; i < WPR; i += WARPS * 32) {
+        const int p = i / 9, w = i % 9;
+        unsigned lo = 0, hi = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int o = 4 * w + t;  // byte in the pair: [d0 d0 q0..q15 d1 d1 q0..q15]
+            const int second = o >= 18;
+            const int pos = o - 2 - 18 * second;
+            if (pos >= 0) {
+                const int base = (2 * p + second) * 32 + pos;
+                lo |= (unsigned)(unsigned char)aq[base] << (8 * t);
+                hi |= (unsigned)(unsigned char)aq[base + 16] << (8 * t);
+            }
+        }
+        act_s[0][i] = (int)lo;
+        act_s[1][i] = (int)hi;
+    }
+    for (int b = threadIdx.x; b < NB; b += WARPS * 32) {
+        ad_s[b] = ad[b];
+        as_s[b] = as[b];
+    }
+    __syncthreads();
+
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         const int row = row0 + r;
@@ -115,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
         for (int j = 0; j < WL; ++j) {
             const int i = g + G * j, w = i % 9;
             const unsigned x = words[r][j];
-            int v = __dp4a((int)(x & 0x0F0F0F0Fu), alo[j], 0);
-            v = __dp4a((int)((x >> 4) & 0x0F0F0F0Fu), ahi[j], v);
+            int v = __dp4a((int)(x & 0x0F0F0F0Fu), act_s[0][i], 0);
+            v = __dp4a((int)((x >> 4) & 0x0F0F0F0Fu), act_s[1][i], v);
             part_s[warp][grp][i] = v;
             if (w == 0) d_s[warp][grp][2 * (i / 9)] = half_bits(x & 0xFFFFu);
             if (w == 4) d_s[warp][grp][2 * (i / 9) + 1] = half_bits(x >> 16);
@@ -127,8 +134,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             const int b = g + G * m, p = b >> 1, first = 9 * p + 5 * (b & 1), n = (b & 1) ? 4 : 5;
             int dot = 0;
             for (int u = 0; u < n; ++u) dot += part_s[warp][grp][first + u];
-            dot -= 8 * as[b];
-            const float scale = d_s[warp][grp][b] * ad[b];
+            dot -= 8 * as_s[b];
+            const float scale = d_s[warp][grp][b] * ad_s[b];
             term_s[warp][grp][b] = (float)dot * scale;
         }
         __syncwarp();
@@ -198,11 +205,21 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool)
 
 
 def cuda_rows_on() -> bool:
-    """STRATA_WORDS_CUDA, else expert_words.WORDS["cuda"]."""
+    """STRATA_WORDS_CUDA, else expert_words.WORDS["cuda"]; off where cupy is not installed (the Triton tile
+    then, with the same bits)."""
     from .expert_words import WORDS
 
     on = os.environ.get("STRATA_WORDS_CUDA", "")  # config refuses values other than 0 / 1
-    return on == "1" if on else bool(WORDS["cuda"])
+    return (on == "1" if on else bool(WORDS["cuda"])) and _has_cupy()
+
+
+@functools.cache
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def row_reference(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.ndarray) -> np.float32:

@@ -111,8 +111,11 @@ def test_words_knobs_give_the_same_bits(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wtype", [Q4_0, Q8_0], ids=["Q4_0", "Q8_0"])
 def test_gpu_words_rows_equal_cpu_rows(wtype, monkeypatch):
-    """The compiled tile at the 80b-a3b's widths (2048 / 512) and the test sizes, with its knob extremes."""
+    """The compiled tile at the 80b-a3b's widths (2048 / 512) and the test sizes, with its knob extremes (the
+    Triton tile: the CUDA C form, on by default where cupy is, has tests/kernels/test_expert_rows_cuda.py)."""
     import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setenv("STRATA_WORDS_CUDA", "0")
 
     wide = _layer((wtype,) * 3, 2048, 512, 12)  # the 80b-a3b's widths, 12 experts (quantized once)
     _check(wide, 1, 10, device="cuda")
