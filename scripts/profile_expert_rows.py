@@ -24,7 +24,8 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     host = random_layer(rng, args.experts, 2048, 512, (Q4_0,) * 3)
-    slots = ExpertLayer(*(torch.from_numpy(w).cuda() for w in (host.gate, host.up, host.down)), Q4_0, Q4_0, Q4_0)
+    mats = (torch.from_numpy(w).cuda() for w in (host.gate, host.up, host.down))
+    slots = ExpertLayer(*mats, Q4_0, Q4_0, Q4_0)
     x = torch.randn(1, 2048, device="cuda")
     tok = torch.zeros(10, dtype=torch.int32, device="cuda")
     outs = {}
