@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64, help="slots of the random layer")
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")
+    ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     host = random_layer(rng, args.experts, 2048, 512, (Q4_0,) * 3)
@@ -29,11 +30,15 @@ def main() -> None:
     x = torch.randn(1, 2048, device="cuda")
     tok = torch.zeros(10, dtype=torch.int32, device="cuda")
     outs = {}
-    for form in ("1", "0"):  # STRATA_WORDS_CUDA: the CUDA C rows, then the Triton words tile
+    import strata_ray.kernels.expert_words as ew
+
+    forms = [("1", int(rpw)) for rpw in args.rpw.split(",")] + [("0", 2)]
+    for form, rpw in forms:  # STRATA_WORDS_CUDA: the CUDA C rows, then the Triton words tile
         os.environ["STRATA_WORDS_CUDA"] = form
+        ew.WORDS["cuda_rpw"] = rpw
         for i in range(args.calls):
             ids = torch.from_numpy(rng.permutation(args.experts)[:10].astype(np.int32)).cuda()
-            outs[form, i] = (ids, expert_ffn_gpu(x, tok, ids, slots, mode="decode", variant="words"))
+            outs[form, rpw, i] = (ids, expert_ffn_gpu(x, tok, ids, slots, mode="decode", variant="words"))
     torch.cuda.synchronize()
     print("done", len(outs), "calls")
 
