@@ -25,12 +25,15 @@ kernel's plain twin in numpy (the same lanes, words, codes and fold), tested aga
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import numpy as np
 import torch
 
 from .contract import KernelError
+
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -177,22 +180,44 @@ def _kernel(np_: int, two: bool, rpw: int, warps: int, device: int):
         return module.get_function("q4_0_rows")
 
 
-def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool) -> None:
+_FAILED: set[tuple] = set()  # kernels that could not be built here (not tried again)
+
+
+def cuda_rows_kernel(k: int, two: bool, device: int):
+    """The compiled kernel for rows of k values on CUDA device `device`, or None where it cannot be built (an
+    NVRTC or driver too old for the GPU, say): the Triton tile then, with the same bits, after one warning."""
+    from .expert_words import WORDS
+
+    key = (k // 64, two, WORDS["cuda_rpw"], WORDS["cuda_warps"], device)  # rows in flight a row group, warps
+    if key in _FAILED:
+        return None
+    try:
+        return _kernel(*key)
+    except Exception as e:  # cupy's CompileException, CUDADriverError, a missing NVRTC library
+        _FAILED.add(key)
+        first = str(e).splitlines()[0] if str(e) else ""
+        log.warning("the CUDA C expert rows could not be built (%s: %s); the Triton tile takes their "
+                    "launches (the same bits)", type(e).__name__, first)
+        return None
+
+
+def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's one-entry
-    tiles, on the current torch stream."""
+    tiles, on the current torch stream; False (nothing launched) where the kernel cannot be built here."""
     import cupy
 
     order, sorted_slot, tile_start = plan[:3]
     aq, ad, asum = act[:3]
-    np_ = k // 64
     if not cuda_rows_serves(k):
         raise KernelError(f"the CUDA expert rows do not serve rows of {k} values")
     from .expert_words import WORDS
 
     dev = aq.device.index if aq.device.index is not None else torch.cuda.current_device()
-    rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]  # rows a row group keeps in flight, warps a CTA
-    kern = _kernel(np_, two, rpw, warps, dev)
-    rows_cta = warps * (32 // _lanes(np_)) * rpw
+    kern = cuda_rows_kernel(k, two, dev)
+    if kern is None:
+        return False
+    rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
+    rows_cta = warps * (32 // _lanes(k // 64)) * rpw
     n_rows = 2 * r if two else r
     grid = ((n_rows + rows_cta - 1) // rows_cta, tile_start.numel())
     if grid[1] > 65535:
@@ -202,6 +227,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool)
             np.int64(w2.stride(1)), np.uint64(out.data_ptr()), np.int32(r))
     with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
         kern(grid, (warps * 32,), args)
+    return True
 
 
 def cuda_rows_on() -> bool:

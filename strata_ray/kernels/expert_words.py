@@ -240,18 +240,19 @@ def _swiglu_tail(gu, hq, hd, hs, order, tile_start, r) -> None:
                                                                NBB=nbb, num_warps=4, **_OPTS)
 
 
-def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> None:
+def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:
     """The CUDA C form (expert_rows_cuda): gate and up rows, then SwiGLU and the requantization; or the down
-    rows."""
+    rows. False where its kernel cannot be built here (nothing launched)."""
     from .expert_rows_cuda import launch_cuda_rows
 
     (w1, _), (w2, _) = mats
     if not gated:
-        launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False)
-        return
+        return launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False)
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
-    launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True)
+    if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True):
+        return False
     _swiglu_tail(gu, hq, hd, hs, plan[0], plan[2], r)
+    return True
 
 
 def _cuda_serves(t: int, k: int, device: torch.device) -> bool:
@@ -263,8 +264,8 @@ def _cuda_serves(t: int, k: int, device: torch.device) -> bool:
 
 def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
     """One launch of the words tile over the plan's one-entry tiles (words_supported must hold)."""
-    if _cuda_serves(mats[0][1], k, act[0].device):
-        _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)
+    if (_cuda_serves(mats[0][1], k, act[0].device)
+            and _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
         return
     order, sorted_slot, tile_start, _ = plan
     (w1, t), (w2, _) = mats

@@ -89,3 +89,25 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
         monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
         _check(wide, 10)
         _check(_layer(256, 768, 5), 3)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, caplog):
+    """An NVRTC or driver that refuses the source: None (launch_words then takes the Triton tile), one
+    warning, and no second try."""
+    import strata_ray.kernels.expert_rows_cuda as erc
+
+    tries = []
+
+    def refuse(*key):
+        tries.append(key)
+        raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture\nmore")
+
+    monkeypatch.setattr(erc, "_kernel", refuse)
+    monkeypatch.setattr(erc, "_FAILED", set())
+    with caplog.at_level("WARNING", logger=erc.__name__):
+        assert erc.cuda_rows_kernel(2048, True, 0) is None
+        assert erc.cuda_rows_kernel(2048, True, 0) is None
+    assert len(tries) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "the CUDA C expert rows could not be built (RuntimeError: nvrtc: error: invalid value for "
+        "--gpu-architecture); the Triton tile takes their launches (the same bits)"]
