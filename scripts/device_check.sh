@@ -165,7 +165,7 @@ for le in ${LTIMES_ENVS:--}; do
 done
 # decode at 8K with every expert resident (an 80 GiB card) with each GPU expert kernel variant in
 # RESIDENT_VARIANTS (default "simple split"): the expert kernels in series with the dense segment; an entry
-# variant:NAME=VALUE also sets that environment variable (e.g. words:STRATA_WORDS_BURST=1)
+# variant:NAME=VALUE also sets that environment variable (e.g. words:STRATA_WORDS_CUDA=0)
 n_res=0
 for kvs in ${RESIDENT_VARIANTS:-simple split}; do
     kv=${kvs%%:*} extra=()

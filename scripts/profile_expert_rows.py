@@ -12,6 +12,7 @@ import os
 import numpy as np
 import torch
 
+import strata_ray.kernels.expert_words as ew
 from strata_ray.kernels.contract import Q4_0, ExpertLayer
 from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 from strata_ray.kernels.random_weights import random_layer
@@ -30,8 +31,6 @@ def main() -> None:
     x = torch.randn(1, 2048, device="cuda")
     tok = torch.zeros(10, dtype=torch.int32, device="cuda")
     outs = {}
-    import strata_ray.kernels.expert_words as ew
-
     forms = [("1", int(rpw)) for rpw in args.rpw.split(",")] + [("0", 2)]
     for form, rpw in forms:  # STRATA_WORDS_CUDA: the CUDA C rows, then the Triton words tile
         os.environ["STRATA_WORDS_CUDA"] = form

@@ -14,9 +14,10 @@ us a layer against the tile's 38, the same bits, dropped). Here a row belongs to
     per row:    one lane adds the terms to 0.0 in block order
 
 The codes at a word's bytes are the token's activation codes at those places (0 on the scale bytes), built
-in shared memory once a CTA (one entry) while the weight loads are in flight. The integers are exact in any order and the fp32 steps are the contract's (compiled with
---fmad=false), so the rows are the simple tile's, the CPU's, to the bit. Gate and up rows come out as
-[M, 2, R] and expert_words' SwiGLU + requantization launch follows, as for the split words tile.
+in shared memory once a CTA (one entry) while the weight loads are in flight. The integers are exact in any
+order and the fp32 steps are the contract's (compiled with --fmad=false), so the rows are the simple tile's,
+the CPU's, to the bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization
+launch follows, as for the split words tile.
 
 cupy is imported only here, when the form is on: CPU machines never load it. `row_reference` is the
 kernel's plain twin in numpy (the same lanes, words, codes and fold), tested against the contract on CPU.

@@ -43,8 +43,8 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # split_gu: gate and up rows in programs of their own (gu_split_br rows, down_warps), twice the programs of
 # the fused gate+up tile, then one small SwiGLU + requantization launch (not measured on the GPU yet).
 # cuda: Q4_0 launches on CUDA take the CUDA C kernel of expert_rows_cuda.py (STRATA_WORDS_CUDA; where cupy
-# is installed), cuda_rpw rows in flight a row group, cuda_warps warps a CTA. Session 13 on the H200: 28 us a
-# layer against this tile's 38, every-expert-resident decode at 8K 161-168 tok/s against 148-150.
+# is installed), cuda_rpw rows in flight a row group, cuda_warps warps a CTA. Session 13 on the H200: 19.4 us
+# a layer against this tile's 38, every-expert-resident decode at 8K 157.6-174.9 tok/s against 144.8-151.5.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
@@ -73,32 +73,16 @@ def _dp4a(a, b, c, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _pair_words(wbase, c, NP: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr):
-    """int32 [BR, NP, WPP]: chunk c's NP block pairs of BR rows as words (0 past a pair's WP words); wbase
-    int32 pointers [BR] to the rows' first word."""
-    p = c * NP + tl.arange(0, NP)  # [NP] pairs of this chunk
-    w = tl.arange(0, WPP)  # [WPP] words of a pair
-    ptrs = wbase[:, None, None] + (p * WP)[None, :, None] + w[None, None, :]  # [BR, NP, WPP]
-    return tl.load(ptrs, mask=(w < WP)[None, None, :], other=0)
-
-
-@triton.jit
 def _chunk_terms(wbase, c, AD, AS, dbase, alo, ahi,
                  T: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr,
                  DP4A: tl.constexpr):
     """The fp32 block terms of chunk c (NP pairs) of BR rows: (t0, t1) [BR, NP], blocks 2p and 2p + 1.
     wbase int32 pointers [BR] to the rows' first word; alo / ahi the activation codes at each byte's place
     (ahi: Q4_0's high nibbles), int32 [NP, WPP, 4], or with DP4A packed four bytes a word [NP, WPP]."""
-    words = _pair_words(wbase, c, NP, WP, WPP)
-    return _words_terms(words, c, AD, AS, dbase, alo, ahi, T, NP, WPP, S, DP4A)
-
-
-@triton.jit
-def _words_terms(words, c, AD, AS, dbase, alo, ahi,
-                 T: tl.constexpr, NP: tl.constexpr, WPP: tl.constexpr, S: tl.constexpr, DP4A: tl.constexpr):
-    """_chunk_terms of words already loaded (_pair_words)."""
     p = c * NP + tl.arange(0, NP)  # [NP] pairs of this chunk
     w = tl.arange(0, WPP)  # [WPP] words of a pair
+    ptrs = wbase[:, None, None] + (p * WP)[None, :, None] + w[None, None, :]  # [BR, NP, WPP]
+    words = tl.load(ptrs, mask=(w < WP)[None, None, :], other=0)
     if DP4A:  # a word's 4 (Q8_0) or 8 (Q4_0) products in one or two instructions
         zero = tl.zeros(words.shape, tl.int32)
         if T == T_Q4_0:
