@@ -1,7 +1,12 @@
 """Dense Q8_0 GEMV benchmark (a script, not a test): q8_linear at 1, 4 and 8 tokens against the
-device's copy bandwidth, and the float32 F.linear it replaces.
+device's copy bandwidth, in both forms (the CUDA C kernel of dense_q8_cuda and the Triton one), and the
+float32 F.linear they replace.
 
-    PYTHONPATH=. python scripts/bench_dense_q8.py [--tokens 1,4,8] [--shapes 8192x2048,...] [--sweep]
+    PYTHONPATH=. python scripts/bench_dense_q8.py [--tokens 1,4,8] [--shapes 12352x2048,...]
+        [--forms cuda,triton] [--sweep] [--no-f32]
+
+The default shapes are a decode token's of the 80B-A3B: the GDN's q k v | z | b a, an attention layer's
+q | k | v, the out projections, the shared expert's gate | up and down, the LM head.
 
 GB/s counts the weight bytes a call reads (qs + d) once. % copy is against a measured device-to-device
 copy (read + write bytes). Each timing is the median over replays of one CUDA graph that holds many
@@ -16,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-SHAPES = ["8192x2048", "2048x4096", "151936x2048"]  # [N, K]: a wide projection, a narrow one, an LM head
+SHAPES = ["12352x2048", "9216x2048", "2048x4096", "1024x2048", "2048x512", "151936x2048"]  # [N, K]
 SWEEP = [(1, 1024, 2), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8),
          (16, 256, 4), (2, 2048, 4)]  # (BN, BK, warps)
 L2_BUST_BYTES = 512 << 20  # weights cycled per graph: >> the H200's 50 MB L2
@@ -74,16 +79,22 @@ def random_weights(torch, Q8Weight, n: int, k: int, copies: int):
     return out
 
 
-def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], sweep: bool) -> list[tuple]:
+def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str], sweep: bool,
+                f32: bool) -> list[tuple]:
+    import os
+
     per = n * k + 2 * n * (k // 32)
     copies = max(2, -(-L2_BUST_BYTES // per))
     ws = random_weights(torch, dq.Q8Weight, n, k, copies)
     rows = []
     for t in tokens:
         x = torch.randn(t, k, device="cuda")
-        calls = [(lambda w=w, x=x: dq.q8_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
-        sec = graph_seconds(torch, calls)
-        rows.append((f"{n}x{k}", t, "q8 " + "/".join(map(str, dq.gemv_tiles(n, k))), sec, per / sec / 1e9))
+        for form in forms:  # STRATA_DENSE_CUDA is read at each call
+            os.environ["STRATA_DENSE_CUDA"] = "1" if form == "cuda" else "0"
+            calls = [(lambda w=w, x=x: dq.q8_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
+            sec = graph_seconds(torch, calls)
+            name = "q8 cuda" if form == "cuda" else "q8 triton " + "/".join(map(str, dq.gemv_tiles(n, k)))
+            rows.append((f"{n}x{k}", t, name, sec, per / sec / 1e9))
     if sweep:
         x = torch.randn(1, k, device="cuda")
         for tiles in SWEEP:
@@ -92,6 +103,8 @@ def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], sweep: bool) ->
             sec = graph_seconds(torch, calls * -(-GRAPH_CALLS // copies))
             rows.append((f"{n}x{k}", 1, "sweep " + "/".join(map(str, tiles)), sec, per / sec / 1e9))
     del ws
+    if not f32:
+        return rows
     # the float32 weights this replaces, same shape (fewer copies still bust L2: 4 bytes a weight)
     f32 = [torch.randn(n, k, device="cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (4 * n * k))))]
     for t in tokens:
@@ -108,7 +121,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,4,8", help="comma-separated token counts (<= 16: the GEMV)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK weight shapes")
-    ap.add_argument("--sweep", action="store_true", help="also time other tiles at 1 token")
+    ap.add_argument("--forms", default="cuda,triton",
+                    help="GEMV forms to time: cuda (dense_q8_cuda, needs cupy), triton")
+    ap.add_argument("--sweep", action="store_true", help="also time other Triton tiles at 1 token")
+    ap.add_argument("--no-f32", action="store_true", help="leave out the float32 F.linear baseline")
     args = ap.parse_args()
 
     import torch
@@ -124,13 +140,21 @@ def main() -> None:
     from strata_ray.kernels import dense_q8 as dq
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the f32 baseline is the fp32 forward of today
+    from strata_ray.kernels.nvrtc import has_cupy
+
+    forms = [f for f in args.forms.split(",") if f]
+    if any(f not in ("cuda", "triton") for f in forms) or not forms:
+        raise SystemExit(f"error: --forms {args.forms!r}: a comma-separated list of cuda, triton")
+    if "cuda" in forms and not has_cupy():
+        raise SystemExit("error: the cuda form needs cupy (pip install cupy-cuda12x or cupy-cuda13x)")
     tokens = [int(v) for v in args.tokens.split(",")]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     copy = copy_gbs(torch)
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
     print(f"{'shape':>12} {'T':>3} {'kernel':>20} {'us':>9} {'GB/s':>8} {'% copy':>7}")
     for n, k in shapes:
-        for shape, t, name, sec, gbs in bench_shape(torch, F, dq, n, k, tokens, args.sweep):
+        for shape, t, name, sec, gbs in bench_shape(torch, F, dq, n, k, tokens, forms, args.sweep,
+                                                      not args.no_f32):
             print(f"{shape:>12} {t:>3} {name:>20} {sec * 1e6:>9.2f} {gbs:>8.0f} {100 * gbs / copy:>6.1f}%")
 
 

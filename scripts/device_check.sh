@@ -32,7 +32,8 @@
 #     rows      bench_token_rows.py at 14 threads: the same experts every token, then fresh ones from DRAM
 #     resident  decode at 8K on it with every expert on the GPU, per RESIDENT_VARIANTS (expert kernel variants,
 #               variant:NAME=VALUE also sets an environment variable)
-#     dense     bench_dense_q8.py --sweep (the Q8_0 GEMV's tiles and load bodies against copy bandwidth)
+#     dense     bench_dense_q8.py at 1 and 4 tokens, both forms (the CUDA C and Triton GEMVs) against copy
+#               bandwidth; DENSE_ARGS adds arguments (e.g. "--sweep --no-f32")
 #     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
@@ -178,8 +179,8 @@ done
 # routing over 5.4 GB of experts (DRAM, as in the engine)
 step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10
 step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fresh --layers 48 --experts 64
-# the dense Q8_0 GEMV against copy bandwidth: today's tiles, then both bodies' sweeps at 1 token
-step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 --sweep
+# the dense Q8_0 GEMV against copy bandwidth: both forms at 1 and 4 tokens
+step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host

@@ -8,11 +8,12 @@ decode token reads.
 
 `q8_linear(x, w)`:
 - CPU: `F.linear(x, w.dequantize())`, the reference forward's bits.
-- CUDA, at most GEMV_MAX_TOKENS rows: a Triton GEMV reading qs and d straight. One program computes
-  BN output rows of ONE token over the whole of K, with tiles chosen from (N, K) alone, so a token's row
-  goes through the same operations whether 1 or 16 tokens share the launch (batch invariant, bit for
-  bit). The token is the fastest grid axis: the programs of one row block run side by side and read
-  the same weight bytes, from L2 after the first.
+- CUDA, at most GEMV_MAX_TOKENS rows: a GEMV reading qs and d straight, batch invariant (a token's row goes
+  through the same operations whether 1 or 16 tokens share the launch, bit for bit). Where cupy is installed
+  the CUDA C kernel of dense_q8_cuda (STRATA_DENSE_CUDA=0 turns it off), else the Triton kernel below: one
+  program computes BN output rows of ONE token over the whole of K, with tiles chosen from (N, K) alone;
+  the token is the fastest grid axis, so the programs of one row block run side by side and read the same
+  weight bytes, from L2 after the first. The two forms round differently (each its own fixed order).
 - CUDA, more rows (a prompt chunk: compute-bound): `F.linear(x, w.dequantize())` through cuBLAS.
 
 Triton is imported only on the GPU path (CI and CPU machines have none): the kernel body is a plain
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .dense_q8_cuda import cuda_gemv_on, launch_cuda_gemv
 from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
@@ -248,11 +250,13 @@ def _kernel():
 
 def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
             tiles: tuple[int, int, int] | None = None) -> Tensor:
-    """The Triton GEMV: x2 float32 [T, K] (contiguous) -> out float32 [T, N], every element written.
+    """The GEMV: x2 float32 [T, K] (contiguous) -> out float32 [T, N], every element written.
 
-    Any T works (q8_linear sends T <= GEMV_MAX_TOKENS); runs where Triton runs (CUDA, or the CPU under
+    Any T works (q8_linear sends T <= GEMV_MAX_TOKENS). On CUDA the CUDA C kernel where it is on and serves
+    (see the module doc), else the Triton kernel, which runs where Triton runs (CUDA, or the CPU under
     TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
-    compiled (call it once per weight shape before capturing). `tiles` overrides gemv_tiles (benchmarks)."""
+    compiled (call it once per weight shape before capturing). `tiles` picks the Triton kernel with those
+    tiles (benchmarks)."""
     _check(x2, w)
     n, k = w.shape
     if x2.dim() != 2 or not x2.is_contiguous():
@@ -264,6 +268,8 @@ def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
             or out.device != x2.device:
         raise ValueError(f"q8_gemv out must be contiguous float32 [{n_tok}, {n}] on {x2.device}")
     if n_tok == 0:
+        return out
+    if tiles is None and x2.device.type == "cuda" and cuda_gemv_on() and launch_cuda_gemv(x2, w.qs, w.d, out):
         return out
     bn, bk, warps = tiles or gemv_tiles(n, k)
     grid = (n_tok * -(-n // bn),)

@@ -19,22 +19,19 @@ order and the fp32 steps are the contract's (compiled with --fmad=false), so the
 the CPU's, to the bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization
 launch follows, as for the split words tile.
 
-cupy is imported only here, when the form is on: CPU machines never load it. `row_reference` is the
+cupy is imported only when the form is on (kernels/nvrtc): CPU machines never load it. `row_reference` is the
 kernel's plain twin in numpy (the same lanes, words, codes and fold), tested against the contract on CPU.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import numpy as np
-import torch
 
+from . import nvrtc
 from .contract import KernelError
-
-log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -171,17 +168,10 @@ def _lanes(np_: int) -> int:
 
 @functools.cache
 def _kernel(np_: int, two: bool, rpw: int, warps: int, device: int):
-    import cupy
-
     g = _lanes(np_)
     defines = (f"-DNP={np_}", f"-DG={g}", f"-DWL={9 * np_ // g}", f"-DRPW={rpw}", f"-DWARPS={warps}",
                f"-DTWO={int(two)}")
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=_SOURCE, options=("--fmad=false", "-std=c++17", *defines))
-        return module.get_function("q4_0_rows")
-
-
-_FAILED: set[tuple] = set()  # kernels that could not be built here (not tried again)
+    return nvrtc.build(_SOURCE, "q4_0_rows", ("--fmad=false", *defines), device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int):
@@ -190,30 +180,20 @@ def cuda_rows_kernel(k: int, two: bool, device: int):
     from .expert_words import WORDS
 
     key = (k // 64, two, WORDS["cuda_rpw"], WORDS["cuda_warps"], device)  # rows in flight a row group, warps
-    if key in _FAILED:
-        return None
-    try:
-        return _kernel(*key)
-    except Exception as e:  # cupy's CompileException, CUDADriverError, a missing NVRTC library
-        _FAILED.add(key)
-        first = str(e).splitlines()[0] if str(e) else ""
-        log.warning("the CUDA C expert rows could not be built (%s: %s); the Triton tile takes their "
-                    "launches (the same bits)", type(e).__name__, first)
-        return None
+    return nvrtc.build_or_none(("q4_0_rows", *key), lambda: _kernel(*key), "expert rows",
+                               "the Triton tile takes their launches (the same bits)")
 
 
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's one-entry
     tiles, on the current torch stream; False (nothing launched) where the kernel cannot be built here."""
-    import cupy
-
     order, sorted_slot, tile_start = plan[:3]
     aq, ad, asum = act[:3]
     if not cuda_rows_serves(k):
         raise KernelError(f"the CUDA expert rows do not serve rows of {k} values")
     from .expert_words import WORDS
 
-    dev = aq.device.index if aq.device.index is not None else torch.cuda.current_device()
+    dev = nvrtc.device_index(aq)
     kern = cuda_rows_kernel(k, two, dev)
     if kern is None:
         return False
@@ -223,11 +203,10 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool)
     grid = ((n_rows + rows_cta - 1) // rows_cta, tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
-    ptr = [np.uint64(t.data_ptr()) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
-    args = (*ptr, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
-            np.int64(w2.stride(1)), np.uint64(out.data_ptr()), np.int32(r))
-    with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev):
-        kern(grid, (warps * 32,), args)
+    ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
+    args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r))
+    nvrtc.launch(kern, grid, warps * 32, args, dev)
     return True
 
 
@@ -237,16 +216,7 @@ def cuda_rows_on() -> bool:
     from .expert_words import WORDS
 
     on = os.environ.get("STRATA_WORDS_CUDA", "")  # config refuses values other than 0 / 1
-    return (on == "1" if on else bool(WORDS["cuda"])) and _has_cupy()
-
-
-@functools.cache
-def _has_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return (on == "1" if on else bool(WORDS["cuda"])) and nvrtc.has_cupy()
 
 
 def row_reference(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.ndarray) -> np.float32:

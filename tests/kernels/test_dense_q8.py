@@ -259,6 +259,15 @@ def test_interpreted_gemv_errors():
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["cuda", "triton"])
+def gemv_form(request, monkeypatch):
+    """Both decode GEMVs: the CUDA C kernel (dense_q8_cuda, where cupy is installed) and the Triton one."""
+    if request.param == "cuda":
+        pytest.importorskip("cupy")
+    monkeypatch.setenv("STRATA_DENSE_CUDA", "1" if request.param == "cuda" else "0")
+    return request.param
+
+
 @pytest.fixture
 def exact_fp32_matmul():
     """cuBLAS in plain fp32 (TF32 off) for the prompt-path comparisons."""
@@ -272,7 +281,7 @@ def exact_fp32_matmul():
 @gpu
 @pytest.mark.parametrize("k", [96, 2048])
 @pytest.mark.parametrize("n", [1, 33, 8192])
-def test_gpu_gemv_matches_exact(n, k):
+def test_gpu_gemv_matches_exact(n, k, gemv_form):
     w, _ = _weight(n, k, "cuda")
     rng = np.random.default_rng(n * k)
     for t in (1, 3, 16):
@@ -287,7 +296,7 @@ def test_gpu_gemv_matches_exact(n, k):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("n,k", [(33, 96), (8192, 2048), (2048, 4096), (1000, 1280)])
-def test_gpu_gemv_is_batch_invariant(n, k):
+def test_gpu_gemv_is_batch_invariant(n, k, gemv_form):
     """A token's row is bit-identical whether it runs alone, in a batch of 5 or in one of 16."""
     w, _ = _weight(n, k, "cuda")
     x = torch.from_numpy(np.random.default_rng(3).standard_normal((16, k)).astype(np.float32)).cuda()
@@ -302,7 +311,7 @@ def test_gpu_gemv_is_batch_invariant(n, k):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t", [1, 5, GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1, 33])
-def test_gpu_fused_rows_are_one_gemv_over_the_whole(t):
+def test_gpu_fused_rows_are_one_gemv_over_the_whole(t, gemv_form):
     """Views of one fused matrix: a decode call is the GEMV over the whole matrix, split (one launch, its
     rows batch invariant); a prompt call is each matrix's own cuBLAS path."""
     parts = [_weight(n, 2048, "cuda", seed=n)[0] for n in (8192, 4096, 64)]  # the GDN's qkv | z | ba
@@ -366,7 +375,7 @@ def test_gpu_weight_matches_cpu_weight():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_gemv_replays_in_a_cuda_graph():
+def test_gpu_gemv_replays_in_a_cuda_graph(gemv_form):
     """No host sync, no data-dependent allocation: capturable once compiled."""
     w, _ = _weight(2048, 4096, "cuda")
     x = torch.zeros(4, 4096, device="cuda")

@@ -95,6 +95,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, 
     """An NVRTC or driver that refuses the source: None (launch_words then takes the Triton tile), one
     warning, and no second try."""
     import strata_ray.kernels.expert_rows_cuda as erc
+    import strata_ray.kernels.nvrtc as nvrtc
 
     tries = []
 
@@ -103,8 +104,8 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, 
         raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture\nmore")
 
     monkeypatch.setattr(erc, "_kernel", refuse)
-    monkeypatch.setattr(erc, "_FAILED", set())
-    with caplog.at_level("WARNING", logger=erc.__name__):
+    monkeypatch.setattr(nvrtc, "_FAILED", set())
+    with caplog.at_level("WARNING", logger=nvrtc.__name__):
         assert erc.cuda_rows_kernel(2048, True, 0) is None
         assert erc.cuda_rows_kernel(2048, True, 0) is None
     assert len(tries) == 1

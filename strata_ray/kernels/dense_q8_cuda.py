@@ -1,0 +1,265 @@
+"""The dense Q8_0 GEMV as a CUDA C kernel (NVRTC through cupy; STRATA_DENSE_CUDA): a decode token's
+projections, ~2 GB of Q8_0 rows a token for the 80B-A3B, at the rate HBM gives.
+
+The Triton GEMV (dense_q8._gemv_body) reads 20-29% of the H200's copy bandwidth: it converts every code
+with I2F (a quarter-rate instruction on Hopper: 4.2 T codes/s over the GPU, less than HBM's 4.8 T bytes/s)
+and leaves no say in which thread holds which value. Here a row belongs to a warp and its codes to the lanes
+by 16-byte chunks (half blocks), the same map for every row of a width K:
+
+    lane l, chunk c = l + 32 j (j < CH = ceil(K / 512)): codes c*16 .. c*16+15, scale d[c / 2]
+    per chunk:   s = fma(q[15], x[15], ... fma(q[1], x[1], q[0] * x[0]))  (codes to floats exactly:
+                 0x4B0000xx - 2^23 - 128, a byte permute and a subtraction)
+    per lane:    acc = fma(s_j, d_j, acc) over j in order
+    per row:     acc summed over the warp by a butterfly (xor 16, 8, 4, 2, 1): every lane the same sum
+
+A warp keeps RPW rows' 16-byte loads in flight (issued before anything else), the CTA stages the tokens'
+activations in shared memory (swizzled: the float4 reads of a warp hit every bank once) while they come, and
+then each row's chunks are applied to every token of the CTA (up to TT): the weights are read once for them.
+A token's value depends on K alone (the lane map, the chunk and lane order), never on N, RPW, the warps or
+how many tokens share the launch: the GEMV stays batch invariant (DESIGN section 7), and `gemv_reference`,
+the kernel's twin in numpy (float32 fma emulated exactly), gives its bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from . import nvrtc
+
+CHUNK = 16  # codes a lane loads at once (16 bytes)
+WARPS = 8  # warps a CTA
+TT_MAX = 4  # tokens a CTA applies each row to (a verify window of 16 runs as 4 CTAs a row block)
+X_SMEM_BYTES = 48 << 10  # activations staged a CTA: the default dynamic shared memory limit
+MAX_LOADS = 8  # 16-byte loads in flight a lane (RPW * CH)
+
+_SOURCE = r"""
+// IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
+__device__ __forceinline__ float half_bits(unsigned short h) {
+    float f;
+    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// 16 bytes read once: not kept in L1, and L2 told to fetch 256 bytes (the row's next chunks)
+__device__ __forceinline__ uint4 load_stream(const signed char* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// byte k of a word of int8 codes -> float, exact: (q + 128) placed in the low byte of 2^23's float bits
+__device__ __forceinline__ float code(unsigned biased, int k) {
+    return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7540 | k)) - 8388736.0f;
+}
+
+// K values a row; C16 = K / 16 chunks, CH chunks a lane, RPW rows a warp in flight, WARPS warps, TT tokens
+#define C16 (K / 16)
+#define KB (K / 32)
+#define FULL (C16 % 32 == 0)
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
+    const float* __restrict__ X, const signed char* __restrict__ QS, const unsigned short* __restrict__ D,
+    float* __restrict__ OUT, int n_tok, int N, int n_tg)
+{
+    extern __shared__ float4 xs4[];  // [TT][C16][4]: float4 m of chunk c at c * 4 + (m ^ ((c >> 1) & 3))
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tg = blockIdx.x % n_tg;             // token group: the fastest axis (its CTAs share the rows)
+    const long long rb = blockIdx.x / n_tg;
+    const int t0 = tg * TT;
+    const int tt_n = min(TT, n_tok - t0);
+    const long long row0 = (rb * WARPS + warp) * RPW;
+
+    // this warp's rows: every load issued before any arithmetic
+    uint4 w[RPW][CH];
+    unsigned short dh[RPW][CH];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const long long row = row0 + r;
+        const bool live = row < N;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = lane + 32 * j;
+            const bool ok = live && (FULL || c < C16);
+            w[r][j] = ok ? load_stream(QS + row * K + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+            dh[r][j] = ok ? __ldg(D + row * KB + (c >> 1)) : (unsigned short)0;
+        }
+    }
+
+    // while they come: the tokens' activations into shared memory, four floats a load where X is 16-byte
+    // aligned (a contiguous tensor of its own always is)
+    if ((reinterpret_cast<unsigned long long>(X) & 15) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(X + (long long)t0 * K);
+        for (int i = threadIdx.x; i < tt_n * (K / 4); i += WARPS * 32) {
+            const int tt = i / (K / 4), e4 = i - tt * (K / 4), c = e4 >> 2, m = e4 & 3;
+            xs4[(tt * C16 + c) * 4 + (m ^ ((c >> 1) & 3))] = x4[i];
+        }
+    } else {
+        float* xs = reinterpret_cast<float*>(xs4);
+        for (int i = threadIdx.x; i < tt_n * K; i += WARPS * 32) {
+            const int tt = i / K, e = i - tt * K, c = e >> 4, m = (e >> 2) & 3;
+            xs[tt * K + ((c * 4 + (m ^ ((c >> 1) & 3))) << 2) + (e & 3)] = X[(long long)(t0 + tt) * K + e];
+        }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const long long row = row0 + r;
+        if (row >= N) break;  // the same for the whole warp
+        float acc[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = lane + 32 * j;
+            if (!FULL && c >= C16) break;
+            const unsigned u[4] = {w[r][j].x ^ 0x80808080u, w[r][j].y ^ 0x80808080u,
+                                   w[r][j].z ^ 0x80808080u, w[r][j].w ^ 0x80808080u};
+            float q[16];
+#pragma unroll
+            for (int e = 0; e < 16; ++e) q[e] = code(u[e >> 2], e & 3);
+            const float d = half_bits(dh[r][j]);
+            const int sw = (c >> 1) & 3;
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) {
+                if (tt < tt_n) {
+                    const float4* xc = xs4 + (tt * C16 + c) * 4;
+                    float s = 0.0f;
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) {
+                        const float4 xv = xc[m ^ sw];
+                        s = fmaf(q[4 * m], xv.x, s);
+                        s = fmaf(q[4 * m + 1], xv.y, s);
+                        s = fmaf(q[4 * m + 2], xv.z, s);
+                        s = fmaf(q[4 * m + 3], xv.w, s);
+                    }
+                    acc[tt] = fmaf(s, d, acc[tt]);
+                }
+            }
+        }
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            if (tt < tt_n) {
+                float a = acc[tt];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) a = a + __shfl_xor_sync(0xffffffffu, a, off);
+                if (lane == 0) OUT[(long long)(t0 + tt) * N + row] = a;
+            }
+        }
+    }
+}
+"""
+
+
+def chunks_a_lane(k: int) -> int:
+    """CH: 16-code chunks a lane takes of a row of k values (lane l: chunks l, l + 32, ...)."""
+    return -(-k // (32 * CHUNK))
+
+
+def tokens_a_cta(k: int) -> int:
+    """TT: tokens a CTA stages (their activations must fit X_SMEM_BYTES)."""
+    return max(1, min(TT_MAX, X_SMEM_BYTES // (4 * k)))
+
+
+def cuda_gemv_serves(k: int) -> bool:
+    """Whether the CUDA form serves a Q8_0 matrix of width k: whole blocks, one token's activations within
+    the shared memory staged a CTA."""
+    return k > 0 and k % 32 == 0 and 4 * k <= X_SMEM_BYTES
+
+
+def rows_a_warp(n: int, k: int, sm_count: int) -> int:
+    """RPW: rows a warp keeps in flight, MAX_LOADS loads a lane where the matrix gives at least two CTAs an SM
+    (fewer rows a warp for a small matrix: every SM gets some). A launch choice only: no bit depends on it."""
+    fill = n // (WARPS * 2 * sm_count)
+    return max(1, min(MAX_LOADS // chunks_a_lane(k), fill))
+
+
+@functools.cache
+def _kernel(k: int, rpw: int, device: int):
+    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}",
+               f"-DTT={tokens_a_cta(k)}")
+    return nvrtc.build(_SOURCE, "q8_gemv", ("--fmad=false", *defines), device)
+
+
+def cuda_gemv_kernel(k: int, rpw: int, device: int):
+    """The compiled kernel for width k and RPW rows a warp on CUDA device `device`, or None where it cannot
+    be built (the Triton GEMV then, after one warning)."""
+    return nvrtc.build_or_none(("q8_gemv", k, rpw, device), lambda: _kernel(k, rpw, device), "dense GEMV",
+                               "the Triton GEMV takes its launches")
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> bool:
+    """out [T, N] = x2 [T, K] @ the Q8_0 matrix (qs int8 [N, K], d float16 [N, K / 32]), on the current torch
+    stream; False (nothing launched) where the kernel cannot serve or be built here (the Triton GEMV then)."""
+    n, k = qs.shape
+    n_tok = x2.shape[0]
+    if not cuda_gemv_serves(k) or qs.data_ptr() % 16 or not (qs.is_contiguous() and d.is_contiguous()):
+        return False
+    dev = nvrtc.device_index(qs)
+    rpw = rows_a_warp(n, k, _sm_count(dev))
+    kern = cuda_gemv_kernel(k, rpw, dev)
+    if kern is None:
+        return False
+    tt = tokens_a_cta(k)
+    n_tg = -(-n_tok // tt)
+    grid = (n_tg * -(-n // (WARPS * rpw)),)
+    args = (nvrtc.ptr(x2), nvrtc.ptr(qs), nvrtc.ptr(d), nvrtc.ptr(out), np.int32(n_tok), np.int32(n),
+            np.int32(n_tg))
+    nvrtc.launch(kern, grid, WARPS * 32, args, dev, shared_mem=4 * k * min(tt, n_tok))
+    return True
+
+
+def cuda_gemv_on() -> bool:
+    """STRATA_DENSE_CUDA (default 1), off where cupy is not installed (the Triton GEMV then)."""
+    return os.environ.get("STRATA_DENSE_CUDA", "1") == "1" and nvrtc.has_cupy()
+
+
+# ---- the plain twin ---------------------------------------------------------------------------------------
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fma(a, b, c) rounded once, as the GPU's FFMA: a * b is exact in float64, the sum is rounded to
+    odd there (TwoSum's error moves an inexact even result one step toward the true value), and float64
+    rounded to odd then to float32 is the correctly rounded float32 (Boldo and Melquiond, 2008)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def gemv_reference(x: np.ndarray, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The kernel's arithmetic in numpy: x float32 [T, K], qs int8 [N, K], d float16 [N, K / 32] -> float32
+    [T, N], lane by lane (the same chunks, fma order and butterfly)."""
+    n, k = qs.shape
+    c16 = k // CHUNK
+    q = qs.reshape(n, c16, CHUNK).astype(np.float32)  # [N, C16, 16]
+    xv = x.astype(np.float32).reshape(-1, 1, c16, CHUNK)  # [T, 1, C16, 16]
+    s = np.zeros((xv.shape[0], n, c16), np.float32)  # [T, N, C16] chunk sums
+    for e in range(CHUNK):
+        s = fma32(q[None, :, :, e], xv[:, :, :, e], s)
+    dq = d.astype(np.float32)[:, np.arange(c16) // 2]  # [N, C16]
+    acc = np.zeros((xv.shape[0], n, 32), np.float32)  # [T, N, lanes]
+    for j in range(chunks_a_lane(k)):
+        c = np.arange(32) + 32 * j
+        live = c < c16
+        cc = np.minimum(c, c16 - 1)
+        step = fma32(s[:, :, cc], np.broadcast_to(dq[:, cc], s[:, :, cc].shape), acc)
+        acc = np.where(live, step, acc)
+    lanes = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = (acc + acc[:, :, lanes ^ off]).astype(np.float32)
+    return acc[:, :, 0]

@@ -1,0 +1,70 @@
+"""CUDA C kernels built at run time by NVRTC through cupy and launched on torch's current stream (so they go
+into the decode's CUDA graphs like any torch or Triton launch).
+
+cupy is imported only when a CUDA C form is on: CPU machines (CI) never load it. A kernel that NVRTC or the
+driver cannot build (too old for the GPU, say) is reported once and not tried again; its caller then keeps
+its Triton twin, which gives the same bits (the expert rows) or passes the same tests (the dense GEMV).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Hashable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_FAILED: set[Hashable] = set()  # kernels that could not be built here (not tried again)
+
+
+@functools.cache
+def has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build(source: str, name: str, options: tuple[str, ...], device: int):
+    """The compiled kernel `name` of `source` on CUDA device `device` (cupy RawKernel; cupy caches the
+    binary on disk too)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function(name)
+
+
+def build_or_none(key: Hashable, builder: Callable[[], object], what: str, fallback: str):
+    """builder(), or None after one warning where it raises (cupy's CompileException, CUDADriverError, a
+    missing NVRTC library): `fallback` names what takes the launches then."""
+    if key in _FAILED:
+        return None
+    try:
+        return builder()
+    except Exception as e:
+        _FAILED.add(key)
+        first = str(e).splitlines()[0] if str(e) else ""
+        log.warning("the CUDA C %s could not be built (%s: %s); %s", what, type(e).__name__, first, fallback)
+        return None
+
+
+def device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    """A tensor's address as a kernel argument."""
+    return np.uint64(t.data_ptr())
+
+
+def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0) -> None:
+    """kernel<<<grid, block, shared_mem>>>(args) on torch's current stream of `device`."""
+    import cupy
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
+        kernel(grid, (block,), args, shared_mem=shared_mem)
