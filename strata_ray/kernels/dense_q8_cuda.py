@@ -12,9 +12,11 @@ by 16-byte chunks (half blocks), the same map for every row of a width K:
     per lane:    acc = fma(s_j, d_j, acc) over j in order
     per row:     acc summed over the warp by a butterfly (xor 16, 8, 4, 2, 1): every lane the same sum
 
-A warp keeps RPW rows' 16-byte loads in flight (issued before anything else), the CTA stages the tokens'
-activations in shared memory (swizzled: the float4 reads of a warp hit every bank once) while they come, and
-then each row's chunks are applied to every token of the CTA (up to TT): the weights are read once for them.
+The grid is one wave of CTAs (as many as the SMs hold). Each warp takes a contiguous run of row groups (RPW
+rows, balanced across the warps to within one) and issues the next group's loads before the current group's
+arithmetic; the CTA stages its tokens' activations in shared memory once (swizzled: a warp's float4 reads
+hit every bank once) while the first loads come. Each row's chunks are applied to every token of the CTA
+(TT, compiled in): a verify window reads the weights once for TT tokens.
 A token's value depends on K alone (the lane map, the chunk and lane order), never on N, RPW, the warps or
 how many tokens share the launch: the GEMV stays batch invariant (DESIGN section 7), and `gemv_reference`,
 the kernel's twin in numpy (float32 fma emulated exactly), gives its bits.
@@ -32,9 +34,9 @@ from . import nvrtc
 
 CHUNK = 16  # codes a lane loads at once (16 bytes)
 WARPS = 8  # warps a CTA
-TT_MAX = 4  # tokens a CTA applies each row to (a verify window of 16 runs as 4 CTAs a row block)
+TT_MAX = 4  # tokens a CTA applies each row to (a verify window of 16 runs as 4 token groups)
 X_SMEM_BYTES = 48 << 10  # activations staged a CTA: the default dynamic shared memory limit
-MAX_LOADS = 8  # 16-byte loads in flight a lane (RPW * CH)
+LOADS_A_GROUP = 4  # 16-byte loads a lane a row group (RPW * CH); the next group's go before the arithmetic
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -57,78 +59,96 @@ __device__ __forceinline__ float code(unsigned biased, int k) {
     return __uint_as_float(__byte_perm(biased, 0x4B000000u, 0x7540 | k)) - 8388736.0f;
 }
 
-// K values a row; C16 = K / 16 chunks, CH chunks a lane, RPW rows a warp in flight, WARPS warps, TT tokens
+// K values a row; C16 = K / 16 chunks, CH chunks a lane, RPW rows a row group, WARPS warps, TT tokens a CTA
 #define C16 (K / 16)
 #define KB (K / 32)
 #define FULL (C16 % 32 == 0)
 
+struct Group {
+    uint4 w[RPW][CH];
+    unsigned short dh[RPW][CH];
+};
+
+// row group g's codes and scales (rows past N and chunks past C16 read as zeros)
+__device__ __forceinline__ void load_group(Group& grp, const signed char* __restrict__ QS,
+                                           const unsigned short* __restrict__ D, long long g, int N,
+                                           int lane) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        const long long row = g * RPW + r;
+        const bool live = row < N;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            const int c = lane + 32 * j;
+            const bool ok = live && (FULL || c < C16);
+            grp.w[r][j] = ok ? load_stream(QS + row * K + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+            grp.dh[r][j] = ok ? __ldg(D + row * KB + (c >> 1)) : (unsigned short)0;
+        }
+    }
+}
+
+// A CTA: token group tg (TT tokens, the fastest grid axis), its warps each a contiguous run of row groups
+// (balanced to within one), the next group's loads issued before the current one's arithmetic.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
     const float* __restrict__ X, const signed char* __restrict__ QS, const unsigned short* __restrict__ D,
     float* __restrict__ OUT, int n_tok, int N, int n_tg)
 {
     extern __shared__ float4 xs4[];  // [TT][C16][4]: float4 m of chunk c at c * 4 + (m ^ ((c >> 1) & 3))
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int tg = blockIdx.x % n_tg;             // token group: the fastest axis (its CTAs share the rows)
-    const long long rb = blockIdx.x / n_tg;
+    const int tg = blockIdx.x % n_tg;
+    const long long n_warps = (long long)(gridDim.x / n_tg) * WARPS;
+    const long long gw = (long long)(blockIdx.x / n_tg) * WARPS + warp;
+    const long long n_groups = (N + RPW - 1) / RPW;
+    const long long g_begin = gw * n_groups / n_warps, g_end = (gw + 1) * n_groups / n_warps;
     const int t0 = tg * TT;
     const int tt_n = min(TT, n_tok - t0);
-    const long long row0 = (rb * WARPS + warp) * RPW;
 
-    // this warp's rows: every load issued before any arithmetic
-    uint4 w[RPW][CH];
-    unsigned short dh[RPW][CH];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const long long row = row0 + r;
-        const bool live = row < N;
-#pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            const int c = lane + 32 * j;
-            const bool ok = live && (FULL || c < C16);
-            w[r][j] = ok ? load_stream(QS + row * K + c * 16) : make_uint4(0u, 0u, 0u, 0u);
-            dh[r][j] = ok ? __ldg(D + row * KB + (c >> 1)) : (unsigned short)0;
-        }
-    }
+    Group cur, nxt;
+    if (g_begin < g_end) load_group(cur, QS, D, g_begin, N, lane);
 
-    // while they come: the tokens' activations into shared memory, four floats a load where X is 16-byte
-    // aligned (a contiguous tensor of its own always is)
+    // while they come: the tokens' activations into shared memory (a ragged group's missing tokens as
+    // zeros: computed, never stored), four floats a load where X is 16-byte aligned
     if ((reinterpret_cast<unsigned long long>(X) & 15) == 0) {
         const float4* x4 = reinterpret_cast<const float4*>(X + (long long)t0 * K);
-        for (int i = threadIdx.x; i < tt_n * (K / 4); i += WARPS * 32) {
+        for (int i = threadIdx.x; i < TT * (K / 4); i += WARPS * 32) {
             const int tt = i / (K / 4), e4 = i - tt * (K / 4), c = e4 >> 2, m = e4 & 3;
-            xs4[(tt * C16 + c) * 4 + (m ^ ((c >> 1) & 3))] = x4[i];
+            xs4[(tt * C16 + c) * 4 + (m ^ ((c >> 1) & 3))] =
+                tt < tt_n ? x4[i] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     } else {
         float* xs = reinterpret_cast<float*>(xs4);
-        for (int i = threadIdx.x; i < tt_n * K; i += WARPS * 32) {
+        for (int i = threadIdx.x; i < TT * K; i += WARPS * 32) {
             const int tt = i / K, e = i - tt * K, c = e >> 4, m = (e >> 2) & 3;
-            xs[tt * K + ((c * 4 + (m ^ ((c >> 1) & 3))) << 2) + (e & 3)] = X[(long long)(t0 + tt) * K + e];
+            xs[tt * K + ((c * 4 + (m ^ ((c >> 1) & 3))) << 2) + (e & 3)] =
+                tt < tt_n ? X[(long long)(t0 + tt) * K + e] : 0.0f;
         }
     }
     __syncthreads();
+    // this lane's swizzle: (c >> 1) & 3 with c = lane + 32 j is (lane >> 1) & 3 for every j
+    const float4* xl = xs4 + lane * 4;
+    const int sw = (lane >> 1) & 3;
 
+    for (long long g = g_begin; g < g_end; ++g) {
+        if (g + 1 < g_end) load_group(nxt, QS, D, g + 1, N, lane);
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const long long row = row0 + r;
-        if (row >= N) break;  // the same for the whole warp
-        float acc[TT];
+        for (int r = 0; r < RPW; ++r) {
+            const long long row = g * RPW + r;
+            float acc[TT];
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.0f;
+            for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.0f;
 #pragma unroll
-        for (int j = 0; j < CH; ++j) {
-            const int c = lane + 32 * j;
-            if (!FULL && c >= C16) break;
-            const unsigned u[4] = {w[r][j].x ^ 0x80808080u, w[r][j].y ^ 0x80808080u,
-                                   w[r][j].z ^ 0x80808080u, w[r][j].w ^ 0x80808080u};
-            float q[16];
+            for (int j = 0; j < CH; ++j) {
+                if (!FULL && lane + 32 * j >= C16) break;
+                const uint4 wv = cur.w[r][j];
+                const unsigned u[4] = {wv.x ^ 0x80808080u, wv.y ^ 0x80808080u, wv.z ^ 0x80808080u,
+                                       wv.w ^ 0x80808080u};
+                float q[16];
 #pragma unroll
-            for (int e = 0; e < 16; ++e) q[e] = code(u[e >> 2], e & 3);
-            const float d = half_bits(dh[r][j]);
-            const int sw = (c >> 1) & 3;
+                for (int e = 0; e < 16; ++e) q[e] = code(u[e >> 2], e & 3);
+                const float d = half_bits(cur.dh[r][j]);
 #pragma unroll
-            for (int tt = 0; tt < TT; ++tt) {
-                if (tt < tt_n) {
-                    const float4* xc = xs4 + (tt * C16 + c) * 4;
+                for (int tt = 0; tt < TT; ++tt) {
+                    const float4* xc = xl + (tt * C16 + 32 * j) * 4;
                     float s = 0.0f;
 #pragma unroll
                     for (int m = 0; m < 4; ++m) {
@@ -141,16 +161,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
                     acc[tt] = fmaf(s, d, acc[tt]);
                 }
             }
-        }
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-            if (tt < tt_n) {
+            for (int tt = 0; tt < TT; ++tt) {
                 float a = acc[tt];
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) a = a + __shfl_xor_sync(0xffffffffu, a, off);
-                if (lane == 0) OUT[(long long)(t0 + tt) * N + row] = a;
+                if (lane == 0 && tt < tt_n && row < N) OUT[(long long)(t0 + tt) * N + row] = a;
             }
         }
+        if (g + 1 < g_end) cur = nxt;
     }
 }
 """
@@ -161,9 +180,9 @@ def chunks_a_lane(k: int) -> int:
     return -(-k // (32 * CHUNK))
 
 
-def tokens_a_cta(k: int) -> int:
-    """TT: tokens a CTA stages (their activations must fit X_SMEM_BYTES)."""
-    return max(1, min(TT_MAX, X_SMEM_BYTES // (4 * k)))
+def tokens_a_cta(k: int, n_tok: int = TT_MAX) -> int:
+    """TT: tokens a CTA applies each row to, at most n_tok (their activations must fit X_SMEM_BYTES)."""
+    return max(1, min(TT_MAX, n_tok, X_SMEM_BYTES // (4 * k)))
 
 
 def cuda_gemv_serves(k: int) -> bool:
@@ -172,24 +191,30 @@ def cuda_gemv_serves(k: int) -> bool:
     return k > 0 and k % 32 == 0 and 4 * k <= X_SMEM_BYTES
 
 
-def rows_a_warp(n: int, k: int, sm_count: int) -> int:
-    """RPW: rows a warp keeps in flight, MAX_LOADS loads a lane where the matrix gives at least two CTAs an SM
-    (fewer rows a warp for a small matrix: every SM gets some). A launch choice only: no bit depends on it."""
-    fill = n // (WARPS * 2 * sm_count)
-    return max(1, min(MAX_LOADS // chunks_a_lane(k), fill))
+def rows_a_group(k: int) -> int:
+    """RPW: rows a warp loads at once, LOADS_A_GROUP 16-byte loads a lane (twice that in flight with the
+    next group's). A launch choice only: no bit depends on it."""
+    return max(1, LOADS_A_GROUP // chunks_a_lane(k))
+
+
+def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
+    """CTAs of WARPS warps an SM holds (H100 / H200: 64K registers in 256-register units a warp, 228 KiB of
+    shared memory with 1 KiB reserved a CTA, 64 warps): the grid is one such wave."""
+    regs_a_warp = -(-num_regs * 32 // 256) * 256
+    return max(1, min(65536 // regs_a_warp // WARPS, 233472 // (shared_bytes + 1024), 64 // WARPS))
 
 
 @functools.cache
-def _kernel(k: int, rpw: int, device: int):
-    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}",
-               f"-DTT={tokens_a_cta(k)}")
+def _kernel(k: int, rpw: int, tt: int, device: int):
+    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}", f"-DTT={tt}")
     return nvrtc.build(_SOURCE, "q8_gemv", ("--fmad=false", *defines), device)
 
 
-def cuda_gemv_kernel(k: int, rpw: int, device: int):
-    """The compiled kernel for width k and RPW rows a warp on CUDA device `device`, or None where it cannot
-    be built (the Triton GEMV then, after one warning)."""
-    return nvrtc.build_or_none(("q8_gemv", k, rpw, device), lambda: _kernel(k, rpw, device), "dense GEMV",
+def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int):
+    """The compiled kernel for width k, RPW rows a group and TT tokens a CTA on CUDA device `device`, or None
+    where it cannot be built (the Triton GEMV then, after one warning)."""
+    key = (k, rpw, tt, device)
+    return nvrtc.build_or_none(("q8_gemv", *key), lambda: _kernel(*key), "dense GEMV",
                                "the Triton GEMV takes its launches")
 
 
@@ -206,16 +231,18 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     if not cuda_gemv_serves(k) or qs.data_ptr() % 16 or not (qs.is_contiguous() and d.is_contiguous()):
         return False
     dev = nvrtc.device_index(qs)
-    rpw = rows_a_warp(n, k, _sm_count(dev))
-    kern = cuda_gemv_kernel(k, rpw, dev)
+    rpw, tt = rows_a_group(k), tokens_a_cta(k, n_tok)
+    kern = cuda_gemv_kernel(k, rpw, tt, dev)
     if kern is None:
         return False
-    tt = tokens_a_cta(k)
+    shared = 4 * k * tt
     n_tg = -(-n_tok // tt)
-    grid = (n_tg * -(-n // (WARPS * rpw)),)
+    # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
+    wave = ctas_an_sm(kern.num_regs, shared) * _sm_count(dev)
+    n_cta = max(1, min(-(-n // rpw) // WARPS or 1, wave // n_tg))
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), nvrtc.ptr(d), nvrtc.ptr(out), np.int32(n_tok), np.int32(n),
             np.int32(n_tg))
-    nvrtc.launch(kern, grid, WARPS * 32, args, dev, shared_mem=4 * k * min(tt, n_tok))
+    nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared)
     return True
 
 

@@ -19,11 +19,12 @@ from strata_ray.kernels.dense_q8_cuda import (
     TT_MAX,
     X_SMEM_BYTES,
     chunks_a_lane,
+    ctas_an_sm,
     cuda_gemv_on,
     cuda_gemv_serves,
     fma32,
     gemv_reference,
-    rows_a_warp,
+    rows_a_group,
     tokens_a_cta,
 )
 
@@ -96,12 +97,14 @@ def test_reference_rows_do_not_depend_on_the_other_tokens_or_rows():
 def test_launch_choices():
     assert [chunks_a_lane(k) for k in (32, 512, 544, 2048, 4096)] == [1, 1, 2, 4, 8]
     assert tokens_a_cta(2048) == TT_MAX and tokens_a_cta(4096) == 3 and tokens_a_cta(12288) == 1
+    assert tokens_a_cta(2048, 1) == 1 and tokens_a_cta(4096, 16) == 3
     assert cuda_gemv_serves(2048) and cuda_gemv_serves(96)
     assert not cuda_gemv_serves(48) and not cuda_gemv_serves(X_SMEM_BYTES // 4 + 32)
-    assert rows_a_warp(12352, 2048, 132) == 2  # 8 loads a lane in flight
-    assert rows_a_warp(2048, 4096, 132) == 1
-    assert rows_a_warp(1024, 2048, 132) == 1  # a small matrix: every SM some rows
-    assert rows_a_warp(151936, 512, 132) == 8
+    assert [rows_a_group(k) for k in (32, 512, 1024, 2048, 4096)] == [4, 4, 2, 1, 1]
+    assert ctas_an_sm(80, 8192) == 3  # 80 registers: 2560 a warp, 25 warps
+    assert ctas_an_sm(126, 32768) == 2
+    assert ctas_an_sm(32, 4096) == 8  # the 64 warps an SM
+    assert ctas_an_sm(40, 200000) == 1
 
 
 def test_the_switch(monkeypatch):
@@ -122,8 +125,8 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, 
     monkeypatch.setattr(dqc, "_kernel", refuse)
     monkeypatch.setattr(nvrtc, "_FAILED", set())
     with caplog.at_level("WARNING", logger=nvrtc.__name__):
-        assert dqc.cuda_gemv_kernel(2048, 2, 0) is None
-        assert dqc.cuda_gemv_kernel(2048, 2, 0) is None
+        assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
+        assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
     assert len(tries) == 1
     assert [r.getMessage() for r in caplog.records] == [
         "the CUDA C dense GEMV could not be built (RuntimeError: nvrtc: error: unknown option); the Triton "
@@ -144,7 +147,7 @@ def test_gpu_kernel_gives_the_twins_bits(n, k):
     qs, d = _matrix(n, k)
     w = Q8Weight(torch.from_numpy(qs), torch.from_numpy(d)).to("cuda")
     rng = np.random.default_rng(n + k)
-    for t in (1, 3, 16):
+    for t in (1, 3, 5, 16):  # 5: a ragged token group
         x = rng.standard_normal((t, k)).astype(F32)
         want = gemv_reference(x, qs, d)
         buf = torch.from_numpy(np.concatenate([np.zeros(1, F32), x.ravel()])).cuda()
