@@ -80,8 +80,10 @@ def random_weights(torch, Q8Weight, n: int, k: int, copies: int):
 
 
 def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str], sweep: bool,
-                f32: bool) -> list[tuple]:
+                f32: bool, loads_list: list[int]) -> list[tuple]:
     import os
+
+    from strata_ray.kernels import dense_q8_cuda as dqc
 
     per = n * k + 2 * n * (k // 32)
     copies = max(2, -(-L2_BUST_BYTES // per))
@@ -91,10 +93,14 @@ def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str
         x = torch.randn(t, k, device="cuda")
         for form in forms:  # STRATA_DENSE_CUDA is read at each call
             os.environ["STRATA_DENSE_CUDA"] = "1" if form == "cuda" else "0"
-            calls = [(lambda w=w, x=x: dq.q8_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
-            sec = graph_seconds(torch, calls)
-            name = "q8 cuda" if form == "cuda" else "q8 triton " + "/".join(map(str, dq.gemv_tiles(n, k)))
-            rows.append((f"{n}x{k}", t, name, sec, per / sec / 1e9))
+            for loads in (loads_list if form == "cuda" else [None]):
+                if loads is not None:
+                    dqc.LOADS_A_GROUP = loads
+                calls = [(lambda w=w, x=x: dq.q8_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
+                sec = graph_seconds(torch, calls)
+                name = f"q8 cuda loads {loads}" if form == "cuda" else \
+                    "q8 triton " + "/".join(map(str, dq.gemv_tiles(n, k)))
+                rows.append((f"{n}x{k}", t, name, sec, per / sec / 1e9))
     if sweep:
         x = torch.randn(1, k, device="cuda")
         for tiles in SWEEP:
@@ -123,6 +129,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK weight shapes")
     ap.add_argument("--forms", default="cuda,triton",
                     help="GEMV forms to time: cuda (dense_q8_cuda, needs cupy), triton")
+    ap.add_argument("--loads", default=None,
+                    help="the cuda form's 16-byte loads a lane a row group, comma-separated (default: the "
+                    "module's LOADS_A_GROUP)")
     ap.add_argument("--sweep", action="store_true", help="also time other Triton tiles at 1 token")
     ap.add_argument("--no-f32", action="store_true", help="leave out the float32 F.linear baseline")
     args = ap.parse_args()
@@ -147,6 +156,9 @@ def main() -> None:
         raise SystemExit(f"error: --forms {args.forms!r}: a comma-separated list of cuda, triton")
     if "cuda" in forms and not has_cupy():
         raise SystemExit("error: the cuda form needs cupy (pip install cupy-cuda12x or cupy-cuda13x)")
+    from strata_ray.kernels.dense_q8_cuda import LOADS_A_GROUP
+
+    loads_list = [int(v) for v in args.loads.split(",")] if args.loads else [LOADS_A_GROUP]
     tokens = [int(v) for v in args.tokens.split(",")]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     copy = copy_gbs(torch)
@@ -154,7 +166,7 @@ def main() -> None:
     print(f"{'shape':>12} {'T':>3} {'kernel':>20} {'us':>9} {'GB/s':>8} {'% copy':>7}")
     for n, k in shapes:
         for shape, t, name, sec, gbs in bench_shape(torch, F, dq, n, k, tokens, forms, args.sweep,
-                                                      not args.no_f32):
+                                                      not args.no_f32, loads_list):
             print(f"{shape:>12} {t:>3} {name:>20} {sec * 1e6:>9.2f} {gbs:>8.0f} {100 * gbs / copy:>6.1f}%")
 
 

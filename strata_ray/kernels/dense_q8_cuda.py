@@ -191,10 +191,11 @@ def cuda_gemv_serves(k: int) -> bool:
     return k > 0 and k % 32 == 0 and 4 * k <= X_SMEM_BYTES
 
 
-def rows_a_group(k: int) -> int:
-    """RPW: rows a warp loads at once, LOADS_A_GROUP 16-byte loads a lane (twice that in flight with the
-    next group's). A launch choice only: no bit depends on it."""
-    return max(1, LOADS_A_GROUP // chunks_a_lane(k))
+def rows_a_group(n: int, k: int, sm_count: int) -> int:
+    """RPW: rows a warp loads at once, LOADS_A_GROUP 16-byte loads a lane (twice that in flight with the next
+    group's), fewer where the matrix has under 16 rows an SM (every warp of the wave gets some). A launch
+    choice only: no bit depends on it."""
+    return max(1, min(LOADS_A_GROUP // chunks_a_lane(k), n // (16 * sm_count)))
 
 
 def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
@@ -231,7 +232,7 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     if not cuda_gemv_serves(k) or qs.data_ptr() % 16 or not (qs.is_contiguous() and d.is_contiguous()):
         return False
     dev = nvrtc.device_index(qs)
-    rpw, tt = rows_a_group(k), tokens_a_cta(k, n_tok)
+    rpw, tt = rows_a_group(n, k, _sm_count(dev)), tokens_a_cta(k, n_tok)
     kern = cuda_gemv_kernel(k, rpw, tt, dev)
     if kern is None:
         return False

@@ -61,10 +61,31 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+class _StreamRef:
+    """A raw stream handle in the CUDA stream protocol (what cupy's Stream.from_external takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(handle: int, device: int):
+    """cupy's view of a torch stream (made once a handle: launches inside graph captures reuse it)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        if hasattr(cupy.cuda.Stream, "from_external"):  # cupy 14: ExternalStream is deprecated
+            return cupy.cuda.Stream.from_external(_StreamRef(handle))
+        return cupy.cuda.ExternalStream(handle, device)
+
+
 def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0) -> None:
     """kernel<<<grid, block, shared_mem>>>(args) on torch's current stream of `device`."""
     import cupy
 
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream, device):
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device)
+    with cupy.cuda.Device(device), stream:
         kernel(grid, (block,), args, shared_mem=shared_mem)

@@ -16,6 +16,7 @@ from gguf import quants as gguf_quants
 
 from strata_ray.kernels.dense_q8 import Q8Weight
 from strata_ray.kernels.dense_q8_cuda import (
+    LOADS_A_GROUP,
     TT_MAX,
     X_SMEM_BYTES,
     chunks_a_lane,
@@ -100,7 +101,9 @@ def test_launch_choices():
     assert tokens_a_cta(2048, 1) == 1 and tokens_a_cta(4096, 16) == 3
     assert cuda_gemv_serves(2048) and cuda_gemv_serves(96)
     assert not cuda_gemv_serves(48) and not cuda_gemv_serves(X_SMEM_BYTES // 4 + 32)
-    assert [rows_a_group(k) for k in (32, 512, 1024, 2048, 4096)] == [4, 4, 2, 1, 1]
+    full = [rows_a_group(151936, k, 132) for k in (32, 512, 1024, 2048, 4096)]
+    assert full == [max(1, LOADS_A_GROUP // chunks_a_lane(k)) for k in (32, 512, 1024, 2048, 4096)]
+    assert rows_a_group(2048, 512, 132) == 1  # a small matrix: every warp of the wave some rows
     assert ctas_an_sm(80, 8192) == 3  # 80 registers: 2560 a warp, 25 warps
     assert ctas_an_sm(126, 32768) == 2
     assert ctas_an_sm(32, 4096) == 8  # the 64 warps an SM
