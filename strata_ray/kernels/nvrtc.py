@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Hashable
 
 import numpy as np
@@ -79,7 +80,9 @@ def _cupy_stream(handle: int, device: int):
     with cupy.cuda.Device(device):
         if hasattr(cupy.cuda.Stream, "from_external"):  # cupy 14: ExternalStream is deprecated
             return cupy.cuda.Stream.from_external(_StreamRef(handle))
-        return cupy.cuda.ExternalStream(handle, device)
+        with warnings.catch_warnings():  # cupy 14.2 warns but has no from_external yet
+            warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
+            return cupy.cuda.ExternalStream(handle, device)
 
 
 def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0) -> None:
