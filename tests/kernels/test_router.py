@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_ray.kernels.router import route_reference, route_topk, router_logits
+from strata_ray.kernels.router import logits_tiles, route_reference, route_topk, router_logits
 from strata_ray.model.moe import route
 from tests.kernels.triton_interpret import interpret
 
@@ -51,6 +51,13 @@ def _cases(device, shapes):
                                  torch.empty(1, 3, device=device)))
 
 
+
+
+def test_logits_tiles_depend_on_the_shape_only():
+    assert logits_tiles(512, 2048) == (1, 2048)  # the 80b-a3b's router: a whole row a program
+    assert logits_tiles(1, 2048) == (1, 2048)  # its shared-expert gate
+    assert logits_tiles(8192, 4096) == (2, 2048)
+    assert logits_tiles(64, 5) == (1, 16)
 
 
 @interpret
