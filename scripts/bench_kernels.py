@@ -124,7 +124,8 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"dp4a": False}, {"split_gu": True}, {"split_gu": True, "gu_split_br": 32},
     {"split_gu": True, "chunk_pairs": 2},
     {"cuda": True},  # the CUDA C form (expert_rows_cuda.py), the default where cupy is installed
-    {"cuda": True, "cuda_rpw": 4}, {"cuda": True, "cuda_warps": 8},
+    {"cuda": True, "cuda_rpw": 4}, {"cuda": True, "cuda_rpw": 8}, {"cuda": True, "cuda_warps": 8},
+    {"cuda": True, "cuda_rpw": 4, "cuda_warps": 2},
 ]
 
 

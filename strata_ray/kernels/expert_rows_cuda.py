@@ -11,7 +11,8 @@ us a layer against the tile's 38, the same bits, dropped). Here a row belongs to
     lane g of a row, word i = g + G j:  pair p = i / 9, word w = i % 9 of it (Q4_0 pair: 36 bytes, 9 words)
     per word:   v = dp4a(w & 0x0F0F0F0F, codes lo) + dp4a((w >> 4) & 0x0F0F0F0F, codes hi)  (exact ints)
     per block:  dot = sum of its words' v (shared memory), term = float(dot - 8 * asum) * (d * ad)
-    per row:    one lane adds the terms to 0.0 in block order
+    per row:    one lane adds the terms to 0.0 in block order (lane r of a row group folds its row r, the
+                group's RPW rows side by side)
 
 The codes at a word's bytes are the token's activation codes at those places (0 on the scale bytes), built
 in shared memory once a CTA (one entry) while the weight loads are in flight. The integers are exact in any
@@ -58,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
 {
     __shared__ int part_s[WARPS][GROUPS][WPR];   // each word's integer products
     __shared__ float d_s[WARPS][GROUPS][NB];     // each block's weight scale
-    __shared__ float term_s[WARPS][GROUPS][NB];  // each block's fp32 term
+    __shared__ float term_s[WARPS][GROUPS][RPW][NB];  // each row's blocks' fp32 terms
     __shared__ int act_s[2][WPR];                 // the codes at each word's bytes: low, high nibbles
     __shared__ float ad_s[NB];                    // the activation's block scales
     __shared__ int as_s[NB];                      // and code sums
@@ -118,7 +119,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
 
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        const int row = row0 + r;
 #pragma unroll
         for (int j = 0; j < WL; ++j) {
             const int i = g + G * j, w = i % 9;
@@ -137,16 +137,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             for (int u = 0; u < n; ++u) dot += part_s[warp][grp][first + u];
             dot -= 8 * as_s[b];
             const float scale = d_s[warp][grp][b] * ad_s[b];
-            term_s[warp][grp][b] = (float)dot * scale;
+            term_s[warp][grp][r][b] = (float)dot * scale;
         }
-        __syncwarp();
-        if (g == 0 && row < n_rows) {
+        __syncwarp();  // part_s and d_s are the next row's
+    }
+
+    // the fold: lane r of the row group adds row r's terms in block order (RPW rows side by side)
+    for (int r = g; r < RPW; r += G) {
+        const int row = row0 + r;
+        if (row < n_rows) {
             float acc = 0.0f;
-            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][b];
+            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][r][b];
             const int which = TWO && row >= R;
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
-        __syncwarp();
     }
 }
 """
