@@ -115,25 +115,18 @@ def test_the_switch(monkeypatch):
     assert not cuda_gemv_on()
 
 
-def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, caplog):
+def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
+    """None (q8_gemv then runs the Triton GEMV), one warning, no second try."""
     import strata_ray.kernels.dense_q8_cuda as dqc
-    import strata_ray.kernels.nvrtc as nvrtc
 
-    tries = []
-
-    def refuse(*key):
-        tries.append(key)
-        raise RuntimeError("nvrtc: error: unknown option\nmore")
-
-    monkeypatch.setattr(dqc, "_kernel", refuse)
-    monkeypatch.setattr(nvrtc, "_FAILED", set())
-    with caplog.at_level("WARNING", logger=nvrtc.__name__):
+    tries = refusing_nvrtc(dqc)
+    with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
-    assert len(tries) == 1
+    assert tries == [(2048, 1, 1, 0)]
     assert [r.getMessage() for r in caplog.records] == [
-        "the CUDA C dense GEMV could not be built (RuntimeError: nvrtc: error: unknown option); the Triton "
-        "GEMV takes its launches"]
+        "the CUDA C dense GEMV could not be built (RuntimeError: nvrtc: error: invalid value for "
+        "--gpu-architecture); the Triton GEMV takes its launches"]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------

@@ -91,21 +91,13 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
         _check(_layer(256, 768, 5), 3)
 
 
-def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(monkeypatch, caplog):
+def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
     """An NVRTC or driver that refuses the source: None (launch_words then takes the Triton tile), one
     warning, and no second try."""
     import strata_ray.kernels.expert_rows_cuda as erc
-    import strata_ray.kernels.nvrtc as nvrtc
 
-    tries = []
-
-    def refuse(*key):
-        tries.append(key)
-        raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture\nmore")
-
-    monkeypatch.setattr(erc, "_kernel", refuse)
-    monkeypatch.setattr(nvrtc, "_FAILED", set())
-    with caplog.at_level("WARNING", logger=nvrtc.__name__):
+    tries = refusing_nvrtc(erc)
+    with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert erc.cuda_rows_kernel(2048, True, 0) is None
         assert erc.cuda_rows_kernel(2048, True, 0) is None
     assert len(tries) == 1
