@@ -1,10 +1,13 @@
 """The dense Q8_0 GEMV as a CUDA C kernel (NVRTC through cupy; STRATA_DENSE_CUDA): a decode token's
-projections, ~2 GB of Q8_0 rows a token for the 80B-A3B, at the rate HBM gives.
+projections, ~2 GB of Q8_0 rows a token for the 80B-A3B.
 
-The Triton GEMV (dense_q8._gemv_body) reads 20-29% of the H200's copy bandwidth: it converts every code
-with I2F (a quarter-rate instruction on Hopper: 4.2 T codes/s over the GPU, less than HBM's 4.8 T bytes/s)
-and leaves no say in which thread holds which value. Here a row belongs to a warp and its codes to the lanes
-by 16-byte chunks (half blocks), the same map for every row of a width K:
+The Triton GEMV (dense_q8._gemv_body) reads 35-49% of the H200's copy rate on the 80B's projections at one
+token (76% on the LM head): short programs that load, wait, reduce and exit, with no say in which thread holds
+which value. A first CUDA form of the same shape (a CTA's rows loaded, then computed) ran no faster
+(session 14: latency- and instruction-bound under ncu). What helped is the schedule below: one wave of CTAs,
+each warp walking its rows with the next rows' loads in flight (12352 x 2048: 13.0 -> 10.9 us, the LM head
+103.7 -> 87.9 us, 89% of the copy rate). A row belongs to a warp and its codes to the lanes by 16-byte chunks
+(half blocks), the same map for every row of a width K:
 
     lane l, chunk c = l + 32 j (j < CH = ceil(K / 512)): codes c*16 .. c*16+15, scale d[c / 2]
     per chunk:   s = fma(q[15], x[15], ... fma(q[1], x[1], q[0] * x[0]))  (codes to floats exactly:
@@ -200,7 +203,8 @@ def rows_a_group(n: int, k: int, sm_count: int) -> int:
 
 def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
     """CTAs of WARPS warps an SM holds (H100 / H200: 64K registers in 256-register units a warp, 228 KiB of
-    shared memory with 1 KiB reserved a CTA, 64 warps): the grid is one such wave."""
+    shared memory with 1 KiB reserved a CTA, 64 warps): the grid is one such wave. On a GPU with less a
+    grid of this size runs as a wave and a part: slower, the same bits."""
     regs_a_warp = -(-num_regs * 32 // 256) * 256
     return max(1, min(65536 // regs_a_warp // WARPS, 233472 // (shared_bytes + 1024), 64 // WARPS))
 
@@ -240,7 +244,7 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     n_tg = -(-n_tok // tt)
     # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
     wave = ctas_an_sm(kern.num_regs, shared) * _sm_count(dev)
-    n_cta = max(1, min(-(-n // rpw) // WARPS or 1, wave // n_tg))
+    n_cta = max(1, min(-(-n // rpw) // WARPS, wave // n_tg))
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), nvrtc.ptr(d), nvrtc.ptr(out), np.int32(n_tok), np.int32(n),
             np.int32(n_tg))
     nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared)
