@@ -158,9 +158,14 @@ def main() -> None:
         raise SystemExit("error: the cuda form needs cupy (pip install cupy-cuda12x or cupy-cuda13x)")
     from strata_ray.kernels.dense_q8_cuda import LOADS_A_GROUP
 
-    loads_list = [int(v) for v in args.loads.split(",")] if args.loads else [LOADS_A_GROUP]
-    tokens = [int(v) for v in args.tokens.split(",")]
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    try:
+        loads_list = [int(v) for v in args.loads.split(",")] if args.loads else [LOADS_A_GROUP]
+        tokens = [int(v) for v in args.tokens.split(",")]
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        raise SystemExit("error: --tokens, --loads: comma-separated integers; --shapes: NxK,...") from None
+    if any(len(sh) != 2 or min(sh) <= 0 or sh[1] % 32 for sh in shapes) or min(tokens + loads_list) <= 0:
+        raise SystemExit("error: shapes NxK with K a multiple of 32, and positive token and load counts")
     copy = copy_gbs(torch)
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
     print(f"{'shape':>12} {'T':>3} {'kernel':>20} {'us':>9} {'GB/s':>8} {'% copy':>7}")
