@@ -228,6 +228,12 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _wave(k: int, rpw: int, tt: int, device: int) -> int:
+    """CTAs of one wave of that kernel (its registers asked of the driver once)."""
+    return ctas_an_sm(_kernel(k, rpw, tt, device).num_regs, 4 * k * tt) * _sm_count(device)
+
+
 def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> bool:
     """out [T, N] = x2 [T, K] @ the Q8_0 matrix (qs int8 [N, K], d float16 [N, K / 32]), on the current torch
     stream; False (nothing launched) where the kernel cannot serve or be built here (the Triton GEMV then)."""
@@ -243,8 +249,7 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     shared = 4 * k * tt
     n_tg = -(-n_tok // tt)
     # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
-    wave = ctas_an_sm(kern.num_regs, shared) * _sm_count(dev)
-    n_cta = max(1, min(-(-n // rpw) // WARPS, wave // n_tg))
+    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev) // n_tg))
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), nvrtc.ptr(d), nvrtc.ptr(out), np.int32(n_tok), np.int32(n),
             np.int32(n_tg))
     nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared)

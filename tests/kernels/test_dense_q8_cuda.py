@@ -110,6 +110,42 @@ def test_launch_choices():
     assert ctas_an_sm(40, 200000) == 1
 
 
+def test_launch_geometry(monkeypatch):
+    """The grid, block and shared memory launch_cuda_gemv asks for (a stand-in kernel and launcher: the real
+    ones need a GPU, where test_gpu_kernel_gives_the_twins_bits runs them): one wave of CTAs shared by the
+    token groups, fewer for a small matrix, TT tokens' activations staged."""
+    import types
+
+    import strata_ray.kernels.dense_q8_cuda as dqc
+    import strata_ray.kernels.nvrtc as nvrtc
+
+    launched = []
+    monkeypatch.setattr(dqc, "_kernel",
+                        lambda k, rpw, tt, dev: types.SimpleNamespace(num_regs=80, rpw=rpw, tt=tt))
+    monkeypatch.setattr(dqc, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(dqc, "_wave", dqc._wave.__wrapped__)
+    monkeypatch.setattr(nvrtc, "device_index", lambda t: 0)
+    monkeypatch.setattr(nvrtc, "_FAILED", set())
+    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0: launched.append(
+        (kern.rpw, kern.tt, grid, block, shared_mem, int(args[4]), int(args[5]), int(args[6]))))
+
+    def launch(t, n, k):
+        qs = torch.zeros(n, k, dtype=torch.int8)
+        d = torch.zeros(n, k // 32, dtype=torch.float16)
+        assert dqc.launch_cuda_gemv(torch.zeros(t, k), qs, d, torch.zeros(t, n))
+        return launched.pop()
+
+    # (RPW, TT, grid, block, shared bytes, n_tok, N, token groups)
+    assert launch(1, 12352, 2048) == (1, 1, (396,), 256, 8192, 1, 12352, 1)  # 3 CTAs an SM by registers
+    assert launch(16, 12352, 2048) == (1, 4, (396,), 256, 32768, 16, 12352, 4)  # 99 CTAs a token group
+    assert launch(5, 2048, 4096) == (1, 3, (396,), 256, 49152, 5, 2048, 2)  # 198 CTAs a group of 3 tokens
+    assert launch(1, 2048, 4096) == (1, 1, (256,), 256, 16384, 1, 2048, 1)  # a row a warp: 256 CTAs
+    assert launch(1, 151936, 512) == (4, 1, (396,), 256, 2048, 1, 151936, 1)
+    assert launch(1, 3, 32) == (1, 1, (1,), 256, 128, 1, 3, 1)
+    assert not dqc.launch_cuda_gemv(torch.zeros(1, 48), torch.zeros(2, 48, dtype=torch.int8),
+                                    torch.zeros(2, 1, dtype=torch.float16), torch.zeros(1, 2))  # K % 32
+
+
 def test_the_switch(monkeypatch):
     monkeypatch.setenv("STRATA_DENSE_CUDA", "0")
     assert not cuda_gemv_on()
