@@ -6,7 +6,7 @@ flag comes back; the time between the two is what the device would wait. The dir
 host makes today (Python driver, the pool's parallel call). Layers of random Q4_0 blocks, Qwen3-Next-80B
 shapes (E 2048, n_ff 512), top-10 with `--misses` entries a layer on the CPU.
 
-    PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 8] [--misses 6] [--tokens 10]
+    PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 8] [--misses 3,6] [--tokens 10]
         [--experts 24] [--fresh]
 
 By default every token routes to the same experts, and 8 layers of 24 experts (340 MB) are reused for all
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8, help="distinct expert layers (reused to make 48)")
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
-    ap.add_argument("--misses", type=int, default=6, help="entries a layer computed on the CPU")
+    ap.add_argument("--misses", default="6", help="CPU entries a layer (a list: a run each)")
     ap.add_argument("--tokens", type=int, default=10)
     ap.add_argument("--fresh", action="store_true", help="new routing every token (else the same experts)")
     args = ap.parse_args()
@@ -53,13 +53,13 @@ def main() -> None:
     n_routes = args.tokens if args.fresh else 1
     routes = [np.stack([rng.choice(args.experts, K, replace=False) for _ in layers]) for _ in range(n_routes)]
 
-    def route(token: int) -> np.ndarray:
+    def route(token: int, misses: int) -> np.ndarray:
         """Token's ids [48, K], its first K - misses entries marked resident in `res` (between tokens:
         the worker reads the table only during its call)."""
         ids = routes[token % n_routes]
         res[:] = -1
         for layer in range(48):
-            res[layer * args.experts + ids[layer, : K - args.misses]] = 0
+            res[layer * args.experts + ids[layer, : K - misses]] = 0
         return ids
 
     xs = rng.standard_normal((48, 1, E)).astype(np.float32)
@@ -69,46 +69,48 @@ def main() -> None:
           f"{'new' if args.fresh else 'the same'} routing every token")
 
     pool = CpuPool(args.threads)
-    direct = []
-    for token in range(args.tokens):
-        ids = route(token)
-        for layer, lay in enumerate(layers):
-            miss = ids[layer, K - args.misses :]
-            t = time.perf_counter()
-            expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
-            direct.append(time.perf_counter() - t)
-
-    waits = {}
-    for team in (False, True):  # two parallel regions a layer, then one region a token
-        worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team)
-        b = worker.buf
-        waits[team] = []
-        base = 1
+    for misses in (int(m) for m in args.misses.split(",")):
+        direct = []
         for token in range(args.tokens):
-            ids = route(token)
-            b["routed"][0] = b["rows_flag"][0] = base - 1
-            thread = threading.Thread(target=worker.run, args=(base,))
-            thread.start()
-            for layer in range(48):
-                b["ids"][:] = ids[layer]
-                b["x"][:] = xs[layer]
-                v = base + layer
+            ids = route(token, misses)
+            for layer, lay in enumerate(layers):
+                miss = ids[layer, K - misses :]
                 t = time.perf_counter()
-                b["routed"][0] = v
-                while not reached(b["rows_flag"], v):
-                    pass
-                waits[team].append(time.perf_counter() - t)
-            thread.join()
-            base += 48
-    skip = 48  # the first token of each: warm-up
-    d = np.median(direct[skip:]) * 1e3
-    mb = args.misses * blob_mb
-    print(f"{args.threads} threads, {args.misses} CPU entries a layer ({mb:.1f} MB of experts):")
-    print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-    labels = {False: "token worker, two regions a layer:", True: "token worker, one team a token:   "}
-    for team, label in labels.items():
-        w = np.median(waits[team][skip:]) * 1e3
-        print(f"  {label} {w:.3f} ms flag to flag (median of {len(waits[team]) - skip})")
+                expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
+                direct.append(time.perf_counter() - t)
+
+        waits = {}
+        for team in (False, True):  # two parallel regions a layer, then one region a token
+            worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team)
+            b = worker.buf
+            waits[team] = []
+            base = 1
+            for token in range(args.tokens):
+                ids = route(token, misses)
+                b["routed"][0] = b["rows_flag"][0] = base - 1
+                thread = threading.Thread(target=worker.run, args=(base,))
+                thread.start()
+                for layer in range(48):
+                    b["ids"][:] = ids[layer]
+                    b["x"][:] = xs[layer]
+                    v = base + layer
+                    t = time.perf_counter()
+                    b["routed"][0] = v
+                    while not reached(b["rows_flag"], v):
+                        pass
+                    waits[team].append(time.perf_counter() - t)
+                thread.join()
+                base += 48
+        skip = 48  # the first token of each: warm-up
+        d = np.median(direct[skip:]) * 1e3
+        mb = misses * blob_mb
+        print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
+        print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
+        labels = {False: "token worker, two regions a layer:", True: "token worker, one team a token:   "}
+        for team, label in labels.items():
+            w = np.median(waits[team][skip:]) * 1e3
+            n = len(waits[team]) - skip
+            print(f"  {label} {w:.3f} ms flag to flag, {mb / w:.1f} GB/s (median of {n})")
 
 
 if __name__ == "__main__":

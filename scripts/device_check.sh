@@ -177,8 +177,10 @@ for kvs in ${RESIDENT_VARIANTS:-simple split}; do
 done
 # a decode layer's CPU rows flag to flag, 14 threads: the same experts every token (L3-friendly), then new
 # routing over 5.4 GB of experts (DRAM, as in the engine)
-step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10
-step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fresh --layers 48 --experts 64
+# (ROWS_MISSES: the CPU entries a layer, a list, default 6)
+step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10 --misses "${ROWS_MISSES:-6}"
+step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fresh --layers 48 --experts 64 \
+    --misses "${ROWS_MISSES:-6}"
 # the dense Q8_0 GEMV against copy bandwidth: both forms at 1 and 4 tokens
 step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
