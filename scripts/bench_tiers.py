@@ -135,7 +135,7 @@ def _layer_times(clock: LayerClock, depth: int, kind_of=None) -> dict:
 
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
               trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None,
-              layer_times: bool = False) -> dict:
+              layer_times: bool = False, team_sizes: list[int] | None = None) -> dict:
     model = loaded.model
     rng = np.random.default_rng(depth)
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
@@ -171,14 +171,58 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
             prof.disable()
             print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        timed = dataclasses.replace(tiers.metrics.counts)
+        team = _team_sweep(model, tiers, tok, state, n_decode, team_sizes) if team_sizes else []
+        tok = team[-1].pop("tok") if team else tok
+        tiers.metrics.counts = timed
         if trace_decode:  # after the timed steps, and out of their counts: the profiler slows them
-            timed = dataclasses.replace(tiers.metrics.counts)
             _trace_decode(model, tok, state, trace_decode, trace_out)
             tiers.metrics.counts = timed
     tiers.finish()
     s = tiers.metrics.summary()
-    return {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s,
-            **split}
+    out = {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s,
+           **split}
+    if team_sizes:
+        out["team_sweep"] = team
+    return out
+
+
+def _team_sweep(model, tiers, tok: int, state, n_decode: int, sizes: list[int]) -> list[dict]:
+    """The same decode again with the pipelined decode's CPU team at each size: tok/s and the CPU rows' ms a
+    token, in one process (one load, one host: the sizes compare fairly). The last entry keeps "tok"."""
+    rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
+    worker = getattr(rows, "worker", None)
+    if worker is None:
+        raise SystemExit("--team-sizes needs the pipelined decode (a CUDA device, decode graphs)")
+    first, out = worker.n_threads, []
+    for n in sizes:
+        worker.n_threads = n
+        tiers.metrics.counts = type(tiers.metrics.counts)()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            tok = int(model.forward([tok], state)[-1].argmax())
+        dt = time.perf_counter() - t0
+        tiers.finish()
+        s = tiers.metrics.summary()
+        out.append({"team": n, "decode_tok_s": n_decode / dt, "cpu_ms_per_token": s["cpu_ms_per_token"],
+                    "cpu_entries": s["cpu_entries"], "wait_ms_per_token": s["wait_ms_per_token"]})
+        print(f"team {n}: {n_decode / dt:.1f} tok/s, CPU rows {s['cpu_ms_per_token']:.2f} ms a token "
+              f"({s['cpu_entries'] / max(1, s['tokens']) / tiers.n_layers:.2f} entries a layer)", flush=True)
+    worker.n_threads = first
+    out[-1]["tok"] = tok
+    return out
+
+
+def _set_sched(kind: str) -> None:
+    """The primary context's scheduling flag (cuDevicePrimaryCtxSetFlags), before torch makes the context:
+    spin (the host thread spins while it waits for the device), yield, or blocking (it sleeps)."""
+    import ctypes
+
+    flags = {"spin": 1, "yield": 2, "blocking": 4}[kind]  # CU_CTX_SCHED_SPIN / _YIELD / _BLOCKING_SYNC
+    lib = ctypes.CDLL("libcuda.so.1")
+    if lib.cuInit(0) != 0 or lib.cuDevicePrimaryCtxSetFlags_v2(0, flags) != 0:
+        raise SystemExit(f"--sched {kind}: the driver refused cuDevicePrimaryCtxSetFlags")
 
 
 def main() -> None:
@@ -221,6 +265,11 @@ def main() -> None:
                     help="time each layer's expert call and the dense part before it during prefill (events)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
+    ap.add_argument("--team-sizes", default=None, metavar="N,N,...",
+                    help="after the first depth's timed decode, the same decode again with the pipelined "
+                    "decode's CPU team at each of these sizes (threads), in this order")
+    ap.add_argument("--sched", choices=["auto", "spin", "yield", "blocking"], default="auto",
+                    help="how the host thread waits for the device (the CUDA context's scheduling flag)")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
                     "non-resident expert once)")
     args = ap.parse_args()
@@ -229,6 +278,12 @@ def main() -> None:
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)
         os.environ["STRATA_GATHER_COPY"] = args.gather_copy
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        team_sizes = [int(n) for n in args.team_sizes.split(",")] if args.team_sizes else None
+    except ValueError:
+        raise SystemExit(f"--team-sizes: thread counts joined by commas, got {args.team_sizes!r}") from None
+    if args.sched != "auto":
+        _set_sched(args.sched)
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
     if not os.path.exists(path):
         t = time.perf_counter()
@@ -301,7 +356,8 @@ def main() -> None:
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
                       trace_prefill=args.trace_prefill == depth,
                       trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out,
-                      layer_times=args.layer_times)
+                      layer_times=args.layer_times,
+                      team_sizes=team_sizes if first else None)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

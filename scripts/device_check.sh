@@ -23,6 +23,7 @@
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
+#     team      decode at 8K on it, the CPU team at each TEAM_SIZES size, once per TEAM_SCHEDS host wait
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
 #               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program)
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
@@ -80,6 +81,8 @@ nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
     done
     echo "governor $(cat /sys/devices/system/cpu/cpu1/cpufreq/scaling_governor 2>/dev/null || echo none)"
     echo "cores $(nproc), $(grep -m1 'model name' /proc/cpuinfo)"
+    lscpu 2>/dev/null | grep -E "^(Thread|Core|Socket|NUMA node|L2|L3)"  # hyperthreads share a core's units
+    echo "transparent hugepages $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
     python -c "import numba, numba.np.ufunc.parallel as p; p._launch_threads(); print('numba', numba.__version__, 'threading layer', numba.threading_layer())"
 } 2>&1 | tee -a "$work/gpu.txt"
 # shellcheck disable=SC2086
@@ -145,6 +148,12 @@ for entry in ${PCIE_SHARES:-0 500 700 1000}; do
     IFS=: read -r ps ck <<< "$entry"
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
         "${decode[@]}" --json-out "$work/pcie-$ps-${ck:-32}.json"
+done
+# decode at 8K (24 GiB card) with the pipelined decode's CPU team at each TEAM_SIZES size in one process (default
+# "15,12,9,15,12,9"), once per TEAM_SCHEDS entry (the host thread's wait: auto spin yield blocking; default auto)
+for sc in ${TEAM_SCHEDS:-auto}; do
+    step team 200 env GOMP_SPINCOUNT=300000 "${decode[@]}" --team-sizes "${TEAM_SIZES:-15,12,9,15,12,9}" \
+        --sched "$sc" --json-out "$work/team-$sc.json"
 done
 # decode at 8K with the fused decode kernels off, then on (STRATA_FUSED_DECODE; GDN core, norms, combine, attention)
 for fd in ${FUSED_MODES:-0 1}; do
