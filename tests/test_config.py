@@ -220,11 +220,13 @@ def test_pcie_share_is_a_permille_env_switch():
     ("STRATA_DECODE_DEVICE_ATTENTION", "yes", "0 or 1"),
     ("STRATA_WORDS_CUDA", "true", "0 or 1"),
     ("STRATA_DENSE_CUDA", "on", "0 or 1"),
+    ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
-    config([], {name: "1" if name != "STRATA_STAGE_CHUNK_KIB" else "64"})  # good values pass
+    good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee"}.get(name, "1")
+    config([], {name: good})  # good values pass
     with pytest.raises(ConfigError) as e:
         config([], {name: value})
     assert str(e.value) == f"{name}: invalid value {value!r} (allowed: {allowed})"

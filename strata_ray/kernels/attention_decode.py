@@ -15,11 +15,20 @@ may see (causal: key j <= its position) and combines only its own splits. So a t
 depend on how many tokens share the call (a decode step gives the bits of the same token in a verify
 window), and the result is deterministic. Its sums run in other orders than the reference's: the two
 agree to rounding.
+
+The two products of a key tile run on the tensor cores as "tf32x3" (each float32 operand split into a TF32
+high part and a TF32 low part, three MMAs: float32-like error, ~1e-6 relative). As float32 FMAs ("ieee")
+Triton stages both operands through shared memory for every tile: under ncu the partial kernel sat at 86%
+of L1 / shared-memory throughput, 10% of DRAM, one 150 KB program an SM. On the H200 (session 15,
+scripts/bench_attention.py, graphed): 60.7 -> 34.8 us a layer at 8K keys, 250 -> 142 us at 32K; decode
+with every expert resident at 8K 190-191 -> 203 tok/s. STRATA_ATTN_DOT=ieee keeps the float32 FMAs (other
+bits, the same guarantees).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -37,7 +46,7 @@ tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launc
 
 def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H, Hkv, NS,
                        REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
-                       BK_: tl.constexpr, AT_DEVICE: tl.constexpr):
+                       BK_: tl.constexpr, AT_DEVICE: tl.constexpr, PREC: tl.constexpr):
     # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D]. Program (token x kv
     # head, p): splits p, p + P, ... (P programs on axis 1) that hold keys the token sees.
     # AT_DEVICE (a graph replays it at every position): the caches sit KVT[0] and KVT[1] floats from K (= V,
@@ -67,13 +76,13 @@ def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H,
             kv_off = (j[:, None].to(tl.int64) * Hkv + g) * D + d[None, :]  # [BK, D]
             kb = tl.load(K + kv_off, mask=live_k[:, None], other=0.0)
             vb = tl.load(V + kv_off, mask=live_k[:, None], other=0.0)  # with k: one memory wait a tile
-            sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [REP_P, BK]
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale  # [REP_P, BK]
             sc = tl.where(live_k[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite: every tile has a live key
             p = tl.exp(sc - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision=PREC)
             m_i = m_new
         row = (t * H + heads).to(tl.int64) * NS + s  # [REP_P]
         tl.store(M + row, m_i, mask=live_h)
@@ -125,6 +134,15 @@ def _kv_append_body(ANCHOR, KVT, POS, KN, VN, ROW, BLOCK: tl.constexpr):
         tl.store(vc + at + i, tl.load(VN + t * ROW + i, mask=live), mask=live)
 
 
+def _dot_precision() -> str:
+    """The key tiles' products (module docstring): STRATA_ATTN_DOT, "tf32x3" (the default) or "ieee" (the
+    config refuses other values; read at each launch, so a graph keeps the form it was captured with)."""
+    prec = os.environ.get("STRATA_ATTN_DOT", "tf32x3")
+    if prec not in ("ieee", "tf32x3"):
+        raise ValueError(f"STRATA_ATTN_DOT must be tf32x3 or ieee, got {prec!r}")
+    return prec
+
+
 @functools.cache
 def _kernels():
     # the runtime sizes unspecialized: a new cache length never compiles a new binary
@@ -173,7 +191,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tens
     partial, combine, _ = _kernels()
     partial[(T * Hkv, programs)](q.contiguous(), k, v, m, ell, acc, cell, table if at_device else m, q_offset,
                                  n_keys, scale, H, Hkv, ns, REP=H // Hkv, REP_P=max(16, next_pow2(H // Hkv)),
-                                 D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=at_device, num_warps=8)
+                                 D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=at_device, PREC=_dot_precision(),
+                                 num_warps=8)
     combine[(T * H,)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=SPLIT, SC=16,
                       AT_DEVICE=at_device, num_warps=4)
 

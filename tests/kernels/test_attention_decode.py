@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_ray.kernels.attention_decode import SPLIT, DeviceAttention, attention_decode
+from strata_ray.kernels.attention_decode import SPLIT, DeviceAttention, _dot_precision, attention_decode
 from strata_ray.model import ops
 from tests.kernels.triton_interpret import interpret
 
@@ -90,17 +90,35 @@ def test_interpreted_matches_reference():
     _cases("cpu", 4, 2, 32, shapes)
 
 
+def test_dot_precision_is_tf32x3_unless_set(monkeypatch):
+    monkeypatch.delenv("STRATA_ATTN_DOT", raising=False)
+    assert _dot_precision() == "tf32x3"
+    monkeypatch.setenv("STRATA_ATTN_DOT", "ieee")
+    assert _dot_precision() == "ieee"
+    monkeypatch.setenv("STRATA_ATTN_DOT", "tf32")
+    with pytest.raises(ValueError, match="tf32x3 or ieee"):
+        _dot_precision()
+
+
+# both forms of the key tiles' products (the tensor cores' tf32x3, the default; float32 FMAs)
+both_precisions = pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_matches_reference_80b_heads():
+@both_precisions
+def test_gpu_matches_reference_80b_heads(monkeypatch, precision):
     """The 80b-a3b's heads (16 query heads over 2 kv heads of 256), 1 to 16 tokens, up to 8K keys."""
+    monkeypatch.setenv("STRATA_ATTN_DOT", precision)
     _cases("cuda", 16, 2, 256, [(1, 1), (1, 33), (16, 222), (3, 1000), (1, 8192), (16, 8200)])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_device_attention_gives_attention_decode_bits():
+@both_precisions
+def test_gpu_device_attention_gives_attention_decode_bits(monkeypatch, precision):
     """The 80b-a3b's heads: DeviceAttention (the decode graphs' form) against attention_decode, bit for bit,
     up to 8K keys, with 256 programs a kv head and with 7 (each walking many splits)."""
+    monkeypatch.setenv("STRATA_ATTN_DOT", precision)
     _device_cases("cuda", 16, 2, 256, [0, 1, 33, 1000, 8191], capacity=8300, programs=256)
     _device_cases("cuda", 16, 2, 256, [222, 8191], capacity=8300, programs=7)
