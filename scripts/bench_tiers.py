@@ -189,7 +189,9 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
 
 def _team_sweep(model, tiers, tok: int, state, n_decode: int, sizes: list[int]) -> list[dict]:
     """The same decode again with the pipelined decode's CPU team at each size: tok/s and the CPU rows' ms a
-    token, in one process (one load, one host: the sizes compare fairly). The last entry keeps "tok"."""
+    token, in one process (one load, one host). The adaptive cache keeps learning from round to round (its
+    hit rate rises on a skewed model), so list the sizes interleaved and repeated. The last entry keeps
+    "tok"."""
     rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
     worker = getattr(rows, "worker", None)
     if worker is None:
