@@ -164,8 +164,10 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         t0 = time.perf_counter()
         if prof:
             prof.enable()
+        by_entries = _RowsByEntries(model, tiers)
         for _ in range(n_decode):
             tok = int(model.forward([tok], state)[-1].argmax())
+            by_entries.token()
         decode_s = time.perf_counter() - t0
         if prof:
             prof.disable()
@@ -184,7 +186,42 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
            **split}
     if team_sizes:
         out["team_sweep"] = team
+    if by_entries.counts.any():
+        out["cpu_rows_us_by_entries"] = by_entries.summary()
+        print("CPU rows a layer by its CPU entries (the worker's own time; layers):",
+              ", ".join(f"{m}: {us:.0f} us ({n})" for m, (us, n) in out["cpu_rows_us_by_entries"].items()),
+              flush=True)
     return out
+
+
+class _RowsByEntries:
+    """The pipelined decode's CPU rows a layer by how many CPU entries the layer had: the worker's busy cycles
+    and entry counts, read after each token (it keeps the last token's), summed by entry count. Separates
+    the rows' fixed cost a layer from their cost an entry in the engine itself (bench_token_rows.py measures
+    them without the GPU's PCIe reads beside them)."""
+
+    def __init__(self, model, tiers):
+        graphs = model.decode_graphs
+        self.worker = getattr(getattr(graphs, "rows", None), "worker", None) if graphs is not None else None
+        self.tiers = tiers
+        k = tiers.n_expert if self.worker is None else self.worker.k
+        self.counts = np.zeros(k + 1, np.int64)
+        self.cycles = np.zeros(k + 1, np.float64)
+
+    def token(self) -> None:
+        if self.worker is None or self.tiers.all_resident:
+            return
+        m = self.worker.n_miss
+        self.counts += np.bincount(m, minlength=self.counts.size)
+        self.cycles += np.bincount(m, weights=self.worker.busy, minlength=self.counts.size)
+
+    def summary(self) -> dict[int, tuple[float, int]]:
+        """{CPU entries: (mean us a layer, layers)} for the entry counts seen."""
+        from strata_ray.kernels.cpu_token_rows import cycles_per_second
+
+        rate = cycles_per_second() or 1.0
+        return {int(m): (float(self.cycles[m] / self.counts[m] / rate * 1e6), int(self.counts[m]))
+                for m in np.flatnonzero(self.counts)}
 
 
 def _team_sweep(model, tiers, tok: int, state, n_decode: int, sizes: list[int]) -> list[dict]:
