@@ -42,7 +42,17 @@ def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
     """Weighted sum of each token's k expert rows, in k order (the fixed order of the arithmetic contract).
 
     rows [N, K, E], weights [N, K] -> [N, E].
+
+    float32 CPU tensors go through numpy: the same one multiply and one add per k, each rounded to float32
+    as torch's ops round them (the same bits), without torch's dispatch (~25 us a decode layer on 2 cores).
     """
+    if (rows.device.type == "cpu" and rows.dtype == weights.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad))):
+        r, w = rows.detach().numpy(), weights.detach().numpy()  # views: [N, K, E], [N, K]
+        acc = r[:, 0] * w[:, 0:1]
+        for k in range(1, r.shape[1]):
+            acc = acc + r[:, k] * w[:, k : k + 1]
+        return torch.from_numpy(acc)
     slot_rows, slot_weights = rows.unbind(1), weights.split(1, dim=1)  # K views each: [N, E], [N, 1]
     out = slot_rows[0] * slot_weights[0]
     for row, weight in zip(slot_rows[1:], slot_weights[1:], strict=True):
