@@ -194,6 +194,13 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
     return out
 
 
+def _pipelined_worker(model):
+    """The pipelined decode's CPU worker (kernels/cpu_token_rows.CpuTokenRows), or None without one (no
+    decode graphs, or their rows are not the pipelined form)."""
+    rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
+    return getattr(rows, "worker", None)
+
+
 class _RowsByEntries:
     """The pipelined decode's CPU rows a layer by how many CPU entries the layer had: the worker's busy cycles
     and entry counts, read after each token (it keeps the last token's), summed by entry count. Separates
@@ -201,10 +208,8 @@ class _RowsByEntries:
     them without the GPU's PCIe reads beside them)."""
 
     def __init__(self, model, tiers):
-        graphs = model.decode_graphs
-        self.worker = getattr(getattr(graphs, "rows", None), "worker", None) if graphs is not None else None
-        self.tiers = tiers
-        k = tiers.n_expert if self.worker is None else self.worker.k
+        self.worker, self.tiers = _pipelined_worker(model), tiers
+        k = 0 if self.worker is None else self.worker.k  # no worker: nothing is ever counted
         self.counts = np.zeros(k + 1, np.int64)
         self.cycles = np.zeros(k + 1, np.float64)
 
@@ -229,8 +234,7 @@ def _team_sweep(model, tiers, tok: int, state, n_decode: int, sizes: list[int]) 
     token, in one process (one load, one host). The adaptive cache keeps learning from round to round (its
     hit rate rises on a skewed model), so list the sizes interleaved and repeated. The last entry keeps
     "tok"."""
-    rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
-    worker = getattr(rows, "worker", None)
+    worker = _pipelined_worker(model)
     if worker is None:
         raise SystemExit("--team-sizes needs the pipelined decode (a CUDA device, decode graphs)")
     first, out = worker.n_threads, []
