@@ -143,6 +143,8 @@ def knob_sweep(rows, variant, x, calls, want, slots, wname, n_tok, nbytes, reps)
         return [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant) for t, s_ in calls]
 
     base = dict(knobs_now)
+    if variant == "words" and n_tok > 1:  # only the CUDA C form takes tiles of several entries
+        sweep = [k for k in sweep if k.get("cuda")]
     try:
         for knobs in sweep:
             knobs_now.update(base, **knobs)
@@ -289,8 +291,8 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                              f"{n_tok} tok x top-{TOP_K} ({experts:.0f} experts)",
                              f"{dt * 1e6:.1f} us (all kernels {dev_s / len(calls) * 1e6:.1f} us{graph_note})",
                              f"{gbs:.0f} GB/s ({pct:.0f}% of copy), {bits}"))
-                # the words tile serves one token (more take the simple tile)
-                sweep_toks = {"split": (1, 8), "words": (1,)}.get(variant, ())
+                # the Triton words tile serves one token, its CUDA C form 1-8 (more take the simple tile)
+                sweep_toks = {"split": (1, 8), "words": (1, 4, 8)}.get(variant, ())
                 if sweeps and n_tok in sweep_toks and wtype in (Q4_0, Q8_0):
                     knob_sweep(rows, variant, x, calls, want, slots, type_name(wtype), n_tok, experts * per,
                                reps)

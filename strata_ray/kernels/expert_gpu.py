@@ -12,7 +12,8 @@ in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
 - "words" (default): one-token decode launches of Q4_0 layers (Q8_0: opt-in) take the words tile
   (expert_words.py: weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on
-  the H200 (session 9); every other launch is the simple one's.
+  the H200 (session 9); with cupy, Q4_0 decode launches of 1-8 tokens take its CUDA C form
+  (expert_rows_cuda.py: a tile's entries share the weight words); every other launch is the simple one's.
 - "simple": the first kernels (one 32-block per step), proven bit-identical to the CPU on the H200.
 - "wide": decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
   chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
-from .expert_words import launch_words, words_supported
+from .expert_words import launch_words
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, row_offsets, swiglu
 from .triton_chunks import mm_chunked
 
@@ -312,9 +313,8 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
     if variant == "split" and not use_dot and not is_float:  # decode tiles; prompt tiles stay simple
         _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated)
         return
-    if (variant == "words" and not use_dot and not is_float
-            and words_supported(mats[0][1], mats[1][1], k, bt, (mats[0][0], mats[1][0]))):  # else simple
-        launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)
+    if (variant == "words" and not use_dot and not is_float  # else, or where no words form serves: simple
+            and launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)):
         return
     wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)
     (w1, t1), (w2, t2) = mats

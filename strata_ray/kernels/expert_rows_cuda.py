@@ -55,25 +55,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
-    float* __restrict__ OUT, int R)
+    float* __restrict__ OUT, int R, int M)
 {
     __shared__ int part_s[WARPS][GROUPS][WPR];   // each word's integer products
     __shared__ float d_s[WARPS][GROUPS][NB];     // each block's weight scale
-    __shared__ float term_s[WARPS][GROUPS][RPW][NB];  // each row's blocks' fp32 terms
-    __shared__ int act_s[2][WPR];                 // the codes at each word's bytes: low, high nibbles
-    __shared__ float ad_s[NB];                    // the activation's block scales
-    __shared__ int as_s[NB];                      // and code sums
+    __shared__ float term_s[WARPS][GROUPS][BT][RPW][NB];  // each entry's rows' blocks' fp32 terms
+    __shared__ int act_s[BT][2][WPR];             // each entry's codes at each word's bytes: lo, hi nibbles
+    __shared__ float ad_s[BT][NB];                // each entry's activation block scales
+    __shared__ int as_s[BT][NB];                  // and code sums
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
-    const long long slot = SORTED_SLOT[start];
-    const long long ent = ORDER[start];
-    const long long arow = ACT_ROW[ent];
+    const int slot_id = SORTED_SLOT[start];
+    const long long slot = slot_id;
+    // the tile: the sorted entries from start that share its slot, at most BT (plan_tiles cut them so)
+    int n_ent = 1;
+    while (n_ent < BT && start + n_ent < M && SORTED_SLOT[start + n_ent] == slot_id) ++n_ent;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = lane / G, g = lane % G;
     const int K = 64 * NP;
-    const signed char* aq = AQ + arow * K;
-    const float* ad = AD + arow * NB;
-    const int* as = AS + arow * NB;
     const int n_rows = TWO ? 2 * R : R;
 
     // this row group's rows: every word of them loaded before any arithmetic
@@ -92,9 +91,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             words[r][j] = live ? __ldg(wrow + g + G * j) : 0u;
     }
 
-    // while they come: the activation codes at each word's bytes, packed four a word (dp4a's operand), once
-    // a CTA (one entry, one activation row)
-    for (int i = threadIdx.x; i < WPR; i += WARPS * 32) {
+    // while they come: each entry's activation codes at each word's bytes, packed four a word (dp4a's
+    // operand), once a CTA
+    for (int ei = threadIdx.x; ei < n_ent * WPR; ei += WARPS * 32) {
+        const int e = ei / WPR, i = ei % WPR;
+        const signed char* aq = AQ + (long long)ACT_ROW[ORDER[start + e]] * K;
         const int p = i / 9, w = i % 9;
         unsigned lo = 0, hi = 0;
 #pragma unroll
@@ -108,46 +109,54 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
                 hi |= (unsigned)(unsigned char)aq[base + 16] << (8 * t);
             }
         }
-        act_s[0][i] = (int)lo;
-        act_s[1][i] = (int)hi;
+        act_s[e][0][i] = (int)lo;
+        act_s[e][1][i] = (int)hi;
     }
-    for (int b = threadIdx.x; b < NB; b += WARPS * 32) {
-        ad_s[b] = ad[b];
-        as_s[b] = as[b];
+    for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
+        const int e = eb / NB, b = eb % NB;
+        const long long arow = ACT_ROW[ORDER[start + e]];
+        ad_s[e][b] = AD[arow * NB + b];
+        as_s[e][b] = AS[arow * NB + b];
     }
     __syncthreads();
 
+    // each entry of the tile in turn over the same weight words (registers), the one-entry arithmetic: an
+    // entry's rows do not depend on the others of its tile
+    for (int e = 0; e < n_ent; ++e) {
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
+        for (int r = 0; r < RPW; ++r) {
 #pragma unroll
-        for (int j = 0; j < WL; ++j) {
-            const int i = g + G * j, w = i % 9;
-            const unsigned x = words[r][j];
-            int v = __dp4a((int)(x & 0x0F0F0F0Fu), act_s[0][i], 0);
-            v = __dp4a((int)((x >> 4) & 0x0F0F0F0Fu), act_s[1][i], v);
-            part_s[warp][grp][i] = v;
-            if (w == 0) d_s[warp][grp][2 * (i / 9)] = half_bits(x & 0xFFFFu);
-            if (w == 4) d_s[warp][grp][2 * (i / 9) + 1] = half_bits(x >> 16);
+            for (int j = 0; j < WL; ++j) {
+                const int i = g + G * j, w = i % 9;
+                const unsigned x = words[r][j];
+                int v = __dp4a((int)(x & 0x0F0F0F0Fu), act_s[e][0][i], 0);
+                v = __dp4a((int)((x >> 4) & 0x0F0F0F0Fu), act_s[e][1][i], v);
+                part_s[warp][grp][i] = v;
+                if (w == 0) d_s[warp][grp][2 * (i / 9)] = half_bits(x & 0xFFFFu);
+                if (w == 4) d_s[warp][grp][2 * (i / 9) + 1] = half_bits(x >> 16);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int m = 0; m < NB / G; ++m) {
+                const int b = g + G * m, p = b >> 1, first = 9 * p + 5 * (b & 1), n = (b & 1) ? 4 : 5;
+                int dot = 0;
+                for (int u = 0; u < n; ++u) dot += part_s[warp][grp][first + u];
+                dot -= 8 * as_s[e][b];
+                const float scale = d_s[warp][grp][b] * ad_s[e][b];
+                term_s[warp][grp][e][r][b] = (float)dot * scale;
+            }
+            __syncwarp();  // part_s and d_s are the next row's
         }
-        __syncwarp();
-#pragma unroll
-        for (int m = 0; m < NB / G; ++m) {
-            const int b = g + G * m, p = b >> 1, first = 9 * p + 5 * (b & 1), n = (b & 1) ? 4 : 5;
-            int dot = 0;
-            for (int u = 0; u < n; ++u) dot += part_s[warp][grp][first + u];
-            dot -= 8 * as_s[b];
-            const float scale = d_s[warp][grp][b] * ad_s[b];
-            term_s[warp][grp][r][b] = (float)dot * scale;
-        }
-        __syncwarp();  // part_s and d_s are the next row's
     }
 
-    // the fold: lane r of the row group adds row r's terms in block order (RPW rows side by side)
-    for (int r = g; r < RPW; r += G) {
-        const int row = row0 + r;
+    // the fold: lane c of the row group adds the terms of (entry, row) c / RPW, c % RPW in block order, the
+    // tile's entries and rows side by side
+    for (int c = g; c < n_ent * RPW; c += G) {
+        const int e = c / RPW, r = c % RPW, row = row0 + r;
         if (row < n_rows) {
             float acc = 0.0f;
-            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][r][b];
+            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][e][r][b];
+            const long long ent = ORDER[start + e];
             const int which = TWO && row >= R;
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
@@ -156,13 +165,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
 """
 
 
-def cuda_rows_serves(k: int) -> bool:
-    """Whether the CUDA form serves Q4_0 rows of k values: a whole number of block pairs, at most 36 words a
-    lane a row (the registers of RPW rows in flight)."""
-    if k % 64:
+def cuda_rows_serves(k: int, bt: int = 1) -> bool:
+    """Whether the CUDA form serves Q4_0 rows of k values in tiles of up to bt entries: a whole number of
+    block pairs, at most 36 words a lane a row (the registers of RPW rows in flight), and the CTA's shared
+    memory within the 48 KiB a kernel may declare statically."""
+    if k % 64 or bt < 1:
         return False
     np_ = k // 64
-    return 9 * np_ // _lanes(np_) <= 36
+    from .expert_words import WORDS
+
+    smem = shared_bytes(np_, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"])
+    return 9 * np_ // _lanes(np_) <= 36 and smem <= 48 << 10
+
+
+def shared_bytes(np_: int, bt: int, rpw: int, warps: int) -> int:
+    """The kernel's static shared memory: part_s, d_s, term_s, act_s, ad_s and as_s (4-byte elements)."""
+    wpr, nb, groups = 9 * np_, 2 * np_, 32 // _lanes(np_)
+    return 4 * (warps * groups * (wpr + nb + bt * rpw * nb) + bt * (2 * wpr + 2 * nb))
 
 
 def _lanes(np_: int) -> int:
@@ -171,34 +190,37 @@ def _lanes(np_: int) -> int:
 
 
 @functools.cache
-def _kernel(np_: int, two: bool, rpw: int, warps: int, device: int):
+def _kernel(np_: int, two: bool, bt: int, rpw: int, warps: int, device: int):
     g = _lanes(np_)
-    defines = (f"-DNP={np_}", f"-DG={g}", f"-DWL={9 * np_ // g}", f"-DRPW={rpw}", f"-DWARPS={warps}",
-               f"-DTWO={int(two)}")
+    defines = (f"-DNP={np_}", f"-DG={g}", f"-DWL={9 * np_ // g}", f"-DBT={bt}", f"-DRPW={rpw}",
+               f"-DWARPS={warps}", f"-DTWO={int(two)}")
     return nvrtc.build(_SOURCE, "q4_0_rows", ("--fmad=false", *defines), device)
 
 
-def cuda_rows_kernel(k: int, two: bool, device: int):
-    """The compiled kernel for rows of k values on CUDA device `device`, or None where it cannot be built (an
-    NVRTC or driver too old for the GPU, say): the Triton tile then, with the same bits, after one warning."""
+def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1):
+    """The compiled kernel for rows of k values in tiles of up to bt entries on CUDA device `device`, or None
+    where it cannot be built (an NVRTC or driver too old for the GPU, say): the Triton tile then, with the
+    same bits, after one warning."""
     from .expert_words import WORDS
 
-    key = (k // 64, two, WORDS["cuda_rpw"], WORDS["cuda_warps"], device)  # rows in flight a row group, warps
+    key = (k // 64, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device)  # rows in flight a group, warps
     return nvrtc.build_or_none(("q4_0_rows", *key), lambda: _kernel(*key), "expert rows",
                                "the Triton tile takes their launches (the same bits)")
 
 
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool) -> bool:
-    """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's one-entry
-    tiles, on the current torch stream; False (nothing launched) where the kernel cannot be built here."""
+    """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's tiles
+    (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the current torch stream;
+    False (nothing launched) where the kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
+    bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
-    if not cuda_rows_serves(k):
-        raise KernelError(f"the CUDA expert rows do not serve rows of {k} values")
+    if not cuda_rows_serves(k, bt):
+        raise KernelError(f"the CUDA expert rows do not serve rows of {k} values in tiles of {bt} entries")
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    kern = cuda_rows_kernel(k, two, dev)
+    kern = cuda_rows_kernel(k, two, dev, bt)
     if kern is None:
         return False
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
@@ -209,7 +231,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool)
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
     ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
-            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r))
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, warps * 32, args, dev)
     return True
 

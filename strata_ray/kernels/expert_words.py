@@ -52,12 +52,25 @@ _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, 
 
 
 def words_supported(t1: int, t2: int, k: int, bt: int, mats: tuple = ()) -> bool:
-    """Whether the words tile serves a launch: one weight type of the two, in WORDS["types"] (Q4_0, and
-    Q8_0 when added), a whole number of chunks a row, tiles of one entry, and the weight tensors (mats, uint8
-    [S, rows, row_bytes]) starting and striding on 4-byte words."""
+    """Whether the Triton words tile serves a launch: one weight type of the two, in WORDS["types"] (Q4_0,
+    and Q8_0 when added), a whole number of chunks a row, tiles of one entry, and the weight tensors (mats,
+    uint8 [S, rows, row_bytes]) on 4-byte words."""
     return (bt == 1 and t1 == t2 and t1 in _PAIR and t1 in WORDS["types"]
-            and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0
-            and all(w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 for w in mats))
+            and (k // 32) % (2 * WORDS["chunk_pairs"]) == 0 and _on_words(mats))
+
+
+def _on_words(mats: tuple) -> bool:
+    """Whether the weight tensors start and stride on 4-byte words (the words tiles read them as words)."""
+    return all(w.data_ptr() % 4 == 0 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0 for w in mats)
+
+
+def cuda_words_serve(t1: int, t2: int, k: int, bt: int, mats: tuple, device: torch.device) -> bool:
+    """Whether the CUDA C form (expert_rows_cuda) takes a launch: on, Q4_0 gate / up or down on a CUDA device,
+    rows and tiles of up to bt entries it serves, the weights on 4-byte words."""
+    from .expert_rows_cuda import cuda_rows_on, cuda_rows_serves
+
+    return (t1 == t2 == Q4_0 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k, bt)
+            and _on_words(mats))
 
 
 @triton.jit
@@ -199,14 +212,11 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
 
 
 @triton.jit
-def _swiglu_quant_kernel(GU, HQ, HD, HS, ORDER, TILE_START, R, NBB: tl.constexpr):
+def _swiglu_quant_kernel(GU, HQ, HD, HS, R, NBB: tl.constexpr):
     """The gated tile's tail for split gate / up programs: GU f32 [M, 2, R] (gate rows, then up rows) ->
     h = swiglu(gate, up) requantized into HQ int8 [M, R], HD f32 / HS int32 [M, R / 32]: the very ops of the
-    fused tile. Program (tile of one entry, NBB 32-blocks)."""
-    start = tl.load(TILE_START + tl.program_id(0))
-    if start < 0:
-        return
-    ent = tl.load(ORDER + start).to(tl.int64)
+    fused tile. Program (entry, NBB 32-blocks)."""
+    ent = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NBB + tl.arange(0, NBB)  # [NBB]
     cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBB, 32]
     g = tl.load(GU + ent * 2 * R + cols)
@@ -217,11 +227,10 @@ def _swiglu_quant_kernel(GU, HQ, HD, HS, ORDER, TILE_START, R, NBB: tl.constexpr
     tl.store(HS + ent * (R // 32) + blk, s)
 
 
-def _swiglu_tail(gu, hq, hd, hs, order, tile_start, r) -> None:
-    """h = swiglu(gate, up) of GU [M, 2, R] requantized into hq / hd / hs (one launch)."""
+def _swiglu_tail(gu, hq, hd, hs, r) -> None:
+    """h = swiglu(gate, up) of GU [M, 2, R] requantized into hq / hd / hs (one launch over the M entries)."""
     nbb = min(16, (r // 32) & -(r // 32))  # a power of two dividing the row's 32-blocks
-    _swiglu_quant_kernel[(tile_start.numel(), r // 32 // nbb)](gu, hq, hd, hs, order, tile_start, r,
-                                                               NBB=nbb, num_warps=4, **_OPTS)
+    _swiglu_quant_kernel[(hq.shape[0], r // 32 // nbb)](gu, hq, hd, hs, r, NBB=nbb, num_warps=4, **_OPTS)
 
 
 def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:
@@ -235,24 +244,21 @@ def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
     if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True):
         return False
-    _swiglu_tail(gu, hq, hd, hs, plan[0], plan[2], r)
+    _swiglu_tail(gu, hq, hd, hs, r)
     return True
 
 
-def _cuda_serves(t: int, k: int, device: torch.device) -> bool:
-    """Whether the CUDA C form takes a launch: on, Q4_0 on a CUDA device, rows it serves."""
-    from .expert_rows_cuda import cuda_rows_on, cuda_rows_serves
-
-    return t == Q4_0 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k)
-
-
-def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> None:
-    """One launch of the words tile over the plan's one-entry tiles (words_supported must hold)."""
-    if (_cuda_serves(mats[0][1], k, act[0].device)
+def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> bool:
+    """One launch of the words tiles: the CUDA C form where it serves (tiles of up to 8 entries), else the
+    Triton tile (tiles of one entry); False (nothing launched) where neither takes it."""
+    (w1, t), (w2, t2) = mats
+    bt = plan[3]
+    if (cuda_words_serve(t, t2, k, bt, (w1, w2), act[0].device)
             and _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
-        return
+        return True
+    if not words_supported(t, t2, k, bt, (w1, w2)):
+        return False
     order, sorted_slot, tile_start, _ = plan
-    (w1, t), (w2, _) = mats
     aq, ad, asum, _ = act
     wp, wpp, s, bb, db = _PAIR[t]
     n_blocks = k // 32
@@ -269,4 +275,5 @@ def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_til
         BB=bb, DB=db, DP4A=WORDS["dp4a"] and os.environ.get("TRITON_INTERPRET") != "1", SPLIT_GU=split,
         num_warps=WORDS["down_warps" if split or not gated else "gu_warps"], **_OPTS)
     if split:
-        _swiglu_tail(dest, hq, hd, hs, order, tile_start, r)
+        _swiglu_tail(dest, hq, hd, hs, r)
+    return True

@@ -54,14 +54,18 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert not cuda_rows_serves(96)  # 3 blocks: not whole pairs
     assert not cuda_rows_serves(64 * 9)  # 9 pairs: one lane a row, 81 words
     assert cuda_rows_serves(4096)  # 64 pairs: 32 lanes of 18 words
+    assert cuda_rows_serves(2048, 8) and cuda_rows_serves(512, 8)  # the 80b-a3b's verify windows
+    assert cuda_rows_serves(4096, 2) and not cuda_rows_serves(4096, 4)  # 4 entries' codes: over 48 KiB
 
 
-def _check(layer: ExpertLayer, n_ent: int, seed: int = 0) -> None:
+def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
+    """n_ent entries of n_tok tokens (tiles of up to next_pow2(n_tok) entries of one expert) over the layer's
+    experts: the GPU rows, every element written, equal the CPU rows bit for bit."""
     from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
     rng = np.random.default_rng(seed + n_ent)
-    x = (rng.standard_normal((1, layer.n_embd)) * 2).astype(np.float32)
-    tok = np.zeros(n_ent, np.int32)
+    x = (rng.standard_normal((n_tok, layer.n_embd)) * 2).astype(np.float32)
+    tok = rng.integers(0, n_tok, n_ent).astype(np.int32)
     n_expert = layer.gate.shape[0]
     exp = rng.integers(0, n_expert, n_ent).astype(np.int32)
     want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
@@ -85,10 +89,17 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     _check(wide, 10)
     _check(_layer(256, 768, 5), 33)  # 4 lanes a gate row, 12 pairs (27 words a lane) a down row
     _check(_layer(512, 128, 5, down=Q8_0), 1)  # a Q8_0 down takes the Triton tile
+    # verify windows: tiles of several entries of one expert share its weight words
+    for n_tok, n_ent in [(2, 20), (3, 33), (8, 80), (8, 222)]:
+        _check(wide, n_ent, n_tok=n_tok)
+    _check(_layer(256, 768, 5), 33, n_tok=5)  # 8 entries a tile, 4 lanes a gate row
+    _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row at 8 entries: over the shared memory,
+    # the simple tile
     for rpw, warps in [(1, 2), (4, 8)]:
         monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
         _check(wide, 10)
         _check(_layer(256, 768, 5), 3)
+        _check(wide, 40, n_tok=4)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
