@@ -6,19 +6,24 @@ cross-thread sums, and Triton leaves no say in which thread holds which value (s
 with every word of a program's rows in one load and the block terms folded through a scratch buffer: 44-63
 us a layer against the tile's 38, the same bits, dropped). Here a row belongs to G lanes of a warp
 (G = 32 for 2048 values, 8 for 512), each lane loading 9 * pairs / G words of it at a stride of G words
-(coalesced), every row of the warp's RPW rows issued before any arithmetic:
+(coalesced), every row of the warp's RPW rows issued before any arithmetic. A CTA is a tile: up to BT
+entries (tokens of a verify window) routed to one expert, each entry's rows from the same weight words.
 
-    lane g of a row, word i = g + G j:  pair p = i / 9, word w = i % 9 of it (Q4_0 pair: 36 bytes, 9 words)
-    per word:   v = dp4a(w & 0x0F0F0F0F, codes lo) + dp4a((w >> 4) & 0x0F0F0F0F, codes hi)  (exact ints)
-    per block:  dot = sum of its words' v (shared memory), term = float(dot - 8 * asum) * (d * ad)
-    per row:    one lane adds the terms to 0.0 in block order (lane r of a row group folds its row r, the
-                group's RPW rows side by side)
+    a row's words pass through shared memory to the lanes of its pairs: lane g holds pairs g + G q, whole
+    per pair:   36 bytes, 9 words [d0 d0 q0..q15 d1 d1 q0..q15]; the first block's codes realigned by one
+                __byte_perm a word; then per block and entry, exact integers and the contract's fp32:
+                dot = sum of 4 words' dp4a(w & 0x0F0F0F0F, codes lo) + dp4a((w >> 4) & 0x0F0F0F0F, codes hi)
+                term = float(dot - 8 * asum) * (d * ad)
+    per row:    one lane adds the terms to 0.0 in block order (lane c of a row group folds (entry, row) c,
+                the tile's entries and rows side by side)
 
-The codes at a word's bytes are the token's activation codes at those places (0 on the scale bytes), built
-in shared memory once a CTA (one entry) while the weight loads are in flight. The integers are exact in any
-order and the fp32 steps are the contract's (compiled with --fmad=false), so the rows are the simple tile's,
-the CPU's, to the bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization
-launch follows, as for the split words tile.
+Session 15's form kept the coalesced words on their lanes and summed each block's word products through
+shared memory (a division by 9 and a 4-or-5-term sum per word): ncu found it instruction bound (0.60 issued a
+scheduler cycle, DRAM 15%). The activation codes are the token's int8 codes read four a word, built in shared
+memory once a CTA while the weight loads are in flight. The integers are exact in any order and the fp32
+steps are the contract's (compiled with --fmad=false), so the rows are the simple tile's, the CPU's, to the
+bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization launch follows, as for
+the split words tile.
 
 cupy is imported only when the form is on (kernels/nvrtc): CPU machines never load it. `row_reference` is the
 kernel's plain twin in numpy (the same lanes, words, codes and fold), tested against the contract on CPU.
@@ -43,10 +48,12 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// NP pairs a row, G lanes a row, WL = 9 NP / G words a lane a row, RPW rows a row group, TWO: gate and up
-// rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
+// NP pairs a row, G lanes a row, WL = 9 NP / G words a lane a row, NPL = NP / G pairs a lane, BT entries at
+// most a tile, RPW rows a row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into
+// OUT [M, R].
 #define WPR (9 * NP)
 #define NB (2 * NP)
+#define NPL (NP / G)
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
 
@@ -57,12 +64,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
     float* __restrict__ OUT, int R, int M)
 {
-    __shared__ int part_s[WARPS][GROUPS][WPR];   // each word's integer products
-    __shared__ float d_s[WARPS][GROUPS][NB];     // each block's weight scale
+    __shared__ unsigned stage_s[WARPS][GROUPS][WPR];  // a row's words, from the coalesced loads to pair lanes
     __shared__ float term_s[WARPS][GROUPS][BT][RPW][NB];  // each entry's rows' blocks' fp32 terms
-    __shared__ int act_s[BT][2][WPR];             // each entry's codes at each word's bytes: lo, hi nibbles
-    __shared__ float ad_s[BT][NB];                // each entry's activation block scales
-    __shared__ int as_s[BT][NB];                  // and code sums
+    __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
+    __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
+    __shared__ __align__(8) int as_s[BT][NB];        // and code sums
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
     const int slot_id = SORTED_SLOT[start];
@@ -75,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     const int K = 64 * NP;
     const int n_rows = TWO ? 2 * R : R;
 
-    // this row group's rows: every word of them loaded before any arithmetic
+    // this row group's rows: every word of them loaded (coalesced: lane g takes words g + G j) before any
+    // arithmetic
     const int row0 = blockIdx.x * ROWS_CTA + (warp * GROUPS + grp) * RPW;
     unsigned words[RPW][WL];
 #pragma unroll
@@ -91,26 +98,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             words[r][j] = live ? __ldg(wrow + g + G * j) : 0u;
     }
 
-    // while they come: each entry's activation codes at each word's bytes, packed four a word (dp4a's
-    // operand), once a CTA
-    for (int ei = threadIdx.x; ei < n_ent * WPR; ei += WARPS * 32) {
-        const int e = ei / WPR, i = ei % WPR;
-        const signed char* aq = AQ + (long long)ACT_ROW[ORDER[start + e]] * K;
-        const int p = i / 9, w = i % 9;
-        unsigned lo = 0, hi = 0;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int o = 4 * w + t;  // byte in the pair: [d0 d0 q0..q15 d1 d1 q0..q15]
-            const int second = o >= 18;
-            const int pos = o - 2 - 18 * second;
-            if (pos >= 0) {
-                const int base = (2 * p + second) * 32 + pos;
-                lo |= (unsigned)(unsigned char)aq[base] << (8 * t);
-                hi |= (unsigned)(unsigned char)aq[base + 16] << (8 * t);
-            }
-        }
-        act_s[e][0][i] = (int)lo;
-        act_s[e][1][i] = (int)hi;
+    // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA
+    for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
+        const int e = ei / (K / 4), wi = ei % (K / 4);
+        const int* aq = (const int*)(AQ + (long long)ACT_ROW[ORDER[start + e]] * K);
+        act_s[e][wi & 7][wi >> 3] = aq[wi];
     }
     for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
         const int e = eb / NB, b = eb % NB;
@@ -120,34 +112,58 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     }
     __syncthreads();
 
-    // each entry of the tile in turn over the same weight words (registers), the one-entry arithmetic: an
-    // entry's rows do not depend on the others of its tile
-    for (int e = 0; e < n_ent; ++e) {
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) {
+    for (int r = 0; r < RPW; ++r) {
+        // the row's words to the lanes of its pairs: lane g holds pairs g + G q (9 words each)
 #pragma unroll
-            for (int j = 0; j < WL; ++j) {
-                const int i = g + G * j, w = i % 9;
-                const unsigned x = words[r][j];
-                int v = __dp4a((int)(x & 0x0F0F0F0Fu), act_s[e][0][i], 0);
-                v = __dp4a((int)((x >> 4) & 0x0F0F0F0Fu), act_s[e][1][i], v);
-                part_s[warp][grp][i] = v;
-                if (w == 0) d_s[warp][grp][2 * (i / 9)] = half_bits(x & 0xFFFFu);
-                if (w == 4) d_s[warp][grp][2 * (i / 9) + 1] = half_bits(x >> 16);
+        for (int j = 0; j < WL; ++j) stage_s[warp][grp][g + G * j] = words[r][j];
+        __syncwarp();
+        unsigned lo[NPL][8], hi[NPL][8];  // nibbles of blocks 2p (k < 4) and 2p + 1 (k >= 4), by dp4a word
+        float d[NPL][2];
+#pragma unroll
+        for (int q = 0; q < NPL; ++q) {
+            const unsigned* pw = &stage_s[warp][grp][9 * (g + G * q)];
+            unsigned w[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) w[i] = pw[i];
+            // pair bytes [d0 d0 q0..q15 d1 d1 q0..q15]: the first block's codes sit two bytes into a word
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const unsigned a = __byte_perm(w[k], w[k + 1], 0x5432), b = w[5 + k];
+                lo[q][k] = a & 0x0F0F0F0Fu;
+                hi[q][k] = (a >> 4) & 0x0F0F0F0Fu;
+                lo[q][4 + k] = b & 0x0F0F0F0Fu;
+                hi[q][4 + k] = (b >> 4) & 0x0F0F0F0Fu;
             }
-            __syncwarp();
+            d[q][0] = half_bits(w[0] & 0xFFFFu);
+            d[q][1] = half_bits(w[4] >> 16);
+        }
+        __syncwarp();  // stage_s is the next row's
+
+        // each entry of the tile over the same words (registers), the one-entry arithmetic: an entry's rows
+        // do not depend on the others of its tile
+        for (int e = 0; e < n_ent; ++e) {
 #pragma unroll
-            for (int m = 0; m < NB / G; ++m) {
-                const int b = g + G * m, p = b >> 1, first = 9 * p + 5 * (b & 1), n = (b & 1) ? 4 : 5;
-                int dot = 0;
-                for (int u = 0; u < n; ++u) dot += part_s[warp][grp][first + u];
-                dot -= 8 * as_s[e][b];
-                const float scale = d_s[warp][grp][b] * ad_s[e][b];
-                term_s[warp][grp][e][r][b] = (float)dot * scale;
+            for (int q = 0; q < NPL; ++q) {
+                const int b0 = 2 * (g + G * q);
+                int dot[2] = {0, 0};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int2 c_lo = *(const int2*)&act_s[e][k][b0];  // code words k of blocks b0, b0 + 1
+                    const int2 c_hi = *(const int2*)&act_s[e][4 + k][b0];
+                    dot[0] = __dp4a((int)lo[q][k], c_lo.x, dot[0]);
+                    dot[0] = __dp4a((int)hi[q][k], c_hi.x, dot[0]);
+                    dot[1] = __dp4a((int)lo[q][4 + k], c_lo.y, dot[1]);
+                    dot[1] = __dp4a((int)hi[q][4 + k], c_hi.y, dot[1]);
+                }
+                const float2 ad = *(const float2*)&ad_s[e][b0];
+                const int2 as = *(const int2*)&as_s[e][b0];
+                term_s[warp][grp][e][r][b0] = (float)(dot[0] - 8 * as.x) * (d[q][0] * ad.x);
+                term_s[warp][grp][e][r][b0 + 1] = (float)(dot[1] - 8 * as.y) * (d[q][1] * ad.y);
             }
-            __syncwarp();  // part_s and d_s are the next row's
         }
     }
+    __syncwarp();
 
     // the fold: lane c of the row group adds the terms of (entry, row) c / RPW, c % RPW in block order, the
     // tile's entries and rows side by side
@@ -155,6 +171,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
         const int e = c / RPW, r = c % RPW, row = row0 + r;
         if (row < n_rows) {
             float acc = 0.0f;
+#pragma unroll
             for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][e][r][b];
             const long long ent = ORDER[start + e];
             const int which = TWO && row >= R;
@@ -179,9 +196,9 @@ def cuda_rows_serves(k: int, bt: int = 1) -> bool:
 
 
 def shared_bytes(np_: int, bt: int, rpw: int, warps: int) -> int:
-    """The kernel's static shared memory: part_s, d_s, term_s, act_s, ad_s and as_s (4-byte elements)."""
+    """The kernel's static shared memory: stage_s, term_s, act_s, ad_s and as_s (4-byte elements)."""
     wpr, nb, groups = 9 * np_, 2 * np_, 32 // _lanes(np_)
-    return 4 * (warps * groups * (wpr + nb + bt * rpw * nb) + bt * (2 * wpr + 2 * nb))
+    return 4 * (warps * groups * (wpr + bt * rpw * nb) + bt * (8 * nb + 2 * nb))
 
 
 def _lanes(np_: int) -> int:
@@ -246,37 +263,32 @@ def cuda_rows_on() -> bool:
 
 
 def row_reference(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.ndarray) -> np.float32:
-    """The kernel's arithmetic for one Q4_0 row, lane by lane in numpy (its plain twin: the same word to lane
-    map, packed codes, block sums and fold). row uint8 [9 NP * 4]; aq int8 [64 NP]; ad f32 / asum int32
+    """The kernel's arithmetic for one Q4_0 row, pair by pair in numpy (its plain twin: the same realigned
+    words, dp4a operands, block terms and fold). row uint8 [9 NP * 4]; aq int8 [64 NP]; ad f32 / asum int32
     [2 NP]."""
-    words = np.ascontiguousarray(row).view(np.uint32)
+    words = np.ascontiguousarray(row).view(np.uint32).astype(np.int64)
+    codes = np.ascontiguousarray(aq).view(np.int32)  # act_s: code word k of block b is codes[8 b + k]
     np_ = len(words) // 9
-    g_lanes = _lanes(np_)
-    part = np.zeros(9 * np_, np.int64)  # part_s
-    d = np.zeros(2 * np_, np.float32)  # d_s
-    for g in range(g_lanes):
-        for j in range(9 * np_ // g_lanes):
-            i = g + g_lanes * j
-            p, w = divmod(i, 9)
-            x = int(words[i])
-            for t in range(4):
-                o = 4 * w + t
-                second = int(o >= 18)
-                pos = o - 2 - 18 * second
-                if pos >= 0:
-                    base = (2 * p + second) * 32 + pos
-                    byte = x >> (8 * t)
-                    part[i] += (byte & 0xF) * int(aq[base]) + ((byte >> 4) & 0xF) * int(aq[base + 16])
-            if w == 0:
-                d[2 * p] = np.uint16(x & 0xFFFF).view(np.float16)
-            if w == 4:
-                d[2 * p + 1] = np.uint16(x >> 16).view(np.float16)
     terms = np.zeros(2 * np_, np.float32)  # term_s
-    for b in range(2 * np_):
-        first, n = 9 * (b >> 1) + 5 * (b & 1), 4 if b & 1 else 5
-        dot = int(part[first:first + n].sum()) - 8 * int(asum[b])
-        terms[b] = np.float32(dot) * (d[b] * ad[b])
+    for p in range(np_):
+        w = words[9 * p: 9 * p + 9]
+        first = [(w[k] >> 16) | ((w[k + 1] & 0xFFFF) << 16) for k in range(4)]  # __byte_perm(.., 0x5432)
+        for half, quant in enumerate((first, list(w[5:9]))):
+            b = 2 * p + half
+            dot = 0
+            for k in range(4):
+                dot += _dp4a(quant[k] & 0x0F0F0F0F, codes[8 * b + k])
+                dot += _dp4a((quant[k] >> 4) & 0x0F0F0F0F, codes[8 * b + 4 + k])
+            d = np.uint16((w[0] & 0xFFFF) if half == 0 else (w[4] >> 16)).view(np.float16)
+            terms[b] = np.float32(dot - 8 * int(asum[b])) * (np.float32(d) * ad[b])
     acc = np.float32(0.0)
     for b in range(2 * np_):
         acc = np.float32(acc + terms[b])
     return acc
+
+
+def _dp4a(a: int, b: int) -> int:
+    """dp4a.s32.s32 without the accumulator: the sum of the products of a's and b's four signed bytes."""
+    ab = np.array([a & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
+    bb = np.array([b], np.int32).view(np.int8).astype(np.int64)
+    return int((ab * bb).sum())

@@ -55,7 +55,7 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert not cuda_rows_serves(64 * 9)  # 9 pairs: one lane a row, 81 words
     assert cuda_rows_serves(4096)  # 64 pairs: 32 lanes of 18 words
     assert cuda_rows_serves(2048, 8) and cuda_rows_serves(512, 8)  # the 80b-a3b's verify windows
-    assert cuda_rows_serves(4096, 2) and not cuda_rows_serves(4096, 4)  # 4 entries' codes: over 48 KiB
+    assert cuda_rows_serves(4096, 4) and not cuda_rows_serves(4096, 8)  # 8 entries' codes: over 48 KiB
 
 
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
@@ -95,6 +95,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     _check(_layer(256, 768, 5), 33, n_tok=5)  # 8 entries a tile, 4 lanes a gate row
     _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row at 8 entries: over the shared memory,
     # the simple tile
+    _check(_layer(4096, 256, 3), 17, n_tok=3)  # 4 entries a tile, 2 pairs a lane
     for rpw, warps in [(1, 2), (4, 8)]:
         monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
         _check(wide, 10)
