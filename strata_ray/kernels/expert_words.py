@@ -42,9 +42,10 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # form has been measured there yet.
 # split_gu: gate and up rows in programs of their own (gu_split_br rows, down_warps), twice the programs of
 # the fused gate+up tile, then one small SwiGLU + requantization launch (not measured on the GPU yet).
-# cuda: Q4_0 launches on CUDA take the CUDA C kernel of expert_rows_cuda.py (STRATA_WORDS_CUDA; where cupy
-# is installed), cuda_rpw rows in flight a row group, cuda_warps warps a CTA. Session 13 on the H200: 19.4 us
-# a layer against this tile's 38, every-expert-resident decode at 8K 157.6-174.9 tok/s against 144.8-151.5.
+# cuda: Q4_0 decode launches on CUDA (tiles of up to 8 entries) take the CUDA C kernel of expert_rows_cuda.py
+# (STRATA_WORDS_CUDA; where cupy is installed), cuda_rpw rows in flight a row group, cuda_warps warps a CTA.
+# Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
+# faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
