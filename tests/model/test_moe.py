@@ -5,21 +5,19 @@ import torch
 from strata_ray.model.moe import combine_rows
 
 
-def test_combine_rows_adds_in_slot_order():
-    gen = torch.Generator().manual_seed(0)
-    rows, weights = torch.randn(3, 10, 64, generator=gen), torch.rand(3, 10, generator=gen)
-    expected = rows[:, 0] * weights[:, :1]
-    for j in range(1, 10):  # the contract's fixed order: ((r0 w0 + r1 w1) + r2 w2) + ...
-        expected = expected + rows[:, j] * weights[:, j : j + 1]
-    assert torch.equal(combine_rows(rows, weights), expected)
-    assert torch.equal(combine_rows(rows[:, :1], weights[:, :1]), rows[:, 0] * weights[:, :1])
-
-
 def _torch_form(rows, weights):
+    """The contract's fixed order in torch ops: ((r0 w0 + r1 w1) + r2 w2) + ..."""
     out = rows[:, 0] * weights[:, :1]
     for j in range(1, rows.shape[1]):
         out = out + rows[:, j] * weights[:, j : j + 1]
     return out
+
+
+def test_combine_rows_adds_in_slot_order():
+    gen = torch.Generator().manual_seed(0)
+    rows, weights = torch.randn(3, 10, 64, generator=gen), torch.rand(3, 10, generator=gen)
+    assert torch.equal(combine_rows(rows, weights), _torch_form(rows, weights))
+    assert torch.equal(combine_rows(rows[:, :1], weights[:, :1]), rows[:, 0] * weights[:, :1])
 
 
 def test_combine_rows_through_numpy_gives_the_torch_ops_bits():
