@@ -37,7 +37,7 @@ import os
 import numpy as np
 
 from . import nvrtc
-from .contract import KernelError
+from .contract import Q4_0, Q4_K, KernelError
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -48,16 +48,17 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// NP pairs a row, G lanes a row, WL = 9 NP / G words a lane a row, NPL = NP / G pairs a lane, BT entries at
-// most a tile, RPW rows a row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into
-// OUT [M, R].
-#define WPR (9 * NP)
-#define NB (2 * NP)
-#define NPL (NP / G)
+// A row is NU units: Q4_0 block pairs (Q4K 0: UW = 9 words, UB = 2 blocks of 32) or Q4_K super-blocks (Q4K 1:
+// UW = 36 words, UB = 8 blocks). G lanes a row, WL = UW NU / G words a lane a row, NPL = NU / G units a lane,
+// BT entries at most a tile, RPW rows a row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R],
+// else R rows into OUT [M, R].
+#define WPR (UW * NU)
+#define NB (UB * NU)
+#define NPL (NU / G)
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
+extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
@@ -78,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
     while (n_ent < BT && start + n_ent < M && SORTED_SLOT[start + n_ent] == slot_id) ++n_ent;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int grp = lane / G, g = lane % G;
-    const int K = 64 * NP;
+    const int K = 32 * NB;
     const int n_rows = TWO ? 2 * R : R;
 
     // this row group's rows: every word of them loaded (coalesced: lane g takes words g + G j) before any
@@ -114,10 +115,35 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
 
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        // the row's words to the lanes of its pairs: lane g holds pairs g + G q (9 words each)
+        // the row's words to the lanes of its units: lane g holds units g + G q (UW words each)
 #pragma unroll
         for (int j = 0; j < WL; ++j) stage_s[warp][grp][g + G * j] = words[r][j];
         __syncwarp();
+#if Q4K
+        // super-block bytes [d d dmin dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes]: code
+        // bytes 32 h .. 32 h + 31 hold sub-block 2 h in their low nibbles and 2 h + 1 in their high ones
+        unsigned w[NPL][36];
+        int sc[NPL][8], mn[NPL][8];
+        float d[NPL][2];
+#pragma unroll
+        for (int q = 0; q < NPL; ++q) {
+            const unsigned* pw = &stage_s[warp][grp][36 * (g + G * q)];
+#pragma unroll
+            for (int i = 0; i < 36; ++i) w[q][i] = pw[i];
+            d[q][0] = half_bits(w[q][0] & 0xFFFFu);
+            d[q][1] = half_bits(w[q][0] >> 16);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned s_lo = (w[q][1 + j / 4] >> (8 * (j % 4))) & 0xFFu;  // bytes 0..3: sc 0..3
+                const unsigned s_mid = (w[q][2] >> (8 * j)) & 0xFFu;                 // bytes 4..7: m 0..3
+                const unsigned s_hi = (w[q][3] >> (8 * j)) & 0xFFu;                  // bytes 8..11
+                sc[q][j] = s_lo & 63;
+                mn[q][j] = s_mid & 63;
+                sc[q][4 + j] = (s_hi & 0xF) | ((s_lo >> 6) << 4);
+                mn[q][4 + j] = (s_hi >> 4) | ((s_mid >> 6) << 4);
+            }
+        }
+#else
         unsigned lo[NPL][8], hi[NPL][8];  // nibbles of blocks 2p (k < 4) and 2p + 1 (k >= 4), by dp4a word
         float d[NPL][2];
 #pragma unroll
@@ -138,6 +164,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
             d[q][0] = half_bits(w[0] & 0xFFFFu);
             d[q][1] = half_bits(w[4] >> 16);
         }
+#endif
         __syncwarp();  // stage_s is the next row's
 
         // each entry of the tile over the same words (registers), the one-entry arithmetic: an entry's rows
@@ -145,6 +172,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
         for (int e = 0; e < n_ent; ++e) {
 #pragma unroll
             for (int q = 0; q < NPL; ++q) {
+#if Q4K
+                const int b0 = 8 * (g + G * q);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    int dot = 0;
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) {
+                        const unsigned x = w[q][4 + 8 * (j >> 1) + t];
+                        const unsigned nib = (j & 1) ? (x >> 4) & 0x0F0F0F0Fu : x & 0x0F0F0F0Fu;
+                        dot = __dp4a((int)nib, act_s[e][t][b0 + j], dot);
+                    }
+                    const float ad = ad_s[e][b0 + j];
+                    const float t_i = (float)(dot * sc[q][j]) * (d[q][0] * ad);
+                    const float t_m = (float)(mn[q][j] * as_s[e][b0 + j]) * (d[q][1] * ad);
+                    term_s[warp][grp][e][r][b0 + j] = t_i - t_m;
+                }
+#else
                 const int b0 = 2 * (g + G * q);
                 int dot[2] = {0, 0};
 #pragma unroll
@@ -160,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
                 const int2 as = *(const int2*)&as_s[e][b0];
                 term_s[warp][grp][e][r][b0] = (float)(dot[0] - 8 * as.x) * (d[q][0] * ad.x);
                 term_s[warp][grp][e][r][b0 + 1] = (float)(dot[1] - 8 * as.y) * (d[q][1] * ad.y);
+#endif
             }
         }
     }
@@ -182,66 +227,78 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q4_0_rows(
 """
 
 
-def cuda_rows_serves(k: int, bt: int = 1) -> bool:
-    """Whether the CUDA form serves Q4_0 rows of k values in tiles of up to bt entries: a whole number of
-    block pairs, at most 36 words a lane a row (the registers of RPW rows in flight), and the CTA's shared
-    memory within the 48 KiB a kernel may declare statically."""
-    if k % 64 or bt < 1:
+# weight type -> (words a unit, 32-blocks a unit, values a unit): Q4_0 block pairs, Q4_K super-blocks
+UNITS = {Q4_0: (9, 2, 64), Q4_K: (36, 8, 256)}
+
+
+def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
+    """Whether the CUDA form serves rows of k values of type wtype (Q4_0, Q4_K) in tiles of up to bt
+    entries: a whole number of units (Q4_0 block pairs, Q4_K super-blocks), at most 36 words a lane a row
+    (the registers of RPW rows in flight), and the CTA's shared memory within the 48 KiB a kernel may declare
+    statically."""
+    if wtype not in UNITS or bt < 1:
         return False
-    np_ = k // 64
+    uw, _, per = UNITS[wtype]
+    if k % per:
+        return False
+    nu = k // per
     from .expert_words import WORDS
 
-    smem = shared_bytes(np_, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"])
-    return 9 * np_ // _lanes(np_) <= 36 and smem <= 48 << 10
+    smem = shared_bytes(nu, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], wtype)
+    return uw * nu // _lanes(nu) <= 36 and smem <= 48 << 10
 
 
-def shared_bytes(np_: int, bt: int, rpw: int, warps: int) -> int:
-    """The kernel's static shared memory: stage_s, term_s, act_s, ad_s and as_s (4-byte elements)."""
-    wpr, nb, groups = 9 * np_, 2 * np_, 32 // _lanes(np_)
+def shared_bytes(nu: int, bt: int, rpw: int, warps: int, wtype: int = Q4_0) -> int:
+    """The kernel's static shared memory for rows of nu units: stage_s, term_s, act_s, ad_s and as_s (4-byte
+    elements)."""
+    uw, ub, _ = UNITS[wtype]
+    wpr, nb, groups = uw * nu, ub * nu, 32 // _lanes(nu)
     return 4 * (warps * groups * (wpr + bt * rpw * nb) + bt * (8 * nb + 2 * nb))
 
 
-def _lanes(np_: int) -> int:
-    """G: lanes a row, the largest power of two dividing the row's pairs, at most 32."""
-    return min(32, np_ & -np_)
+def _lanes(nu: int) -> int:
+    """G: lanes a row, the largest power of two dividing the row's units, at most 32."""
+    return min(32, nu & -nu)
 
 
 @functools.cache
-def _kernel(np_: int, two: bool, bt: int, rpw: int, warps: int, device: int):
-    g = _lanes(np_)
-    defines = (f"-DNP={np_}", f"-DG={g}", f"-DWL={9 * np_ // g}", f"-DBT={bt}", f"-DRPW={rpw}",
-               f"-DWARPS={warps}", f"-DTWO={int(two)}")
-    return nvrtc.build(_SOURCE, "q4_0_rows", ("--fmad=false", *defines), device)
+def _kernel(nu: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
+    g = _lanes(nu)
+    uw, ub, _ = UNITS[wtype]
+    defines = (f"-DNU={nu}", f"-DUW={uw}", f"-DUB={ub}", f"-DQ4K={int(wtype == Q4_K)}", f"-DG={g}",
+               f"-DWL={uw * nu // g}", f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
+    return nvrtc.build(_SOURCE, "expert_rows", ("--fmad=false", *defines), device)
 
 
-def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1):
-    """The compiled kernel for rows of k values in tiles of up to bt entries on CUDA device `device`, or None
-    where it cannot be built (an NVRTC or driver too old for the GPU, say): the Triton tile then, with the
-    same bits, after one warning."""
+def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0):
+    """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
+    `device`, or None where it cannot be built (an NVRTC or driver too old for the GPU, say): the Triton
+    tile then, with the same bits, after one warning."""
     from .expert_words import WORDS
 
-    key = (k // 64, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device)  # rows in flight a group, warps
-    return nvrtc.build_or_none(("q4_0_rows", *key), lambda: _kernel(*key), "expert rows",
-                               "the Triton tile takes their launches (the same bits)")
+    key = (k // UNITS[wtype][2], two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype)
+    return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows",
+                               "a Triton tile takes their launches (the same bits)")
 
 
-def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool) -> bool:
-    """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's tiles
-    (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the current torch stream;
-    False (nothing launched) where the kernel cannot be built here."""
+def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0) -> bool:
+    """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows), weights of type wtype, over
+    the plan's tiles (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the
+    current torch stream; False (nothing launched) where the kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
-    if not cuda_rows_serves(k, bt):
-        raise KernelError(f"the CUDA expert rows do not serve rows of {k} values in tiles of {bt} entries")
+    if not cuda_rows_serves(k, bt, wtype):
+        raise KernelError(f"the CUDA expert rows do not serve rows of {k} values of type {wtype} in tiles "
+                          f"of {bt} entries")
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    kern = cuda_rows_kernel(k, two, dev, bt)
+    kern = cuda_rows_kernel(k, two, dev, bt, wtype)
     if kern is None:
         return False
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
-    rows_cta = warps * (32 // _lanes(k // 64)) * rpw
+    rows_cta = warps * (32 // _lanes(k // UNITS[wtype][2])) * rpw
     n_rows = 2 * r if two else r
     grid = ((n_rows + rows_cta - 1) // rows_cta, tile_start.numel())
     if grid[1] > 65535:
@@ -292,3 +349,34 @@ def _dp4a(a: int, b: int) -> int:
     ab = np.array([a & 0xFFFFFFFF], np.uint32).view(np.int8).astype(np.int64)
     bb = np.array([b], np.int32).view(np.int8).astype(np.int64)
     return int((ab * bb).sum())
+
+
+def row_reference_q4k(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.ndarray) -> np.float32:
+    """The kernel's arithmetic for one Q4_K row (Q4K 1), super-block by super-block in numpy: the same scale
+    bytes, nibble words, dp4a operands, terms and fold. row uint8 [144 NU]; aq int8 [256 NU]; ad f32 / asum
+    int32 [8 NU]."""
+    words = np.ascontiguousarray(row).view(np.uint32).astype(np.int64)
+    codes = np.ascontiguousarray(aq).view(np.int32)  # act_s: code word t of block b is codes[8 b + t]
+    nu = len(words) // 36
+    terms = np.zeros(8 * nu, np.float32)
+    for u in range(nu):
+        w = words[36 * u: 36 * u + 36]
+        d = np.float32(np.uint16(w[0] & 0xFFFF).view(np.float16))
+        dmin = np.float32(np.uint16(w[0] >> 16).view(np.float16))
+        s_lo, s_mid, s_hi = ([(w[i] >> (8 * j)) & 0xFF for j in range(4)] for i in (1, 2, 3))
+        sc = [s_lo[j] & 63 for j in range(4)] + [(s_hi[j] & 0xF) | ((s_lo[j] >> 6) << 4) for j in range(4)]
+        mn = [s_mid[j] & 63 for j in range(4)] + [(s_hi[j] >> 4) | ((s_mid[j] >> 6) << 4) for j in range(4)]
+        for j in range(8):
+            b = 8 * u + j
+            dot = 0
+            for t in range(8):
+                x = w[4 + 8 * (j >> 1) + t]
+                nib = ((x >> 4) if j & 1 else x) & 0x0F0F0F0F
+                dot += _dp4a(nib, codes[8 * b + t])
+            t_i = np.float32(dot * sc[j]) * (d * ad[b])
+            t_m = np.float32(mn[j] * int(asum[b])) * (dmin * ad[b])
+            terms[b] = np.float32(t_i - t_m)
+    acc = np.float32(0.0)
+    for b in range(8 * nu):
+        acc = np.float32(acc + terms[b])
+    return acc

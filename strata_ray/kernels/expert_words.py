@@ -66,11 +66,11 @@ def _on_words(mats: tuple) -> bool:
 
 
 def cuda_words_serve(t1: int, t2: int, k: int, bt: int, mats: tuple, device: torch.device) -> bool:
-    """Whether the CUDA C form (expert_rows_cuda) takes a launch: on, Q4_0 gate / up or down on a CUDA device,
-    rows and tiles of up to bt entries it serves, the weights on 4-byte words."""
+    """Whether the CUDA C form (expert_rows_cuda) takes a launch: on, Q4_0 or Q4_K gate / up or down (one
+    type) on a CUDA device, rows and tiles of up to bt entries it serves, the weights on 4-byte words."""
     from .expert_rows_cuda import cuda_rows_on, cuda_rows_serves
 
-    return (t1 == t2 == Q4_0 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k, bt)
+    return (t1 == t2 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k, bt, t1)
             and _on_words(mats))
 
 
@@ -239,11 +239,11 @@ def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool
     rows. False where its kernel cannot be built here (nothing launched)."""
     from .expert_rows_cuda import launch_cuda_rows
 
-    (w1, _), (w2, _) = mats
+    (w1, t), (w2, _) = mats
     if not gated:
-        return launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False)
+        return launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False, wtype=t)
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
-    if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True):
+    if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t):
         return False
     _swiglu_tail(gu, hq, hd, hs, r)
     return True

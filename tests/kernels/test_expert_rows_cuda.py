@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from strata_ray.kernels.act_quant import quantize_act_sums
-from strata_ray.kernels.contract import Q4_0, Q8_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_rows_cuda import cuda_rows_serves, row_reference
+from strata_ray.kernels.expert_rows_cuda import cuda_rows_serves, row_reference, row_reference_q4k
 from strata_ray.kernels.random_weights import random_layer
 
 
@@ -31,9 +31,11 @@ def _contract_row(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.float32
 
 
 @functools.cache
-def _layer(n_embd: int, n_ff: int, n_expert: int = 4, down=Q4_0) -> ExpertLayer:
+def _layer(n_embd: int, n_ff: int, n_expert: int = 4, down=Q4_0, gate_up=Q4_0) -> ExpertLayer:
     rng = np.random.default_rng(n_embd + n_ff + n_expert)
-    return random_layer(rng, n_expert, n_embd, n_ff, (Q4_0, Q4_0, down), from_floats=True)
+    # gguf quantizes Q4_0 from floats but not Q4_K: Q4_K layers are random blocks with sane scales
+    floats = Q4_K not in (gate_up, down)
+    return random_layer(rng, n_expert, n_embd, n_ff, (gate_up, gate_up, down), from_floats=floats)
 
 
 @pytest.mark.parametrize("n_embd", [64, 256, 768, 2048])
@@ -49,6 +51,21 @@ def test_row_reference_is_the_contract_row(n_embd):
         assert row_reference(gate[r], aq, ad, asum).view(np.int32) == want.view(np.int32), r
 
 
+@pytest.mark.parametrize("n_embd", [256, 512, 2048])
+def test_q4k_row_reference_is_the_contract_row(n_embd):
+    """One to eight super-blocks a row: the twin's terms and fold against matmul_spec's."""
+    from strata_ray.kernels.spec import matmul_spec
+
+    layer = _layer(n_embd, 256, gate_up=Q4_K, down=Q4_K)
+    rng = np.random.default_rng(n_embd)
+    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
+    aq, ad, asum = (a[0] for a in quantize_act_sums(x))
+    gate = layer.gate[1]  # [n_ff rows, row bytes]
+    want = matmul_spec(gate, Q4_K, x)[0]
+    for r in range(0, gate.shape[0], 5):
+        assert row_reference_q4k(gate[r], aq, ad, asum).view(np.int32) == want[r].view(np.int32), r
+
+
 def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert cuda_rows_serves(2048) and cuda_rows_serves(512) and cuda_rows_serves(64) and cuda_rows_serves(768)
     assert not cuda_rows_serves(96)  # 3 blocks: not whole pairs
@@ -56,6 +73,10 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert cuda_rows_serves(4096)  # 64 pairs: 32 lanes of 18 words
     assert cuda_rows_serves(2048, 8) and cuda_rows_serves(512, 8)  # the 80b-a3b's verify windows
     assert cuda_rows_serves(4096, 4) and not cuda_rows_serves(4096, 8)  # 8 entries' codes: over 48 KiB
+    # Q4_K: whole super-blocks, one a lane (36 words), tiles of up to 2 entries
+    assert cuda_rows_serves(2048, 2, Q4_K) and cuda_rows_serves(512, 1, Q4_K)
+    assert not cuda_rows_serves(2048, 4, Q4_K) and not cuda_rows_serves(768, 1, Q4_K)
+    assert not cuda_rows_serves(2048, 1, Q8_0)
 
 
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
@@ -96,6 +117,11 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row at 8 entries: over the shared memory,
     # the simple tile
     _check(_layer(4096, 256, 3), 17, n_tok=3)  # 4 entries a tile, 2 pairs a lane
+    # Q4_K layers: a super-block a lane, one- and two-entry tiles (4+ entries take the simple tile)
+    q4k = _layer(2048, 512, 12, down=Q4_K, gate_up=Q4_K)
+    for n_tok, n_ent in [(1, 10), (2, 20), (5, 40)]:
+        _check(q4k, n_ent, n_tok=n_tok)
+    _check(_layer(512, 256, 5, down=Q4_0, gate_up=Q4_K), 33)  # Q4_K gate / up, Q4_0 down
     for rpw, warps in [(1, 2), (4, 8)]:
         monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
         _check(wide, 10)
@@ -115,4 +141,4 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrt
     assert len(tries) == 1
     assert [r.getMessage() for r in caplog.records] == [
         "the CUDA C expert rows could not be built (RuntimeError: nvrtc: error: invalid value for "
-        "--gpu-architecture); the Triton tile takes their launches (the same bits)"]
+        "--gpu-architecture); a Triton tile takes their launches (the same bits)"]
