@@ -1,5 +1,8 @@
-"""The one-token Q4_0 expert rows as a CUDA C kernel (NVRTC through cupy): the words tile's integers and fold,
-with the loads of many rows in flight (WORDS["cuda"] / STRATA_WORDS_CUDA).
+"""The decode expert rows of Q4_0, Q8_0 and Q4_K layers as a CUDA C kernel (NVRTC through cupy): the
+contract's integers and fold, with the loads of many rows in flight (WORDS["cuda"] / STRATA_WORDS_CUDA).
+Q4_0 is described below; Q8_0 pairs are the same with 17 words and signed codes (no -8), and a Q4_K lane
+holds a whole super-block (36 words: d, dmin, the 6-bit scales and mins unpacked once a row, then per
+sub-block dot = sum of dp4a over 8 nibble words, term = float(dot sc) (d ad) - float(m asum) (dmin ad)).
 
 The Triton words tile runs at 11% of HBM on the H200: its programs wait on each block pair's loads behind
 cross-thread sums, and Triton leaves no say in which thread holds which value (session 13 tried a Triton form
@@ -37,7 +40,7 @@ import os
 import numpy as np
 
 from . import nvrtc
-from .contract import Q4_0, Q4_K, KernelError
+from .contract import Q4_0, Q4_K, Q8_0, KernelError
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -48,10 +51,10 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// A row is NU units: Q4_0 block pairs (Q4K 0: UW = 9 words, UB = 2 blocks of 32) or Q4_K super-blocks (Q4K 1:
-// UW = 36 words, UB = 8 blocks). G lanes a row, WL = UW NU / G words a lane a row, NPL = NU / G units a lane,
-// BT entries at most a tile, RPW rows a row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R],
-// else R rows into OUT [M, R].
+// A row is NU units: Q4_0 block pairs (UW = 9 words, UB = 2 blocks of 32), Q8_0 block pairs (Q80 1:
+// UW = 17) or Q4_K super-blocks (Q4K 1: UW = 36 words, UB = 8 blocks). G lanes a row, WL = UW NU / G words
+// a lane a row, NPL = NU / G units a lane, BT entries at most a tile, RPW rows a row group, TWO: gate and up
+// rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
 #define WPR (UW * NU)
 #define NB (UB * NU)
 #define NPL (NU / G)
@@ -143,6 +146,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                 mn[q][4 + j] = (s_hi >> 4) | ((s_mid >> 6) << 4);
             }
         }
+#elif Q80
+        // pair bytes [d0 d0 c0..c31 d1 d1 c0..c31] (int8 codes): the first block's sit two bytes into a word
+        unsigned cw[NPL][16];  // code words of blocks 2p (k < 8) and 2p + 1 (k >= 8)
+        float d[NPL][2];
+#pragma unroll
+        for (int q = 0; q < NPL; ++q) {
+            const unsigned* pw = &stage_s[warp][grp][17 * (g + G * q)];
+            unsigned w[17];
+#pragma unroll
+            for (int i = 0; i < 17; ++i) w[i] = pw[i];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                cw[q][k] = __byte_perm(w[k], w[k + 1], 0x5432);
+                cw[q][8 + k] = w[9 + k];
+            }
+            d[q][0] = half_bits(w[0] & 0xFFFFu);
+            d[q][1] = half_bits(w[8] >> 16);
+        }
 #else
         unsigned lo[NPL][8], hi[NPL][8];  // nibbles of blocks 2p (k < 4) and 2p + 1 (k >= 4), by dp4a word
         float d[NPL][2];
@@ -188,6 +209,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                     const float t_m = (float)(mn[q][j] * as_s[e][b0 + j]) * (d[q][1] * ad);
                     term_s[warp][grp][e][r][b0 + j] = t_i - t_m;
                 }
+#elif Q80
+                const int b0 = 2 * (g + G * q);
+                int dot[2] = {0, 0};
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int2 c = *(const int2*)&act_s[e][k][b0];  // code words k of blocks b0, b0 + 1
+                    dot[0] = __dp4a((int)cw[q][k], c.x, dot[0]);
+                    dot[1] = __dp4a((int)cw[q][8 + k], c.y, dot[1]);
+                }
+                const float2 ad = *(const float2*)&ad_s[e][b0];
+                term_s[warp][grp][e][r][b0] = (float)dot[0] * (d[q][0] * ad.x);
+                term_s[warp][grp][e][r][b0 + 1] = (float)dot[1] * (d[q][1] * ad.y);
 #else
                 const int b0 = 2 * (g + G * q);
                 int dot[2] = {0, 0};
@@ -227,15 +260,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 """
 
 
-# weight type -> (words a unit, 32-blocks a unit, values a unit): Q4_0 block pairs, Q4_K super-blocks
-UNITS = {Q4_0: (9, 2, 64), Q4_K: (36, 8, 256)}
+# weight type -> (words a unit, 32-blocks a unit, values a unit): Q4_0 / Q8_0 block pairs, Q4_K super-blocks
+UNITS = {Q4_0: (9, 2, 64), Q8_0: (17, 2, 64), Q4_K: (36, 8, 256)}
 
 
 def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
-    """Whether the CUDA form serves rows of k values of type wtype (Q4_0, Q4_K) in tiles of up to bt
-    entries: a whole number of units (Q4_0 block pairs, Q4_K super-blocks), at most 36 words a lane a row
-    (the registers of RPW rows in flight), and the CTA's shared memory within the 48 KiB a kernel may declare
-    statically."""
+    """Whether the CUDA form serves rows of k values of type wtype (Q4_0, Q8_0, Q4_K) in tiles of up to bt
+    entries: a whole number of units (Q4_0 / Q8_0 block pairs, Q4_K super-blocks), at most 36 words a lane a
+    row (the registers of RPW rows in flight), and the CTA's shared memory within the 48 KiB a kernel may
+    declare statically."""
     if wtype not in UNITS or bt < 1:
         return False
     uw, _, per = UNITS[wtype]
@@ -265,8 +298,9 @@ def _lanes(nu: int) -> int:
 def _kernel(nu: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
     g = _lanes(nu)
     uw, ub, _ = UNITS[wtype]
-    defines = (f"-DNU={nu}", f"-DUW={uw}", f"-DUB={ub}", f"-DQ4K={int(wtype == Q4_K)}", f"-DG={g}",
-               f"-DWL={uw * nu // g}", f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
+    defines = (f"-DNU={nu}", f"-DUW={uw}", f"-DUB={ub}", f"-DQ4K={int(wtype == Q4_K)}",
+               f"-DQ80={int(wtype == Q8_0)}", f"-DG={g}", f"-DWL={uw * nu // g}", f"-DBT={bt}",
+               f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
     return nvrtc.build(_SOURCE, "expert_rows", ("--fmad=false", *defines), device)
 
 
@@ -378,5 +412,26 @@ def row_reference_q4k(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.
             terms[b] = np.float32(t_i - t_m)
     acc = np.float32(0.0)
     for b in range(8 * nu):
+        acc = np.float32(acc + terms[b])
+    return acc
+
+
+def row_reference_q8(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.float32:
+    """The kernel's arithmetic for one Q8_0 row (Q80 1), pair by pair in numpy: the realigned code words,
+    dp4a operands, terms and fold. row uint8 [17 NP * 4]; aq int8 [64 NP]; ad f32 [2 NP]."""
+    words = np.ascontiguousarray(row).view(np.uint32).astype(np.int64)
+    codes = np.ascontiguousarray(aq).view(np.int32)
+    np_ = len(words) // 17
+    terms = np.zeros(2 * np_, np.float32)
+    for p in range(np_):
+        w = words[17 * p: 17 * p + 17]
+        first = [(w[k] >> 16) | ((w[k + 1] & 0xFFFF) << 16) for k in range(8)]  # __byte_perm(.., 0x5432)
+        for half, cw in enumerate((first, list(w[9:17]))):
+            b = 2 * p + half
+            dot = sum(_dp4a(cw[k], codes[8 * b + k]) for k in range(8))
+            d = np.uint16((w[0] & 0xFFFF) if half == 0 else (w[8] >> 16)).view(np.float16)
+            terms[b] = np.float32(dot) * (np.float32(d) * ad[b])
+    acc = np.float32(0.0)
+    for b in range(2 * np_):
         acc = np.float32(acc + terms[b])
     return acc

@@ -13,7 +13,12 @@ import torch
 from strata_ray.kernels.act_quant import quantize_act_sums
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_rows_cuda import cuda_rows_serves, row_reference, row_reference_q4k
+from strata_ray.kernels.expert_rows_cuda import (
+    cuda_rows_serves,
+    row_reference,
+    row_reference_q4k,
+    row_reference_q8,
+)
 from strata_ray.kernels.random_weights import random_layer
 
 
@@ -66,6 +71,21 @@ def test_q4k_row_reference_is_the_contract_row(n_embd):
         assert row_reference_q4k(gate[r], aq, ad, asum).view(np.int32) == want[r].view(np.int32), r
 
 
+@pytest.mark.parametrize("n_embd", [64, 512, 2048])
+def test_q8_row_reference_is_the_contract_row(n_embd):
+    """One to 16 Q8_0 block pairs a row: the twin against matmul_spec."""
+    from strata_ray.kernels.spec import matmul_spec
+
+    layer = _layer(n_embd, 64, gate_up=Q8_0, down=Q8_0)
+    rng = np.random.default_rng(n_embd + 1)
+    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
+    aq, ad, _ = (a[0] for a in quantize_act_sums(x))
+    gate = layer.gate[2]
+    want = matmul_spec(gate, Q8_0, x)[0]
+    for r in range(0, gate.shape[0], 3):
+        assert row_reference_q8(gate[r], aq, ad).view(np.int32) == want[r].view(np.int32), r
+
+
 def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert cuda_rows_serves(2048) and cuda_rows_serves(512) and cuda_rows_serves(64) and cuda_rows_serves(768)
     assert not cuda_rows_serves(96)  # 3 blocks: not whole pairs
@@ -76,7 +96,8 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     # Q4_K: whole super-blocks, one a lane (36 words), tiles of up to 2 entries
     assert cuda_rows_serves(2048, 2, Q4_K) and cuda_rows_serves(512, 1, Q4_K)
     assert not cuda_rows_serves(2048, 4, Q4_K) and not cuda_rows_serves(768, 1, Q4_K)
-    assert not cuda_rows_serves(2048, 1, Q8_0)
+    assert cuda_rows_serves(2048, 8, Q8_0) and cuda_rows_serves(4096, 1, Q8_0)  # 17 and 34 words a lane
+    assert not cuda_rows_serves(4096, 8, Q8_0) and not cuda_rows_serves(96, 1, Q8_0)
 
 
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
@@ -122,6 +143,9 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     for n_tok, n_ent in [(1, 10), (2, 20), (5, 40)]:
         _check(q4k, n_ent, n_tok=n_tok)
     _check(_layer(512, 256, 5, down=Q4_0, gate_up=Q4_K), 33)  # Q4_K gate / up, Q4_0 down
+    q8 = _layer(2048, 512, 12, down=Q8_0, gate_up=Q8_0)  # Q8_0 block pairs
+    for n_tok, n_ent in [(1, 10), (3, 33), (8, 80)]:
+        _check(q8, n_ent, n_tok=n_tok)
     for rpw, warps in [(1, 2), (4, 8)]:
         monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": rpw, "cuda_warps": warps})
         _check(wide, 10)
