@@ -1,8 +1,11 @@
-"""The decode expert rows of Q4_0, Q8_0 and Q4_K layers as a CUDA C kernel (NVRTC through cupy): the
+"""The decode expert rows of Q4_0, Q8_0, Q4_K and Q6_K layers as a CUDA C kernel (NVRTC through cupy): the
 contract's integers and fold, with the loads of many rows in flight (WORDS["cuda"] / STRATA_WORDS_CUDA).
-Q4_0 is described below; Q8_0 pairs are the same with 17 words and signed codes (no -8), and a Q4_K lane
-holds a whole super-block (36 words: d, dmin, the 6-bit scales and mins unpacked once a row, then per
-sub-block dot = sum of dp4a over 8 nibble words, term = float(dot sc) (d ad) - float(m asum) (dmin ad)).
+Q4_0 is described below; Q8_0 pairs are the same with 17 words and signed codes (no -8); a Q4_K lane holds a
+whole super-block (36 words: d, dmin, the 6-bit scales and mins unpacked once a row, then per sub-block
+dot = sum of dp4a over 8 nibble words, term = float(dot sc) (d ad) - float(m asum) (dmin ad)); a Q6_K lane a
+quarter super-block (2 blocks: codes (q - 32) as signed bytes, one int8 scale a 16-value half, term =
+float(sc0 dot0 + sc1 dot1) (d ad)), its 210-byte super-block read from the staged row at 2-byte alignment
+by __byte_perm. `geometry` gives each type's words, lanes and units a row.
 
 The Triton words tile runs at 11% of HBM on the H200: its programs wait on each block pair's loads behind
 cross-thread sums, and Triton leaves no say in which thread holds which value (session 13 tried a Triton form
@@ -40,7 +43,7 @@ import os
 import numpy as np
 
 from . import nvrtc
-from .contract import Q4_0, Q4_K, Q8_0, KernelError
+from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -51,13 +54,11 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// A row is NU units: Q4_0 block pairs (UW = 9 words, UB = 2 blocks of 32), Q8_0 block pairs (Q80 1:
-// UW = 17) or Q4_K super-blocks (Q4K 1: UW = 36 words, UB = 8 blocks). G lanes a row, WL = UW NU / G words
-// a lane a row, NPL = NU / G units a lane, BT entries at most a tile, RPW rows a row group, TWO: gate and up
-// rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
-#define WPR (UW * NU)
-#define NB (UB * NU)
-#define NPL (NU / G)
+// A row is NU units: Q4_0 block pairs (9 words, 2 blocks of 32), Q8_0 block pairs (Q80 1: 17 words) or Q4_K
+// super-blocks (Q4K 1: 36 words, 8 blocks), NPL of them a lane; or Q6_K super-blocks (Q6K 1: 210 bytes, 8
+// blocks), a lane taking NPL quarters of 2 blocks. WPR words and NB 32-blocks a row (from the host, as G, the
+// lanes a row, and WL = ceil(WPR / G), the words a lane loads a row); BT entries at most a tile, RPW rows a
+// row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
 
@@ -68,7 +69,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
     float* __restrict__ OUT, int R, int M)
 {
-    __shared__ unsigned stage_s[WARPS][GROUPS][WPR];  // a row's words, from the coalesced loads to pair lanes
+    __shared__ unsigned stage_s[WARPS][GROUPS][WPR + 1];  // a row's words, from the coalesced loads to unit
+                                                          // lanes (+1: Q6_K's realigning reads)
     __shared__ float term_s[WARPS][GROUPS][BT][RPW][NB];  // each entry's rows' blocks' fp32 terms
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
@@ -99,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                                                        : W1 + slot * stride1 + rr * rb1);
 #pragma unroll
         for (int j = 0; j < WL; ++j)
-            words[r][j] = live ? __ldg(wrow + g + G * j) : 0u;
+            words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;
     }
 
     // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA
@@ -118,9 +120,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        // the row's words to the lanes of its units: lane g holds units g + G q (UW words each)
+        // the row's words to the lanes of its units: lane g holds units g + G q
 #pragma unroll
-        for (int j = 0; j < WL; ++j) stage_s[warp][grp][g + G * j] = words[r][j];
+        for (int j = 0; j < WL; ++j)
+            if (WPR % G == 0 || g + G * j < WPR) stage_s[warp][grp][g + G * j] = words[r][j];
         __syncwarp();
 #if Q4K
         // super-block bytes [d d dmin dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes]: code
@@ -145,6 +148,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                 sc[q][4 + j] = (s_hi & 0xF) | ((s_lo >> 6) << 4);
                 mn[q][4 + j] = (s_hi >> 4) | ((s_mid >> 6) << 4);
             }
+        }
+#elif Q6K
+        // super-block bytes [ql 128, qh 64, 16 int8 scales, d d], 2-byte aligned for odd super-blocks.
+        // Quarter c = g + G q is blocks 2 jj, 2 jj + 1 (jj = c % 4) of super-block c / 4; block j = 4 h + r:
+        // its codes' low 4 bits from ql bytes 64 h + 32 (r % 2).. (nibble r / 2), high 2 bits from qh bytes
+        // 128 + 32 h.. (bits 2 r, 2 r + 1). cw: (q - 32) as signed bytes, 8 words a block; sc: the scales of
+        // the two blocks' 16-value halves (bytes 192 + 4 jj..).
+        unsigned cw[NPL][16];
+        int sc[NPL][4];
+        float d[NPL];
+#pragma unroll
+        for (int q = 0; q < NPL; ++q) {
+            const int c = g + G * q, u = c >> 2, jj = c & 3, h = jj >> 1, base = 210 * u;
+            const unsigned* sw = stage_s[warp][grp];
+            const unsigned sel = (base & 2) ? 0x5432u : 0x3210u;  // the word at base + o, realigned
+#define Q6_WORD(o) __byte_perm(sw[(base + (o)) >> 2], sw[((base + (o)) >> 2) + 1], sel)
+            d[q] = half_bits(Q6_WORD(208) & 0xFFFFu);
+            const unsigned s4 = Q6_WORD(192 + 4 * jj);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[q][i] = (int)(signed char)(s4 >> (8 * i));
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 2 * (jj & 1) + half;
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    const unsigned ql = Q6_WORD(64 * h + 32 * (r & 1) + 4 * t);
+                    const unsigned qh = Q6_WORD(128 + 32 * h + 4 * t);
+                    const unsigned code = ((ql >> (4 * (r >> 1))) & 0x0F0F0F0Fu)
+                                          | (((qh >> (2 * r)) & 0x03030303u) << 4);
+                    cw[q][8 * half + t] = __vsub4(code, 0x20202020u);
+                }
+            }
+#undef Q6_WORD
         }
 #elif Q80
         // pair bytes [d0 d0 c0..c31 d1 d1 c0..c31] (int8 codes): the first block's sit two bytes into a word
@@ -209,6 +245,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                     const float t_m = (float)(mn[q][j] * as_s[e][b0 + j]) * (d[q][1] * ad);
                     term_s[warp][grp][e][r][b0 + j] = t_i - t_m;
                 }
+#elif Q6K
+                const int c = g + G * q, b0 = 8 * (c >> 2) + 2 * (c & 3);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    int lo = 0, hi = 0;  // the block's two 16-value halves
+#pragma unroll
+                    for (int t = 0; t < 4; ++t) {
+                        lo = __dp4a((int)cw[q][8 * half + t], act_s[e][t][b0 + half], lo);
+                        hi = __dp4a((int)cw[q][8 * half + 4 + t], act_s[e][4 + t][b0 + half], hi);
+                    }
+                    const int isum = sc[q][2 * half] * lo + sc[q][2 * half + 1] * hi;
+                    term_s[warp][grp][e][r][b0 + half] = (float)isum * (d[q] * ad_s[e][b0 + half]);
+                }
 #elif Q80
                 const int b0 = 2 * (g + G * q);
                 int dot[2] = {0, 0};
@@ -264,29 +313,44 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 UNITS = {Q4_0: (9, 2, 64), Q8_0: (17, 2, 64), Q4_K: (36, 8, 256)}
 
 
-def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
-    """Whether the CUDA form serves rows of k values of type wtype (Q4_0, Q8_0, Q4_K) in tiles of up to bt
-    entries: a whole number of units (Q4_0 / Q8_0 block pairs, Q4_K super-blocks), at most 36 words a lane a
-    row (the registers of RPW rows in flight), and the CTA's shared memory within the 48 KiB a kernel may
-    declare statically."""
-    if wtype not in UNITS or bt < 1:
-        return False
-    uw, _, per = UNITS[wtype]
+def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
+    """(WPR words a row, NB 32-blocks a row, G lanes a row, WL words a lane loads a row, NPL units (Q6_K:
+    quarter super-blocks) a lane) of rows of k values of type wtype, or None where the kernel has no form for
+    them: a whole number of units, at most 36 words a lane a row (the registers of RPW rows in flight)."""
+    if wtype == Q6_K:  # 210-byte super-blocks: an even count makes whole words; 4 quarters of 2 blocks each
+        nu = k // 256
+        if k % 256 or nu < 2 or nu & (nu - 1):
+            return None
+        wpr, g = 105 * nu // 2, min(32, 4 * nu)
+        wl = -(-wpr // g)
+        return (wpr, 8 * nu, g, wl, 4 * nu // g) if wl <= 36 else None
+    if wtype not in UNITS:
+        return None
+    uw, ub, per = UNITS[wtype]
     if k % per:
-        return False
+        return None
     nu = k // per
+    g = _lanes(nu)
+    return (uw * nu, ub * nu, g, uw * nu // g, nu // g) if uw * nu // g <= 36 else None
+
+
+def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
+    """Whether the CUDA form serves rows of k values of type wtype (Q4_0, Q8_0, Q4_K, Q6_K) in tiles of up to
+    bt entries: a geometry for them, and the CTA's shared memory within the 48 KiB a kernel may declare
+    statically."""
+    geo = geometry(k, wtype)
+    if geo is None or bt < 1:
+        return False
     from .expert_words import WORDS
 
-    smem = shared_bytes(nu, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], wtype)
-    return uw * nu // _lanes(nu) <= 36 and smem <= 48 << 10
+    return shared_bytes(geo, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"]) <= 48 << 10
 
 
-def shared_bytes(nu: int, bt: int, rpw: int, warps: int, wtype: int = Q4_0) -> int:
-    """The kernel's static shared memory for rows of nu units: stage_s, term_s, act_s, ad_s and as_s (4-byte
-    elements)."""
-    uw, ub, _ = UNITS[wtype]
-    wpr, nb, groups = uw * nu, ub * nu, 32 // _lanes(nu)
-    return 4 * (warps * groups * (wpr + bt * rpw * nb) + bt * (8 * nb + 2 * nb))
+def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int) -> int:
+    """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s and as_s
+    (4-byte elements)."""
+    wpr, nb, g = geo[:3]
+    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * nb) + bt * (8 * nb + 2 * nb))
 
 
 def _lanes(nu: int) -> int:
@@ -295,22 +359,21 @@ def _lanes(nu: int) -> int:
 
 
 @functools.cache
-def _kernel(nu: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
-    g = _lanes(nu)
-    uw, ub, _ = UNITS[wtype]
-    defines = (f"-DNU={nu}", f"-DUW={uw}", f"-DUB={ub}", f"-DQ4K={int(wtype == Q4_K)}",
-               f"-DQ80={int(wtype == Q8_0)}", f"-DG={g}", f"-DWL={uw * nu // g}", f"-DBT={bt}",
+def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
+    wpr, nb, g, wl, npl = geometry(k, wtype)
+    kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
+    defines = (f"-DWPR={wpr}", f"-DNB={nb}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
                f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
     return nvrtc.build(_SOURCE, "expert_rows", ("--fmad=false", *defines), device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
-    `device`, or None where it cannot be built (an NVRTC or driver too old for the GPU, say): the Triton
-    tile then, with the same bits, after one warning."""
+    `device`, or None where it cannot be built (an NVRTC or driver too old for the GPU, say): a Triton tile
+    then, with the same bits, after one warning."""
     from .expert_words import WORDS
 
-    key = (k // UNITS[wtype][2], two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype)
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype)
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows",
                                "a Triton tile takes their launches (the same bits)")
 
@@ -332,7 +395,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     if kern is None:
         return False
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
-    rows_cta = warps * (32 // _lanes(k // UNITS[wtype][2])) * rpw
+    rows_cta = warps * (32 // geometry(k, wtype)[2]) * rpw
     n_rows = 2 * r if two else r
     grid = ((n_rows + rows_cta - 1) // rows_cta, tile_start.numel())
     if grid[1] > 65535:
@@ -433,5 +496,37 @@ def row_reference_q8(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.floa
             terms[b] = np.float32(dot) * (np.float32(d) * ad[b])
     acc = np.float32(0.0)
     for b in range(2 * np_):
+        acc = np.float32(acc + terms[b])
+    return acc
+
+
+def row_reference_q6k(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.float32:
+    """The kernel's arithmetic for one Q6_K row (Q6K 1), quarter super-block by quarter in numpy: the same
+    code bytes (low 4 bits from ql, high 2 from qh, minus 32), dp4a words, 16-value halves, terms and fold.
+    row uint8 [210 NU]; aq int8 [256 NU]; ad f32 [8 NU]."""
+    raw = np.ascontiguousarray(row).astype(np.int64)
+    codes = np.ascontiguousarray(aq).view(np.int32)
+    nu = len(raw) // 210
+    terms = np.zeros(8 * nu, np.float32)
+    for c in range(4 * nu):
+        u, jj = divmod(c, 4)
+        sb = raw[210 * u: 210 * u + 210]
+        h = jj >> 1
+        d = np.float32(np.uint16(sb[208] | (sb[209] << 8)).view(np.float16))
+        sc = sb[192 + 4 * jj: 196 + 4 * jj].astype(np.uint8).view(np.int8).astype(np.int64)
+        for half in range(2):
+            r = 2 * (jj & 1) + half
+            b = 8 * u + 2 * jj + half
+            ql = sb[64 * h + 32 * (r & 1): 64 * h + 32 * (r & 1) + 32]
+            qh = sb[128 + 32 * h: 160 + 32 * h]
+            q = ((ql >> (4 * (r >> 1))) & 0xF) | (((qh >> (2 * r)) & 3) << 4)  # [32] codes 0..63
+            w = (q - 32).astype(np.int8).view(np.uint8).astype(np.int64)
+            words = [int(w[4 * t] | (w[4 * t + 1] << 8) | (w[4 * t + 2] << 16) | (w[4 * t + 3] << 24))
+                     for t in range(8)]
+            lo = sum(_dp4a(words[t], codes[8 * b + t]) for t in range(4))
+            hi = sum(_dp4a(words[4 + t], codes[8 * b + 4 + t]) for t in range(4))
+            terms[b] = np.float32(int(sc[2 * half]) * lo + int(sc[2 * half + 1]) * hi) * (d * ad[b])
+    acc = np.float32(0.0)
+    for b in range(8 * nu):
         acc = np.float32(acc + terms[b])
     return acc

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from strata_ray.kernels.act_quant import quantize_act_sums
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q8_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_rows_cuda import (
     cuda_rows_serves,
     row_reference,
     row_reference_q4k,
+    row_reference_q6k,
     row_reference_q8,
 )
 from strata_ray.kernels.random_weights import random_layer
@@ -39,7 +40,7 @@ def _contract_row(row: np.ndarray, aq: np.ndarray, ad: np.ndarray) -> np.float32
 def _layer(n_embd: int, n_ff: int, n_expert: int = 4, down=Q4_0, gate_up=Q4_0) -> ExpertLayer:
     rng = np.random.default_rng(n_embd + n_ff + n_expert)
     # gguf quantizes Q4_0 from floats but not Q4_K: Q4_K layers are random blocks with sane scales
-    floats = Q4_K not in (gate_up, down)
+    floats = Q4_K not in (gate_up, down) and Q6_K not in (gate_up, down)
     return random_layer(rng, n_expert, n_embd, n_ff, (gate_up, gate_up, down), from_floats=floats)
 
 
@@ -86,6 +87,21 @@ def test_q8_row_reference_is_the_contract_row(n_embd):
         assert row_reference_q8(gate[r], aq, ad).view(np.int32) == want[r].view(np.int32), r
 
 
+@pytest.mark.parametrize("n_embd", [512, 1024, 4096])
+def test_q6k_row_reference_is_the_contract_row(n_embd):
+    """2, 4 and 16 super-blocks a row (odd ones 2-byte aligned): the twin against matmul_spec."""
+    from strata_ray.kernels.spec import matmul_spec
+
+    layer = _layer(n_embd, 256, gate_up=Q6_K, down=Q6_K)
+    rng = np.random.default_rng(n_embd + 2)
+    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
+    aq, ad, _ = (a[0] for a in quantize_act_sums(x))
+    gate = layer.gate[0]
+    want = matmul_spec(gate, Q6_K, x)[0]
+    for r in range(0, gate.shape[0], 9):
+        assert row_reference_q6k(gate[r], aq, ad).view(np.int32) == want[r].view(np.int32), r
+
+
 def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert cuda_rows_serves(2048) and cuda_rows_serves(512) and cuda_rows_serves(64) and cuda_rows_serves(768)
     assert not cuda_rows_serves(96)  # 3 blocks: not whole pairs
@@ -98,6 +114,10 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert not cuda_rows_serves(2048, 4, Q4_K) and not cuda_rows_serves(768, 1, Q4_K)
     assert cuda_rows_serves(2048, 8, Q8_0) and cuda_rows_serves(4096, 1, Q8_0)  # 17 and 34 words a lane
     assert not cuda_rows_serves(4096, 8, Q8_0) and not cuda_rows_serves(96, 1, Q8_0)
+    # Q6_K: an even count of 210-byte super-blocks (whole words), a quarter (2 blocks) a lane
+    assert cuda_rows_serves(512, 8, Q6_K) and cuda_rows_serves(2048, 8, Q6_K)
+    assert cuda_rows_serves(4096, 1, Q6_K)
+    assert not cuda_rows_serves(256, 1, Q6_K) and not cuda_rows_serves(768, 1, Q6_K)
 
 
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
@@ -143,6 +163,10 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     for n_tok, n_ent in [(1, 10), (2, 20), (5, 40)]:
         _check(q4k, n_ent, n_tok=n_tok)
     _check(_layer(512, 256, 5, down=Q4_0, gate_up=Q4_K), 33)  # Q4_K gate / up, Q4_0 down
+    q4km = _layer(2048, 512, 12, down=Q6_K, gate_up=Q4_K)  # a Q4_K_M file's experts
+    for n_tok, n_ent in [(1, 10), (2, 20), (8, 80)]:
+        _check(q4km, n_ent, n_tok=n_tok)
+    _check(_layer(1024, 512, 5, down=Q6_K, gate_up=Q6_K), 17, n_tok=3)  # Q6_K gate / up too
     q8 = _layer(2048, 512, 12, down=Q8_0, gate_up=Q8_0)  # Q8_0 block pairs
     for n_tok, n_ent in [(1, 10), (3, 33), (8, 80)]:
         _check(q8, n_ent, n_tok=n_tok)
