@@ -20,7 +20,7 @@ import time
 import numpy as np
 from bench_cpu_kernels import host_copy_gbs  # the sibling script (scripts/ is sys.path[0] when run)
 
-from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
+from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
@@ -478,7 +478,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--graph-probe", choices=["kernels", "full"])
-    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", help="GPU weight types to time")
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K",
+                    help="GPU weight types to time (comma-separated: Q4_0, Q8_0, Q4_K, Q6_K)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
     ap.add_argument("--sweep-with", metavar="KNOBS",
                     help="sweep only the knob sets that set one of these (comma-separated, e.g. cuda)")
@@ -495,6 +496,10 @@ def main() -> None:
         tokens = tuple(int(t) for t in args.tokens.split(","))
     except ValueError:
         ap.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
+    known = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
+    bad = [t for t in args.types.split(",") if t not in known]
+    if bad:
+        ap.error(f"--types: unknown weight type(s) {', '.join(bad)} (of {', '.join(known)})")
     if not all(1 <= t <= 8 for t in tokens):
         ap.error(f"--tokens: decode launches are 1 to 8 tokens, got {args.tokens!r}")
     if args.graph_probe:
@@ -521,7 +526,7 @@ def main() -> None:
             lines = (r.stdout + r.stderr).strip().splitlines()
             probes.append(next((ln for ln in lines if ln.startswith("graph-")),
                                f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
-        types = tuple({"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K}[t] for t in args.types.split(","))
+        types = tuple(known[t] for t in args.types.split(","))
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
                          sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")), tokens=tokens,
                          prompt=not args.no_prompt)
