@@ -75,6 +75,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
+    __shared__ int arow_s[BT];                       // each entry's activation row
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
     const int slot_id = SORTED_SLOT[start];
@@ -104,15 +105,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;
     }
 
-    // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA
+    // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA. The
+    // entries' activation rows first, once (two dependent loads each), not per word
+    if (threadIdx.x < n_ent) arow_s[threadIdx.x] = ACT_ROW[ORDER[start + threadIdx.x]];
+    __syncthreads();
     for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
         const int e = ei / (K / 4), wi = ei % (K / 4);
-        const int* aq = (const int*)(AQ + (long long)ACT_ROW[ORDER[start + e]] * K);
+        const int* aq = (const int*)(AQ + (long long)arow_s[e] * K);
         act_s[e][wi & 7][wi >> 3] = aq[wi];
     }
     for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
         const int e = eb / NB, b = eb % NB;
-        const long long arow = ACT_ROW[ORDER[start + e]];
+        const long long arow = arow_s[e];
         ad_s[e][b] = AD[arow * NB + b];
         as_s[e][b] = AS[arow * NB + b];
     }
@@ -347,10 +351,10 @@ def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
 
 
 def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int) -> int:
-    """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s and as_s
-    (4-byte elements)."""
+    """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
+    arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * nb) + bt * (8 * nb + 2 * nb))
+    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * nb) + bt * (8 * nb + 2 * nb + 1))
 
 
 def _lanes(nu: int) -> int:
