@@ -59,7 +59,7 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
 
 # profiler names of the expert kernels
 EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words",
-                  "_swiglu_quant", "q4_0_rows")
+                  "_swiglu_quant", "expert_rows")
 
 
 def device_seconds(fn, reps: int, per_kernel: dict | None = None) -> tuple[float, float]:

@@ -127,7 +127,7 @@ class PipelinedDecodeRows:
 
         tiers = self.tiers
         view = tiers.cache.layer_view(layer)
-        if tile_entries(1, "decode", tiers.kernel_variant, view.is_float) != 1:
+        if tile_entries(1, "decode", tiers.kernel_variant, view) != 1:
             raise RuntimeError("the one-launch decode plan needs tiles of one entry")
         base, share = layer * tiers.n_expert, self.shares[layer]
         main = torch.cuda.current_stream(tiers.device)

@@ -202,7 +202,7 @@ class DecodeRows:
         if self.cuda:
             from strata_ray.kernels.expert_gpu import tile_entries  # Triton: CUDA machines only
 
-            self._upload_plan(slot, hit, inv, tile_entries(1, "decode", tiers.kernel_variant, view.is_float))
+            self._upload_plan(slot, hit, inv, tile_entries(1, "decode", tiers.kernel_variant, view))
             if n_hit and self.capture:
                 self._graphs[layer].replay()
             elif n_hit:  # the same kernels, launched directly

@@ -271,8 +271,8 @@ class TieredExperts:
         """The GPU kernel's tile plan (order, sorted_slot, tile_start) for these slots, made on the host."""
         from strata_ray.kernels.expert_gpu import tile_entries
 
-        is_float = self.cache.layer_view(layer).is_float if slot.size else False
-        return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, is_float))
+        experts = self.cache.layer_view(layer) if slot.size else None
+        return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, experts))
 
     def warm_up(self) -> float:
         """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
+from .expert_rows_cuda import cuda_rows_on, cuda_rows_tile_cap
 from .expert_words import launch_words
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, row_offsets, swiglu
 from .triton_chunks import mm_chunked
@@ -274,10 +275,19 @@ def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int):
     return order.to(torch.int32), sorted_slot, tile_start[:n_tiles]
 
 
-def tile_entries(n_tok: int, mode: str, variant: str, is_float: bool) -> int:
-    """Entries per tile (BT) for a launch over n_tok tokens in this mode ("decode" or "prompt")."""
+def tile_entries(n_tok: int, mode: str, variant: str, layer: ExpertLayer | None) -> int:
+    """Entries per tile (BT) for a launch over n_tok tokens in this mode ("decode" or "prompt") on this
+    layer's experts (None: no experts, any BT). Decode tiles of the words variant are cut to the most entries
+    the CUDA C rows take for the layer's types (Q4_K: 2), so a verify window stays on them: an entry's rows
+    do not depend on its tile."""
+    is_float = layer is not None and layer.is_float
     if mode == "decode":
-        return min(triton.next_power_of_2(n_tok), DECODE_MAX_TOKENS)
+        bt = min(triton.next_power_of_2(n_tok), DECODE_MAX_TOKENS)
+        if variant == "words" and layer is not None and not is_float and bt > 1 and cuda_rows_on():
+            kinds = ((layer.n_embd, layer.gate_type), (layer.n_embd, layer.up_type),
+                     (layer.n_ff, layer.down_type))
+            bt = cuda_rows_tile_cap(kinds, bt)
+        return bt
     return WIDE["prompt_bt"] if variant == "wide" and not is_float else 64
 
 
@@ -384,7 +394,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     out: optional f32 [M, E] to write the rows into (every element is written).
     variant: one of VARIANTS (default: STRATA_KERNEL_VARIANT, else "words"); same bits.
     plan: (order, sorted_slot, tile_start) int32 cuda tensors from `plan_tiles_host(slot,
-    tile_entries(N, mode, variant, is_float))`, to skip planning on the device (about 15 small launches).
+    tile_entries(N, mode, variant, slots))`, to skip planning on the device (about 15 small launches).
     act: quantize_act_gpu(x), when the caller launches several calls over one x (quantized once);
     ident: int32 [M] holding 0..M-1 (the down launch's rows), when the caller keeps one.
     """
@@ -405,7 +415,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     if m == 0:
         return out
     x = x.contiguous().float()
-    bt = tile_entries(x.shape[0], mode, variant, slots.is_float)
+    bt = tile_entries(x.shape[0], mode, variant, slots)
     plan = (*(plan if plan is not None else plan_tiles(slot, bt, slots.gate.shape[0])), bt)
     tok32 = tok.to(torch.int32).contiguous()
     if ident is None:

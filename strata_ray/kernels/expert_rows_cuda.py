@@ -350,6 +350,17 @@ def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
     return shared_bytes(geo, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"]) <= 48 << 10
 
 
+def cuda_rows_tile_cap(kinds, bt: int) -> int:
+    """The most entries a tile (a power of two, at most bt) for which the CUDA form serves each (k, wtype) of
+    kinds that it serves at all (kinds it never serves take the simple tile at any bt and cap nothing)."""
+    cap = bt
+    for k, wtype in kinds:
+        if cuda_rows_serves(k, 1, wtype):
+            while cap > 1 and not cuda_rows_serves(k, cap, wtype):
+                cap //= 2
+    return cap
+
+
 def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int) -> int:
     """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
     arow_s (4-byte elements)."""

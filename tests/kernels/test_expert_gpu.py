@@ -109,7 +109,7 @@ def test_a_host_made_plan_gives_the_same_rows(name):
         tok, exp = entries(rng, n_tok, n_ent, 37, k=k)
         for mode in ("decode", "prompt"):
             want = _gpu_rows(x, tok, exp, slots, slot_of, mode)
-            plan = plan_tiles_host(slot_of[exp], tile_entries(n_tok, mode, "simple", False))
+            plan = plan_tiles_host(slot_of[exp], tile_entries(n_tok, mode, "simple", slots))
             got = expert_ffn_gpu(torch.from_numpy(x).cuda(), torch.from_numpy(tok).cuda(),
                                  torch.from_numpy(slot_of[exp]).cuda(), slots, mode=mode, variant="simple",
                                  plan=[torch.from_numpy(p).cuda() for p in plan])

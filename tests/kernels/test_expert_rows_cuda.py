@@ -15,6 +15,7 @@ from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_rows_cuda import (
     cuda_rows_serves,
+    cuda_rows_tile_cap,
     row_reference,
     row_reference_q4k,
     row_reference_q6k,
@@ -120,6 +121,31 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert not cuda_rows_serves(256, 1, Q6_K) and not cuda_rows_serves(768, 1, Q6_K)
 
 
+def test_tile_cap_is_the_most_entries_every_served_kind_takes():
+    assert cuda_rows_tile_cap([(2048, Q4_0), (512, Q4_0)], 8) == 8
+    assert cuda_rows_tile_cap([(2048, Q4_K), (2048, Q4_K), (512, Q6_K)], 8) == 2  # a Q4_K_M layer
+    assert cuda_rows_tile_cap([(4096, Q4_0)], 8) == 4
+    assert cuda_rows_tile_cap([(2048, Q4_K)], 1) == 1
+    assert cuda_rows_tile_cap([(96, Q4_0), (768, Q4_K)], 8) == 8  # never served: the simple tile, no cap
+
+
+def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
+    """A verify window over a Q4_K layer gets tiles of 2 (the CUDA form's most) where the CUDA form is on; the
+    other variants, prompt tiles and machines without it keep next_pow2(tokens)."""
+    import strata_ray.kernels.expert_gpu as eg
+
+    q4k = _layer(2048, 512, 2, down=Q6_K, gate_up=Q4_K)
+    q40 = _layer(2048, 512, 2)
+    monkeypatch.setattr(eg, "cuda_rows_on", lambda: False)
+    assert eg.tile_entries(8, "decode", "words", q4k) == 8
+    monkeypatch.setattr(eg, "cuda_rows_on", lambda: True)
+    assert eg.tile_entries(8, "decode", "words", q4k) == 2
+    assert eg.tile_entries(3, "decode", "words", q40) == 4 and eg.tile_entries(1, "decode", "words", q4k) == 1
+    assert eg.tile_entries(8, "decode", "simple", q4k) == 8
+    assert eg.tile_entries(8, "decode", "words", None) == 8
+    assert eg.tile_entries(300, "prompt", "words", q4k) == 64
+
+
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
     """n_ent entries of n_tok tokens (tiles of up to next_pow2(n_tok) entries of one expert) over the layer's
     experts: the GPU rows, every element written, equal the CPU rows bit for bit."""
@@ -155,10 +181,10 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     for n_tok, n_ent in [(2, 20), (3, 33), (8, 80), (8, 222)]:
         _check(wide, n_ent, n_tok=n_tok)
     _check(_layer(256, 768, 5), 33, n_tok=5)  # 8 entries a tile, 4 lanes a gate row
-    _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row at 8 entries: over the shared memory,
-    # the simple tile
+    _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row: 8 entries are over the shared memory,
+    # so tiles of 4
     _check(_layer(4096, 256, 3), 17, n_tok=3)  # 4 entries a tile, 2 pairs a lane
-    # Q4_K layers: a super-block a lane, one- and two-entry tiles (4+ entries take the simple tile)
+    # Q4_K layers: a super-block a lane, one- and two-entry tiles (windows of 4+ tokens cut to 2)
     q4k = _layer(2048, 512, 12, down=Q4_K, gate_up=Q4_K)
     for n_tok, n_ent in [(1, 10), (2, 20), (5, 40)]:
         _check(q4k, n_ent, n_tok=n_tok)
