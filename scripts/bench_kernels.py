@@ -124,6 +124,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"dp4a": False}, {"split_gu": True}, {"split_gu": True, "gu_split_br": 32},
     {"split_gu": True, "chunk_pairs": 2},
     {"cuda": True},  # the CUDA C form (expert_rows_cuda.py), the default where cupy is installed
+    {"cuda": True, "cuda_rpw": 1}, {"cuda": True, "cuda_rpw": 1, "cuda_warps": 8},
     {"cuda": True, "cuda_rpw": 4}, {"cuda": True, "cuda_rpw": 8}, {"cuda": True, "cuda_warps": 8},
     {"cuda": True, "cuda_rpw": 4, "cuda_warps": 2},
 ]
@@ -143,8 +144,8 @@ def knob_sweep(rows, variant, x, calls, want, slots, wname, n_tok, nbytes, reps)
         return [eg.expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant) for t, s_ in calls]
 
     base = dict(knobs_now)
-    if variant == "words" and n_tok > 1:  # only the CUDA C form takes tiles of several entries
-        sweep = [k for k in sweep if k.get("cuda")]
+    if variant == "words" and (n_tok > 1 or wname not in ("Q4_0", "Q8_0")):  # only the CUDA C form takes
+        sweep = [k for k in sweep if k.get("cuda")]  # tiles of several entries and the K-quants
     try:
         for knobs in sweep:
             knobs_now.update(base, **knobs)
@@ -293,7 +294,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                              f"{gbs:.0f} GB/s ({pct:.0f}% of copy), {bits}"))
                 # the Triton words tile serves one token, its CUDA C form 1-8 (more take the simple tile)
                 sweep_toks = {"split": (1, 8), "words": (1, 4, 8)}.get(variant, ())
-                if sweeps and n_tok in sweep_toks and wtype in (Q4_0, Q8_0):
+                if sweeps and n_tok in sweep_toks and (variant == "words" or wtype in (Q4_0, Q8_0)):
                     knob_sweep(rows, variant, x, calls, want, slots, type_name(wtype), n_tok, experts * per,
                                reps)
         if sweeps and wtype in (Q4_0, Q8_0) and "wide" in variants:
