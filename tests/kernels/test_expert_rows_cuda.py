@@ -58,49 +58,26 @@ def test_row_reference_is_the_contract_row(n_embd):
         assert row_reference(gate[r], aq, ad, asum).view(np.int32) == want.view(np.int32), r
 
 
-@pytest.mark.parametrize("n_embd", [256, 512, 2048])
-def test_q4k_row_reference_is_the_contract_row(n_embd):
-    """One to eight super-blocks a row: the twin's terms and fold against matmul_spec's."""
+@pytest.mark.parametrize("wtype,n_embd,row_step", [
+    (Q4_K, 256, 5), (Q4_K, 512, 5), (Q4_K, 2048, 5),  # one to eight super-blocks a row
+    (Q8_0, 64, 3), (Q8_0, 512, 3), (Q8_0, 2048, 3),  # one to 16 block pairs
+    (Q6_K, 512, 9), (Q6_K, 1024, 9), (Q6_K, 4096, 9),  # 2, 4 and 16 super-blocks (odd ones 2-byte aligned)
+])
+def test_k_and_q8_row_references_are_the_contract_row(wtype, n_embd, row_step):
+    """Each type's twin (its terms and fold) against matmul_spec's rows, bit for bit."""
     from strata_ray.kernels.spec import matmul_spec
 
-    layer = _layer(n_embd, 256, gate_up=Q4_K, down=Q4_K)
-    rng = np.random.default_rng(n_embd)
+    layer = _layer(n_embd, 256 if wtype != Q8_0 else 64, gate_up=wtype, down=wtype)
+    rng = np.random.default_rng(n_embd + wtype)
     x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
     aq, ad, asum = (a[0] for a in quantize_act_sums(x))
     gate = layer.gate[1]  # [n_ff rows, row bytes]
-    want = matmul_spec(gate, Q4_K, x)[0]
-    for r in range(0, gate.shape[0], 5):
-        assert row_reference_q4k(gate[r], aq, ad, asum).view(np.int32) == want[r].view(np.int32), r
-
-
-@pytest.mark.parametrize("n_embd", [64, 512, 2048])
-def test_q8_row_reference_is_the_contract_row(n_embd):
-    """One to 16 Q8_0 block pairs a row: the twin against matmul_spec."""
-    from strata_ray.kernels.spec import matmul_spec
-
-    layer = _layer(n_embd, 64, gate_up=Q8_0, down=Q8_0)
-    rng = np.random.default_rng(n_embd + 1)
-    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
-    aq, ad, _ = (a[0] for a in quantize_act_sums(x))
-    gate = layer.gate[2]
-    want = matmul_spec(gate, Q8_0, x)[0]
-    for r in range(0, gate.shape[0], 3):
-        assert row_reference_q8(gate[r], aq, ad).view(np.int32) == want[r].view(np.int32), r
-
-
-@pytest.mark.parametrize("n_embd", [512, 1024, 4096])
-def test_q6k_row_reference_is_the_contract_row(n_embd):
-    """2, 4 and 16 super-blocks a row (odd ones 2-byte aligned): the twin against matmul_spec."""
-    from strata_ray.kernels.spec import matmul_spec
-
-    layer = _layer(n_embd, 256, gate_up=Q6_K, down=Q6_K)
-    rng = np.random.default_rng(n_embd + 2)
-    x = (rng.standard_normal((1, n_embd)) * 3).astype(np.float32)
-    aq, ad, _ = (a[0] for a in quantize_act_sums(x))
-    gate = layer.gate[0]
-    want = matmul_spec(gate, Q6_K, x)[0]
-    for r in range(0, gate.shape[0], 9):
-        assert row_reference_q6k(gate[r], aq, ad).view(np.int32) == want[r].view(np.int32), r
+    want = matmul_spec(gate, wtype, x)[0]
+    twin = {Q4_K: lambda row: row_reference_q4k(row, aq, ad, asum),
+            Q8_0: lambda row: row_reference_q8(row, aq, ad),
+            Q6_K: lambda row: row_reference_q6k(row, aq, ad)}[wtype]
+    for r in range(0, gate.shape[0], row_step):
+        assert twin(gate[r]).view(np.int32) == want[r].view(np.int32), r
 
 
 def test_cuda_rows_serve_whole_pairs_within_the_registers():
