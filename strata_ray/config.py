@@ -100,6 +100,11 @@ class EngineConfig:
     # float32's bytes: more expert cache in the same budget, and a quarter of the decode GEMVs' reads);
     # 0: float32 as on the CPU. The CPU path always dequantizes (it is the reference's arithmetic).
     dense_q8: bool = True
+    # STRATA_CPU_DENSE_BLOCKS (env only, default 0): on the CPU keep every quantized dense matrix as its GGUF
+    # blocks in the file map and compute decode calls by the expert contract's kernels (int8 activations,
+    # as llama.cpp; kernels/dense_blocks): a quarter of the float32 reads and no float32 copy in RAM. 0: the
+    # float32 reference arithmetic.
+    cpu_dense_blocks: bool = False
     # STRATA_PCIE_SHARE (env only, permille 0-1000): in the pipelined decode the GPU computes this share of
     # a layer's non-resident entries itself, copying their weights from the page-locked host store over
     # PCIe while the CPU pool computes the rest (contract.pcie_entries: the first ones in k order); 0: the
@@ -380,6 +385,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
                                                   "STRATA_DECODE_CPU_THREAD") == "1"
     if env.get("STRATA_DENSE_Q8", "") != "":
         values["dense_q8"] = parse_value(_choice("0", "1"), env["STRATA_DENSE_Q8"], "STRATA_DENSE_Q8") == "1"
+    if env.get("STRATA_CPU_DENSE_BLOCKS", "") != "":
+        values["cpu_dense_blocks"] = parse_value(_choice("0", "1"), env["STRATA_CPU_DENSE_BLOCKS"],
+                                                 "STRATA_CPU_DENSE_BLOCKS") == "1"
     if env.get("STRATA_DECODE_PIPELINE", "") != "":
         values["decode_pipeline"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_PIPELINE"],
                                                 "STRATA_DECODE_PIPELINE") == "1"

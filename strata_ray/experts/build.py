@@ -133,7 +133,10 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     with torch.inference_mode():
         # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
         quantized = config.dense_q8 and torch.device(device).type == "cuda"
-        weights = load_dense_weights(file, device=device, include_experts=False, quantized=quantized)
+        # on the CPU with cpu_dense_blocks: every quantized matrix as its blocks (kernels/dense_blocks)
+        blocks = config.cpu_dense_blocks and torch.device(device).type == "cpu"
+        weights = load_dense_weights(file, device=device, include_experts=False, quantized=quantized,
+                                     blocks=blocks)
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
     stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())

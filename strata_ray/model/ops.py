@@ -29,19 +29,26 @@ def gdn_group(device: torch.device) -> int:
 
 
 def linear(x: Tensor, w) -> Tensor:
-    """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias). w: a float tensor
-    or a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8)."""
+    """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias). w: a float tensor,
+    a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8) or a BlockMatrix (a quantized matrix as its
+    blocks on the CPU: kernels/dense_blocks)."""
     if isinstance(w, Tensor):
         return F.linear(x, w)
-    from strata_ray.kernels.dense_q8 import q8_linear
+    from strata_ray.kernels.dense_q8 import Q8Weight, q8_linear
 
-    return q8_linear(x, w)
+    if isinstance(w, Q8Weight):
+        return q8_linear(x, w)
+    from strata_ray.kernels.dense_blocks import block_linear
+
+    return block_linear(x, w)
 
 
 def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
     """[linear(x, w) for w in ws]. Q8Weight views of one matrix (weights.fuse_dense_rows) run as one GEMV
     in a decode step (kernels/dense_q8.q8_linear_rows): the matrices a layer applies to the same input."""
-    if any(isinstance(w, Tensor) for w in ws):
+    from strata_ray.kernels.dense_q8 import Q8Weight
+
+    if not all(isinstance(w, Q8Weight) for w in ws):
         return [linear(x, w) for w in ws]
     from strata_ray.kernels.dense_q8 import q8_linear_rows
 
@@ -49,7 +56,7 @@ def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
 
 
 def embedding(ids: Tensor, w) -> Tensor:
-    """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor or a Q8Weight)."""
+    """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor, a Q8Weight or a BlockMatrix)."""
     if isinstance(w, Tensor):
         return F.embedding(ids, w)
     return w.rows(ids.reshape(-1)).view(*ids.shape, -1)

@@ -36,14 +36,26 @@ def keeps_q8(name: str, info) -> bool:
             and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
 
 
+def keeps_blocks(name: str, info) -> bool:
+    """Whether a dense tensor can stay as its blocks on the CPU (kernels/dense_blocks.BlockMatrix): a matrix
+    of a contract type with a whole number of 32-row tiles, under keeps_q8's other conditions."""
+    from strata_ray.kernels.dense_blocks import TYPES
+
+    return (info.ggml_type in TYPES and len(info.shape) == 2 and info.shape[0] > 1 and info.shape[0] % 32 == 0
+            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+
+
 def load_dense_weights(
-    file, device: torch.device | str = "cpu", include_experts: bool = True, quantized: bool = False
+    file, device: torch.device | str = "cpu", include_experts: bool = True, quantized: bool = False,
+    blocks: bool = False,
 ) -> dict[str, Tensor]:
     """Dequantize every tensor of a GGUFFile to float32 on `device`, keyed by GGUF name.
 
     include_experts=False skips the routed-expert stacks (*_exps), which an ExpertBackend serves instead.
     quantized=True keeps Q8_0 matrices as they are in the file (a Q8Weight: a quarter of the float32 bytes
-    in memory and read per token; ops.linear and ops.embedding take either form).
+    in memory and read per token; ops.linear and ops.embedding take either form). blocks=True (CPU) keeps
+    every quantized matrix it can as its blocks in the file map (a BlockMatrix, computed by the expert
+    contract's kernels in decode).
     Fused alternatives are split into the names the forward reads: ffn_gate_up_exps -> ffn_gate_exps +
     ffn_up_exps, legacy ssm_in -> attn_qkv + attn_gate. Raises ModelFormatError on missing/misshapen tensors.
     """
@@ -52,6 +64,12 @@ def load_dense_weights(
     out: dict[str, Tensor] = {}
     for name, info in file.tensors.items():
         if is_expert_tensor(name) and not include_experts:
+            continue
+        if blocks and keeps_blocks(name, info):
+            from strata_ray.kernels.dense_blocks import BlockMatrix
+
+            n_rows, n_cols = info.shape
+            out[name] = BlockMatrix(info.data, n_rows, n_cols, info.ggml_type)
             continue
         if quantized and keeps_q8(name, info):
             from strata_ray.kernels.dense_q8 import Q8Weight

@@ -81,6 +81,27 @@ def test_greedy_tokens_do_not_depend_on_placement(tiny_next, tmp_path):
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens
 
 
+def test_dense_blocks_on_the_cpu_keep_placement_invariance(tiny_next):
+    """STRATA_CPU_DENSE_BLOCKS: the dense Q8_0 matrices stay blocks of the file map, decode calls run the
+    contract's kernels; the greedy tokens still do not depend on placement, and stay near the float32
+    path's (the same first token: the prompt's chunk takes the reference F.linear)."""
+    from strata_ray.kernels.dense_blocks import BlockMatrix
+
+    hp = GGUFFile(tiny_next).hparams
+    tokens = {}
+    for cache in (0, hp.n_layer * hp.n_expert):
+        loaded, tiers = load_tiered_model(config(tiny_next, expert_cache=cache, cpu_dense_blocks=True), "cpu",
+                                          progress=False)
+        kept = [n for n, w in loaded.model.weights.items() if isinstance(w, BlockMatrix)]
+        assert "output.weight" in kept and any(".attn_qkv." in n for n in kept), kept
+        tokens[cache] = greedy(loaded)
+        tiers.finish()
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    loaded, tiers = load_tiered_model(config(tiny_next, expert_cache=0), "cpu", progress=False)
+    assert greedy(loaded)[0] == tokens[0][0]
+    tiers.finish()
+
+
 def test_learned_profile_saved_after_a_generation(tiny_next, tmp_path):
     cfg = config(tiny_next, expert_cache=12, adapt_every=1, adapt_swaps=4)
     loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
