@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.model.quants import T, dequantize, row_bytes, type_name
@@ -30,11 +29,10 @@ from strata_ray.model.quants import T, dequantize, row_bytes, type_name
 from .act_quant import quantize_act_sums
 from .contract import QK
 from .cpu_pool import SINGLE_THREAD_BYTES, default_pool
-from .dense_q8 import GEMV_MAX_TOKENS
+from .dense_q8 import GEMV_MAX_TOKENS, dequantized_linear
 from .expert_cpu_kernels import down_share
 
 TYPES = (T.Q8_0, T.Q4_0, T.Q4_K, T.Q6_K)  # the contract's weight types
-DEQUANT_ROWS_BYTES = 256 << 20  # float32 rows dequantized at once for a prompt chunk's F.linear
 
 
 class BlockMatrix:
@@ -63,18 +61,18 @@ class BlockMatrix:
     def nbytes(self) -> int:
         return self.blocks.size
 
-    def dequantize(self, r0: int = 0, r1: int | None = None) -> Tensor:
-        """float32 rows r0..r1 (all by default), the file's values (quants.dequantize)."""
-        part = self.blocks[0, r0:r1]
+    def _values(self, part: np.ndarray) -> Tensor:
+        """float32 [M, K]: the file's values (quants.dequantize) of block rows part uint8 [M, RB]."""
         return torch.from_numpy(dequantize(part.reshape(-1), self.wtype, (part.shape[0], self.shape[1])))
+
+    def dequantize(self, r0: int = 0, r1: int | None = None) -> Tensor:
+        """float32 rows r0..r1 (all by default)."""
+        return self._values(self.blocks[0, r0:r1])
 
     def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
         """Dequantized rows float32 [*idx.shape, K] (an embedding lookup)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
-        flat = idx.reshape(-1).numpy()
-        part = self.blocks[0][flat]  # [M, RB]
-        vals = dequantize(part.reshape(-1), self.wtype, (len(flat), self.shape[1]))
-        return torch.from_numpy(vals).reshape(*idx.shape, self.shape[1])
+        return self._values(self.blocks[0][idx.reshape(-1).numpy()]).reshape(*idx.shape, self.shape[1])
 
     def __repr__(self) -> str:
         return f"BlockMatrix({type_name(self.wtype)}, {list(self.shape)})"
@@ -106,9 +104,5 @@ def block_linear(x: Tensor, w: BlockMatrix) -> Tensor:
     if n_tok <= GEMV_MAX_TOKENS:
         x2 = x.reshape(n_tok, k).contiguous().numpy()
         return torch.from_numpy(block_rows(x2, w)).reshape(*x.shape[:-1], n)
-    step = max(1, DEQUANT_ROWS_BYTES // (4 * k))
-    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)  # [..., N]
-    for r0 in range(0, n, step):
-        out[..., r0 : r0 + step] = F.linear(x, w.dequantize(r0, r0 + step))
-    return out
+    return dequantized_linear(x, w)
 

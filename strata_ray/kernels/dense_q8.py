@@ -38,7 +38,7 @@ from .tile_plan import next_pow2
 QK = 32  # elements of a Q8_0 block
 BLOCK_BYTES = 34  # fp16 d + 32 int8
 GEMV_MAX_TOKENS = 16  # rows up to which CUDA runs the GEMV (decode, MTP verify windows)
-DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past GEMV_MAX_TOKENS (CUDA)
+DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past GEMV_MAX_TOKENS
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
@@ -99,11 +99,13 @@ class Q8Weight:
         """Bytes held (qs + d): what a GEMV reads per token."""
         return self.qs.numel() + 2 * self.d.numel()
 
-    def dequantize(self) -> Tensor:
-        """float32 [N, K], equal bit for bit to quants.dequantize / gguf: one rounding, f32(d) * f32(q)."""
-        n, k = self.qs.shape
-        q = self.qs.view(n, k // QK, QK).to(torch.float32)  # [N, K/32, 32] exact
-        return (q * self.d.to(torch.float32)[:, :, None]).reshape(n, k)
+    def dequantize(self, r0: int = 0, r1: int | None = None) -> Tensor:
+        """float32 rows r0..r1 (all by default) [n, K], equal bit for bit to quants.dequantize / gguf: one
+        rounding, f32(d) * f32(q)."""
+        qs, d = self.qs[r0:r1], self.d[r0:r1]
+        n, k = qs.shape
+        q = qs.view(n, k // QK, QK).to(torch.float32)  # [n, K/32, 32] exact
+        return (q * d.to(torch.float32)[:, :, None]).reshape(n, k)
 
     def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
         """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy."""
@@ -179,13 +181,14 @@ def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
     if x.device.type != "cuda":
         return F.linear(x, w.dequantize())
     if n_tok > GEMV_MAX_TOKENS:
-        return _dequantized_linear(x, w)
+        return dequantized_linear(x, w)
     x2 = x.reshape(n_tok, k).contiguous()  # [T, K]; a view when x is contiguous
     return q8_gemv(x2, w).reshape(*x.shape[:-1], n)
 
 
-def _dequantized_linear(x: Tensor, w: Q8Weight) -> Tensor:
-    """cuBLAS over the dequantized weight, DEQUANT_CHUNK_BYTES of float32 rows at a time: a prompt chunk's
+def dequantized_linear(x: Tensor, w) -> Tensor:
+    """F.linear over the dequantized weight (a Q8Weight, or dense_blocks' BlockMatrix: any weight whose
+    dequantize(r0, r1) gives float32 rows), DEQUANT_CHUNK_BYTES of float32 rows at a time: a prompt chunk's
     temporary stays small even for the [151936, 2048] head (1.2 GB whole), so the expert cache sized from
     free VRAM at load keeps fitting."""
     n, k = w.shape
@@ -194,8 +197,7 @@ def _dequantized_linear(x: Tensor, w: Q8Weight) -> Tensor:
         return F.linear(x, w.dequantize())
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32, device=x.device)  # [..., N]
     for r0 in range(0, n, step):
-        part = Q8Weight(w.qs[r0 : r0 + step], w.d[r0 : r0 + step])
-        out[..., r0 : r0 + step] = F.linear(x, part.dequantize())
+        out[..., r0 : r0 + step] = F.linear(x, w.dequantize(r0, r0 + step))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import strata_ray.kernels.dense_blocks as db
+import strata_ray.kernels.dense_q8 as dq
 from strata_ray.kernels.dense_blocks import BlockMatrix, block_linear
 from strata_ray.kernels.spec import matmul_spec
 from strata_ray.model import quants
@@ -52,7 +53,7 @@ def test_prompt_calls_are_the_reference_linear(monkeypatch):
     w, raw = _matrix(96, 512, T.Q4_K)
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((2, 20, 512)).astype(F32))
     dense = torch.from_numpy(quants.dequantize(raw.reshape(-1), T.Q4_K, (96, 512)))
-    monkeypatch.setattr(db, "DEQUANT_ROWS_BYTES", 4 * 512 * 40)  # slices of 40 rows: 40, 40, 16
+    monkeypatch.setattr(dq, "DEQUANT_CHUNK_BYTES", 4 * 512 * 40)  # slices of 40 rows: 40, 40, 16
     got = block_linear(x, w)
     assert got.shape == (2, 20, 96)
     torch.testing.assert_close(got, F.linear(x, dense), rtol=1e-5, atol=1e-5)
