@@ -29,20 +29,24 @@ def split_legacy_ssm_in(hp: HParams, ssm_in: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)]), z.reshape(-1, E)
 
 
+def whole_matrix(name: str, info) -> bool:
+    """A dense matrix of more than one row that the forward reads whole (not split at load, not an expert
+    stack): what may stay quantized in one of the weight forms below."""
+    return (len(info.shape) == 2 and info.shape[0] > 1 and not is_expert_tensor(name)
+            and not name.endswith(".ssm_in.weight"))
+
+
 def keeps_q8(name: str, info) -> bool:
-    """Whether a dense tensor can stay Q8_0 on the device (kernels/dense_q8.Q8Weight): a Q8_0 matrix of
-    more than one row that the forward reads whole (not split at load, not an expert stack)."""
-    return (info.ggml_type == T.Q8_0 and len(info.shape) == 2 and info.shape[0] > 1
-            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+    """Whether a dense tensor can stay Q8_0 on the device (kernels/dense_q8.Q8Weight): a Q8_0 whole_matrix."""
+    return info.ggml_type == T.Q8_0 and whole_matrix(name, info)
 
 
 def keeps_blocks(name: str, info) -> bool:
-    """Whether a dense tensor can stay as its blocks on the CPU (kernels/dense_blocks.BlockMatrix): a matrix
-    of a contract type with a whole number of 32-row tiles, under keeps_q8's other conditions."""
+    """Whether a dense tensor can stay as its blocks on the CPU (kernels/dense_blocks.BlockMatrix): a
+    whole_matrix of a contract type with a whole number of 32-row tiles."""
     from strata_ray.kernels.dense_blocks import TYPES
 
-    return (info.ggml_type in TYPES and len(info.shape) == 2 and info.shape[0] > 1 and info.shape[0] % 32 == 0
-            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+    return info.ggml_type in TYPES and info.shape[0] % 32 == 0 and whole_matrix(name, info)
 
 
 def load_dense_weights(
