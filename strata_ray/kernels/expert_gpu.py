@@ -12,8 +12,9 @@ in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
 - "words" (default): one-token decode launches of Q4_0 layers (Q8_0: opt-in) take the words tile
   (expert_words.py: weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on
-  the H200 (session 9); with cupy, Q4_0 decode launches of 1-8 tokens take its CUDA C form
-  (expert_rows_cuda.py: a tile's entries share the weight words); every other launch is the simple one's.
+  the H200 (session 9); with cupy, Q4_0 / Q8_0 / Q4_K / Q6_K decode launches of 1-8 tokens take its CUDA C
+  form (expert_rows_cuda.py: a tile's entries share the weight words); every other launch is the simple
+  one's.
 - "simple": the first kernels (one 32-block per step), proven bit-identical to the CPU on the H200.
 - "wide": decode tiles load NB 32-blocks of BR rows per step as 16-bit words, the next
   chunk in flight while this one is computed (triton_chunks.py); all NB integer block dots come out

@@ -42,8 +42,9 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # form has been measured there yet.
 # split_gu: gate and up rows in programs of their own (gu_split_br rows, down_warps), twice the programs of
 # the fused gate+up tile, then one small SwiGLU + requantization launch (not measured on the GPU yet).
-# cuda: Q4_0 decode launches on CUDA (tiles of up to 8 entries) take the CUDA C kernel of expert_rows_cuda.py
-# (STRATA_WORDS_CUDA; where cupy is installed), cuda_rpw rows in flight a row group, cuda_warps warps a CTA.
+# cuda: Q4_0, Q8_0, Q4_K and Q6_K decode launches on CUDA (tiles of up to 8 entries, Q4_K 2) take the CUDA C
+# kernel of expert_rows_cuda.py (STRATA_WORDS_CUDA; where cupy is installed), cuda_rpw rows in flight a row
+# group, cuda_warps warps a CTA.
 # Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
 # faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
@@ -66,8 +67,9 @@ def _on_words(mats: tuple) -> bool:
 
 
 def cuda_words_serve(t1: int, t2: int, k: int, bt: int, mats: tuple, device: torch.device) -> bool:
-    """Whether the CUDA C form (expert_rows_cuda) takes a launch: on, Q4_0 or Q4_K gate / up or down (one
-    type) on a CUDA device, rows and tiles of up to bt entries it serves, the weights on 4-byte words."""
+    """Whether the CUDA C form (expert_rows_cuda) takes a launch: on, gate / up or down of one type on a CUDA
+    device, rows of that type and tiles of up to bt entries it serves (cuda_rows_serves), the weights on
+    4-byte words."""
     from .expert_rows_cuda import cuda_rows_on, cuda_rows_serves
 
     return (t1 == t2 and device.type == "cuda" and cuda_rows_on() and cuda_rows_serves(k, bt, t1)
