@@ -317,6 +317,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 UNITS = {Q4_0: (9, 2, 64), Q8_0: (17, 2, 64), Q4_K: (36, 8, 256)}
 
 
+@functools.cache  # asked several times a launch on the host (serves, tile cap, grid): integers in, out
 def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
     """(WPR words a row, NB 32-blocks a row, G lanes a row, WL words a lane loads a row, NPL units (Q6_K:
     quarter super-blocks) a lane) of rows of k values of type wtype, or None where the kernel has no form for
