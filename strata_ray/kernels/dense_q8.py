@@ -116,6 +116,10 @@ class Q8Weight:
         w = q * self.d.index_select(0, flat).to(torch.float32)[:, :, None]
         return w.reshape(*idx.shape, k)
 
+    def row_slice(self, r0: int, r1: int) -> Q8Weight:
+        """Rows r0..r1 as a Q8Weight of views."""
+        return Q8Weight(self.qs[r0:r1], self.d[r0:r1])
+
     def to(self, device: torch.device | str) -> Q8Weight:
         return Q8Weight(self.qs.to(device), self.d.to(device))
 
@@ -157,25 +161,27 @@ def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
     return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 
-def _check(x: Tensor, w: Q8Weight) -> None:
+def check_linear(x: Tensor, w) -> None:
+    """x fits a quantized dense weight w (Q8Weight, dense_scaled.ScaledWeight): float32 [..., K], w's
+    device."""
     if x.dtype != torch.float32:
-        raise ValueError(f"q8_linear needs float32 x, got {x.dtype}")
+        raise ValueError(f"a quantized linear needs float32 x, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] != w.shape[1]:
         shape, k = list(x.shape), w.shape[1]
-        raise ValueError(f"q8_linear x {shape} does not end in K={k} of weight {list(w.shape)}")
+        raise ValueError(f"linear x {shape} does not end in K={k} of weight {list(w.shape)}")
     if x.device != w.device:
-        raise ValueError(f"q8_linear x on {x.device} but weight on {w.device}")
+        raise ValueError(f"linear x on {x.device} but weight on {w.device}")
 
 
 def q8_linear_reference(x: Tensor, w: Q8Weight) -> Tensor:
     """The reference twin: float32 [..., N] = F.linear(x, dequantized weight) (cuBLAS / CPU BLAS)."""
-    _check(x, w)
+    check_linear(x, w)
     return F.linear(x, w.dequantize())
 
 
 def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
     """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
-    _check(x, w)
+    check_linear(x, w)
     n, k = w.shape
     n_tok = x.numel() // k
     if x.device.type != "cuda":
@@ -259,7 +265,7 @@ def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
     TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
     compiled (call it once per weight shape before capturing). `tiles` picks the Triton kernel with those
     tiles (benchmarks)."""
-    _check(x2, w)
+    check_linear(x2, w)
     n, k = w.shape
     if x2.dim() != 2 or not x2.is_contiguous():
         raise ValueError(f"q8_gemv needs a contiguous [T, K] x, got {list(x2.shape)}")

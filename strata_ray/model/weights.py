@@ -49,6 +49,15 @@ def keeps_blocks(name: str, info) -> bool:
     return info.ggml_type in TYPES and info.shape[0] % 32 == 0 and whole_matrix(name, info)
 
 
+def keeps_scaled(name: str, info) -> bool:
+    """Whether a dense tensor can stay quantized on the device as a ScaledWeight (kernels/dense_scaled): a
+    Q4_K or Q6_K matrix under keeps_q8's other conditions."""
+    from strata_ray.kernels.dense_scaled import TYPES
+
+    return (info.ggml_type in TYPES and len(info.shape) == 2 and info.shape[0] > 1
+            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+
+
 def load_dense_weights(
     file, device: torch.device | str = "cpu", include_experts: bool = True, quantized: bool = False,
     blocks: bool = False,
@@ -57,9 +66,10 @@ def load_dense_weights(
 
     include_experts=False skips the routed-expert stacks (*_exps), which an ExpertBackend serves instead.
     quantized=True keeps Q8_0 matrices as they are in the file (a Q8Weight: a quarter of the float32 bytes
-    in memory and read per token; ops.linear and ops.embedding take either form). blocks=True (CPU) keeps
-    every quantized matrix it can as its blocks in the file map (a BlockMatrix, computed by the expert
-    contract's kernels in decode).
+    in memory and read per token) and Q4_K / Q6_K ones as exact int8 codes with float32 chunk scales (a
+    ScaledWeight: 1.5 / 1.25 bytes a weight); ops.linear and ops.embedding take every form. blocks=True
+    (CPU) keeps every quantized matrix it can as its blocks in the file map (a BlockMatrix, computed by the
+    expert contract's kernels in decode).
     Fused alternatives are split into the names the forward reads: ffn_gate_up_exps -> ffn_gate_exps +
     ffn_up_exps, legacy ssm_in -> attn_qkv + attn_gate. Raises ModelFormatError on missing/misshapen tensors.
     """
@@ -79,6 +89,12 @@ def load_dense_weights(
             from strata_ray.kernels.dense_q8 import Q8Weight
 
             out[name] = Q8Weight.from_blocks(info.data, info.shape[0], info.shape[1], device)
+            continue
+        if quantized and keeps_scaled(name, info):
+            from strata_ray.kernels.dense_scaled import ScaledWeight
+
+            n_rows, n_cols = info.shape
+            out[name] = ScaledWeight.from_blocks(info.data, n_rows, n_cols, info.ggml_type, device)
             continue
         t = _to_torch(info, device)
         if name.endswith(".ffn_gate_up_exps.weight"):  # [X, 2I, E], gate rows first
