@@ -43,7 +43,28 @@ DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-class Q8Weight:
+class QuantizedDense:
+    """What the quantized dense weights (Q8Weight, dense_scaled.ScaledWeight) share: int8 codes `qs` [N, K]
+    with their scales on one device, `gather` (rows as a weight of copies) and `dequantize`."""
+
+    qs: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qs.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
+        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy; the
+        gathered rows' own dequantize, so the bits of the whole matrix's."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
+        return self.gather(idx.reshape(-1)).dequantize().reshape(*idx.shape, self.shape[1])
+
+
+class Q8Weight(QuantizedDense):
     """A Q8_0 matrix [N, K] as `qs` int8 [N, K] and `d` float16 [N, K // 32] on one device."""
 
     def __init__(self, qs: Tensor, d: Tensor):
@@ -87,14 +108,6 @@ class Q8Weight:
         return cls(qs.to(device), d.to(device))
 
     @property
-    def shape(self) -> torch.Size:
-        return self.qs.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.qs.device
-
-    @property
     def nbytes(self) -> int:
         """Bytes held (qs + d): what a GEMV reads per token."""
         return self.qs.numel() + 2 * self.d.numel()
@@ -107,14 +120,9 @@ class Q8Weight:
         q = qs.view(n, k // QK, QK).to(torch.float32)  # [n, K/32, 32] exact
         return (q * d.to(torch.float32)[:, :, None]).reshape(n, k)
 
-    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
-        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy."""
-        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
-        flat = idx.reshape(-1)  # [M]
-        m, k = flat.numel(), self.qs.shape[1]
-        q = self.qs.index_select(0, flat).view(m, k // QK, QK).to(torch.float32)  # [M, K/32, 32]
-        w = q * self.d.index_select(0, flat).to(torch.float32)[:, :, None]
-        return w.reshape(*idx.shape, k)
+    def gather(self, flat: Tensor) -> Q8Weight:
+        """Rows flat [M] (int64, on the weight's device) as a Q8Weight of copies."""
+        return Q8Weight(self.qs.index_select(0, flat), self.d.index_select(0, flat))
 
     def row_slice(self, r0: int, r1: int) -> Q8Weight:
         """Rows r0..r1 as a Q8Weight of views."""

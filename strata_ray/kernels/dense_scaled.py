@@ -23,8 +23,6 @@ the two roundings of quants.dequantize, so `dequantize()` gives the reference fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -32,14 +30,14 @@ from torch import Tensor
 
 from strata_ray.model.quants import QK_K, T, q4_k_parts, q6_k_parts, row_bytes, type_name
 
-from .dense_q8 import GEMV_MAX_TOKENS, check_linear, dequantized_linear
+from .dense_q8 import GEMV_MAX_TOKENS, QuantizedDense, check_linear, dequantized_linear
 from .dense_q8_cuda import cuda_gemv_on, launch_cuda_gemv
 
 CHUNK = 16  # values a scale (and an offset) covers: a Q6_K group, half a Q4_K sub-block
 TYPES = (T.Q4_K, T.Q6_K)
 
 
-class ScaledWeight:
+class ScaledWeight(QuantizedDense):
     """A Q4_K or Q6_K matrix [N, K] as `qs` int8 [N, K], `scale` float32 [N, K / 16] and `offset` float32
     [N, K / 16] (Q4_K) or None (Q6_K), on one device."""
 
@@ -87,38 +85,25 @@ class ScaledWeight:
         return cls(on_device(q, np.int8, n_cols), on_device(scale, np.float32, n_cols // CHUNK), off)
 
     @property
-    def shape(self) -> torch.Size:
-        return self.qs.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.qs.device
-
-    @property
     def nbytes(self) -> int:
         """Bytes held (qs, scale, offset): what a GEMV reads per token."""
         return self.qs.numel() + 4 * self.scale.numel() + (4 * self.offset.numel() if self.offset is not None
                                                              else 0)
 
-    def _values(self, qs: Tensor, scale: Tensor, offset: Tensor | None) -> Tensor:
-        m, k = qs.shape
-        w = qs.view(m, k // CHUNK, CHUNK).to(torch.float32) * scale[:, :, None]  # [M, K/16, 16], one rounding
-        if offset is not None:
-            w = w - offset[:, :, None]  # the second
-        return w.reshape(m, k)
-
     def dequantize(self, r0: int = 0, r1: int | None = None) -> Tensor:
-        """float32 rows r0..r1 (all by default), equal bit for bit to quants.dequantize of the file's blocks."""
-        off = self.offset[r0:r1] if self.offset is not None else None
-        return self._values(self.qs[r0:r1], self.scale[r0:r1], off)
+        """float32 rows r0..r1 (all by default), equal bit for bit to quants.dequantize of the file's
+        blocks."""
+        qs, scale = self.qs[r0:r1], self.scale[r0:r1]
+        n, k = qs.shape
+        w = qs.view(n, k // CHUNK, CHUNK).to(torch.float32) * scale[:, :, None]  # one rounding
+        if self.offset is not None:
+            w = w - self.offset[r0:r1][:, :, None]  # the second
+        return w.reshape(n, k)
 
-    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
-        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy."""
-        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
-        flat = idx.reshape(-1)  # [M]
+    def gather(self, flat: Tensor) -> ScaledWeight:
+        """Rows flat [M] (int64, on the weight's device) as a ScaledWeight of copies."""
         off = self.offset.index_select(0, flat) if self.offset is not None else None
-        w = self._values(self.qs.index_select(0, flat), self.scale.index_select(0, flat), off)
-        return w.reshape(*idx.shape, self.qs.shape[1])
+        return ScaledWeight(self.qs.index_select(0, flat), self.scale.index_select(0, flat), off)
 
     def row_slice(self, r0: int, r1: int) -> ScaledWeight:
         """Rows r0..r1 as a ScaledWeight of views."""
