@@ -48,6 +48,16 @@ class QuantizedDense:
     with their scales on one device, `gather` (rows as a weight of copies) and `dequantize`."""
 
     qs: Tensor
+    fused: tuple | None = None  # (the matrix this one's rows are part of, first row): fuse_rows' views
+
+    def parts(self) -> tuple:
+        """The per-row tensors the weight is made of, in its constructor's order (fuse_rows concatenates
+        them)."""
+        raise NotImplementedError
+
+    def row_slice(self, r0: int, r1: int):
+        """Rows r0..r1 as a weight of the same kind made of views."""
+        return type(self)(*(p[r0:r1] if p is not None else None for p in self.parts()))
 
     @property
     def shape(self) -> torch.Size:
@@ -79,7 +89,6 @@ class Q8Weight(QuantizedDense):
             raise ValueError(f"Q8Weight qs on {qs.device} but d on {d.device}")
         self.qs = qs.contiguous()  # [N, K]
         self.d = d.contiguous()  # [N, K // 32]
-        self.fused: tuple[Q8Weight, int] | None = None  # (the matrix this one's rows are part of, first row)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray | Tensor, n_rows: int, n_cols: int,
@@ -124,9 +133,8 @@ class Q8Weight(QuantizedDense):
         """Rows flat [M] (int64, on the weight's device) as a Q8Weight of copies."""
         return Q8Weight(self.qs.index_select(0, flat), self.d.index_select(0, flat))
 
-    def row_slice(self, r0: int, r1: int) -> Q8Weight:
-        """Rows r0..r1 as a Q8Weight of views."""
-        return Q8Weight(self.qs[r0:r1], self.d[r0:r1])
+    def parts(self) -> tuple:
+        return self.qs, self.d
 
     def to(self, device: torch.device | str) -> Q8Weight:
         return Q8Weight(self.qs.to(device), self.d.to(device))
@@ -135,26 +143,28 @@ class Q8Weight(QuantizedDense):
         return f"Q8Weight({list(self.shape)}, device={self.device})"
 
 
-def fuse_rows(weights: Sequence[Q8Weight]) -> list[Q8Weight]:
-    """Matrices of one width that a layer applies to the same input (the GDN's q k v | z | b a, the shared
-    expert's gate | up) -> views of one matrix holding their rows in order: the same bytes, stored once, and
-    `q8_linear_rows` over the views is one GEMV launch instead of one per matrix."""
-    k = weights[0].shape[1]
-    if any(w.shape[1] != k or w.device != weights[0].device for w in weights):
-        raise ValueError("fuse_rows: the matrices must share their width and device")
-    whole = Q8Weight(torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]))
+def fuse_rows(weights: Sequence[QuantizedDense]) -> list[QuantizedDense]:
+    """Matrices of one width and kind that a layer applies to the same input (the GDN's q k v | z | b a, the
+    shared expert's gate | up) -> views of one matrix holding their rows in order: the same bytes, stored
+    once, and `fused_linear_rows` over the views is one GEMV launch instead of one per matrix."""
+    k, kind = weights[0].shape[1], [p is None for p in weights[0].parts()]
+    if any(w.shape[1] != k or w.device != weights[0].device or type(w) is not type(weights[0])
+           or [p is None for p in w.parts()] != kind for w in weights):
+        raise ValueError("fuse_rows: the matrices must share their width, kind and device")
+    columns = zip(*(w.parts() for w in weights), strict=True)
+    whole = type(weights[0])(*(torch.cat(col) if col[0] is not None else None for col in columns))
     views, r0 = [], 0
     for w in weights:
         n = w.shape[0]
-        view = Q8Weight(whole.qs[r0 : r0 + n], whole.d[r0 : r0 + n])  # contiguous row slices: views
+        view = whole.row_slice(r0, r0 + n)  # contiguous row slices: views
         view.fused = (whole, r0)
         views.append(view)
         r0 += n
     return views
 
 
-def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
-    """[q8_linear(x, w) for w in weights]; on CUDA at most GEMV_MAX_TOKENS tokens, views that fuse_rows made
+def fused_linear_rows(x: Tensor, weights: Sequence[QuantizedDense], linear) -> list[Tensor]:
+    """[linear(x, w) for w in weights]; on CUDA at most GEMV_MAX_TOKENS tokens, views that fuse_rows made
     of one matrix, in order and covering it, run as ONE GEMV over that matrix (its tiles from its own shape:
     the rows' bits are those of the fused launch, the same in every such call; batch invariant)."""
     first = weights[0].fused
@@ -164,9 +174,14 @@ def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
         (whole, r0) for r0 in itertools.accumulate([0] + [w.shape[0] for w in weights[:-1]])
     ] and sum(w.shape[0] for w in weights) == whole.shape[0]
     if not (covers and x.device.type == "cuda" and n_tok <= GEMV_MAX_TOKENS):
-        return [q8_linear(x, w) for w in weights]
-    y = q8_linear(x, whole)  # [..., N1 + N2 + ...]
+        return [linear(x, w) for w in weights]
+    y = linear(x, whole)  # [..., N1 + N2 + ...]
     return list(y.split([w.shape[0] for w in weights], dim=-1))
+
+
+def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
+    """fused_linear_rows over Q8Weights."""
+    return fused_linear_rows(x, weights, q8_linear)
 
 
 def check_linear(x: Tensor, w) -> None:

@@ -105,10 +105,8 @@ class ScaledWeight(QuantizedDense):
         off = self.offset.index_select(0, flat) if self.offset is not None else None
         return ScaledWeight(self.qs.index_select(0, flat), self.scale.index_select(0, flat), off)
 
-    def row_slice(self, r0: int, r1: int) -> ScaledWeight:
-        """Rows r0..r1 as a ScaledWeight of views."""
-        off = self.offset[r0:r1] if self.offset is not None else None
-        return ScaledWeight(self.qs[r0:r1], self.scale[r0:r1], off)
+    def parts(self) -> tuple:
+        return self.qs, self.scale, self.offset
 
     def to(self, device: torch.device | str) -> ScaledWeight:
         off = self.offset.to(device) if self.offset is not None else None

@@ -49,15 +49,13 @@ def linear(x: Tensor, w) -> Tensor:
 
 
 def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
-    """[linear(x, w) for w in ws]. Q8Weight views of one matrix (weights.fuse_dense_rows) run as one GEMV
-    in a decode step (kernels/dense_q8.q8_linear_rows): the matrices a layer applies to the same input."""
-    from strata_ray.kernels.dense_q8 import Q8Weight
+    """[linear(x, w) for w in ws]. Quantized views of one matrix (weights.fuse_dense_rows) run as one GEMV
+    in a decode step (kernels/dense_q8.fused_linear_rows): the matrices a layer applies to the same input."""
+    from strata_ray.kernels.dense_q8 import QuantizedDense, fused_linear_rows
 
-    if not all(isinstance(w, Q8Weight) for w in ws):
+    if not all(isinstance(w, QuantizedDense) for w in ws):
         return [linear(x, w) for w in ws]
-    from strata_ray.kernels.dense_q8 import q8_linear_rows
-
-    return q8_linear_rows(x, ws)
+    return fused_linear_rows(x, ws, linear)
 
 
 def embedding(ids: Tensor, w) -> Tensor:

@@ -118,16 +118,20 @@ ROW_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_ba"
 
 
 def fuse_dense_rows(weights: dict) -> None:
-    """Every layer's ROW_GROUPS whose matrices are all Q8Weights of one width become views of one matrix
-    each (in place; the same names and bytes), so that a decode step reads each group in one GEMV launch."""
-    from strata_ray.kernels.dense_q8 import Q8Weight, fuse_rows
+    """Every layer's ROW_GROUPS whose matrices are all quantized weights of one kind and width (Q8Weights, or
+    ScaledWeights with or without offsets) become views of one matrix each (in place; the same names and
+    bytes), so that a decode step reads each group in one GEMV launch."""
+    from strata_ray.kernels.dense_q8 import QuantizedDense, fuse_rows
 
     layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
     for layer in layers:
         for group in ROW_GROUPS:
             names = [f"blk.{layer}.{n}.weight" for n in group]
             ws = [weights.get(n) for n in names]
-            if all(isinstance(w, Q8Weight) for w in ws) and len({w.shape[1] for w in ws}) == 1:
+            if not all(isinstance(w, QuantizedDense) for w in ws):
+                continue
+            kinds = {(type(w), w.shape[1], tuple(p is None for p in w.parts())) for w in ws}
+            if len(kinds) == 1:
                 weights.update(zip(names, fuse_rows(ws), strict=True))
 
 

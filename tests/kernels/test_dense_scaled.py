@@ -134,3 +134,23 @@ def test_gpu_kernel_gives_the_twins_bits(t, n, k):
     # a prompt chunk: cuBLAS over the file's values
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(F32)).cuda()
     torch.testing.assert_close(scaled_linear(x, w), F.linear(x, w.dequantize()))
+
+
+def test_row_groups_fuse_into_one_matrix_of_views():
+    """fuse_rows over ScaledWeights of one kind: views of one matrix (stored once), the same values; kinds
+    (Q4_K with offsets, Q6_K without) never mix."""
+    from strata_ray.kernels.dense_q8 import fuse_rows
+
+    parts = [_weight(n, 512, T.Q4_K, seed=n)[0] for n in (33, 7, 2)]
+    views = fuse_rows(parts)
+    whole, _ = views[0].fused
+    assert whole.shape == (42, 512) and [v.fused[1] for v in views] == [0, 33, 40]
+    for v, p in zip(views, parts, strict=True):
+        assert torch.equal(v.dequantize(), p.dequantize())
+        assert v.qs.data_ptr() == whole.qs[v.fused[1]].data_ptr()
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 512)).astype(F32))
+    from strata_ray.model.ops import linear_rows
+
+    assert all(torch.equal(a, scaled_linear(x, p)) for a, p in zip(linear_rows(x, views), parts, strict=True))
+    with pytest.raises(ValueError, match="share their width, kind"):
+        fuse_rows([parts[0], _weight(4, 512, T.Q6_K)[0]])

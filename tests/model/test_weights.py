@@ -176,5 +176,6 @@ def test_dense_k_quants_kept_quantized_give_the_dequantized_bits(tmp_path, dense
     assert {"blk.0.attn_qkv.weight", "blk.0.ffn_gate_shexp.weight", "output.weight"} <= scaled
     for n in scaled:
         assert torch.equal(kept[n].dequantize(), flat[n]), n
+    assert kept["blk.0.ffn_gate_shexp.weight"].fused is not None  # gate | up: one GEMV in a decode step
     hp = file.hparams
     _assert_same_logits(Model(hp, flat), Model(hp, kept))
