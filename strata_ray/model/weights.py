@@ -51,11 +51,10 @@ def keeps_blocks(name: str, info) -> bool:
 
 def keeps_scaled(name: str, info) -> bool:
     """Whether a dense tensor can stay quantized on the device as a ScaledWeight (kernels/dense_scaled): a
-    Q4_K or Q6_K matrix under keeps_q8's other conditions."""
+    Q4_K or Q6_K whole_matrix."""
     from strata_ray.kernels.dense_scaled import TYPES
 
-    return (info.ggml_type in TYPES and len(info.shape) == 2 and info.shape[0] > 1
-            and not is_expert_tensor(name) and not name.endswith(".ssm_in.weight"))
+    return info.ggml_type in TYPES and whole_matrix(name, info)
 
 
 def load_dense_weights(

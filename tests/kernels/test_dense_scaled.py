@@ -47,6 +47,7 @@ def test_rows_slices_and_moves():
     idx = torch.tensor([[3, 0], [39, 3]])
     assert torch.equal(w.rows(idx), full[idx])
     assert torch.equal(w.row_slice(7, 12).dequantize(), full[7:12])
+    assert torch.equal(w.dequantize(7, 12), full[7:12])
     assert torch.equal(w.to("cpu").dequantize(), full)
     assert "Q4_K" in repr(w) and "Q6_K" in repr(_weight(2, 256, T.Q6_K)[0])
 
