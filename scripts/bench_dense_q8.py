@@ -1,9 +1,10 @@
 """Dense Q8_0 GEMV benchmark (a script, not a test): q8_linear at 1, 4 and 8 tokens against the
 device's copy bandwidth, in both forms (the CUDA C kernel of dense_q8_cuda and the Triton one), and the
-float32 F.linear they replace.
+float32 F.linear they replace; with --forms q4k,q6k also dense_scaled's form of Q4_K / Q6_K matrices (the
+same CUDA C kernel with float32 chunk scales, and offsets for Q4_K), which a Q4_K_M file's matrices take.
 
     PYTHONPATH=. python scripts/bench_dense_q8.py [--tokens 1,4,8] [--shapes 12352x2048,...]
-        [--forms cuda,triton] [--sweep] [--no-f32]
+        [--forms cuda,triton,q4k,q6k] [--sweep] [--no-f32]
 
 The default shapes are a decode token's of the 80B-A3B: the GDN's q k v | z | b a, an attention layer's
 q | k | v, the out projections, the shared expert's gate | up and down, the LM head.
@@ -79,16 +80,48 @@ def random_weights(torch, Q8Weight, n: int, k: int, copies: int):
     return out
 
 
+def scaled_weights(torch, n: int, k: int, copies: int, offsets: bool):
+    """`copies` random dense_scaled matrices [n, k] on the GPU: Q4_K-like (codes 0..15, offsets) or
+    Q6_K-like (codes -32..31)."""
+    from strata_ray.kernels.dense_scaled import ScaledWeight
+
+    out = []
+    for _ in range(copies):
+        lo, hi = (0, 16) if offsets else (-32, 32)
+        qs = torch.randint(lo, hi, (n, k), dtype=torch.int8, device="cuda")
+        scale = torch.rand(n, k // 16, device="cuda") * 0.02 + 1e-3
+        out.append(ScaledWeight(qs, scale, torch.rand(n, k // 16, device="cuda") * 0.1 if offsets else None))
+    return out
+
+
+def bench_scaled(torch, n: int, k: int, tokens: list[int], forms: list[str]) -> list[tuple]:
+    from strata_ray.kernels.dense_scaled import scaled_linear
+
+    rows = []
+    for form in [f for f in forms if f in ("q4k", "q6k")]:
+        per = n * k + 4 * (n * k // 16) * (2 if form == "q4k" else 1)
+        copies = max(2, -(-L2_BUST_BYTES // per))
+        ws = scaled_weights(torch, n, k, copies, form == "q4k")
+        for t in tokens:
+            x = torch.randn(t, k, device="cuda")
+            calls = [(lambda w=w, x=x: scaled_linear(x, w)) for w in ws] * -(-GRAPH_CALLS // copies)
+            sec = graph_seconds(torch, calls)
+            rows.append((f"{n}x{k}", t, f"{form} scaled cuda", sec, per / sec / 1e9))
+        del ws
+    return rows
+
+
 def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str], sweep: bool,
                 f32: bool, loads_list: list[int]) -> list[tuple]:
     import os
 
     from strata_ray.kernels import dense_q8_cuda as dqc
 
+    rows = bench_scaled(torch, n, k, tokens, forms)
+    forms = [f for f in forms if f in ("cuda", "triton")]
     per = n * k + 2 * n * (k // 32)
     copies = max(2, -(-L2_BUST_BYTES // per))
-    ws = random_weights(torch, dq.Q8Weight, n, k, copies)
-    rows = []
+    ws = random_weights(torch, dq.Q8Weight, n, k, copies) if forms else []
     for t in tokens:
         x = torch.randn(t, k, device="cuda")
         for form in forms:  # STRATA_DENSE_CUDA is read at each call
@@ -101,7 +134,7 @@ def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str
                 name = f"q8 cuda loads {loads}" if form == "cuda" else \
                     "q8 triton " + "/".join(map(str, dq.gemv_tiles(n, k)))
                 rows.append((f"{n}x{k}", t, name, sec, per / sec / 1e9))
-    if sweep:
+    if sweep and ws:
         x = torch.randn(1, k, device="cuda")
         for tiles in SWEEP:
             out = torch.empty(1, n, device="cuda")
@@ -128,7 +161,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,8", help="comma-separated token counts (<= 16: the GEMV)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK weight shapes")
     ap.add_argument("--forms", default="cuda,triton",
-                    help="GEMV forms to time: cuda (dense_q8_cuda, needs cupy), triton")
+                    help="GEMV forms to time: cuda (dense_q8_cuda, needs cupy), triton, q4k and q6k "
+                    "(dense_scaled's Q4_K / Q6_K form through the CUDA kernel, needs cupy)")
     ap.add_argument("--loads", default=None,
                     help="the cuda form's 16-byte loads a lane a row group, comma-separated (default: the "
                     "module's LOADS_A_GROUP)")
@@ -152,9 +186,9 @@ def main() -> None:
     from strata_ray.kernels.nvrtc import has_cupy
 
     forms = [f for f in args.forms.split(",") if f]
-    if any(f not in ("cuda", "triton") for f in forms) or not forms:
-        raise SystemExit(f"error: --forms {args.forms!r}: a comma-separated list of cuda, triton")
-    if "cuda" in forms and not has_cupy():
+    if any(f not in ("cuda", "triton", "q4k", "q6k") for f in forms) or not forms:
+        raise SystemExit(f"error: --forms {args.forms!r}: a comma-separated list of cuda, triton, q4k, q6k")
+    if {"cuda", "q4k", "q6k"} & set(forms) and not has_cupy():
         raise SystemExit("error: the cuda form needs cupy (pip install cupy-cuda12x or cupy-cuda13x)")
     from strata_ray.kernels.dense_q8_cuda import LOADS_A_GROUP
 

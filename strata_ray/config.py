@@ -97,8 +97,10 @@ class EngineConfig:
     # (PipelinedDecodeRows; H200, 8K: 33.7 tok/s against 23.4); 0: DecodeRows, the host plans each layer
     decode_pipeline: bool = True
     # STRATA_DENSE_Q8 (env only, default 1): on CUDA the dense Q8_0 matrices stay Q8_0 in VRAM (a quarter of
-    # float32's bytes: more expert cache in the same budget, and a quarter of the decode GEMVs' reads);
-    # 0: float32 as on the CPU. The CPU path always dequantizes (it is the reference's arithmetic).
+    # float32's bytes: more expert cache in the same budget, and a quarter of the decode GEMVs' reads), and
+    # Q4_K / Q6_K ones stay exact int8 codes with float32 chunk scales (kernels/dense_scaled: 1.5 / 1.25
+    # bytes a weight); 0: float32 as on the CPU. The CPU path always dequantizes (the reference's
+    # arithmetic).
     dense_q8: bool = True
     # STRATA_CPU_DENSE_BLOCKS (env only, default 0): on the CPU keep every quantized dense matrix as its GGUF
     # blocks in the file map and compute decode calls by the expert contract's kernels (int8 activations,

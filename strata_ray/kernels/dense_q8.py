@@ -43,7 +43,38 @@ DEQUANT_CHUNK_BYTES = 256 << 20  # float32 weight rows dequantized at once past 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-class Q8Weight:
+class QuantizedDense:
+    """What the quantized dense weights (Q8Weight, dense_scaled.ScaledWeight) share: int8 codes `qs` [N, K]
+    with their scales on one device, `gather` (rows as a weight of copies) and `dequantize`."""
+
+    qs: Tensor
+    fused: tuple | None = None  # (the matrix this one's rows are part of, first row): fuse_rows' views
+
+    def parts(self) -> tuple:
+        """The per-row tensors the weight is made of, in its constructor's order (fuse_rows concatenates
+        them)."""
+        raise NotImplementedError
+
+    def row_slice(self, r0: int, r1: int):
+        """Rows r0..r1 as a weight of the same kind made of views."""
+        return type(self)(*(p[r0:r1] if p is not None else None for p in self.parts()))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qs.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
+        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy; the
+        gathered rows' own dequantize, so the bits of the whole matrix's."""
+        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
+        return self.gather(idx.reshape(-1)).dequantize().reshape(*idx.shape, self.shape[1])
+
+
+class Q8Weight(QuantizedDense):
     """A Q8_0 matrix [N, K] as `qs` int8 [N, K] and `d` float16 [N, K // 32] on one device."""
 
     def __init__(self, qs: Tensor, d: Tensor):
@@ -58,7 +89,6 @@ class Q8Weight:
             raise ValueError(f"Q8Weight qs on {qs.device} but d on {d.device}")
         self.qs = qs.contiguous()  # [N, K]
         self.d = d.contiguous()  # [N, K // 32]
-        self.fused: tuple[Q8Weight, int] | None = None  # (the matrix this one's rows are part of, first row)
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray | Tensor, n_rows: int, n_cols: int,
@@ -87,14 +117,6 @@ class Q8Weight:
         return cls(qs.to(device), d.to(device))
 
     @property
-    def shape(self) -> torch.Size:
-        return self.qs.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.qs.device
-
-    @property
     def nbytes(self) -> int:
         """Bytes held (qs + d): what a GEMV reads per token."""
         return self.qs.numel() + 2 * self.d.numel()
@@ -107,14 +129,12 @@ class Q8Weight:
         q = qs.view(n, k // QK, QK).to(torch.float32)  # [n, K/32, 32] exact
         return (q * d.to(torch.float32)[:, :, None]).reshape(n, k)
 
-    def rows(self, idx: Tensor | Sequence[int]) -> Tensor:
-        """Dequantized rows float32 [*idx.shape, K] (an embedding lookup): no host sync, no full copy."""
-        idx = torch.as_tensor(idx, dtype=torch.long, device=self.device)
-        flat = idx.reshape(-1)  # [M]
-        m, k = flat.numel(), self.qs.shape[1]
-        q = self.qs.index_select(0, flat).view(m, k // QK, QK).to(torch.float32)  # [M, K/32, 32]
-        w = q * self.d.index_select(0, flat).to(torch.float32)[:, :, None]
-        return w.reshape(*idx.shape, k)
+    def gather(self, flat: Tensor) -> Q8Weight:
+        """Rows flat [M] (int64, on the weight's device) as a Q8Weight of copies."""
+        return Q8Weight(self.qs.index_select(0, flat), self.d.index_select(0, flat))
+
+    def parts(self) -> tuple:
+        return self.qs, self.d
 
     def to(self, device: torch.device | str) -> Q8Weight:
         return Q8Weight(self.qs.to(device), self.d.to(device))
@@ -123,26 +143,28 @@ class Q8Weight:
         return f"Q8Weight({list(self.shape)}, device={self.device})"
 
 
-def fuse_rows(weights: Sequence[Q8Weight]) -> list[Q8Weight]:
-    """Matrices of one width that a layer applies to the same input (the GDN's q k v | z | b a, the shared
-    expert's gate | up) -> views of one matrix holding their rows in order: the same bytes, stored once, and
-    `q8_linear_rows` over the views is one GEMV launch instead of one per matrix."""
-    k = weights[0].shape[1]
-    if any(w.shape[1] != k or w.device != weights[0].device for w in weights):
-        raise ValueError("fuse_rows: the matrices must share their width and device")
-    whole = Q8Weight(torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]))
+def fuse_rows(weights: Sequence[QuantizedDense]) -> list[QuantizedDense]:
+    """Matrices of one width and kind that a layer applies to the same input (the GDN's q k v | z | b a, the
+    shared expert's gate | up) -> views of one matrix holding their rows in order: the same bytes, stored
+    once, and `fused_linear_rows` over the views is one GEMV launch instead of one per matrix."""
+    k, kind = weights[0].shape[1], [p is None for p in weights[0].parts()]
+    if any(w.shape[1] != k or w.device != weights[0].device or type(w) is not type(weights[0])
+           or [p is None for p in w.parts()] != kind for w in weights):
+        raise ValueError("fuse_rows: the matrices must share their width, kind and device")
+    columns = zip(*(w.parts() for w in weights), strict=True)
+    whole = type(weights[0])(*(torch.cat(col) if col[0] is not None else None for col in columns))
     views, r0 = [], 0
     for w in weights:
         n = w.shape[0]
-        view = Q8Weight(whole.qs[r0 : r0 + n], whole.d[r0 : r0 + n])  # contiguous row slices: views
+        view = whole.row_slice(r0, r0 + n)  # contiguous row slices: views
         view.fused = (whole, r0)
         views.append(view)
         r0 += n
     return views
 
 
-def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
-    """[q8_linear(x, w) for w in weights]; on CUDA at most GEMV_MAX_TOKENS tokens, views that fuse_rows made
+def fused_linear_rows(x: Tensor, weights: Sequence[QuantizedDense], linear) -> list[Tensor]:
+    """[linear(x, w) for w in weights]; on CUDA at most GEMV_MAX_TOKENS tokens, views that fuse_rows made
     of one matrix, in order and covering it, run as ONE GEMV over that matrix (its tiles from its own shape:
     the rows' bits are those of the fused launch, the same in every such call; batch invariant)."""
     first = weights[0].fused
@@ -152,30 +174,37 @@ def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
         (whole, r0) for r0 in itertools.accumulate([0] + [w.shape[0] for w in weights[:-1]])
     ] and sum(w.shape[0] for w in weights) == whole.shape[0]
     if not (covers and x.device.type == "cuda" and n_tok <= GEMV_MAX_TOKENS):
-        return [q8_linear(x, w) for w in weights]
-    y = q8_linear(x, whole)  # [..., N1 + N2 + ...]
+        return [linear(x, w) for w in weights]
+    y = linear(x, whole)  # [..., N1 + N2 + ...]
     return list(y.split([w.shape[0] for w in weights], dim=-1))
 
 
-def _check(x: Tensor, w: Q8Weight) -> None:
+def q8_linear_rows(x: Tensor, weights: Sequence[Q8Weight]) -> list[Tensor]:
+    """fused_linear_rows over Q8Weights."""
+    return fused_linear_rows(x, weights, q8_linear)
+
+
+def check_linear(x: Tensor, w) -> None:
+    """x fits a quantized dense weight w (Q8Weight, dense_scaled.ScaledWeight): float32 [..., K], w's
+    device."""
     if x.dtype != torch.float32:
-        raise ValueError(f"q8_linear needs float32 x, got {x.dtype}")
+        raise ValueError(f"a quantized linear needs float32 x, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] != w.shape[1]:
         shape, k = list(x.shape), w.shape[1]
-        raise ValueError(f"q8_linear x {shape} does not end in K={k} of weight {list(w.shape)}")
+        raise ValueError(f"linear x {shape} does not end in K={k} of weight {list(w.shape)}")
     if x.device != w.device:
-        raise ValueError(f"q8_linear x on {x.device} but weight on {w.device}")
+        raise ValueError(f"linear x on {x.device} but weight on {w.device}")
 
 
 def q8_linear_reference(x: Tensor, w: Q8Weight) -> Tensor:
     """The reference twin: float32 [..., N] = F.linear(x, dequantized weight) (cuBLAS / CPU BLAS)."""
-    _check(x, w)
+    check_linear(x, w)
     return F.linear(x, w.dequantize())
 
 
 def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
     """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
-    _check(x, w)
+    check_linear(x, w)
     n, k = w.shape
     n_tok = x.numel() // k
     if x.device.type != "cuda":
@@ -259,7 +288,7 @@ def q8_gemv(x2: Tensor, w: Q8Weight, out: Tensor | None = None,
     TRITON_INTERPRET=1). No host sync and no data-dependent allocation: CUDA-graph capturable once
     compiled (call it once per weight shape before capturing). `tiles` picks the Triton kernel with those
     tiles (benchmarks)."""
-    _check(x2, w)
+    check_linear(x2, w)
     n, k = w.shape
     if x2.dim() != 2 or not x2.is_contiguous():
         raise ValueError(f"q8_gemv needs a contiguous [T, K] x, got {list(x2.shape)}")

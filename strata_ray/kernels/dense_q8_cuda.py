@@ -67,15 +67,27 @@ __device__ __forceinline__ float code(unsigned biased, int k) {
 #define KB (K / 32)
 #define FULL (C16 % 32 == 0)
 
+// SCALED 1: a float32 scale a 16-code chunk (S [N, C16]; dense_scaled's exact Q4_K / Q6_K form) instead
+// of a float16 one a block (D [N, KB]); OFFSET 1: and a float32 offset a chunk (B [N, C16]) subtracted
+// from each of its values (Q4_K's mins): its share of a row, b * (the chunk's sum of x), taken after the
+// chunk's product
 struct Group {
     uint4 w[RPW][CH];
+#if SCALED
+    float s[RPW][CH];
+#if OFFSET
+    float b[RPW][CH];
+#endif
+#else
     unsigned short dh[RPW][CH];
+#endif
 };
 
 // row group g's codes and scales (rows past N and chunks past C16 read as zeros)
 __device__ __forceinline__ void load_group(Group& grp, const signed char* __restrict__ QS,
-                                           const unsigned short* __restrict__ D, long long g, int N,
-                                           int lane) {
+                                           const unsigned short* __restrict__ D,
+                                           const float* __restrict__ S, const float* __restrict__ B,
+                                           long long g, int N, int lane) {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         const long long row = g * RPW + r;
@@ -85,7 +97,14 @@ __device__ __forceinline__ void load_group(Group& grp, const signed char* __rest
             const int c = lane + 32 * j;
             const bool ok = live && (FULL || c < C16);
             grp.w[r][j] = ok ? load_stream(QS + row * K + c * 16) : make_uint4(0u, 0u, 0u, 0u);
+#if SCALED
+            grp.s[r][j] = ok ? __ldg(S + row * C16 + c) : 0.0f;
+#if OFFSET
+            grp.b[r][j] = ok ? __ldg(B + row * C16 + c) : 0.0f;
+#endif
+#else
             grp.dh[r][j] = ok ? __ldg(D + row * KB + (c >> 1)) : (unsigned short)0;
+#endif
         }
     }
 }
@@ -94,9 +113,11 @@ __device__ __forceinline__ void load_group(Group& grp, const signed char* __rest
 // (balanced to within one), the next group's loads issued before the current one's arithmetic.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
     const float* __restrict__ X, const signed char* __restrict__ QS, const unsigned short* __restrict__ D,
-    float* __restrict__ OUT, int n_tok, int N, int n_tg)
+    const float* __restrict__ S, const float* __restrict__ B, float* __restrict__ OUT, int n_tok, int N,
+    int n_tg)
 {
-    extern __shared__ float4 xs4[];  // [TT][C16][4]: float4 m of chunk c at c * 4 + (m ^ ((c >> 1) & 3))
+    extern __shared__ float4 xs4[];  // [TT][C16][4]: float4 m of chunk c at c * 4 + (m ^ ((c >> 1) & 3));
+                                     // OFFSET: then each token's chunk sums of x, float [TT][C16]
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tg = blockIdx.x % n_tg;
     const long long n_warps = (long long)(gridDim.x / n_tg) * WARPS;
@@ -107,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
     const int tt_n = min(TT, n_tok - t0);
 
     Group cur, nxt;
-    if (g_begin < g_end) load_group(cur, QS, D, g_begin, N, lane);
+    if (g_begin < g_end) load_group(cur, QS, D, S, B, g_begin, N, lane);
 
     // while they come: the tokens' activations into shared memory (a ragged group's missing tokens as
     // zeros: computed, never stored), four floats a load where X is 16-byte aligned
@@ -127,12 +148,31 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
         }
     }
     __syncthreads();
+#if OFFSET
+    // each token's chunk sums of x, its 16 values added in order (a token's sums never depend on the others)
+    float* xsum = reinterpret_cast<float*>(xs4) + TT * K;
+    for (int i = threadIdx.x; i < TT * C16; i += WARPS * 32) {
+        const int c = i % C16;
+        const float4* xc = xs4 + i * 4;
+        float t = 0.0f;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const float4 v = xc[m ^ ((c >> 1) & 3)];
+            t = t + v.x;
+            t = t + v.y;
+            t = t + v.z;
+            t = t + v.w;
+        }
+        xsum[i] = t;
+    }
+    __syncthreads();
+#endif
     // this lane's swizzle: (c >> 1) & 3 with c = lane + 32 j is (lane >> 1) & 3 for every j
     const float4* xl = xs4 + lane * 4;
     const int sw = (lane >> 1) & 3;
 
     for (long long g = g_begin; g < g_end; ++g) {
-        if (g + 1 < g_end) load_group(nxt, QS, D, g + 1, N, lane);
+        if (g + 1 < g_end) load_group(nxt, QS, D, S, B, g + 1, N, lane);
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
             const long long row = g * RPW + r;
@@ -148,7 +188,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
                 float q[16];
 #pragma unroll
                 for (int e = 0; e < 16; ++e) q[e] = code(u[e >> 2], e & 3);
+#if SCALED
+                const float d = cur.s[r][j];
+#else
                 const float d = half_bits(cur.dh[r][j]);
+#endif
 #pragma unroll
                 for (int tt = 0; tt < TT; ++tt) {
                     const float4* xc = xl + (tt * C16 + 32 * j) * 4;
@@ -162,6 +206,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
                         s = fmaf(q[4 * m + 3], xv.w, s);
                     }
                     acc[tt] = fmaf(s, d, acc[tt]);
+#if OFFSET
+                    acc[tt] = fmaf(-cur.b[r][j], xsum[tt * C16 + lane + 32 * j], acc[tt]);
+#endif
                 }
             }
 #pragma unroll
@@ -183,15 +230,20 @@ def chunks_a_lane(k: int) -> int:
     return -(-k // (32 * CHUNK))
 
 
-def tokens_a_cta(k: int, n_tok: int = TT_MAX) -> int:
+def x_bytes(k: int, offset: bool = False) -> int:
+    """Shared memory a token takes in a CTA: its K activations, and with offsets its K / 16 chunk sums."""
+    return 4 * k + (4 * (k // CHUNK) if offset else 0)
+
+
+def tokens_a_cta(k: int, n_tok: int = TT_MAX, offset: bool = False) -> int:
     """TT: tokens a CTA applies each row to, at most n_tok (their activations must fit X_SMEM_BYTES)."""
-    return max(1, min(TT_MAX, n_tok, X_SMEM_BYTES // (4 * k)))
+    return max(1, min(TT_MAX, n_tok, X_SMEM_BYTES // x_bytes(k, offset)))
 
 
-def cuda_gemv_serves(k: int) -> bool:
-    """Whether the CUDA form serves a Q8_0 matrix of width k: whole blocks, one token's activations within
-    the shared memory staged a CTA."""
-    return k > 0 and k % 32 == 0 and 4 * k <= X_SMEM_BYTES
+def cuda_gemv_serves(k: int, offset: bool = False) -> bool:
+    """Whether the CUDA form serves a matrix of width k (Q8_0, or dense_scaled's form): whole blocks, one
+    token's activations (and chunk sums) within the shared memory staged a CTA."""
+    return k > 0 and k % 32 == 0 and x_bytes(k, offset) <= X_SMEM_BYTES
 
 
 def rows_a_group(n: int, k: int, sm_count: int) -> int:
@@ -210,17 +262,19 @@ def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
 
 
 @functools.cache
-def _kernel(k: int, rpw: int, tt: int, device: int):
-    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}", f"-DTT={tt}")
+def _kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
+    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}", f"-DTT={tt}",
+               f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}")
     return nvrtc.build(_SOURCE, "q8_gemv", ("--fmad=false", *defines), device)
 
 
-def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int):
-    """The compiled kernel for width k, RPW rows a group and TT tokens a CTA on CUDA device `device`, or None
-    where it cannot be built (the Triton GEMV then, after one warning)."""
-    key = (k, rpw, tt, device)
+def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
+    """The compiled kernel for width k, RPW rows a group and TT tokens a CTA on CUDA device `device` (scaled:
+    float32 chunk scales, offset: and chunk offsets), or None where it cannot be built (the Triton GEMV or
+    the dequantized linear then, after one warning)."""
+    key = (k, rpw, tt, device, scaled, offset)
     return nvrtc.build_or_none(("q8_gemv", *key), lambda: _kernel(*key), "dense GEMV",
-                               "the Triton GEMV takes its launches")
+                               "the Triton GEMV or the dequantized linear takes its launches")
 
 
 @functools.cache
@@ -229,29 +283,38 @@ def _sm_count(device: int) -> int:
 
 
 @functools.cache
-def _wave(k: int, rpw: int, tt: int, device: int) -> int:
+def _wave(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False) -> int:
     """CTAs of one wave of that kernel (its registers asked of the driver once)."""
-    return ctas_an_sm(_kernel(k, rpw, tt, device).num_regs, 4 * k * tt) * _sm_count(device)
+    kern = _kernel(k, rpw, tt, device, scaled, offset)
+    return ctas_an_sm(kern.num_regs, x_bytes(k, offset) * tt) * _sm_count(device)
 
 
-def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> bool:
-    """out [T, N] = x2 [T, K] @ the Q8_0 matrix (qs int8 [N, K], d float16 [N, K / 32]), on the current torch
-    stream; False (nothing launched) where the kernel cannot serve or be built here (the Triton GEMV then)."""
+def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: torch.Tensor,
+                     offset: torch.Tensor | None = None) -> bool:
+    """out [T, N] = x2 [T, K] @ the matrix, on the current torch stream: a Q8_0 one (qs int8 [N, K], d float16
+    [N, K / 32]) or dense_scaled's form (d float32 [N, K / 16], offset None or float32 [N, K / 16]); False
+    (nothing launched) where the kernel cannot serve or be built here (the Triton GEMV then)."""
     n, k = qs.shape
     n_tok = x2.shape[0]
-    if not cuda_gemv_serves(k) or qs.data_ptr() % 16 or not (qs.is_contiguous() and d.is_contiguous()):
+    scaled, has_b = d.dtype == torch.float32, offset is not None
+    if has_b and not scaled:
+        raise ValueError("launch_cuda_gemv: offsets go with float32 chunk scales")
+    tensors = (qs, d) + ((offset,) if has_b else ())
+    if not cuda_gemv_serves(k, has_b) or qs.data_ptr() % 16 or not all(t.is_contiguous() for t in tensors):
         return False
     dev = nvrtc.device_index(qs)
-    rpw, tt = rows_a_group(n, k, _sm_count(dev)), tokens_a_cta(k, n_tok)
-    kern = cuda_gemv_kernel(k, rpw, tt, dev)
+    rpw, tt = rows_a_group(n, k, _sm_count(dev)), tokens_a_cta(k, n_tok, has_b)
+    kern = cuda_gemv_kernel(k, rpw, tt, dev, scaled, has_b)
     if kern is None:
         return False
-    shared = 4 * k * tt
+    shared = x_bytes(k, has_b) * tt
     n_tg = -(-n_tok // tt)
     # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
-    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev) // n_tg))
-    args = (nvrtc.ptr(x2), nvrtc.ptr(qs), nvrtc.ptr(d), nvrtc.ptr(out), np.int32(n_tok), np.int32(n),
-            np.int32(n_tg))
+    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev, scaled, has_b) // n_tg))
+    null = np.uint64(0)
+    half, s_ptr = (null, nvrtc.ptr(d)) if scaled else (nvrtc.ptr(d), null)
+    args = (nvrtc.ptr(x2), nvrtc.ptr(qs), half, s_ptr, nvrtc.ptr(offset) if has_b else null, nvrtc.ptr(out),
+            np.int32(n_tok), np.int32(n), np.int32(n_tg))
     nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared)
     return True
 
@@ -278,9 +341,11 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return s.astype(np.float32)
 
 
-def gemv_reference(x: np.ndarray, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The kernel's arithmetic in numpy: x float32 [T, K], qs int8 [N, K], d float16 [N, K / 32] -> float32
-    [T, N], lane by lane (the same chunks, fma order and butterfly)."""
+def gemv_reference(x: np.ndarray, qs: np.ndarray, d: np.ndarray,
+                   offset: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's arithmetic in numpy: x float32 [T, K], qs int8 [N, K], d float16 [N, K / 32] (Q8_0) or
+    float32 [N, K / 16] with offset None or float32 [N, K / 16] (dense_scaled) -> float32 [T, N], lane by lane
+    (the same chunks, chunk sums of x, fma order and butterfly)."""
     n, k = qs.shape
     c16 = k // CHUNK
     q = qs.reshape(n, c16, CHUNK).astype(np.float32)  # [N, C16, 16]
@@ -288,13 +353,19 @@ def gemv_reference(x: np.ndarray, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
     s = np.zeros((xv.shape[0], n, c16), np.float32)  # [T, N, C16] chunk sums
     for e in range(CHUNK):
         s = fma32(q[None, :, :, e], xv[:, :, :, e], s)
-    dq = d.astype(np.float32)[:, np.arange(c16) // 2]  # [N, C16]
+    dq = d.astype(np.float32) if d.dtype == np.float32 else d.astype(np.float32)[:, np.arange(c16) // 2]
+    xsum = np.zeros((xv.shape[0], 1, c16), np.float32)  # [T, 1, C16] each chunk's x added in order
+    for e in range(CHUNK):
+        xsum = (xsum + xv[:, :, :, e]).astype(np.float32)
     acc = np.zeros((xv.shape[0], n, 32), np.float32)  # [T, N, lanes]
     for j in range(chunks_a_lane(k)):
         c = np.arange(32) + 32 * j
         live = c < c16
         cc = np.minimum(c, c16 - 1)
         step = fma32(s[:, :, cc], np.broadcast_to(dq[:, cc], s[:, :, cc].shape), acc)
+        if offset is not None:
+            neg_b = np.broadcast_to(-offset.astype(np.float32)[:, cc], step.shape)
+            step = fma32(neg_b, np.broadcast_to(xsum[:, :, cc], step.shape), step)
         acc = np.where(live, step, acc)
     lanes = np.arange(32)
     for off in (16, 8, 4, 2, 1):

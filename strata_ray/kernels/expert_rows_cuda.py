@@ -1,9 +1,10 @@
 """The decode expert rows of Q4_0, Q8_0, Q4_K and Q6_K layers as a CUDA C kernel (NVRTC through cupy): the
 contract's integers and fold, with the loads of many rows in flight (WORDS["cuda"] / STRATA_WORDS_CUDA).
 Q4_0 is described below; Q8_0 pairs are the same with 17 words and signed codes (no -8); a Q4_K lane holds a
-whole super-block (36 words: d, dmin, the 6-bit scales and mins unpacked once a row, then per sub-block
-dot = sum of dp4a over 8 nibble words, term = float(dot sc) (d ad) - float(m asum) (dmin ad)); a Q6_K lane a
-quarter super-block (2 blocks: codes (q - 32) as signed bytes, one int8 scale a 16-value half, term =
+quarter super-block (2 sub-blocks: their 8 code words, d, dmin and their two 6-bit scales and mins from the
+super-block's 4 header words, then per sub-block dot = sum of dp4a over 8 nibble words, term = float(dot sc)
+(d ad) - float(m asum) (dmin ad)); a Q6_K lane a quarter super-block (2 blocks: codes (q - 32) as signed
+bytes, one int8 scale a 16-value half, term =
 float(sc0 dot0 + sc1 dot1) (d ad)), its 210-byte super-block read from the staged row at 2-byte alignment
 by __byte_perm. `geometry` gives each type's words, lanes and units a row.
 
@@ -54,8 +55,8 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// A row is NU units: Q4_0 block pairs (9 words, 2 blocks of 32), Q8_0 block pairs (Q80 1: 17 words) or Q4_K
-// super-blocks (Q4K 1: 36 words, 8 blocks), NPL of them a lane; or Q6_K super-blocks (Q6K 1: 210 bytes, 8
+// A row is NU units: Q4_0 block pairs (9 words, 2 blocks of 32) or Q8_0 block pairs (Q80 1: 17 words), NPL
+// of them a lane; or Q4_K super-blocks (Q4K 1: 36 words, 8 blocks) or Q6_K super-blocks (Q6K 1: 210 bytes, 8
 // blocks), a lane taking NPL quarters of 2 blocks. WPR words and NB 32-blocks a row (from the host, as G, the
 // lanes a row, and WL = ceil(WPR / G), the words a lane loads a row); BT entries at most a tile, RPW rows a
 // row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
@@ -131,27 +132,30 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         __syncwarp();
 #if Q4K
         // super-block bytes [d d dmin dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes]: code
-        // bytes 32 h .. 32 h + 31 hold sub-block 2 h in their low nibbles and 2 h + 1 in their high ones
-        unsigned w[NPL][36];
-        int sc[NPL][8], mn[NPL][8];
+        // bytes 32 h .. 32 h + 31 hold sub-block 2 h in their low nibbles and 2 h + 1 in their high ones.
+        // Quarter c = g + G q is sub-blocks 2 h, 2 h + 1 (h = c % 4) of super-block c / 4: its 8 code words
+        // and the two sub-blocks' scales and mins (bytes j, 4 + j, 8 + j of the scale words, j = 2 h + s
+        // mod 4)
+        unsigned cw[NPL][8];
+        int sc[NPL][2], mn[NPL][2];
         float d[NPL][2];
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
-            const unsigned* pw = &stage_s[warp][grp][36 * (g + G * q)];
+            const int c = g + G * q, h = c & 3;
+            const unsigned* pw = &stage_s[warp][grp][36 * (c >> 2)];
+            const unsigned w0 = pw[0];
+            d[q][0] = half_bits(w0 & 0xFFFFu);
+            d[q][1] = half_bits(w0 >> 16);
 #pragma unroll
-            for (int i = 0; i < 36; ++i) w[q][i] = pw[i];
-            d[q][0] = half_bits(w[q][0] & 0xFFFFu);
-            d[q][1] = half_bits(w[q][0] >> 16);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const unsigned s_lo = (w[q][1 + j / 4] >> (8 * (j % 4))) & 0xFFu;  // bytes 0..3: sc 0..3
-                const unsigned s_mid = (w[q][2] >> (8 * j)) & 0xFFu;                 // bytes 4..7: m 0..3
-                const unsigned s_hi = (w[q][3] >> (8 * j)) & 0xFFu;                  // bytes 8..11
-                sc[q][j] = s_lo & 63;
-                mn[q][j] = s_mid & 63;
-                sc[q][4 + j] = (s_hi & 0xF) | ((s_lo >> 6) << 4);
-                mn[q][4 + j] = (s_hi >> 4) | ((s_mid >> 6) << 4);
+            for (int s = 0; s < 2; ++s) {
+                const int j = 2 * h + s, sh = 8 * (j & 3);
+                const unsigned s_lo = (pw[1] >> sh) & 0xFFu, s_mid = (pw[2] >> sh) & 0xFFu;
+                const unsigned s_hi = (pw[3] >> sh) & 0xFFu;
+                sc[q][s] = j < 4 ? s_lo & 63 : (s_hi & 0xF) | ((s_lo >> 6) << 4);
+                mn[q][s] = j < 4 ? s_mid & 63 : (s_hi >> 4) | ((s_mid >> 6) << 4);
             }
+#pragma unroll
+            for (int t = 0; t < 8; ++t) cw[q][t] = pw[4 + 8 * h + t];
         }
 #elif Q6K
         // super-block bytes [ql 128, qh 64, 16 int8 scales, d d], 2-byte aligned for odd super-blocks.
@@ -234,20 +238,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #pragma unroll
             for (int q = 0; q < NPL; ++q) {
 #if Q4K
-                const int b0 = 8 * (g + G * q);
+                const int c = g + G * q, b0 = 8 * (c >> 2) + 2 * (c & 3);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
+                for (int s = 0; s < 2; ++s) {
                     int dot = 0;
 #pragma unroll
                     for (int t = 0; t < 8; ++t) {
-                        const unsigned x = w[q][4 + 8 * (j >> 1) + t];
-                        const unsigned nib = (j & 1) ? (x >> 4) & 0x0F0F0F0Fu : x & 0x0F0F0F0Fu;
-                        dot = __dp4a((int)nib, act_s[e][t][b0 + j], dot);
+                        const unsigned nib = s ? (cw[q][t] >> 4) & 0x0F0F0F0Fu : cw[q][t] & 0x0F0F0F0Fu;
+                        dot = __dp4a((int)nib, act_s[e][t][b0 + s], dot);
                     }
-                    const float ad = ad_s[e][b0 + j];
-                    const float t_i = (float)(dot * sc[q][j]) * (d[q][0] * ad);
-                    const float t_m = (float)(mn[q][j] * as_s[e][b0 + j]) * (d[q][1] * ad);
-                    term_s[warp][grp][e][r][b0 + j] = t_i - t_m;
+                    const float ad = ad_s[e][b0 + s];
+                    const float t_i = (float)(dot * sc[q][s]) * (d[q][0] * ad);
+                    const float t_m = (float)(mn[q][s] * as_s[e][b0 + s]) * (d[q][1] * ad);
+                    term_s[warp][grp][e][r][b0 + s] = t_i - t_m;
                 }
 #elif Q6K
                 const int c = g + G * q, b0 = 8 * (c >> 2) + 2 * (c & 3);
@@ -313,15 +316,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 """
 
 
-# weight type -> (words a unit, 32-blocks a unit, values a unit): Q4_0 / Q8_0 block pairs, Q4_K super-blocks
-UNITS = {Q4_0: (9, 2, 64), Q8_0: (17, 2, 64), Q4_K: (36, 8, 256)}
+# weight type -> (words a unit, 32-blocks a unit, values a unit): Q4_0 / Q8_0 block pairs
+UNITS = {Q4_0: (9, 2, 64), Q8_0: (17, 2, 64)}
 
 
 @functools.cache  # asked several times a launch on the host (serves, tile cap, grid): integers in, out
 def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
-    """(WPR words a row, NB 32-blocks a row, G lanes a row, WL words a lane loads a row, NPL units (Q6_K:
-    quarter super-blocks) a lane) of rows of k values of type wtype, or None where the kernel has no form for
-    them: a whole number of units, at most 36 words a lane a row (the registers of RPW rows in flight)."""
+    """(WPR words a row, NB 32-blocks a row, G lanes a row, WL words a lane loads a row, NPL units (Q4_K and
+    Q6_K: quarter super-blocks) a lane) of rows of k values of type wtype, or None where the kernel has no
+    form for them: a whole number of units, at most 36 words a lane a row (the registers of RPW rows in
+    flight)."""
     if wtype == Q6_K:  # 210-byte super-blocks: an even count makes whole words; 4 quarters of 2 blocks each
         nu = k // 256
         if k % 256 or nu < 2 or nu & (nu - 1):
@@ -329,6 +333,12 @@ def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
         wpr, g = 105 * nu // 2, min(32, 4 * nu)
         wl = -(-wpr // g)
         return (wpr, 8 * nu, g, wl, 4 * nu // g) if wl <= 36 else None
+    if wtype == Q4_K:  # 144-byte super-blocks (36 words); 4 quarters of 2 blocks each, one or more a lane
+        nu = k // 256
+        if k % 256 or nu < 1:
+            return None
+        g = _lanes(4 * nu)
+        return (36 * nu, 8 * nu, g, 36 * nu // g, 4 * nu // g) if 36 * nu // g <= 36 else None
     if wtype not in UNITS:
         return None
     uw, ub, per = UNITS[wtype]
@@ -465,29 +475,28 @@ def _dp4a(a: int, b: int) -> int:
 
 
 def row_reference_q4k(row: np.ndarray, aq: np.ndarray, ad: np.ndarray, asum: np.ndarray) -> np.float32:
-    """The kernel's arithmetic for one Q4_K row (Q4K 1), super-block by super-block in numpy: the same scale
-    bytes, nibble words, dp4a operands, terms and fold. row uint8 [144 NU]; aq int8 [256 NU]; ad f32 / asum
-    int32 [8 NU]."""
+    """The kernel's arithmetic for one Q4_K row (Q4K 1), quarter super-block by quarter in numpy (a lane's
+    share): the same header words, scale bytes, nibble words, dp4a operands, terms and fold. row uint8
+    [144 NU]; aq int8 [256 NU]; ad f32 / asum int32 [8 NU]."""
     words = np.ascontiguousarray(row).view(np.uint32).astype(np.int64)
     codes = np.ascontiguousarray(aq).view(np.int32)  # act_s: code word t of block b is codes[8 b + t]
     nu = len(words) // 36
     terms = np.zeros(8 * nu, np.float32)
-    for u in range(nu):
+    for c in range(4 * nu):
+        u, h = divmod(c, 4)
         w = words[36 * u: 36 * u + 36]
         d = np.float32(np.uint16(w[0] & 0xFFFF).view(np.float16))
         dmin = np.float32(np.uint16(w[0] >> 16).view(np.float16))
-        s_lo, s_mid, s_hi = ([(w[i] >> (8 * j)) & 0xFF for j in range(4)] for i in (1, 2, 3))
-        sc = [s_lo[j] & 63 for j in range(4)] + [(s_hi[j] & 0xF) | ((s_lo[j] >> 6) << 4) for j in range(4)]
-        mn = [s_mid[j] & 63 for j in range(4)] + [(s_hi[j] >> 4) | ((s_mid[j] >> 6) << 4) for j in range(4)]
-        for j in range(8):
+        for s in range(2):
+            j = 2 * h + s
+            sh = 8 * (j & 3)
+            s_lo, s_mid, s_hi = ((w[i] >> sh) & 0xFF for i in (1, 2, 3))
+            sc = s_lo & 63 if j < 4 else (s_hi & 0xF) | ((s_lo >> 6) << 4)
+            mn = s_mid & 63 if j < 4 else (s_hi >> 4) | ((s_mid >> 6) << 4)
             b = 8 * u + j
-            dot = 0
-            for t in range(8):
-                x = w[4 + 8 * (j >> 1) + t]
-                nib = ((x >> 4) if j & 1 else x) & 0x0F0F0F0F
-                dot += _dp4a(nib, codes[8 * b + t])
-            t_i = np.float32(dot * sc[j]) * (d * ad[b])
-            t_m = np.float32(mn[j] * int(asum[b])) * (dmin * ad[b])
+            dot = sum(_dp4a((w[4 + 8 * h + t] >> (4 * s)) & 0x0F0F0F0F, codes[8 * b + t]) for t in range(8))
+            t_i = np.float32(dot * sc) * (d * ad[b])
+            t_m = np.float32(mn * int(asum[b])) * (dmin * ad[b])
             terms[b] = np.float32(t_i - t_m)
     acc = np.float32(0.0)
     for b in range(8 * nu):

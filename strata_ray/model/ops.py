@@ -30,33 +30,37 @@ def gdn_group(device: torch.device) -> int:
 
 def linear(x: Tensor, w) -> Tensor:
     """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias). w: a float tensor,
-    a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8) or a BlockMatrix (a quantized matrix as its
-    blocks on the CPU: kernels/dense_blocks)."""
+    a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8), a ScaledWeight (a Q4_K / Q6_K one on
+    CUDA: kernels/dense_scaled) or a BlockMatrix (a quantized matrix as its blocks on the CPU:
+    kernels/dense_blocks)."""
     if isinstance(w, Tensor):
         return F.linear(x, w)
     from strata_ray.kernels.dense_q8 import Q8Weight, q8_linear
 
     if isinstance(w, Q8Weight):
         return q8_linear(x, w)
-    from strata_ray.kernels.dense_blocks import block_linear
+    from strata_ray.kernels.dense_blocks import BlockMatrix, block_linear
 
-    return block_linear(x, w)
+    if isinstance(w, BlockMatrix):
+        return block_linear(x, w)
+    from strata_ray.kernels.dense_scaled import scaled_linear
+
+    return scaled_linear(x, w)
 
 
 def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
-    """[linear(x, w) for w in ws]. Q8Weight views of one matrix (weights.fuse_dense_rows) run as one GEMV
-    in a decode step (kernels/dense_q8.q8_linear_rows): the matrices a layer applies to the same input."""
-    from strata_ray.kernels.dense_q8 import Q8Weight
+    """[linear(x, w) for w in ws]. Quantized views of one matrix (weights.fuse_dense_rows) run as one GEMV
+    in a decode step (kernels/dense_q8.fused_linear_rows): the matrices a layer applies to the same input."""
+    from strata_ray.kernels.dense_q8 import QuantizedDense, fused_linear_rows
 
-    if not all(isinstance(w, Q8Weight) for w in ws):
+    if not all(isinstance(w, QuantizedDense) for w in ws):
         return [linear(x, w) for w in ws]
-    from strata_ray.kernels.dense_q8 import q8_linear_rows
-
-    return q8_linear_rows(x, ws)
+    return fused_linear_rows(x, ws, linear)
 
 
 def embedding(ids: Tensor, w) -> Tensor:
-    """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor, a Q8Weight or a BlockMatrix)."""
+    """Rows `ids` [...] of w [V, E] -> [..., E] float32 (a float tensor, a Q8Weight, a ScaledWeight or a
+    BlockMatrix)."""
     if isinstance(w, Tensor):
         return F.embedding(ids, w)
     return w.rows(ids.reshape(-1)).view(*ids.shape, -1)

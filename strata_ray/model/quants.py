@@ -69,18 +69,20 @@ def _q4_k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+def q4_k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K blocks uint8 [nb, 144] -> (codes uint8 [nb, 256] in 0..15, ds f32 [nb, 8], dm f32 [nb, 8]): value
+    e of sub-block j is f32(ds[j] * code) - dm[j] (ds = f32(d * sc), dm = f32(dmin * m), as ggml)."""
     nb = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])  # [nb, 1]
     sc, mn = _q4_k_scale_min(b[:, 4:16])
-    ds = (d * sc.astype(np.float32))[:, :, None]  # [nb, 8, 1]
-    dm = (dmin * mn.astype(np.float32))[:, :, None]
     qs = b[:, 16:].reshape(nb, 4, 1, 32)  # 4 groups of 64 elems: low nibbles first 32, high nibbles next 32
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32).astype(np.float32)
-    return (ds * q - dm).reshape(nb, QK_K)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, QK_K)
+    return q, d * sc.astype(np.float32), dmin * mn.astype(np.float32)
 
 
-def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+def q6_k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K blocks uint8 [nb, 210] -> (codes int8 [nb, 256] in -32..31, ds f32 [nb, 16]): value e of 16-value
+    group j is f32(ds[j] * code) (ds = f32(d * sc), as ggml)."""
     nb = b.shape[0]
     ql = b[:, 0:128].reshape(nb, 2, 1, 64)  # per half h: ql[64h : 64h+64]
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)  # per half h: qh[32h : 32h+32]
@@ -90,8 +92,19 @@ def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     low4 = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(nb, 2, 4, 32)
     high2 = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
-    ds = (d * sc)[:, :, None]  # [nb, 16, 1]
-    return (ds * q.reshape(nb, 16, 16).astype(np.float32)).reshape(nb, QK_K)
+    return q.reshape(nb, QK_K), d * sc
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    q, ds, dm = q4_k_parts(b)
+    nb = b.shape[0]
+    return (ds[:, :, None] * q.reshape(nb, 8, 32).astype(np.float32) - dm[:, :, None]).reshape(nb, QK_K)
+
+
+def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+    q, ds = q6_k_parts(b)
+    nb = b.shape[0]
+    return (ds[:, :, None] * q.reshape(nb, 16, 16).astype(np.float32)).reshape(nb, QK_K)
 
 
 def _deq_bf16(b: np.ndarray) -> np.ndarray:

@@ -36,7 +36,8 @@ from .synth_presets import ARCHS, PRESETS, SynthError, preset_hparams
 from .tensor_layout import is_expert_tensor, keeps_float, tensor_layout
 
 EXPERT_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
-DENSE_TYPE = T.Q8_0
+DENSE_TYPES = ("Q8_0", "Q4_K", "Q6_K")  # --dense-type: Q8_0 (default), or a Q4_K_M file's K-quant matrices
+SHARED_DIRECTION = ("token_embd.weight", "nextn.eh_proj.weight")  # Q8_0 always: their values carry u
 CHUNK_BYTES = 16 << 20  # one chunk of a streamed tensor
 
 ROUTER_NOISE = 1.3  # std of the random part of router logits (per token and expert)
@@ -97,12 +98,15 @@ def zipf_exponent(n_expert: int, n_used: int, share: float = TOP_QUARTER_SHARE) 
     return (lo + hi) / 2
 
 
-def synth_type(name: str, shape: Sequence[int], expert_type: int) -> int:
-    """F32 where llama-quantize keeps floats, expert_type for routed experts, Q8_0 for other matrices;
-    falls back (like llama-quantize) when a row is not a multiple of the block."""
+def synth_type(name: str, shape: Sequence[int], expert_type: int, dense_type: int = T.Q8_0) -> int:
+    """F32 where llama-quantize keeps floats, expert_type for routed experts, dense_type for other matrices
+    (Q8_0 for the embedding and MTP projection, whose values carry the shared direction); falls back (like
+    llama-quantize) to Q8_0, then F32, when a row is not a multiple of the block."""
     if keeps_float(name, tuple(shape)):
         return T.F32
-    t = expert_type if is_expert_tensor(name) else DENSE_TYPE
+    t = expert_type if is_expert_tensor(name) else dense_type
+    if name.endswith(SHARED_DIRECTION):
+        t = T.Q8_0
     for cand in (t, T.Q8_0):
         if shape[-1] % BLOCK[cand][0] == 0:
             return cand
@@ -207,14 +211,14 @@ class SynthModel:
 
 
 def build_writer(
-    path, hp: HParams, expert_type: int, seed: int = 0, name: str = "strata-synth"
+    path, hp: HParams, expert_type: int, seed: int = 0, name: str = "strata-synth", dense_type: int = T.Q8_0
 ) -> ModelWriter:
     tok = byte_level_tokenizer_spec().padded(hp.n_vocab)
     mw = ModelWriter(path, hp, tok)
     mw.extra_fields["general.name"] = name
     model = SynthModel(hp, seed)
     for tname, shape in tensor_layout(hp):
-        t = synth_type(tname, shape, expert_type)
+        t = synth_type(tname, shape, expert_type, dense_type)
         mw.add(tname, shape, t, model.producer(tname, shape, t))
     return mw
 
@@ -227,15 +231,19 @@ def write_synth(
     expert_type: str = "Q4_K",
     seed: int = 0,
     progress: bool = True,
+    dense_type: str = "Q8_0",
 ) -> HParams:
     """Write a synthetic model; returns its HParams. Raises SynthError (one line) on a bad request."""
     if expert_type not in EXPERT_TYPES:
         raise SynthError(f"unknown expert type {expert_type!r} (choose from {', '.join(EXPERT_TYPES)})")
+    if dense_type not in DENSE_TYPES:
+        raise SynthError(f"unknown dense type {dense_type!r} (choose from {', '.join(DENSE_TYPES)})")
     hp = preset_hparams(arch, preset, layers)
     path = Path(path)
     if not path.parent.is_dir():
         raise SynthError(f"output directory {path.parent} does not exist")
-    mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}")
+    mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}",
+                      dense_type=T[dense_type])
     free = shutil.disk_usage(path.parent).free
     if mw.total_bytes > free:
         raise SynthError(
@@ -267,6 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=int, help="override the number of trunk layers (the MTP layer is kept)")
     p.add_argument("--expert-type", default="Q4_K", choices=EXPERT_TYPES, help="routed experts' quant type")
+    p.add_argument("--dense-type", default="Q8_0", choices=DENSE_TYPES,
+                   help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
+                        "projection stay Q8_0, rows not a multiple of 256 fall back to Q8_0)")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
     p.add_argument("-o", "--output", required=True, help="output .gguf path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -291,6 +302,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
             args.expert_type,
             args.seed,
             progress=not args.no_progress,
+            dense_type=args.dense_type,
         )
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)

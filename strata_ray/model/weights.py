@@ -49,6 +49,14 @@ def keeps_blocks(name: str, info) -> bool:
     return info.ggml_type in TYPES and info.shape[0] % 32 == 0 and whole_matrix(name, info)
 
 
+def keeps_scaled(name: str, info) -> bool:
+    """Whether a dense tensor can stay quantized on the device as a ScaledWeight (kernels/dense_scaled): a
+    Q4_K or Q6_K whole_matrix."""
+    from strata_ray.kernels.dense_scaled import TYPES
+
+    return info.ggml_type in TYPES and whole_matrix(name, info)
+
+
 def load_dense_weights(
     file, device: torch.device | str = "cpu", include_experts: bool = True, quantized: bool = False,
     blocks: bool = False,
@@ -57,9 +65,10 @@ def load_dense_weights(
 
     include_experts=False skips the routed-expert stacks (*_exps), which an ExpertBackend serves instead.
     quantized=True keeps Q8_0 matrices as they are in the file (a Q8Weight: a quarter of the float32 bytes
-    in memory and read per token; ops.linear and ops.embedding take either form). blocks=True (CPU) keeps
-    every quantized matrix it can as its blocks in the file map (a BlockMatrix, computed by the expert
-    contract's kernels in decode).
+    in memory and read per token) and Q4_K / Q6_K ones as exact int8 codes with float32 chunk scales (a
+    ScaledWeight: 1.5 / 1.25 bytes a weight); ops.linear and ops.embedding take every form. blocks=True
+    (CPU) keeps every quantized matrix it can as its blocks in the file map (a BlockMatrix, computed by the
+    expert contract's kernels in decode).
     Fused alternatives are split into the names the forward reads: ffn_gate_up_exps -> ffn_gate_exps +
     ffn_up_exps, legacy ssm_in -> attn_qkv + attn_gate. Raises ModelFormatError on missing/misshapen tensors.
     """
@@ -79,6 +88,12 @@ def load_dense_weights(
             from strata_ray.kernels.dense_q8 import Q8Weight
 
             out[name] = Q8Weight.from_blocks(info.data, info.shape[0], info.shape[1], device)
+            continue
+        if quantized and keeps_scaled(name, info):
+            from strata_ray.kernels.dense_scaled import ScaledWeight
+
+            n_rows, n_cols = info.shape
+            out[name] = ScaledWeight.from_blocks(info.data, n_rows, n_cols, info.ggml_type, device)
             continue
         t = _to_torch(info, device)
         if name.endswith(".ffn_gate_up_exps.weight"):  # [X, 2I, E], gate rows first
@@ -102,16 +117,20 @@ ROW_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_qkv", "attn_gate", "ssm_ba"
 
 
 def fuse_dense_rows(weights: dict) -> None:
-    """Every layer's ROW_GROUPS whose matrices are all Q8Weights of one width become views of one matrix
-    each (in place; the same names and bytes), so that a decode step reads each group in one GEMV launch."""
-    from strata_ray.kernels.dense_q8 import Q8Weight, fuse_rows
+    """Every layer's ROW_GROUPS whose matrices are all quantized weights of one kind and width (Q8Weights, or
+    ScaledWeights with or without offsets) become views of one matrix each (in place; the same names and
+    bytes), so that a decode step reads each group in one GEMV launch."""
+    from strata_ray.kernels.dense_q8 import QuantizedDense, fuse_rows
 
     layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
     for layer in layers:
         for group in ROW_GROUPS:
             names = [f"blk.{layer}.{n}.weight" for n in group]
             ws = [weights.get(n) for n in names]
-            if all(isinstance(w, Q8Weight) for w in ws) and len({w.shape[1] for w in ws}) == 1:
+            if not all(isinstance(w, QuantizedDense) for w in ws):
+                continue
+            kinds = {(type(w), w.shape[1], tuple(p is None for p in w.parts())) for w in ws}
+            if len(kinds) == 1:
                 weights.update(zip(names, fuse_rows(ws), strict=True))
 
 

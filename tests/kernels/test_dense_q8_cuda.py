@@ -121,18 +121,25 @@ def test_launch_geometry(monkeypatch):
 
     launched = []
     monkeypatch.setattr(dqc, "_kernel",
-                        lambda k, rpw, tt, dev: types.SimpleNamespace(num_regs=80, rpw=rpw, tt=tt))
+                        lambda k, rpw, tt, dev, scaled=False, offset=False: types.SimpleNamespace(
+                            num_regs=80, rpw=rpw, tt=tt, scaled=scaled, offset=offset))
     monkeypatch.setattr(dqc, "_sm_count", lambda dev: 132)
     monkeypatch.setattr(dqc, "_wave", dqc._wave.__wrapped__)
     monkeypatch.setattr(nvrtc, "device_index", lambda t: 0)
     monkeypatch.setattr(nvrtc, "_FAILED", set())
     monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0: launched.append(
-        (kern.rpw, kern.tt, grid, block, shared_mem, int(args[4]), int(args[5]), int(args[6]))))
+        (kern.rpw, kern.tt, grid, block, shared_mem, int(args[6]), int(args[7]), int(args[8]))))
 
     def launch(t, n, k):
         qs = torch.zeros(n, k, dtype=torch.int8)
         d = torch.zeros(n, k // 32, dtype=torch.float16)
         assert dqc.launch_cuda_gemv(torch.zeros(t, k), qs, d, torch.zeros(t, n))
+        return launched.pop()
+
+    def launch_scaled(t, n, k):  # dense_scaled's form with offsets: each token's chunk sums staged too
+        qs = torch.zeros(n, k, dtype=torch.int8)
+        s_, b = torch.zeros(n, k // 16), torch.zeros(n, k // 16)
+        assert dqc.launch_cuda_gemv(torch.zeros(t, k), qs, s_, torch.zeros(t, n), offset=b)
         return launched.pop()
 
     # (RPW, TT, grid, block, shared bytes, n_tok, N, token groups)
@@ -142,6 +149,12 @@ def test_launch_geometry(monkeypatch):
     assert launch(1, 2048, 4096) == (1, 1, (256,), 256, 16384, 1, 2048, 1)  # a row a warp: 256 CTAs
     assert launch(1, 151936, 512) == (4, 1, (396,), 256, 2048, 1, 151936, 1)
     assert launch(1, 3, 32) == (1, 1, (1,), 256, 128, 1, 3, 1)
+    assert launch_scaled(1, 12352, 2048) == (1, 1, (396,), 256, 8704, 1, 12352, 1)
+    assert launch_scaled(5, 2048, 4096) == (1, 2, (396,), 256, 34816, 5, 2048, 3)  # 3 tokens: over 48 KiB
+    with pytest.raises(ValueError, match="offsets go with float32"):
+        dqc.launch_cuda_gemv(torch.zeros(1, 64), torch.zeros(2, 64, dtype=torch.int8),
+                             torch.zeros(2, 2, dtype=torch.float16), torch.zeros(1, 2),
+                             offset=torch.zeros(2, 4))
     assert not dqc.launch_cuda_gemv(torch.zeros(1, 48), torch.zeros(2, 48, dtype=torch.int8),
                                     torch.zeros(2, 1, dtype=torch.float16), torch.zeros(1, 2))  # K % 32
 
@@ -159,10 +172,10 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrt
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
-    assert tries == [(2048, 1, 1, 0)]
+    assert tries == [(2048, 1, 1, 0, False, False)]
     assert [r.getMessage() for r in caplog.records] == [
         "the CUDA C dense GEMV could not be built (RuntimeError: nvrtc: error: invalid value for "
-        "--gpu-architecture); the Triton GEMV takes its launches"]
+        "--gpu-architecture); the Triton GEMV or the dequantized linear takes its launches"]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------

@@ -87,9 +87,11 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
     assert cuda_rows_serves(4096)  # 64 pairs: 32 lanes of 18 words
     assert cuda_rows_serves(2048, 8) and cuda_rows_serves(512, 8)  # the 80b-a3b's verify windows
     assert cuda_rows_serves(4096, 4) and not cuda_rows_serves(4096, 8)  # 8 entries' codes: over 48 KiB
-    # Q4_K: whole super-blocks, one a lane (36 words), tiles of up to 2 entries
-    assert cuda_rows_serves(2048, 2, Q4_K) and cuda_rows_serves(512, 1, Q4_K)
-    assert not cuda_rows_serves(2048, 4, Q4_K) and not cuda_rows_serves(768, 1, Q4_K)
+    # Q4_K: a quarter super-block a lane (2 sub-blocks, 9 words), the Q4_0 pairs' geometry
+    assert cuda_rows_serves(2048, 8, Q4_K) and cuda_rows_serves(512, 8, Q4_K)
+    assert cuda_rows_serves(256, 1, Q4_K)
+    assert cuda_rows_serves(768, 4, Q4_K) and not cuda_rows_serves(768, 8, Q4_K)  # 3 quarters a lane
+    assert not cuda_rows_serves(96, 1, Q4_K) and not cuda_rows_serves(8192, 2, Q4_K)
     assert cuda_rows_serves(2048, 8, Q8_0) and cuda_rows_serves(4096, 1, Q8_0)  # 17 and 34 words a lane
     assert not cuda_rows_serves(4096, 8, Q8_0) and not cuda_rows_serves(96, 1, Q8_0)
     # Q6_K: an even count of 210-byte super-blocks (whole words), a quarter (2 blocks) a lane
@@ -100,27 +102,29 @@ def test_cuda_rows_serve_whole_pairs_within_the_registers():
 
 def test_tile_cap_is_the_most_entries_every_served_kind_takes():
     assert cuda_rows_tile_cap([(2048, Q4_0), (512, Q4_0)], 8) == 8
-    assert cuda_rows_tile_cap([(2048, Q4_K), (2048, Q4_K), (512, Q6_K)], 8) == 2  # a Q4_K_M layer
+    assert cuda_rows_tile_cap([(2048, Q4_K), (2048, Q4_K), (512, Q6_K)], 8) == 8  # a Q4_K_M layer
     assert cuda_rows_tile_cap([(4096, Q4_0)], 8) == 4
+    assert cuda_rows_tile_cap([(8192, Q4_K), (512, Q4_K)], 8) == 1
     assert cuda_rows_tile_cap([(2048, Q4_K)], 1) == 1
-    assert cuda_rows_tile_cap([(96, Q4_0), (768, Q4_K)], 8) == 8  # never served: the simple tile, no cap
+    assert cuda_rows_tile_cap([(96, Q4_0), (256, Q6_K)], 8) == 8  # never served: the simple tile, no cap
 
 
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
-    """A verify window over a Q4_K layer gets tiles of 2 (the CUDA form's most) where the CUDA form is on; the
-    other variants, prompt tiles and machines without it keep next_pow2(tokens)."""
+    """A verify window over a layer of 4096-value Q4_0 rows gets tiles of 4 (the CUDA form's most there) where
+    the CUDA form is on; the other variants, prompt tiles and machines without it keep next_pow2(tokens)."""
     import strata_ray.kernels.expert_gpu as eg
 
-    q4k = _layer(2048, 512, 2, down=Q6_K, gate_up=Q4_K)
+    wide_rows = _layer(4096, 256, 2)
     q40 = _layer(2048, 512, 2)
     monkeypatch.setattr(eg, "cuda_rows_on", lambda: False)
-    assert eg.tile_entries(8, "decode", "words", q4k) == 8
+    assert eg.tile_entries(8, "decode", "words", wide_rows) == 8
     monkeypatch.setattr(eg, "cuda_rows_on", lambda: True)
-    assert eg.tile_entries(8, "decode", "words", q4k) == 2
-    assert eg.tile_entries(3, "decode", "words", q40) == 4 and eg.tile_entries(1, "decode", "words", q4k) == 1
-    assert eg.tile_entries(8, "decode", "simple", q4k) == 8
+    assert eg.tile_entries(8, "decode", "words", wide_rows) == 4
+    assert eg.tile_entries(8, "decode", "words", q40) == 8 and eg.tile_entries(3, "decode", "words", q40) == 4
+    assert eg.tile_entries(1, "decode", "words", wide_rows) == 1
+    assert eg.tile_entries(8, "decode", "simple", wide_rows) == 8
     assert eg.tile_entries(8, "decode", "words", None) == 8
-    assert eg.tile_entries(300, "prompt", "words", q4k) == 64
+    assert eg.tile_entries(300, "prompt", "words", wide_rows) == 64
 
 
 def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
@@ -161,7 +165,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     _check(_layer(4096, 256, 3), 17, n_tok=8)  # a 4096-value gate row: 8 entries are over the shared memory,
     # so tiles of 4
     _check(_layer(4096, 256, 3), 17, n_tok=3)  # 4 entries a tile, 2 pairs a lane
-    # Q4_K layers: a super-block a lane, one- and two-entry tiles (windows of 4+ tokens cut to 2)
+    # Q4_K layers: a quarter super-block a lane, tiles of up to 8 entries
     q4k = _layer(2048, 512, 12, down=Q4_K, gate_up=Q4_K)
     for n_tok, n_ent in [(1, 10), (2, 20), (5, 40)]:
         _check(q4k, n_ent, n_tok=n_tok)

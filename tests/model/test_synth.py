@@ -198,10 +198,28 @@ def test_expert_types(tmp_path, expert_type):
     assert np.isfinite(dequantize_tensor(info)).all()
 
 
+def test_dense_type(tmp_path):
+    """--dense-type Q6_K: the projections Q6_K where their rows are whole super-blocks, the embedding and
+    MTP projection Q8_0 (their values carry the shared direction), norms and the router float."""
+    path = tmp_path / "d.gguf"
+    argv = ["--arch", "qwen3next", "--preset", "tiny", "--layers", "1", "--dense-type", "Q6_K"]
+    assert synth_main([*argv, "-o", str(path), "--no-progress"]) == 0
+    f = GGUFFile(path)
+    assert f.tensor("blk.0.attn_qkv.weight").ggml_type == T.Q6_K
+    assert f.tensor("output.weight").ggml_type == T.Q6_K
+    assert f.tensor("token_embd.weight").ggml_type == T.Q8_0
+    assert f.tensor("blk.0.ffn_gate_inp.weight").ggml_type == T.F32
+    assert np.isfinite(dequantize_tensor(f.tensor("blk.0.attn_qkv.weight"))).all()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--preset", "tiny", "-o", "x.gguf"], "needs --arch"),
+        (
+            ["--arch", "qwen3next", "--preset", "tiny", "--dense-type", "Q4_0", "-o", "x.gguf"],
+            "invalid choice",
+        ),
         (["--arch", "qwen3next", "--preset", "30b-a3b", "-o", "x.gguf"], "use --arch qwen3moe"),
         (["--arch", "qwen3next", "--preset", "huge", "-o", "x.gguf"], "invalid choice"),
         (["--arch", "qwen3next", "--preset", "tiny", "--layers", "0", "-o", "x.gguf"], "at least 1"),

@@ -152,3 +152,30 @@ def test_dense_q8_0_kept_quantized_gives_the_dequantized_bits(next_model, tmp_pa
                 assert len({id(w.fused[0]) for w in ws}) == 1, (layer, group)
     assert q8["blk.0.attn_qkv.weight"].fused is not None  # a GDN layer's q k v | z | b a
     _assert_same_logits(Model(hp, flat), Model(hp, q8))
+
+
+@pytest.mark.parametrize("dense_type", ["Q4_K", "Q6_K"])
+def test_dense_k_quants_kept_quantized_give_the_dequantized_bits(tmp_path, dense_type):
+    """A Q4_K_M-like file (synth --dense-type): quantized=True keeps its Q4_K / Q6_K matrices as
+    ScaledWeights (what CUDA loads); on the CPU ops.linear and ops.embedding take the file's values, so the
+    logits equal the float32 load's bit for bit, MTP head included."""
+    from strata_ray.kernels.dense_scaled import ScaledWeight
+    from strata_ray.model.synth import write_synth
+    from strata_ray.model.weights import keeps_scaled
+
+    path = tmp_path / "k.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", layers=2, expert_type="Q4_0", progress=False,
+                dense_type=dense_type)
+    file = GGUFFile(path)
+    kinds = {n: info.ggml_type for n, info in file.tensors.items()}
+    assert kinds["token_embd.weight"] == T.Q8_0 and kinds["blk.0.attn_qkv.weight"] == T[dense_type]
+    flat = load_dense_weights(file, "cpu", include_experts=True)
+    kept = load_dense_weights(file, "cpu", include_experts=True, quantized=True)
+    scaled = {n for n, t in kept.items() if isinstance(t, ScaledWeight)}
+    assert scaled == {n for n in kinds if keeps_scaled(n, file.tensor(n))}
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_gate_shexp.weight", "output.weight"} <= scaled
+    for n in scaled:
+        assert torch.equal(kept[n].dequantize(), flat[n]), n
+    assert kept["blk.0.ffn_gate_shexp.weight"].fused is not None  # gate | up: one GEMV in a decode step
+    hp = file.hparams
+    _assert_same_logits(Model(hp, flat), Model(hp, kept))
