@@ -59,7 +59,7 @@ def bench_cpu(rows: list, pool: CpuPool, quick: bool) -> None:
 
 # profiler names of the expert kernels
 EXPERT_KERNELS = ("_expert_mm", "_act_quant_kernel", "_expert_terms", "_expert_sum", "_expert_words",
-                  "_swiglu_quant", "expert_rows")
+                  "_swiglu_quant", "expert_rows", "expert_mma")
 
 
 def device_seconds(fn, reps: int, per_kernel: dict | None = None) -> tuple[float, float]:
@@ -310,15 +310,18 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         slot = torch.stack([torch.randperm(n_slots, device=dev)[:TOP_K] for _ in range(n_tok)]).reshape(-1)
         slot = slot.to(torch.int32)
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
-        for variant in [v for v in variants if v not in ("split", "words")]:  # their prompt tiles: simple's
-            expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant)
+        want = expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="simple")
+        for variant in [v for v in variants if v != "split"]:  # split's prompt tile is simple's
+            # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile
+            same = torch.equal(want, expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant))
             _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
                                                      variant=variant), 3 if quick else 10)
             tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
             pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
+            bits = "same" if same else "DIFFER"
             rows.append((f"gpu prompt ({variant})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
-                         f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}"))
+                         f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}, bits {bits}"))
         if sweeps and wtype == Q4_0 and "wide" in variants:
             prompt_sweep(rows, slots, type_name(wtype), x, tok, slot, peak, quick)
         del slots

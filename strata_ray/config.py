@@ -408,7 +408,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # env-only A/B switches read where they act (kernels, decode graphs), not carried by EngineConfig: a value
 # they would not take is refused with the others' one line (STRATA_FUSED_DECODE, STRATA_GATHER_COPY and
 # STRATA_STREAM_ALL and STRATA_DENSE_CUDA: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on;
-# STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_ATTN_DOT: the decode attention's
+# STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_PROMPT_MMA: either, over
+# kernels/expert_mma_cuda.MMA["on"]; STRATA_ATTN_DOT: the decode attention's
 # products, kernels/attention_decode)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
@@ -416,6 +417,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_STREAM_ALL": _choice("0", "1"),
     "STRATA_DECODE_DEVICE_ATTENTION": _choice("0", "1"),
     "STRATA_WORDS_CUDA": _choice("0", "1"),
+    "STRATA_PROMPT_MMA": _choice("0", "1"),
     "STRATA_DENSE_CUDA": _choice("0", "1"),
     "STRATA_ATTN_DOT": _choice("tf32x3", "ieee"),
     "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,

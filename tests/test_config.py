@@ -219,6 +219,7 @@ def test_pcie_share_is_a_permille_env_switch():
     ("STRATA_FUSED_DECODE", "off", "0 or 1"),
     ("STRATA_DECODE_DEVICE_ATTENTION", "yes", "0 or 1"),
     ("STRATA_WORDS_CUDA", "true", "0 or 1"),
+    ("STRATA_PROMPT_MMA", "yes", "0 or 1"),
     ("STRATA_DENSE_CUDA", "on", "0 or 1"),
     ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),

@@ -10,7 +10,9 @@ Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, s
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 
 Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
-- "words" (default): one-token decode launches of Q4_0 layers (Q8_0: opt-in) take the words tile
+- "words" (default): prompt launches of Q8_0 / Q4_0 / Q4_K layers take the int8 MMA rows of
+  expert_mma_cuda.py on CUDA where cupy is installed (STRATA_PROMPT_MMA); one-token decode launches of Q4_0
+  layers (Q8_0: opt-in) take the words tile
   (expert_words.py: weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on
   the H200 (session 9); with cupy, Q4_0 / Q8_0 / Q4_K / Q6_K decode launches of 1-8 tokens take its CUDA C
   form (expert_rows_cuda.py: a tile's entries share the weight words); every other launch is the simple
@@ -33,8 +35,9 @@ import triton
 import triton.language as tl
 
 from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
+from .expert_mma_cuda import launch_mma_rows, mma_on, mma_serves
 from .expert_rows_cuda import cuda_rows_on, cuda_rows_tile_cap
-from .expert_words import launch_words
+from .expert_words import launch_rows_kernel, launch_words
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, row_offsets, swiglu
 from .triton_chunks import mm_chunked
 
@@ -327,6 +330,9 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
     if (variant == "words" and not use_dot and not is_float  # else, or where no words form serves: simple
             and launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)):
         return
+    if (variant == "words" and use_dot and not is_float and _mma_serves(act[0], mats, r, k, plan[3])
+            and launch_rows_kernel(launch_mma_rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
+        return
     wide = variant == "wide" and not is_float  # float layers keep the simple kernel (and its bits)
     (w1, t1), (w2, t2) = mats
     aq, ad, asum, af = act
@@ -362,6 +368,13 @@ def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_flo
         out, hq, hd, hs, m, r, k, k // QK,
         T1=t1, T2=t2, GATED=gated, IS_FLOAT=is_float, BT=bt, BR=br, UNROLL=unroll,
         USE_DOT=use_dot, FAST_I2F=wide, num_warps=warps, **opts)
+
+
+def _mma_serves(aq: torch.Tensor, mats, r: int, k: int, bt: int) -> bool:
+    """Whether a prompt launch takes the int8 MMA rows (expert_mma_cuda): on, on CUDA, gate / up or down of
+    one type that it serves."""
+    (_, t1), (_, t2) = mats
+    return t1 == t2 and aq.device.type == "cuda" and mma_on() and mma_serves(k, r, t1, bt)
 
 
 def _row_tile(r: int, br: int) -> int:

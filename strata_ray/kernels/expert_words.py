@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .contract import Q4_0, Q8_0
+from .expert_rows_cuda import launch_cuda_rows
 from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 
 # br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
@@ -236,16 +237,15 @@ def _swiglu_tail(gu, hq, hd, hs, r) -> None:
     _swiglu_quant_kernel[(hq.shape[0], r // 32 // nbb)](gu, hq, hd, hs, r, NBB=nbb, num_warps=4, **_OPTS)
 
 
-def _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:
-    """The CUDA C form (expert_rows_cuda): gate and up rows, then SwiGLU and the requantization; or the down
-    rows. False where its kernel cannot be built here (nothing launched)."""
-    from .expert_rows_cuda import launch_cuda_rows
-
+def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:
+    """A CUDA C rows kernel (`rows`: expert_rows_cuda.launch_cuda_rows or expert_mma_cuda.launch_mma_rows):
+    gate and up rows, then SwiGLU and the requantization; or the down rows. False where its kernel cannot
+    take the launch here (nothing launched)."""
     (w1, t), (w2, _) = mats
     if not gated:
-        return launch_cuda_rows(act, act_row, plan, w1, w2, out, r, k, two=False, wtype=t)
+        return rows(act, act_row, plan, w1, w2, out, r, k, two=False, wtype=t)
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
-    if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t):
+    if not rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t):
         return False
     _swiglu_tail(gu, hq, hd, hs, r)
     return True
@@ -257,7 +257,7 @@ def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_til
     (w1, t), (w2, t2) = mats
     bt = plan[3]
     if (cuda_words_serve(t, t2, k, bt, (w1, w2), act[0].device)
-            and _launch_cuda(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
+            and launch_rows_kernel(launch_cuda_rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
         return True
     if not words_supported(t, t2, k, bt, (w1, w2)):
         return False

@@ -1,0 +1,363 @@
+"""The prompt expert rows of Q8_0, Q4_0 and Q4_K layers as a CUDA C kernel on the int8 tensor cores (mma.sync
+m16n8k32, NVRTC through cupy): the contract's exact block dots by MMA, its fp32 terms and fold in registers.
+
+The Triton prompt tile (`tl.dot` a 32-block, the weight bytes gathered a byte a load) ran at 15-41 int8 TOP/s
+on the H200, 1-2% of the int8 peak (session 2): a prompt chunk's expert layer cost ~2.2 ms at 1024 tokens. An
+m16n8k32 MMA is exactly one 32-block of 16 entries and 8 rows, so the contract needs nothing of the MMA but
+its integers: each thread's four int32 results a block become the contract's terms in registers,
+
+    term = float(I) * (d * ad)                                   (Q8_0; Q4_0 with its codes as q - 8)
+    term = float(I * sc) * (d * ad) - float(m * asum) * (dmin * ad)    (Q4_K: I over the unsigned nibbles)
+
+added to the thread's running sums from 0.0 in block order: the very operations of the simple tile and the
+CPU, so the rows are theirs to the bit (compiled with --fmad=false; the magic-number int-to-float is exact
+below 2^22, which every Q8_0 / Q4_0 / Q4_K block dot is).
+
+A CTA is a tile of up to BT = 64 entries routed to one expert (plan_tiles' prompt tiles) and BN = 64 rows of
+one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread). The K axis runs
+in stages of KB 32-blocks, double-buffered in shared memory by cp.async: the entries' activation codes
+(16-byte copies), their block scales (and Q4_K's code sums), and the 64 rows' raw GGUF block bytes (16-byte
+copies: every stage of these types is a multiple of 16 bytes). Fragments come from the staged bytes: an
+entry row's code words as they are; a weight row's code words realigned by __byte_perm where a Q8_0 / Q4_0
+block starts two bytes into a word, Q4_0's nibbles made signed (q - 8) byte-wise, Q4_K's left unsigned.
+Staged rows are padded to an odd multiple of 16 bytes' worth of banks, so the 8 x 4 fragment reads of a warp
+hit 32 different banks. m16 tiles past the tile's entries are skipped (a warp-uniform branch).
+
+The plain twin is the contract itself (reference.py / the CPU kernels): integer sums are exact in any order,
+so the only arithmetic of this kernel that could differ is the fp32 epilogue, and that is the contract's
+step by step. tests/kernels/test_expert_mma_cuda.py compares its rows with the CPU's bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from . import nvrtc
+from .contract import Q4_0, Q4_K, Q8_0, KernelError
+
+_SOURCE = r"""
+__device__ __forceinline__ float half_bits(unsigned bits) {
+    float f;
+    unsigned short h = (unsigned short)bits;
+    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// float(i), exact for |i| < 2^22: 1.5 * 2^23 + i formed in the mantissa, then 1.5 * 2^23 taken off
+__device__ __forceinline__ float i2f(int i) {
+    return __int_as_float(i + 0x4B400000) - 12582912.0f;
+}
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};\n"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+}
+
+// The word of 4 bytes at byte offset off (even) of a 4-byte aligned shared row
+__device__ __forceinline__ unsigned word_at(const unsigned char* row, int off) {
+    const unsigned* w = (const unsigned*)(row + (off & ~3));
+    return (off & 2) ? __byte_perm(w[0], w[1], 0x5432) : w[0];
+}
+
+// Q4_0 nibbles (0..15, one a byte) -> the signed codes q - 8 byte-wise: + 0x78 then flip the sign bit
+__device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
+    return (n + 0x78787878u) ^ 0x80808080u;
+}
+
+// NB 32-blocks a row; KB a stage (NB % KB == 0); BB bytes a 32-block of the weights (Q4_K: 18, a 144-byte
+// super-block over 8 blocks); AST / WST bytes a staged activation / weight row (padded); TWO: gate rows of W1
+// then up rows of W2 into OUT [M, 2, R], else W1's R rows into OUT [M, R].
+#define BT 64
+#define BN 64
+#define NSTAGE (NB / KB)
+#define A_BYTES (BT * AST)
+#define W_BYTES (BN * WST)
+#define S_BYTES (A_BYTES + W_BYTES + 2 * BT * KB * 4)   // + the entries' block scales and code sums
+
+extern "C" __global__ void __launch_bounds__(128) expert_mma(
+    const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
+    const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
+    const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
+    const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
+    float* __restrict__ OUT, int R, int M)
+{
+    extern __shared__ __align__(16) unsigned char smem[];  // [2 stages][A | W | ad | as]
+    __shared__ int arow_s[BT];
+    const int start = TILE_START[blockIdx.y];
+    if (start < 0) return;
+    const int slot_id = SORTED_SLOT[start];
+    int n_ent = 1;
+    while (n_ent < BT && start + n_ent < M && SORTED_SLOT[start + n_ent] == slot_id) ++n_ent;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int wm = warp >> 1, wn = warp & 1;  // the warp's 32 entries and 32 rows of the tile
+    const int K = 32 * NB;
+
+    // the CTA's 64 rows, all of one matrix (R % 64 == 0)
+    const int row0 = blockIdx.x * BN;
+    const int which = TWO && row0 >= R;
+    const int rr0 = row0 - which * R;
+    const unsigned char* wbase = which ? W2 + slot_id * stride2 + (long long)rr0 * rb2
+                                       : W1 + slot_id * stride1 + (long long)rr0 * rb1;
+    const long long rb = which ? rb2 : rb1;
+
+    if (tid < n_ent) arow_s[tid] = ACT_ROW[ORDER[start + tid]];
+    __syncthreads();
+
+    // stage s of the K axis into buffer buf: blocks s KB .. s KB + KB - 1
+    auto load_stage = [&](int s, int buf) {
+        unsigned char* base = smem + buf * S_BYTES;
+        const int c_a = KB * 2;  // 16-byte pieces of an entry's codes a stage
+        for (int i = tid; i < n_ent * c_a; i += 128) {
+            const int e = i / c_a, c = i % c_a;
+            cp16(base + e * AST + 16 * c, AQ + (long long)arow_s[e] * K + s * KB * 32 + 16 * c);
+        }
+        const int c_s = KB / 4;  // 16-byte pieces of an entry's block scales (and sums) a stage
+        float* ad_s = (float*)(base + A_BYTES + W_BYTES);
+        int* as_s = (int*)(ad_s + BT * KB);
+        for (int i = tid; i < n_ent * c_s; i += 128) {
+            const int e = i / c_s, c = i % c_s;
+            const long long o = (long long)arow_s[e] * NB + s * KB + 4 * c;
+            cp16(ad_s + e * KB + 4 * c, AD + o);
+#if Q4K
+            cp16(as_s + e * KB + 4 * c, AS + o);
+#endif
+        }
+        const int c_w = KB * BB / 16;  // 16-byte pieces of a row's stage
+        for (int i = tid; i < BN * c_w; i += 128) {
+            const int n = i / c_w, c = i % c_w;
+            cp16(base + A_BYTES + n * WST + 16 * c, wbase + n * rb + (long long)s * KB * BB + 16 * c);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) acc[mi][ni][v] = 0.0f;
+    const bool live0 = 32 * wm < n_ent, live1 = 32 * wm + 16 < n_ent;
+
+    load_stage(0, 0);
+    for (int s = 0; s < NSTAGE; ++s) {
+        if (s + 1 < NSTAGE) {
+            load_stage(s + 1, (s + 1) & 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        const unsigned char* base = smem + (s & 1) * S_BYTES;
+        const unsigned char* a_s = base;
+        const unsigned char* w_s = base + A_BYTES;
+        const float* ad_s = (const float*)(base + A_BYTES + W_BYTES);
+        const int* as_s = (const int*)(ad_s + BT * KB);
+        if (live0) {
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                // B fragments: row 32 wn + 8 ni + gid's codes k = 4 tig.. (b0) and 16 + 4 tig.. (b1); the
+                // epilogue's scales are those of rows 32 wn + 8 ni + 2 tig, + 1 (the C fragment's columns)
+                unsigned b[4][2];
+                float wd[4][2];
+#if Q4K
+                float wm_[4][2];
+                int sc[4][2], mn[4][2];
+#endif
+#pragma unroll
+                for (int ni = 0; ni < 4; ++ni) {
+                    const unsigned char* wr = w_s + (32 * wn + 8 * ni + gid) * WST;
+#if Q80
+                    b[ni][0] = word_at(wr, 34 * j + 2 + 4 * tig);
+                    b[ni][1] = word_at(wr, 34 * j + 18 + 4 * tig);
+#elif Q4K
+                    const unsigned q = *(const unsigned*)(wr + 16 + 32 * (j >> 1) + 4 * tig);
+                    const unsigned q2 = *(const unsigned*)(wr + 32 + 32 * (j >> 1) + 4 * tig);
+                    b[ni][0] = (q >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+                    b[ni][1] = (q2 >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+#else
+                    const unsigned q = word_at(wr, 18 * j + 2 + 4 * tig);
+                    b[ni][0] = signed_nibbles(q & 0x0F0F0F0Fu);
+                    b[ni][1] = signed_nibbles((q >> 4) & 0x0F0F0F0Fu);
+#endif
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        const unsigned char* sr = w_s + (32 * wn + 8 * ni + 2 * tig + v) * WST;
+#if Q4K
+                        const unsigned* hw = (const unsigned*)sr;  // d dmin, then the 12 scale bytes
+                        wd[ni][v] = half_bits(hw[0] & 0xFFFFu);
+                        wm_[ni][v] = half_bits(hw[0] >> 16);
+                        const int sh = 8 * (j & 3);
+                        const unsigned s_lo = (hw[1] >> sh) & 0xFFu, s_mid = (hw[2] >> sh) & 0xFFu;
+                        const unsigned s_hi = (hw[3] >> sh) & 0xFFu;
+                        sc[ni][v] = j < 4 ? s_lo & 63 : (s_hi & 0xF) | ((s_lo >> 6) << 4);
+                        mn[ni][v] = j < 4 ? s_mid & 63 : (s_hi >> 4) | ((s_mid >> 6) << 4);
+#else
+                        wd[ni][v] = half_bits(*(const unsigned short*)(sr + BB * j));
+#endif
+                    }
+                }
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    if (mi == 1 && !live1) break;
+                    const int e0 = 32 * wm + 16 * mi + gid;  // C rows e0 (v 0, 1) and e0 + 8 (v 2, 3)
+                    const unsigned char* ar0 = a_s + e0 * AST + 32 * j + 4 * tig;
+                    const unsigned char* ar1 = ar0 + 8 * AST;
+                    const unsigned a[4] = {*(const unsigned*)ar0, *(const unsigned*)ar1,
+                                           *(const unsigned*)(ar0 + 16), *(const unsigned*)(ar1 + 16)};
+                    const float ad[2] = {ad_s[e0 * KB + j], ad_s[(e0 + 8) * KB + j]};
+#if Q4K
+                    const int asum[2] = {as_s[e0 * KB + j], as_s[(e0 + 8) * KB + j]};
+#endif
+#pragma unroll
+                    for (int ni = 0; ni < 4; ++ni) {
+                        int c[4];
+                        mma_s8(c, a, b[ni]);
+#pragma unroll
+                        for (int v = 0; v < 4; ++v) {
+                            const int h = v >> 1, col = v & 1;
+#if Q4K
+                            const float t1 = i2f(c[v] * sc[ni][col]) * (wd[ni][col] * ad[h]);
+                            const float t2 = i2f(mn[ni][col] * asum[h]) * (wm_[ni][col] * ad[h]);
+                            acc[mi][ni][v] = acc[mi][ni][v] + (t1 - t2);
+#else
+                            acc[mi][ni][v] = acc[mi][ni][v] + i2f(c[v]) * (wd[ni][col] * ad[h]);
+#endif
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the buffer is the stage after next's
+    }
+
+    // rows 32 wn + 8 ni + 2 tig, + 1 of entries e0, e0 + 8: two consecutive floats
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int e = 32 * wm + 16 * mi + gid + 8 * h;
+            if (e >= n_ent) continue;
+            const long long ent = ORDER[start + e];
+            float* orow = OUT + (TWO ? (ent * 2 + which) : ent) * R + rr0;
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const int n = 32 * wn + 8 * ni + 2 * tig;
+                *(float2*)(orow + n) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+            }
+        }
+    }
+}
+"""
+
+BT = 64  # entries a tile (the prompt tiles of expert_gpu.tile_entries)
+BN = 64  # rows a CTA
+# weight type -> (bytes a 32-block, 32-blocks a stage)
+TYPES = {Q8_0: (34, 8), Q4_0: (18, 8), Q4_K: (18, 8)}
+MMA = dict(on=True)  # STRATA_PROMPT_MMA overrides (config refuses values other than 0 / 1)
+
+
+def _padded(n: int) -> int:
+    """A staged row's bytes: n rounded up to 16 bytes, then to a stride of 4, 12, 20 or 28 words mod 32 banks,
+    so a warp's fragment reads (8 rows x 4 words) fall on 32 different banks."""
+    s = -(-n // 16) * 16
+    while (s // 4) % 8 != 4:
+        s += 16
+    return s
+
+
+@functools.cache
+def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
+    """(NB 32-blocks a row, KB a stage, BB bytes a block, AST, WST staged row bytes) for rows of k values of
+    type wtype, or None where the kernel has no form for them."""
+    if wtype not in TYPES or k % 32:
+        return None
+    bb, kb = TYPES[wtype]
+    nb = k // 32
+    if nb % kb:
+        return None
+    return nb, kb, bb, _padded(32 * kb), _padded(bb * kb)
+
+
+def shared_bytes(geo: tuple[int, int, int, int, int]) -> int:
+    """Dynamic shared memory of a CTA: two stages of activations, weights, block scales and sums."""
+    nb, kb, bb, ast, wst = geo
+    return 2 * (BT * ast + BN * wst + 2 * BT * kb * 4)
+
+
+def mma_on() -> bool:
+    """STRATA_PROMPT_MMA, else MMA["on"]; off where cupy is not installed (the Triton prompt tile then)."""
+    on = os.environ.get("STRATA_PROMPT_MMA", "")
+    return (on == "1" if on else bool(MMA["on"])) and nvrtc.has_cupy()
+
+
+def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
+    """Whether the kernel takes a prompt launch: its types, rows of k values it stages whole, R rows a matrix
+    in whole CTAs, tiles of at most BT entries."""
+    return geometry(k, wtype) is not None and r % BN == 0 and 1 <= bt <= BT
+
+
+@functools.cache
+def _kernel(k: int, two: bool, device: int, wtype: int):
+    nb, kb, bb, ast, wst = geo = geometry(k, wtype)
+    defines = (f"-DNB={nb}", f"-DKB={kb}", f"-DBB={bb}", f"-DAST={ast}", f"-DWST={wst}", f"-DTWO={int(two)}",
+               f"-DQ80={int(wtype == Q8_0)}", f"-DQ4K={int(wtype == Q4_K)}")
+    kern = nvrtc.build(_SOURCE, "expert_mma", ("--fmad=false", *defines), device)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        kern.max_dynamic_shared_size_bytes = shared_bytes(geo)
+    return kern
+
+
+def mma_kernel(k: int, two: bool, device: int, wtype: int):
+    """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
+    key = (k, two, device, wtype)
+    return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
+                               "the Triton prompt tile takes their launches (the same bits)")
+
+
+def _aligned(*tensors) -> bool:
+    """16-byte copies need 16-byte aligned bases and strides (the slots' rows and the activation rows)."""
+    for t in tensors:
+        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int) -> bool:
+    """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's prompt
+    tiles (order, sorted_slot, tile_start, bt) on the current torch stream; False (nothing launched) where
+    the kernel cannot take the launch or cannot be built here."""
+    order, sorted_slot, tile_start, bt = plan[:4]
+    aq, ad, asum = act[:3]
+    if not mma_serves(k, r, wtype, bt):
+        raise KernelError(f"the MMA prompt rows do not serve rows of {k} values of type {wtype} ({r} a "
+                          f"matrix, tiles of {bt})")
+    if not _aligned(aq, ad, asum, w1, w2):
+        return False
+    dev = nvrtc.device_index(aq)
+    kern = mma_kernel(k, two, dev, wtype)
+    if kern is None:
+        return False
+    n_rows = 2 * r if two else r
+    grid = (n_rows // BN, tile_start.numel())
+    if grid[1] > 65535:
+        raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
+    ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
+    args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
+    nvrtc.launch(kern, grid, 128, args, dev, shared_mem=shared_bytes(geometry(k, wtype)))
+    return True

@@ -1,0 +1,119 @@
+"""The int8 MMA prompt rows (strata_ray/kernels/expert_mma_cuda.py): its geometry and the launches it takes on
+CPU, and on the GPU (-m gpu) its rows against the CPU rows bit for bit at awkward entry counts (1, 33 and 222
+tokens; one expert holding 200 entries: tiles of 64, 64, 64 and 8), the 80b-a3b's widths, each type."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from strata_ray.kernels import expert_mma_cuda as emc
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.random_weights import random_layer
+
+
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K])
+@pytest.mark.parametrize("k", [256, 512, 2048, 4096])
+def test_staged_rows_are_whole_copies_on_distinct_banks(wtype, k):
+    """Every stage is whole 16-byte copies, and a staged row's stride is 4 words mod 8 (so the 8 rows x 4
+    words of a warp's fragment reads land on 32 banks); two stages fit the H200's 227 KiB a CTA."""
+    nb, kb, bb, ast, wst = geo = emc.geometry(k, wtype)
+    assert nb == k // 32 and nb % kb == 0
+    assert (kb * bb) % 16 == 0 and ast % 16 == 0 and wst % 16 == 0
+    assert ast >= 32 * kb and wst >= bb * kb
+    for stride in (ast, wst):
+        words = stride // 4
+        assert len({(g * words + t) % 32 for g in range(8) for t in range(4)}) == 32
+    assert emc.shared_bytes(geo) <= 227 << 10
+
+
+def test_the_kernel_takes_only_what_it_stages_whole():
+    assert emc.mma_serves(2048, 512, Q4_0, 64)
+    assert emc.mma_serves(512, 2048, Q4_K, 64)
+    assert not emc.mma_serves(2048, 512, Q6_K, 64)  # Q6_K's 210-byte super-blocks: the Triton tile
+    assert not emc.mma_serves(224, 512, Q8_0, 64)  # 7 blocks a row: not whole stages of 8
+    assert not emc.mma_serves(2048, 96, Q8_0, 64)  # 96 rows: not whole CTAs of 64
+    assert not emc.mma_serves(2048, 512, Q8_0, 128)  # tiles over 64 entries
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
+    tries = refusing_nvrtc(emc)
+    with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
+        assert emc.mma_kernel(2048, True, 0, Q4_0) is None
+        assert emc.mma_kernel(2048, True, 0, Q4_0) is None
+    assert len(tries) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "the CUDA C prompt expert rows could not be built (RuntimeError: nvrtc: error: invalid value for "
+        "--gpu-architecture); the Triton prompt tile takes their launches (the same bits)"]
+
+
+@functools.cache
+def _layer(n_embd: int, n_ff: int, n_expert: int, gate_up: int, down: int) -> ExpertLayer:
+    rng = np.random.default_rng(n_embd + n_ff + n_expert + 10 * gate_up + down)
+    floats = gate_up in (Q8_0, Q4_0) and down in (Q8_0, Q4_0)  # K-quants: random valid blocks
+    return random_layer(rng, n_expert, n_embd, n_ff, (gate_up, gate_up, down), from_floats=floats)
+
+
+def _check(layer: ExpertLayer, n_tok: int, top_k: int, seed: int = 0, one_expert: int = 0) -> None:
+    """n_tok tokens' top-k entries (or one_expert entries all routed to expert 0) through the prompt launch:
+    every element written (poisoned first), equal to the CPU rows bit for bit."""
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+    rng = np.random.default_rng(seed + n_tok)
+    n_expert = layer.gate.shape[0]
+    if one_expert:
+        tok = rng.integers(0, n_tok, one_expert).astype(np.int32)
+        exp = np.zeros(one_expert, np.int32)
+    else:
+        tok = np.repeat(np.arange(n_tok), top_k).astype(np.int32)
+        picks = [rng.choice(n_expert, top_k, replace=False) for _ in range(n_tok)]
+        exp = np.concatenate(picks).astype(np.int32)
+    x = (rng.standard_normal((n_tok, layer.n_embd)) * 2).astype(np.float32)
+    want = expert_ffn_cpu(x, tok, exp, layer).view(np.int32)
+    slots = ExpertLayer(*(torch.from_numpy(np.ascontiguousarray(w)).cuda() for w in (layer.gate, layer.up,
+                                                                                       layer.down)),
+                        layer.gate_type, layer.up_type, layer.down_type)
+    out = torch.full((len(tok), layer.n_embd), float("nan"), device="cuda")
+    got = expert_ffn_gpu(*(torch.from_numpy(a).cuda() for a in (x, tok, exp)), slots, mode="prompt", out=out,
+                         variant="words")
+    assert np.array_equal(got.cpu().numpy().view(np.int32), want), (n_tok, top_k, one_expert)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gate_up,down", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_K, Q4_K), (Q4_K, Q6_K)])
+def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down):
+    """The 80b-a3b's widths (2048 / 512); Q4_K + Q6_K: a Q4_K_M file's experts, the down launch on Triton."""
+    pytest.importorskip("cupy")
+    monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
+    layer = _layer(2048, 512, 24, gate_up, down)
+    for n_tok, top_k in [(1, 10), (33, 8), (222, 10)]:
+        _check(layer, n_tok, top_k)
+    _check(layer, 300, 0, one_expert=200)  # one slot's 200 entries: tiles of 64, 64, 64 and 8
+    _check(_layer(256, 768, 5, gate_up, down), 33, 4)  # 8 blocks a gate row (one stage), 768 up rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mma_rows_equal_the_triton_prompt_tile(monkeypatch):
+    """The launch with the MMA rows on and off (the Triton tl.dot tile): the same bits."""
+    pytest.importorskip("cupy")
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+    layer = _layer(2048, 512, 24, Q4_0, Q4_0)
+    rng = np.random.default_rng(3)
+    x = torch.from_numpy((rng.standard_normal((97, 2048)) * 2).astype(np.float32)).cuda()
+    tok = torch.from_numpy(np.repeat(np.arange(97), 10).astype(np.int32)).cuda()
+    exp = torch.from_numpy(rng.integers(0, 24, 970).astype(np.int32)).cuda()
+    slots = ExpertLayer(*(torch.from_numpy(np.ascontiguousarray(w)).cuda() for w in (layer.gate, layer.up,
+                                                                                       layer.down)),
+                        layer.gate_type, layer.up_type, layer.down_type)
+    rows = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("STRATA_PROMPT_MMA", on)
+        rows[on] = expert_ffn_gpu(x, tok, exp, slots, mode="prompt", variant="words").cpu().numpy()
+    assert np.array_equal(rows["1"].view(np.int32), rows["0"].view(np.int32))
