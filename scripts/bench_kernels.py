@@ -314,8 +314,12 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         for variant in [v for v in variants if v != "split"]:  # split's prompt tile is simple's
             # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile
             same = torch.equal(want, expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant))
-            _, dt = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
-                                                     variant=variant), 3 if quick else 10)
+            parts: dict = {}
+            dt, _ = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
+                                                     variant=variant), 3 if quick else 10, parts)
+            by_time = sorted(parts.items(), key=lambda kv: -kv[1])
+            print(f"prompt {variant} {type_name(wtype)}: all kernels {dt * 1e6:.1f} us; "
+                  + ", ".join(f"{name[:40]} {sec * 1e6:.1f} us" for name, sec in by_time))
             tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
             pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
             bits = "same" if same else "DIFFER"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strata_ray.kernels.contract import KERNEL_VARIANTS
-from strata_ray.kernels.gather_copy import stage_chunk_kib
+from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 
 DEFAULT_MODEL_NAME = "strata-tiny-next"
 PREFILL_MAX = 8192
@@ -421,6 +421,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_DENSE_CUDA": _choice("0", "1"),
     "STRATA_ATTN_DOT": _choice("tf32x3", "ieee"),
     "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,
+    "STRATA_GATHER_PROGRAMS": gather_programs_value,
 }
 
 

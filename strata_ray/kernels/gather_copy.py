@@ -28,23 +28,32 @@ import torch
 
 from .lazy_triton import jit_bodies
 
-CHUNK_BYTES = 64 << 10  # bytes a program copies (a 590 KB part: 10 programs)
+CHUNK_BYTES = 64 << 10  # bytes a work item copies (a 590 KB part: 10 items)
 BLOCK_WORDS = 2048  # 32-bit words a program step moves (8 KB)
+# Programs of a gather launch, each looping over work items. A grid of one program an item (~8,500 for a
+# layer's stream) filled every SM for the whole copy (~10 ms at PCIe speed), so the compute stream's next
+# kernels (the layer's combine, the next layer's attention / GDN) waited for it (session 18: 9 ms a layer
+# at the end of the expert call). PCIe needs few loads in flight: ~10 programs of 8 KB steps reach ~50 GB/s.
+# STRATA_GATHER_PROGRAMS (env only) sets it.
+GATHER_PROGRAMS = 32
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _gather_body(DESC, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    # DESC int64 [n, 3]: (source address, destination address, bytes). Program (part, chunk of the part).
-    p = tl.program_id(0).to(tl.int64)
-    src = tl.load(DESC + p * 3).to(tl.pointer_type(tl.int32))
-    dst = tl.load(DESC + p * 3 + 1).to(tl.pointer_type(tl.int32))
-    n = tl.load(DESC + p * 3 + 2) // 4  # words of this part
-    w0 = tl.program_id(1).to(tl.int64) * CHUNK_WORDS
-    for off in range(w0, tl.minimum(w0 + CHUNK_WORDS, n), BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        live = idx < n
-        tl.store(dst + idx, tl.load(src + idx, mask=live), mask=live)
+def _gather_body(DESC, n_items, chunks, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    # DESC int64 [n, 3]: (source address, destination address, bytes). Work item w = (part w // chunks,
+    # chunk w % chunks of the part); program i takes items i, i + programs, ... (a bounded grid: see
+    # GATHER_PROGRAMS)
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        p = (w // chunks).to(tl.int64)
+        src = tl.load(DESC + p * 3).to(tl.pointer_type(tl.int32))
+        dst = tl.load(DESC + p * 3 + 1).to(tl.pointer_type(tl.int32))
+        n = tl.load(DESC + p * 3 + 2) // 4  # words of this part
+        w0 = (w % chunks).to(tl.int64) * CHUNK_WORDS
+        for off in range(w0, tl.minimum(w0 + CHUNK_WORDS, n), BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            live = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=live), mask=live)
 
 
 def _stage_body(START, EXPERT, SRC, DST, slot_bytes, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
@@ -155,4 +164,26 @@ def gather_copy(desc: np.ndarray, device: torch.device) -> None:
         return
     dev = torch.from_numpy(np.ascontiguousarray(desc)).pin_memory().to(device, non_blocking=True)  # [n, 3]
     chunks = -(-int(desc[:, 2].max()) // CHUNK_BYTES)
-    _kernel()[(desc.shape[0], chunks)](dev, CHUNK_WORDS=CHUNK_BYTES // 4, BLOCK=BLOCK_WORDS, num_warps=4)
+    n_items = desc.shape[0] * chunks
+    _kernel()[(min(n_items, gather_programs()),)](dev, n_items, chunks, CHUNK_WORDS=CHUNK_BYTES // 4,
+                                                   BLOCK=BLOCK_WORDS, num_warps=4)
+
+
+def gather_programs_value(raw: str) -> int:
+    """A value of STRATA_GATHER_PROGRAMS (ValueError naming what is allowed; config.py refuses a bad one
+    with its one line when the engine starts)."""
+    v = int(raw) if raw.isdigit() else 0
+    if not 1 <= v <= 65535:
+        raise ValueError("an integer from 1 to 65535")
+    return v
+
+
+@functools.cache
+def gather_programs() -> int:
+    raw = os.environ.get("STRATA_GATHER_PROGRAMS", "")
+    if not raw:
+        return GATHER_PROGRAMS
+    try:
+        return gather_programs_value(raw)
+    except ValueError as e:
+        raise ValueError(f"STRATA_GATHER_PROGRAMS: invalid value {raw!r} (allowed: {e})") from None

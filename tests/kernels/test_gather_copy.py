@@ -57,8 +57,12 @@ def test_interpreted_copies_every_part():
     desc = np.array([(src.ctypes.data + s, dst.ctypes.data + d, n) for s, d, n in PARTS], np.int64)
     chunks = -(-int(desc[:, 2].max()) // CHUNK_BYTES)
     kernel = _kernel()  # the launch gather_copy makes, on host memory (the interpreter's "device")
-    kernel[(len(PARTS), chunks)](torch.from_numpy(desc), CHUNK_WORDS=CHUNK_BYTES // 4, BLOCK=BLOCK_WORDS)
-    assert np.array_equal(dst, _want(src, dst.size))
+    n_items = len(PARTS) * chunks
+    for programs in (1, 3, n_items):  # one program takes every item; a few take several each; one each
+        dst[:] = 0
+        kernel[(programs,)](torch.from_numpy(desc), n_items, chunks, CHUNK_WORDS=CHUNK_BYTES // 4,
+                            BLOCK=BLOCK_WORDS)
+        assert np.array_equal(dst, _want(src, dst.size)), programs
 
 
 @pytest.mark.gpu
