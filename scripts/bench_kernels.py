@@ -226,10 +226,11 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
-              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True) -> dict:
+              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(8,)) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
+    from strata_ray.kernels import expert_mma_cuda as emc
     from strata_ray.kernels.expert_gpu import VARIANTS, expert_ffn_gpu
 
     ew.WORDS["types"] = (Q4_0, Q8_0)  # the opt-in Q8_0 words tile is measured too (bits checked)
@@ -311,8 +312,14 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         slot = slot.to(torch.int32)
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
         want = expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="simple")
-        for variant in [v for v in variants if v != "split"]:  # split's prompt tile is simple's
-            # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile
+        # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile; once per
+        # stage size in mma_stages (Q8_0 / Q4_0: 32-blocks a stage)
+        runs = [(v, None) for v in variants if v not in ("split", "words")]  # split's prompt tile is simple's
+        if "words" in variants:
+            runs += [("words", kb) for kb in (mma_stages if wtype in (Q4_0, Q8_0) else (None,))]
+        for variant, kb in runs:
+            if kb is not None:
+                emc.MMA["stage_blocks"] = {**emc.MMA["stage_blocks"], wtype: kb}
             same = torch.equal(want, expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant))
             parts: dict = {}
             dt, _ = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
@@ -323,7 +330,8 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
             tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
             pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
             bits = "same" if same else "DIFFER"
-            rows.append((f"gpu prompt ({variant})", type_name(wtype),
+            label = variant if kb is None else f"{variant}, {kb} blocks a stage"
+            rows.append((f"gpu prompt ({label})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
                          f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}, bits {bits}"))
         if sweeps and wtype == Q4_0 and "wide" in variants:
@@ -495,6 +503,8 @@ def main() -> None:
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
+    ap.add_argument("--mma-stages", default="8",
+                    help="32-blocks a stage of the MMA prompt rows to time, Q8_0 / Q4_0 (4, 8; e.g. 8,4)")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
@@ -537,7 +547,7 @@ def main() -> None:
         types = tuple(known[t] for t in args.types.split(","))
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
                          sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")), tokens=tokens,
-                         prompt=not args.no_prompt)
+                         prompt=not args.no_prompt, mma_stages=tuple(map(int, args.mma_stages.split(","))))
         if args.host_weights:
             bench_host_weights(_Printing(rows), tuple(args.variants.split(",")))
         if args.staging:

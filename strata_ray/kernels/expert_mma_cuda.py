@@ -17,10 +17,10 @@ A CTA is a tile of up to BT = 64 entries routed to one expert (plan_tiles' promp
 one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread). The K axis runs
 in stages of KB 32-blocks, double-buffered in shared memory by cp.async: the entries' activation codes
 (16-byte copies), their block scales (and Q4_K's code sums), and the 64 rows' raw GGUF block bytes (16-byte
-copies: every stage of these types is a multiple of 16 bytes). Fragments come from the staged bytes: an
-entry row's code words as they are; a weight row's code words realigned by __byte_perm where a Q8_0 / Q4_0
-block starts two bytes into a word, Q4_0's nibbles made signed (q - 8) byte-wise, Q4_K's left unsigned.
-Staged rows are padded to an odd multiple of 16 bytes' worth of banks, so the 8 x 4 fragment reads of a warp
+copies, or 8-byte ones where a stage of 4 Q8_0 / Q4_0 blocks is 136 / 72 bytes). Fragments come from the
+staged bytes: an entry row's code words as they are; a weight row's code words realigned by __byte_perm
+where a Q8_0 / Q4_0 block starts two bytes into a word, Q4_0's nibbles made signed (q - 8) byte-wise, Q4_K's
+left unsigned. Staged rows are padded to a stride of 4 words mod 8, so the 8 x 4 fragment reads of a warp
 hit 32 different banks. m16 tiles past the tile's entries are skipped (a warp-uniform branch).
 
 The plain twin is the contract itself (reference.py / the CPU kernels): integer sums are exact in any order,
@@ -56,6 +56,11 @@ __device__ __forceinline__ void cp16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(d), "l"(src));
 }
 
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(d), "l"(src));
+}
+
 __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -76,8 +81,8 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 }
 
 // NB 32-blocks a row; KB a stage (NB % KB == 0); BB bytes a 32-block of the weights (Q4_K: 18, a 144-byte
-// super-block over 8 blocks); AST / WST bytes a staged activation / weight row (padded); TWO: gate rows of W1
-// then up rows of W2 into OUT [M, 2, R], else W1's R rows into OUT [M, R].
+// super-block over 8 blocks); CPB bytes a weight copy (16 or 8); AST / WST bytes a staged activation / weight
+// row (padded); TWO: gate rows of W1 then up rows of W2 into OUT [M, 2, R], else W1's R rows into OUT [M, R].
 #define BT 64
 #define BN 64
 #define NSTAGE (NB / KB)
@@ -134,10 +139,13 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
             cp16(as_s + e * KB + 4 * c, AS + o);
 #endif
         }
-        const int c_w = KB * BB / 16;  // 16-byte pieces of a row's stage
+        const int c_w = KB * BB / CPB;  // CPB-byte pieces of a row's stage (16, or 8 where a stage of 4
+                                        // Q8_0 / Q4_0 blocks is 136 / 72 bytes)
         for (int i = tid; i < BN * c_w; i += 128) {
             const int n = i / c_w, c = i % c_w;
-            cp16(base + A_BYTES + n * WST + 16 * c, wbase + n * rb + (long long)s * KB * BB + 16 * c);
+            unsigned char* dst = base + A_BYTES + n * WST + CPB * c;
+            const unsigned char* src = wbase + n * rb + (long long)s * KB * BB + CPB * c;
+            if (CPB == 16) cp16(dst, src); else cp8(dst, src);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -264,9 +272,11 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
 
 BT = 64  # entries a tile (the prompt tiles of expert_gpu.tile_entries)
 BN = 64  # rows a CTA
-# weight type -> (bytes a 32-block, 32-blocks a stage)
-TYPES = {Q8_0: (34, 8), Q4_0: (18, 8), Q4_K: (18, 8)}
-MMA = dict(on=True)  # STRATA_PROMPT_MMA overrides (config refuses values other than 0 / 1)
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_K: 18}  # bytes a 32-block (Q4_K: its super-block's 144 over 8)
+# on: STRATA_PROMPT_MMA overrides (config refuses values other than 0 / 1). stage_blocks: 32-blocks a stage by
+# type (bits do not depend on it; Q4_K stages whole super-blocks: 8); fewer make a smaller CTA (shared
+# memory: two stages), so more of them fit an SM.
+MMA = dict(on=True, stage_blocks={Q8_0: 8, Q4_0: 8, Q4_K: 8})
 
 
 def _padded(n: int) -> int:
@@ -278,17 +288,26 @@ def _padded(n: int) -> int:
     return s
 
 
-@functools.cache
 def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
     """(NB 32-blocks a row, KB a stage, BB bytes a block, AST, WST staged row bytes) for rows of k values of
     type wtype, or None where the kernel has no form for them."""
-    if wtype not in TYPES or k % 32:
+    return _geometry(k, wtype, MMA["stage_blocks"].get(wtype, 0))
+
+
+@functools.cache
+def _geometry(k: int, wtype: int, kb: int) -> tuple[int, int, int, int, int] | None:
+    if wtype not in BLOCK_BYTES or k % 32 or kb not in (4, 8) or (wtype == Q4_K and kb != 8):
         return None
-    bb, kb = TYPES[wtype]
+    bb = BLOCK_BYTES[wtype]
     nb = k // 32
     if nb % kb:
         return None
     return nb, kb, bb, _padded(32 * kb), _padded(bb * kb)
+
+
+def copy_bytes(geo: tuple[int, int, int, int, int]) -> int:
+    """CPB: bytes a weight copy, 16 where a row's stage is whole 16-byte pieces, else 8."""
+    return 16 if geo[1] * geo[2] % 16 == 0 else 8
 
 
 def shared_bytes(geo: tuple[int, int, int, int, int]) -> int:
@@ -310,10 +329,11 @@ def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
 
 
 @functools.cache
-def _kernel(k: int, two: bool, device: int, wtype: int):
-    nb, kb, bb, ast, wst = geo = geometry(k, wtype)
-    defines = (f"-DNB={nb}", f"-DKB={kb}", f"-DBB={bb}", f"-DAST={ast}", f"-DWST={wst}", f"-DTWO={int(two)}",
-               f"-DQ80={int(wtype == Q8_0)}", f"-DQ4K={int(wtype == Q4_K)}")
+def _kernel(k: int, two: bool, device: int, wtype: int, kb: int):
+    nb, kb, bb, ast, wst = geo = _geometry(k, wtype, kb)
+    defines = (f"-DNB={nb}", f"-DKB={kb}", f"-DBB={bb}", f"-DCPB={copy_bytes(geo)}", f"-DAST={ast}",
+               f"-DWST={wst}", f"-DTWO={int(two)}", f"-DQ80={int(wtype == Q8_0)}",
+               f"-DQ4K={int(wtype == Q4_K)}")
     kern = nvrtc.build(_SOURCE, "expert_mma", ("--fmad=false", *defines), device)
     import cupy
 
@@ -324,7 +344,7 @@ def _kernel(k: int, two: bool, device: int, wtype: int):
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
-    key = (k, two, device, wtype)
+    key = (k, two, device, wtype, geometry(k, wtype)[1])
     return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
                                "the Triton prompt tile takes their launches (the same bits)")
 

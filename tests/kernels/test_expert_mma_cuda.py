@@ -16,14 +16,14 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
 
 
-@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K])
+@pytest.mark.parametrize("wtype,kb", [(Q8_0, 8), (Q8_0, 4), (Q4_0, 8), (Q4_0, 4), (Q4_K, 8)])
 @pytest.mark.parametrize("k", [256, 512, 2048, 4096])
-def test_staged_rows_are_whole_copies_on_distinct_banks(wtype, k):
-    """Every stage is whole 16-byte copies, and a staged row's stride is 4 words mod 8 (so the 8 rows x 4
+def test_staged_rows_are_whole_copies_on_distinct_banks(wtype, kb, k):
+    """Every stage is whole copies of CPB bytes, and a staged row's stride is 4 words mod 8 (so the 8 rows x 4
     words of a warp's fragment reads land on 32 banks); two stages fit the H200's 227 KiB a CTA."""
-    nb, kb, bb, ast, wst = geo = emc.geometry(k, wtype)
+    nb, kb, bb, ast, wst = geo = emc._geometry(k, wtype, kb)
     assert nb == k // 32 and nb % kb == 0
-    assert (kb * bb) % 16 == 0 and ast % 16 == 0 and wst % 16 == 0
+    assert (kb * bb) % emc.copy_bytes(geo) == 0 and ast % 16 == 0 and wst % 16 == 0
     assert ast >= 32 * kb and wst >= bb * kb
     for stride in (ast, wst):
         words = stride // 4
@@ -38,6 +38,8 @@ def test_the_kernel_takes_only_what_it_stages_whole():
     assert not emc.mma_serves(224, 512, Q8_0, 64)  # 7 blocks a row: not whole stages of 8
     assert not emc.mma_serves(2048, 96, Q8_0, 64)  # 96 rows: not whole CTAs of 64
     assert not emc.mma_serves(2048, 512, Q8_0, 128)  # tiles over 64 entries
+    assert emc._geometry(2048, Q4_K, 4) is None  # Q4_K stages whole super-blocks
+    assert emc.copy_bytes(emc._geometry(2048, Q8_0, 4)) == 8  # 136 bytes a row's stage
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
@@ -85,11 +87,14 @@ def _check(layer: ExpertLayer, n_tok: int, top_k: int, seed: int = 0, one_expert
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("gate_up,down", [(Q8_0, Q8_0), (Q4_0, Q4_0), (Q4_K, Q4_K), (Q4_K, Q6_K)])
-def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down):
-    """The 80b-a3b's widths (2048 / 512); Q4_K + Q6_K: a Q4_K_M file's experts, the down launch on Triton."""
+@pytest.mark.parametrize("gate_up,down,kb", [(Q8_0, Q8_0, 8), (Q8_0, Q8_0, 4), (Q4_0, Q4_0, 8),
+                                              (Q4_0, Q4_0, 4), (Q4_K, Q4_K, 8), (Q4_K, Q6_K, 8)])
+def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb):
+    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks; Q4_K + Q6_K: a Q4_K_M file's experts, the
+    down launch on Triton."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
+    monkeypatch.setitem(emc.MMA, "stage_blocks", {**emc.MMA["stage_blocks"], gate_up: kb})
     layer = _layer(2048, 512, 24, gate_up, down)
     for n_tok, top_k in [(1, 10), (33, 8), (222, 10)]:
         _check(layer, n_tok, top_k)
