@@ -226,7 +226,7 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
-              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(8,)) -> dict:
+              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(4,)) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
@@ -503,7 +503,7 @@ def main() -> None:
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
     ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
-    ap.add_argument("--mma-stages", default="8",
+    ap.add_argument("--mma-stages", default="4",
                     help="32-blocks a stage of the MMA prompt rows to time, Q8_0 / Q4_0 (4, 8; e.g. 8,4)")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 from . import nvrtc
-from .contract import Q4_0, Q4_K, Q8_0, KernelError
+from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
 
 _SOURCE = r"""
 __device__ __forceinline__ float half_bits(unsigned bits) {
@@ -61,6 +62,26 @@ __device__ __forceinline__ void cp8(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" :: "r"(d), "l"(src));
 }
 
+__device__ __forceinline__ void cp4(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(d), "l"(src));
+}
+
+// the k = 16 MMA: Q6_K's two 16-value halves of a block have scales of their own
+__device__ __forceinline__ void mma_s8_k16(int c[4], unsigned a0, unsigned a1, unsigned b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%7, %7, %7, %7};\n"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3]) : "r"(a0), "r"(a1), "r"(b), "r"(0));
+}
+
+// Q6_K codes of 4 elements: low 4 bits from a ql word (nibble r / 2), high 2 from a qh word (bits 2 r), then
+// q - 32 as signed bytes (+ 0x60 then flip the sign bit: no carry, the codes are below 64)
+__device__ __forceinline__ unsigned q6_codes(unsigned ql, unsigned qh, int r) {
+    const unsigned code = ((ql >> (4 * (r >> 1))) & 0x0F0F0F0Fu) | (((qh >> (2 * r)) & 0x03030303u) << 4);
+    return (code + 0x60606060u) ^ 0x80808080u;
+}
+
 __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -81,8 +102,9 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 }
 
 // NB 32-blocks a row; KB a stage (NB % KB == 0); BB bytes a 32-block of the weights (Q4_K: 18, a 144-byte
-// super-block over 8 blocks); CPB bytes a weight copy (16 or 8); AST / WST bytes a staged activation / weight
-// row (padded); TWO: gate rows of W1 then up rows of W2 into OUT [M, 2, R], else W1's R rows into OUT [M, R].
+// super-block over 8 blocks; Q6_K: unused); STAGE bytes of a row copied a stage, CPB bytes a copy (16, 8 or
+// 4); AST / WST bytes a staged activation / weight row (padded); TWO: gate rows of W1 then up rows of W2 into
+// OUT [M, 2, R], else W1's R rows into OUT [M, R].
 #define BT 64
 #define BN 64
 #define NSTAGE (NB / KB)
@@ -139,13 +161,22 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
             cp16(as_s + e * KB + 4 * c, AS + o);
 #endif
         }
-        const int c_w = KB * BB / CPB;  // CPB-byte pieces of a row's stage (16, or 8 where a stage of 4
-                                        // Q8_0 / Q4_0 blocks is 136 / 72 bytes)
+#if Q6K
+        // super-block s sits at byte 210 s of the row: copied from the word at or below it (STAGE = 212
+        // bytes; an even stage's 2 extra bytes are the next super-block's, inside the row: rows hold an even
+        // count)
+        const long long w_off = (210LL * s) & ~3LL;
+#else
+        const long long w_off = (long long)s * KB * BB;
+#endif
+        // CPB-byte pieces of a row's stage (16; 8 where a stage of 4 Q8_0 / Q4_0 blocks is 136 / 72 bytes; 4
+        // for Q6_K's 2-byte aligned super-blocks)
+        const int c_w = STAGE / CPB;
         for (int i = tid; i < BN * c_w; i += 128) {
             const int n = i / c_w, c = i % c_w;
             unsigned char* dst = base + A_BYTES + n * WST + CPB * c;
-            const unsigned char* src = wbase + n * rb + (long long)s * KB * BB + CPB * c;
-            if (CPB == 16) cp16(dst, src); else cp8(dst, src);
+            const unsigned char* src = wbase + n * rb + w_off + CPB * c;
+            if (CPB == 16) cp16(dst, src); else if (CPB == 8) cp8(dst, src); else cp4(dst, src);
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
@@ -173,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
         const unsigned char* w_s = base + A_BYTES;
         const float* ad_s = (const float*)(base + A_BYTES + W_BYTES);
         const int* as_s = (const int*)(ad_s + BT * KB);
+        const int sh = Q6K ? (210 * s) & 3 : 0;  // the super-block's first byte in its staged row (0 or 2)
         if (live0) {
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -183,6 +215,8 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
 #if Q4K
                 float wm_[4][2];
                 int sc[4][2], mn[4][2];
+#elif Q6K
+                int sc[4][2][2];  // the scales of the block's two halves, a row
 #endif
 #pragma unroll
                 for (int ni = 0; ni < 4; ++ni) {
@@ -195,6 +229,12 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
                     const unsigned q2 = *(const unsigned*)(wr + 32 + 32 * (j >> 1) + 4 * tig);
                     b[ni][0] = (q >> (4 * (j & 1))) & 0x0F0F0F0Fu;
                     b[ni][1] = (q2 >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+#elif Q6K
+                    // block j = 4 h + r: ql bytes 64 h + 32 (r % 2).., qh bytes 128 + 32 h..
+                    const int h6 = j >> 2, r6 = j & 3, lo6 = sh + 64 * h6 + 32 * (r6 & 1) + 4 * tig;
+                    const int hi6 = sh + 128 + 32 * h6 + 4 * tig;
+                    b[ni][0] = q6_codes(word_at(wr, lo6), word_at(wr, hi6), r6);
+                    b[ni][1] = q6_codes(word_at(wr, lo6 + 16), word_at(wr, hi6 + 16), r6);
 #else
                     const unsigned q = word_at(wr, 18 * j + 2 + 4 * tig);
                     b[ni][0] = signed_nibbles(q & 0x0F0F0F0Fu);
@@ -212,6 +252,12 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
                         const unsigned s_hi = (hw[3] >> sh) & 0xFFu;
                         sc[ni][v] = j < 4 ? s_lo & 63 : (s_hi & 0xF) | ((s_lo >> 6) << 4);
                         mn[ni][v] = j < 4 ? s_mid & 63 : (s_hi >> 4) | ((s_mid >> 6) << 4);
+#elif Q6K
+                        // sc[2 j], sc[2 j + 1]
+                        const unsigned s2 = *(const unsigned short*)(sr + sh + 192 + 2 * j);
+                        sc[ni][v][0] = (int)(signed char)(s2 & 0xFFu);
+                        sc[ni][v][1] = (int)(signed char)(s2 >> 8);
+                        wd[ni][v] = half_bits(*(const unsigned short*)(sr + sh + 208));
 #else
                         wd[ni][v] = half_bits(*(const unsigned short*)(sr + BB * j));
 #endif
@@ -232,11 +278,21 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
 #pragma unroll
                     for (int ni = 0; ni < 4; ++ni) {
                         int c[4];
+#if Q6K
+                        int c_hi[4];
+                        mma_s8_k16(c, a[0], a[1], b[ni][0]);     // elements 0..15
+                        mma_s8_k16(c_hi, a[2], a[3], b[ni][1]);  // elements 16..31
+#else
                         mma_s8(c, a, b[ni]);
+#endif
 #pragma unroll
                         for (int v = 0; v < 4; ++v) {
                             const int h = v >> 1, col = v & 1;
-#if Q4K
+#if Q6K
+                            // |I| < 2^24: the plain conversion (exact), as the contract's Q6_K term
+                            const int isum = sc[ni][col][0] * c[v] + sc[ni][col][1] * c_hi[v];
+                            acc[mi][ni][v] = acc[mi][ni][v] + (float)isum * (wd[ni][col] * ad[h]);
+#elif Q4K
                             const float t1 = i2f(c[v] * sc[ni][col]) * (wd[ni][col] * ad[h]);
                             const float t2 = i2f(mn[ni][col] * asum[h]) * (wm_[ni][col] * ad[h]);
                             acc[mi][ni][v] = acc[mi][ni][v] + (t1 - t2);
@@ -273,10 +329,22 @@ extern "C" __global__ void __launch_bounds__(128) expert_mma(
 BT = 64  # entries a tile (the prompt tiles of expert_gpu.tile_entries)
 BN = 64  # rows a CTA
 BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_K: 18}  # bytes a 32-block (Q4_K: its super-block's 144 over 8)
+Q6_STAGE = 212  # bytes of a row copied a Q6_K stage: a 210-byte super-block from the word at or below it
 # on: STRATA_PROMPT_MMA overrides (config refuses values other than 0 / 1). stage_blocks: 32-blocks a stage by
-# type (bits do not depend on it; Q4_K stages whole super-blocks: 8); fewer make a smaller CTA (shared
-# memory: two stages), so more of them fit an SM.
-MMA = dict(on=True, stage_blocks={Q8_0: 8, Q4_0: 8, Q4_K: 8})
+# type (bits do not depend on it; Q4_K and Q6_K stage whole super-blocks: 8); fewer make a smaller CTA
+# (shared memory: two stages), so more of them fit an SM (session 18: Q8_0 870 -> 700 us with 4, Q4_0 713 ->
+# 674).
+MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8})
+
+
+class Geometry(NamedTuple):
+    nb: int  # 32-blocks a row
+    kb: int  # 32-blocks a stage
+    bb: int  # bytes a 32-block (Q6_K: 0, its stages are whole super-blocks)
+    stage: int  # bytes of a row copied a stage
+    cpb: int  # bytes a copy (16, 8 or 4): the weights' rows and slots must be aligned to it
+    ast: int  # bytes a staged activation row (padded)
+    wst: int  # bytes a staged weight row (padded)
 
 
 def _padded(n: int) -> int:
@@ -288,32 +356,31 @@ def _padded(n: int) -> int:
     return s
 
 
-def geometry(k: int, wtype: int) -> tuple[int, int, int, int, int] | None:
-    """(NB 32-blocks a row, KB a stage, BB bytes a block, AST, WST staged row bytes) for rows of k values of
-    type wtype, or None where the kernel has no form for them."""
+def geometry(k: int, wtype: int) -> Geometry | None:
+    """The kernel's geometry for rows of k values of type wtype at MMA["stage_blocks"], or None where it has
+    no form for them."""
     return _geometry(k, wtype, MMA["stage_blocks"].get(wtype, 0))
 
 
 @functools.cache
-def _geometry(k: int, wtype: int, kb: int) -> tuple[int, int, int, int, int] | None:
-    if wtype not in BLOCK_BYTES or k % 32 or kb not in (4, 8) or (wtype == Q4_K and kb != 8):
+def _geometry(k: int, wtype: int, kb: int) -> Geometry | None:
+    if k % 32:
+        return None
+    nb = k // 32
+    if wtype == Q6_K:  # whole super-blocks a stage, an even count a row (no copy reads past a row)
+        if kb != 8 or nb % 16:
+            return None
+        return Geometry(nb, 8, 0, Q6_STAGE, 4, _padded(256), _padded(Q6_STAGE))
+    if wtype not in BLOCK_BYTES or kb not in (4, 8) or (wtype == Q4_K and kb != 8) or nb % kb:
         return None
     bb = BLOCK_BYTES[wtype]
-    nb = k // 32
-    if nb % kb:
-        return None
-    return nb, kb, bb, _padded(32 * kb), _padded(bb * kb)
+    stage = bb * kb
+    return Geometry(nb, kb, bb, stage, 16 if stage % 16 == 0 else 8, _padded(32 * kb), _padded(stage))
 
 
-def copy_bytes(geo: tuple[int, int, int, int, int]) -> int:
-    """CPB: bytes a weight copy, 16 where a row's stage is whole 16-byte pieces, else 8."""
-    return 16 if geo[1] * geo[2] % 16 == 0 else 8
-
-
-def shared_bytes(geo: tuple[int, int, int, int, int]) -> int:
+def shared_bytes(geo: Geometry) -> int:
     """Dynamic shared memory of a CTA: two stages of activations, weights, block scales and sums."""
-    nb, kb, bb, ast, wst = geo
-    return 2 * (BT * ast + BN * wst + 2 * BT * kb * 4)
+    return 2 * (BT * geo.ast + BN * geo.wst + 2 * BT * geo.kb * 4)
 
 
 def mma_on() -> bool:
@@ -328,13 +395,17 @@ def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
     return geometry(k, wtype) is not None and r % BN == 0 and 1 <= bt <= BT
 
 
+def defines(geo: Geometry, two: bool, wtype: int) -> tuple[str, ...]:
+    """The kernel's -D options for that geometry and type."""
+    return (f"-DNB={geo.nb}", f"-DKB={geo.kb}", f"-DBB={geo.bb}", f"-DSTAGE={geo.stage}", f"-DCPB={geo.cpb}",
+            f"-DAST={geo.ast}", f"-DWST={geo.wst}", f"-DTWO={int(two)}", f"-DQ80={int(wtype == Q8_0)}",
+            f"-DQ4K={int(wtype == Q4_K)}", f"-DQ6K={int(wtype == Q6_K)}")
+
+
 @functools.cache
 def _kernel(k: int, two: bool, device: int, wtype: int, kb: int):
-    nb, kb, bb, ast, wst = geo = _geometry(k, wtype, kb)
-    defines = (f"-DNB={nb}", f"-DKB={kb}", f"-DBB={bb}", f"-DCPB={copy_bytes(geo)}", f"-DAST={ast}",
-               f"-DWST={wst}", f"-DTWO={int(two)}", f"-DQ80={int(wtype == Q8_0)}",
-               f"-DQ4K={int(wtype == Q4_K)}")
-    kern = nvrtc.build(_SOURCE, "expert_mma", ("--fmad=false", *defines), device)
+    geo = _geometry(k, wtype, kb)
+    kern = nvrtc.build(_SOURCE, "expert_mma", ("--fmad=false", *defines(geo, two, wtype)), device)
     import cupy
 
     with cupy.cuda.Device(device):
@@ -344,15 +415,15 @@ def _kernel(k: int, two: bool, device: int, wtype: int, kb: int):
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
-    key = (k, two, device, wtype, geometry(k, wtype)[1])
+    key = (k, two, device, wtype, geometry(k, wtype).kb)
     return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
                                "the Triton prompt tile takes their launches (the same bits)")
 
 
-def _aligned(*tensors) -> bool:
-    """16-byte copies need 16-byte aligned bases and strides (the slots' rows and the activation rows)."""
+def _aligned(align: int, *tensors) -> bool:
+    """Copies of `align` bytes need aligned bases and strides (the slots' rows, the activation rows)."""
     for t in tensors:
-        if t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+        if t.data_ptr() % align or any((s * t.element_size()) % align for s in t.stride()[:-1]):
             return False
     return True
 
@@ -366,7 +437,7 @@ def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, 
     if not mma_serves(k, r, wtype, bt):
         raise KernelError(f"the MMA prompt rows do not serve rows of {k} values of type {wtype} ({r} a "
                           f"matrix, tiles of {bt})")
-    if not _aligned(aq, ad, asum, w1, w2):
+    if not (_aligned(16, aq, ad, asum) and _aligned(geometry(k, wtype).cpb, w1, w2)):
         return False
     dev = nvrtc.device_index(aq)
     kern = mma_kernel(k, two, dev, wtype)

@@ -16,16 +16,23 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
 
 
-@pytest.mark.parametrize("wtype,kb", [(Q8_0, 8), (Q8_0, 4), (Q4_0, 8), (Q4_0, 4), (Q4_K, 8)])
-@pytest.mark.parametrize("k", [256, 512, 2048, 4096])
+@pytest.mark.parametrize("wtype,kb", [(Q8_0, 8), (Q8_0, 4), (Q4_0, 8), (Q4_0, 4), (Q4_K, 8), (Q6_K, 8)])
+@pytest.mark.parametrize("k", [512, 2048, 4096])
 def test_staged_rows_are_whole_copies_on_distinct_banks(wtype, kb, k):
-    """Every stage is whole copies of CPB bytes, and a staged row's stride is 4 words mod 8 (so the 8 rows x 4
-    words of a warp's fragment reads land on 32 banks); two stages fit the H200's 227 KiB a CTA."""
-    nb, kb, bb, ast, wst = geo = emc._geometry(k, wtype, kb)
+    """Every stage is whole copies of CPB bytes from CPB-aligned offsets, and a staged row's stride is 4 words
+    mod 8 (so the 8 rows x 4 words of a warp's fragment reads land on 32 banks); two stages fit the H200's
+    227 KiB a CTA."""
+    geo = emc._geometry(k, wtype, kb)
+    nb, kb = geo.nb, geo.kb
     assert nb == k // 32 and nb % kb == 0
-    assert (kb * bb) % emc.copy_bytes(geo) == 0 and ast % 16 == 0 and wst % 16 == 0
-    assert ast >= 32 * kb and wst >= bb * kb
-    for stride in (ast, wst):
+    assert geo.stage % geo.cpb == 0 and geo.ast % 16 == 0 and geo.wst % 16 == 0
+    assert geo.ast >= 32 * kb and geo.wst >= geo.stage
+    row_bytes = {Q8_0: 34, Q4_0: 18, Q4_K: 18, Q6_K: 210 / 8}[wtype] * nb
+    assert row_bytes % geo.cpb == 0
+    for s in range(nb // kb):
+        first = (210 * s) & ~3 if wtype == Q6_K else s * kb * geo.bb  # the stage's first copied byte
+        assert first % geo.cpb == 0 and first + geo.stage <= row_bytes  # never past the row
+    for stride in (geo.ast, geo.wst):
         words = stride // 4
         assert len({(g * words + t) % 32 for g in range(8) for t in range(4)}) == 32
     assert emc.shared_bytes(geo) <= 227 << 10
@@ -34,12 +41,13 @@ def test_staged_rows_are_whole_copies_on_distinct_banks(wtype, kb, k):
 def test_the_kernel_takes_only_what_it_stages_whole():
     assert emc.mma_serves(2048, 512, Q4_0, 64)
     assert emc.mma_serves(512, 2048, Q4_K, 64)
-    assert not emc.mma_serves(2048, 512, Q6_K, 64)  # Q6_K's 210-byte super-blocks: the Triton tile
+    assert emc.mma_serves(512, 2048, Q6_K, 64)  # 2 super-blocks a row
+    assert not emc.mma_serves(256, 512, Q6_K, 64)  # one 210-byte super-block a row: not 4-byte aligned rows
     assert not emc.mma_serves(224, 512, Q8_0, 64)  # 7 blocks a row: not whole stages of 8
     assert not emc.mma_serves(2048, 96, Q8_0, 64)  # 96 rows: not whole CTAs of 64
     assert not emc.mma_serves(2048, 512, Q8_0, 128)  # tiles over 64 entries
     assert emc._geometry(2048, Q4_K, 4) is None  # Q4_K stages whole super-blocks
-    assert emc.copy_bytes(emc._geometry(2048, Q8_0, 4)) == 8  # 136 bytes a row's stage
+    assert emc._geometry(2048, Q8_0, 4).cpb == 8  # 136 bytes a row's stage
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
@@ -88,10 +96,11 @@ def _check(layer: ExpertLayer, n_tok: int, top_k: int, seed: int = 0, one_expert
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("gate_up,down,kb", [(Q8_0, Q8_0, 8), (Q8_0, Q8_0, 4), (Q4_0, Q4_0, 8),
-                                              (Q4_0, Q4_0, 4), (Q4_K, Q4_K, 8), (Q4_K, Q6_K, 8)])
+                                              (Q4_0, Q4_0, 4), (Q4_K, Q4_K, 8), (Q4_K, Q6_K, 8),
+                                              (Q6_K, Q6_K, 8)])
 def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb):
-    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks; Q4_K + Q6_K: a Q4_K_M file's experts, the
-    down launch on Triton."""
+    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks; Q4_K + Q6_K: a Q4_K_M file's experts; the
+    256 x 768 layer's rows are not served (its launches take the Triton tile)."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
     monkeypatch.setitem(emc.MMA, "stage_blocks", {**emc.MMA["stage_blocks"], gate_up: kb})
