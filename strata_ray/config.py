@@ -409,7 +409,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # they would not take is refused with the others' one line (STRATA_FUSED_DECODE, STRATA_GATHER_COPY and
 # STRATA_STREAM_ALL and STRATA_DENSE_CUDA: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on;
 # STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_PROMPT_MMA: either, over
-# kernels/expert_mma_cuda.MMA["on"]; STRATA_ATTN_DOT: the decode attention's
+# kernels/expert_mma_cuda.MMA["on"]; STRATA_PREFETCH_LAYERS: how far ahead the prompt path copies a layer's
+# experts, experts/tiered; STRATA_ATTN_DOT: the decode attention's
 # products, kernels/attention_decode)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
@@ -422,6 +423,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_ATTN_DOT": _choice("tf32x3", "ieee"),
     "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,
     "STRATA_GATHER_PROGRAMS": gather_programs_value,
+    "STRATA_PREFETCH_LAYERS": _choice("1", "2"),
 }
 
 

@@ -225,6 +225,7 @@ def test_pcie_share_is_a_permille_env_switch():
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_GATHER_PROGRAMS", "0", "an integer from 1 to 65535"),
+    ("STRATA_PREFETCH_LAYERS", "3", "1 or 2"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee"}.get(name, "1")

@@ -162,8 +162,9 @@ class TieredExperts:
         # layer copied ahead for the next one ((half, items) or None); STRATA_STREAM_ALL=0 streams only the
         # routed experts, one layer at a time (the plan before session 8; same bits)
         self._ring_half = 0
-        self._prefetched: tuple | None = None
+        self._prefetched: dict[int, tuple] = {}  # layer -> (ring half, ring items) copied ahead for it
         self.prefetches_used = 0  # ring batches a layer found already copied (tests, benchmarks)
+        self.deep_prefetches = 0  # of those, copies issued two layers ahead (tests)
         self.stream_all = os.environ.get("STRATA_STREAM_ALL", "1") != "0"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
@@ -425,7 +426,7 @@ class TieredExperts:
         size = ring // 2 if self.ring_overlap else ring
         stream_all = self.ring_overlap and x.shape[0] >= STREAM_ALL_TOKENS and self.stream_all
         experts = self._streamed_experts(layer) if stream_all else np.unique(exp)
-        prefetched, self._prefetched = self._prefetched, None
+        prefetched = self._prefetched.pop(layer, None)
         batches = []  # (half, ring items, tok, ring slot, entry) per batch, host side
         for n, c0 in enumerate(range(0, experts.size, size)):
             batch = experts[c0 : c0 + size]
@@ -456,8 +457,8 @@ class TieredExperts:
             if self.ring_overlap:
                 self.cache.ring_read(half)
             rows[entries_d] = out
-        if stream_all and layer + 1 < self.n_layers:
-            self._prefetch(layer + 1, size)
+        if stream_all:
+            self._prefetch_ahead(layer, size)
 
     def _streamed_experts(self, layer: int) -> np.ndarray:
         """The experts a STREAM_ALL_TOKENS chunk streams at `layer`: every non-resident one, in id order."""
@@ -465,16 +466,35 @@ class TieredExperts:
             return np.arange(self.n_expert)
         return np.flatnonzero(self.residency.layer_slots(layer) < 0)
 
-    def _prefetch(self, layer: int, size: int) -> None:
-        """Copy `layer`'s first ring batch into the next ring half now, without the compute stream waiting:
+    def _prefetch_ahead(self, layer: int, size: int) -> None:
+        """At the end of `layer`'s ring batches: copy the next layer's first batch into the next ring half,
+        and, where the next layer's stream fits that one half, the layer after it into the half this layer
+        just read (its copies wait on the ring stream for this layer's kernels).
+
+        The host blocks at each layer's routing (its ids come to the host), so a copy issued one layer
+        ahead starts only when the host gets past the next routing: the ring stream idled between a layer's
+        copies and the next one's (session 18, 1K prefill: ~3-5 ms a layer). Two layers ahead, the ring
+        stream always holds the next copy and PCIe stays busy."""
+        nxt = layer + 1
+        if nxt >= self.n_layers:
+            return
+        if nxt not in self._prefetched:
+            self._prefetch(nxt, size, self._ring_half)
+        deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"  # 1: one layer ahead (config checks it)
+        if deep and nxt + 1 < self.n_layers and nxt + 1 not in self._prefetched:
+            if 0 < self._streamed_experts(nxt).size <= size:  # the next layer: one batch, one half
+                self._prefetch(nxt + 1, size, (self._ring_half + 1) % 2)
+                self.deep_prefetches += 1
+
+    def _prefetch(self, layer: int, size: int, half: int) -> None:
+        """Copy `layer`'s first ring batch into ring half `half` now, without the compute stream waiting:
         the batch _stream_rows will plan there (residency does not change inside a forward)."""
         batch = self._streamed_experts(layer)[:size]
         if not batch.size:
             return
-        half = self._ring_half
         items = self._ring_items(layer, batch, half * size)
         self.cache.copy_ring(items, half, wait=False)
-        self._prefetched = (half, items)
+        self._prefetched[layer] = (half, items)
 
     def _ring_items(self, layer: int, batch: np.ndarray, first: int) -> list[tuple[int, int, int]]:
         """(layer, expert, ring slot) copies of `batch` into the ring from its slot `first` on."""
@@ -512,7 +532,7 @@ class TieredExperts:
     # -- windows and adaptive rounds ------------------------------------------------------------------
     def start_forward(self, n_tok: int) -> None:
         """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one."""
-        self._prefetched = None  # a prefetch is only used by the forward that made it
+        self._prefetched = {}  # a prefetch is only used by the forward that made it
         self.window_boundary()
         self._in_window = n_tok <= DECODE_MAX_TOKENS
 

@@ -55,20 +55,22 @@ def test_greedy_tokens_identical_across_cache_sizes_on_cuda(tiny_next_q4):
 @pytest.mark.parametrize("n_tok", [1, 5, 24])
 @pytest.mark.parametrize("copies", ["staged", "ring overlap", "pinned store", "pinned, overlap",
                                     "pinned, overlap, per-part copies", "pinned, overlap, stream all",
-                                    "overlap, stream all"])
+                                    "overlap, stream all", "pinned, overlap, stream all, whole halves"])
 def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_tok, copies, monkeypatch):
     """24 tokens stream the misses through the ring: from staging buffers on the compute stream, in two
     halves on the ring stream (STRATA_RING_OVERLAP), or straight from a page-locked store (one gather
     kernel a batch, or with STRATA_GATHER_COPY=0 three copies a pair). "stream all": a chunk this size
     streams every non-resident expert (as 1024+ tokens do) through a 4-slot ring, several batches a layer,
-    and each layer copies the next one's first batch ahead."""
+    and each layer copies the next one's first batch ahead; "whole halves": the default ring, a layer's
+    stream in one half, so each layer also copies the layer after next into the half it just read."""
     import strata_ray.experts.tiered as tiered_module
 
     if "per-part" in copies:
         monkeypatch.setenv("STRATA_GATHER_COPY", "0")
     if "stream all" in copies:
         monkeypatch.setattr(tiered_module, "STREAM_ALL_TOKENS", 16)
-        monkeypatch.setenv("STRATA_RING_SLOTS", "4")
+        if "whole halves" not in copies:
+            monkeypatch.setenv("STRATA_RING_SLOTS", "4")
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=12,
                        ring_overlap="overlap" in copies, arena_pin_gib=1.0 if "pinned" in copies else 0.0)
     _, gpu = load_tiered_model(cfg, "cuda", progress=False)
@@ -87,6 +89,7 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
         assert np.array_equal(got.numpy(), want.numpy()), f"layer {layer}"
     if "stream all" in copies and n_tok >= 16:
         assert gpu.prefetches_used >= hp.n_layer - 1  # every trunk layer after the first found its batch
+        assert (gpu.deep_prefetches >= hp.n_layer - 2) == ("whole halves" in copies)
 
 
 @pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie"])
