@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -202,17 +202,25 @@ def q8_linear_reference(x: Tensor, w: Q8Weight) -> Tensor:
     return F.linear(x, w.dequantize())
 
 
-def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
-    """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
+def linear_by_gemv(x: Tensor, w, gemv: Callable[[Tensor], Tensor | None]) -> Tensor:
+    """x float32 [..., K] @ w.T -> float32 [..., N] for a QuantizedDense w: off CUDA F.linear of the
+    dequantized weight; on CUDA gemv(x2 float32 [T, K]) for T <= GEMV_MAX_TOKENS rows where it serves them
+    (None where not), else dequantized_linear."""
     check_linear(x, w)
     n, k = w.shape
     n_tok = x.numel() // k
     if x.device.type != "cuda":
         return F.linear(x, w.dequantize())
-    if n_tok > GEMV_MAX_TOKENS:
-        return dequantized_linear(x, w)
-    x2 = x.reshape(n_tok, k).contiguous()  # [T, K]; a view when x is contiguous
-    return q8_gemv(x2, w).reshape(*x.shape[:-1], n)
+    if n_tok <= GEMV_MAX_TOKENS:
+        out = gemv(x.reshape(n_tok, k).contiguous())  # [T, K]; a view when x is contiguous
+        if out is not None:
+            return out.reshape(*x.shape[:-1], n)
+    return dequantized_linear(x, w)
+
+
+def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
+    """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
+    return linear_by_gemv(x, w, lambda x2: q8_gemv(x2, w))
 
 
 def dequantized_linear(x: Tensor, w) -> Tensor:

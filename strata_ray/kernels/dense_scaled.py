@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.model.quants import QK_K, T, q4_k_parts, q6_k_parts, row_bytes, type_name
 
-from .dense_q8 import GEMV_MAX_TOKENS, QuantizedDense, check_linear, dequantized_linear
+from .dense_q8 import QuantizedDense, linear_by_gemv
 from .dense_q8_cuda import cuda_gemv_on, launch_cuda_gemv
 
 CHUNK = 16  # values a scale (and an offset) covers: a Q6_K group, half a Q4_K sub-block
@@ -119,14 +118,12 @@ class ScaledWeight(QuantizedDense):
 
 def scaled_linear(x: Tensor, w: ScaledWeight) -> Tensor:
     """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
-    check_linear(x, w)
-    n, k = w.shape
-    n_tok = x.numel() // k
-    if x.device.type != "cuda":
-        return F.linear(x, w.dequantize())
-    if n_tok <= GEMV_MAX_TOKENS and cuda_gemv_on():
-        x2 = x.reshape(n_tok, k).contiguous()  # [T, K]
-        out = torch.empty((n_tok, n), dtype=torch.float32, device=x.device)
-        if launch_cuda_gemv(x2, w.qs, w.scale, out, offset=w.offset):
-            return out.reshape(*x.shape[:-1], n)
-    return dequantized_linear(x, w)
+    return linear_by_gemv(x, w, lambda x2: _scaled_gemv(x2, w))
+
+
+def _scaled_gemv(x2: Tensor, w: ScaledWeight) -> Tensor | None:
+    """The CUDA GEMV's scaled form: float32 [T, N], or None where it is off or does not serve."""
+    if not cuda_gemv_on():
+        return None
+    out = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32, device=x2.device)
+    return out if launch_cuda_gemv(x2, w.qs, w.scale, out, offset=w.offset) else None

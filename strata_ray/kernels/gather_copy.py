@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -90,15 +91,20 @@ def stage_chunk_kib(raw: str) -> int:
 STAGE_CHUNK_BYTES = 32 << 10
 
 
+def _env_value(name: str, parse: Callable[[str], int], default: int) -> int:
+    """parse(the variable's value) where it is set, else default; a bad value raises one line naming it."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        return parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}: invalid value {raw!r} (allowed: {e})") from None
+
+
 @functools.cache
 def _stage_chunk_bytes() -> int:
-    raw = os.environ.get("STRATA_STAGE_CHUNK_KIB", "")
-    if not raw:
-        return STAGE_CHUNK_BYTES
-    try:
-        return stage_chunk_kib(raw) << 10
-    except ValueError as e:
-        raise ValueError(f"STRATA_STAGE_CHUNK_KIB: invalid value {raw!r} (allowed: {e})") from None
+    return _env_value("STRATA_STAGE_CHUNK_KIB", stage_chunk_kib, STAGE_CHUNK_BYTES >> 10) << 10
 
 
 @functools.cache
@@ -180,10 +186,4 @@ def gather_programs_value(raw: str) -> int:
 
 @functools.cache
 def gather_programs() -> int:
-    raw = os.environ.get("STRATA_GATHER_PROGRAMS", "")
-    if not raw:
-        return GATHER_PROGRAMS
-    try:
-        return gather_programs_value(raw)
-    except ValueError as e:
-        raise ValueError(f"STRATA_GATHER_PROGRAMS: invalid value {raw!r} (allowed: {e})") from None
+    return _env_value("STRATA_GATHER_PROGRAMS", gather_programs_value, GATHER_PROGRAMS)
