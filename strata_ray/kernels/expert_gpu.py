@@ -10,7 +10,7 @@ Two tile shapes, same bits: "decode" (BT <= 8 entries, CUDA-core integer dots, s
 in flight) and "prompt" (BT = 64, tensor-core int8 tl.dot per 32-block).
 
 Kernel variants, same bits (`STRATA_KERNEL_VARIANT` or the `variant` argument; contract.KERNEL_VARIANTS):
-- "words" (default): prompt launches of Q8_0 / Q4_0 / Q4_K layers take the int8 MMA rows of
+- "words" (default): prompt launches of Q8_0 / Q4_0 / Q4_K / Q6_K layers take the int8 MMA rows of
   expert_mma_cuda.py on CUDA where cupy is installed (STRATA_PROMPT_MMA); one-token decode launches of Q4_0
   layers (Q8_0: opt-in) take the words tile
   (expert_words.py: weights read as 32-bit words a block pair, dp4a products), 2.2-2.6x the simple tile on
