@@ -9,6 +9,7 @@ from torch import Tensor
 
 from strata_ray.kernels.fused_small import fused_enabled
 from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference, gdn_step_supports
+from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, gdn_step_cpu
 from strata_ray.model import ops
 from strata_ray.model.hparams import HParams
 from strata_ray.model.state import GDNState
@@ -45,7 +46,8 @@ def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: G
     """Gated DeltaNet of normed input x [T, E] -> ([T, E], new layer state).
 
     After the projections, the core (conv, norms, gates, delta rule, gated norm) runs as two fused kernels
-    on CUDA for decode and verify windows (kernels/gdn_step), else in the reference's torch ops.
+    on CUDA for decode and verify windows (kernels/gdn_step), as one numba kernel on the CPU for those of
+    small states (kernels/gdn_step_cpu), else in the reference's torch ops.
     state_out: where the new state goes (it may be `st` itself: the decode graphs update their buffers in
     place, the fused kernels without a copy)."""
     p = f"blk.{layer}"
@@ -53,9 +55,14 @@ def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: G
     dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
     # [T, conv_dim] channels q | k | v; [T, nv * dv]; [T, nk * 2r] grouped per k-head: [b (r), a (r)]
     mixed, z, ba = ops.linear_rows(x, [w[f"{p}.{n}.weight"] for n in ("attn_qkv", "attn_gate", "ssm_ba")])
-    core = gdn_step if fused_enabled(x, T) and T and gdn_step_supports(dims) else gdn_step_reference
-    extra = {} if core is gdn_step else {"pos0": pos0}  # the fused step is recurrent only (T <= 16 < 64)
-    if core is gdn_step and state_out is not None:
+    core = gdn_step_reference
+    if T and fused_enabled(x, T) and gdn_step_supports(dims):
+        core = gdn_step
+    elif cpu_step_serves(x, T, dims):
+        core = gdn_step_cpu
+    fused = core is not gdn_step_reference
+    extra = {} if fused else {"pos0": pos0}  # the fused steps are recurrent only (T <= 16 < 64)
+    if fused and state_out is not None:
         extra["state_out"] = (state_out.S, state_out.conv)
     o, S, conv = core(mixed, z, ba, st.S, st.conv, w[f"{p}.ssm_conv1d.weight"], w[f"{p}.ssm_a"],
                       w[f"{p}.ssm_dt.bias"], w[f"{p}.ssm_norm.weight"], dims, hp.rms_eps, **extra)
