@@ -38,6 +38,19 @@ PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2
 PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 
+def _warm_gdn_step(hp, device) -> None:
+    """On the CPU, a qwen3next's decode GDN core runs as a numba kernel (kernels/gdn_step_cpu) where its state
+    is small: compiled here with the expert kernels, not at the first decode step."""
+    from strata_ray.kernels.gdn_step import GDNDims
+    from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, warm_up
+
+    if not any(hp.recurrent):
+        return
+    dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
+    if cpu_step_serves(torch.zeros(1, device=device), 1, dims):
+        warm_up(dims, hp.ssm_conv_kernel)
+
+
 def build_expert_backend(config, loaded_file, hp, device, progress=True) -> TieredExperts:
     """TieredExperts over `loaded_file` (an open GGUFFile) on `device`, sized and filled per `config`.
     progress: a LoadProgress (stages and fill count reported to it), or a bool for SlotCache.fill.
@@ -140,6 +153,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
     stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
+    _warm_gdn_step(file.hparams, device)
     stage("tokenizer")
     model = Model(file.hparams, weights, experts=tiers)
     _decode_graphs(config, model, stage)

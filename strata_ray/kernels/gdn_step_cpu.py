@@ -129,3 +129,14 @@ def gdn_step_cpu(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, 
     _gdn_step_kernel(*arrays, new_S.numpy(), conv.contiguous().numpy(), *weights, dims.nk, dims.dk, dims.dv,
                      np.float32(eps), o.numpy(), new_conv.numpy())
     return o, new_S, new_conv
+
+
+def warm_up(dims: GDNDims, conv_kernel: int) -> None:
+    """Compile the kernel (or load numba's cache of it) now, on zeros of these dims: the first decode step
+    then runs it instead of waiting on numba (a second or two, once per machine)."""
+    C = 2 * dims.key_dim + dims.nv * dims.dv
+    z = torch.zeros(1, dims.nv * dims.dv)
+    gates, heads = torch.zeros(dims.nv), torch.zeros(dims.dv)
+    gdn_step_cpu(torch.zeros(1, C), z, torch.zeros(1, dims.nk * 2 * (dims.nv // dims.nk)),
+                 torch.zeros(dims.nv, dims.dk, dims.dv), torch.zeros(conv_kernel - 1, C),
+                 torch.zeros(C, conv_kernel), gates, gates, heads, dims, 1e-6)
