@@ -33,12 +33,18 @@ FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows t
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def fused_enabled(x: Tensor, n_tokens: int) -> bool:
-    """Whether a call of n_tokens tokens on x's device takes the fused kernels (STRATA_FUSED_DECODE=0: never,
-    for A/B runs). Never for a tensor that needs grad: the kernels have no backward."""
-    return (x.device.type == "cuda" and n_tokens <= FUSED_MAX_TOKENS
-            and not (x.requires_grad and torch.is_grad_enabled())
+def fused_call(x: Tensor, n_tokens: int) -> bool:
+    """Whether a call of n_tokens tokens may take a fused kernel on any device: a decode or verify window
+    (at most FUSED_MAX_TOKENS), STRATA_FUSED_DECODE not 0 (A/B runs), and no grad (the kernels have no
+    backward)."""
+    return (n_tokens <= FUSED_MAX_TOKENS and not (x.requires_grad and torch.is_grad_enabled())
             and os.environ.get("STRATA_FUSED_DECODE", "1") != "0")
+
+
+def fused_enabled(x: Tensor, n_tokens: int) -> bool:
+    """Whether a call of n_tokens tokens on x's device takes the fused Triton kernels: a fused_call on
+    CUDA."""
+    return x.device.type == "cuda" and fused_call(x, n_tokens)
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------------

@@ -16,17 +16,16 @@ batched products use every core: `cpu_step_serves` takes states up to CPU_STEP_M
 from __future__ import annotations
 
 import math
-import os
 
 import numba
 import numpy as np
 import torch
 from torch import Tensor
 
+from .fused_small import fused_call
 from .gdn_step import GDNDims
 
 CPU_STEP_MAX_STATE = 1 << 16  # floats of S (nv * dk * dv) up to which the numba step runs (256 KB)
-CPU_STEP_MAX_TOKENS = 16  # = fused_small.FUSED_MAX_TOKENS: decode and verify windows
 
 
 @numba.njit(nogil=True, cache=True)
@@ -97,12 +96,11 @@ def _gdn_step_kernel(mixed, z, ba, S, conv, conv_w, ssm_a, dt_bias, norm_w, nk, 
 
 
 def cpu_step_serves(x: Tensor, n_tokens: int, dims: GDNDims) -> bool:
-    """Whether a GDN core of n_tokens tokens on x's device takes the numba step: the CPU, a decode or verify
-    window, a state of at most CPU_STEP_MAX_STATE floats, no grad, STRATA_FUSED_DECODE not 0."""
-    return (x.device.type == "cpu" and 0 < n_tokens <= CPU_STEP_MAX_TOKENS
-            and dims.nv * dims.dk * dims.dv <= CPU_STEP_MAX_STATE and dims.nv % dims.nk == 0
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and os.environ.get("STRATA_FUSED_DECODE", "1") != "0")
+    """Whether a GDN core of n_tokens tokens on x's device takes the numba step: a fused_small.fused_call
+    (decode or verify window, STRATA_FUSED_DECODE not 0, no grad) of at least one token on the CPU, a state
+    of at most CPU_STEP_MAX_STATE floats."""
+    return (x.device.type == "cpu" and n_tokens > 0 and fused_call(x, n_tokens)
+            and dims.nv * dims.dk * dims.dv <= CPU_STEP_MAX_STATE and dims.nv % dims.nk == 0)
 
 
 def gdn_step_cpu(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv_w: Tensor, ssm_a: Tensor,
