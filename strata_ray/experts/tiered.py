@@ -158,14 +158,16 @@ class TieredExperts:
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-cpu-tier")
         self._pinned: dict[str, torch.Tensor] = {}  # staging buffers for host <-> device copies (CUDA)
         self.clock: LayerClock | None = None  # set to time each expert call (bench_tiers --layer-times)
-        # the prompt ring: the half the next batch goes to (halves alternate across layers), and the batch a
-        # layer copied ahead for the next one ((half, items) or None); STRATA_STREAM_ALL=0 streams only the
-        # routed experts, one layer at a time (the plan before session 8; same bits)
+        # the prompt ring: the half the next batch goes to (halves alternate across layers), and the batches
+        # layers copied ahead for later ones; STRATA_STREAM_ALL=0 streams only the routed experts, one layer
+        # at a time (the plan before session 8; same bits); STRATA_PREFETCH_LAYERS=1 copies one layer ahead,
+        # not two (config checks the value)
         self._ring_half = 0
         self._prefetched: dict[int, tuple] = {}  # layer -> (ring half, ring items) copied ahead for it
         self.prefetches_used = 0  # ring batches a layer found already copied (tests, benchmarks)
         self.deep_prefetches = 0  # of those, copies issued two layers ahead (tests)
         self.stream_all = os.environ.get("STRATA_STREAM_ALL", "1") != "0"
+        self.prefetch_deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
         """Let the coordinator actor decide the adaptive rounds (when this cache has rounds at all)."""
@@ -480,8 +482,7 @@ class TieredExperts:
             return
         if nxt not in self._prefetched:
             self._prefetch(nxt, size, self._ring_half)
-        deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"  # 1: one layer ahead (config checks it)
-        if deep and nxt + 1 < self.n_layers and nxt + 1 not in self._prefetched:
+        if self.prefetch_deep and nxt + 1 < self.n_layers and nxt + 1 not in self._prefetched:
             if 0 < self._streamed_experts(nxt).size <= size:  # the next layer: one batch, one half
                 self._prefetch(nxt + 1, size, (self._ring_half + 1) % 2)
                 self.deep_prefetches += 1
