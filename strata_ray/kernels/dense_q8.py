@@ -45,7 +45,7 @@ tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launc
 
 class QuantizedDense:
     """What the quantized dense weights (Q8Weight, dense_scaled.ScaledWeight) share: int8 codes `qs` [N, K]
-    with their scales on one device, `gather` (rows as a weight of copies) and `dequantize`."""
+    with their scales on one device (`parts`, row by row), and `dequantize`."""
 
     qs: Tensor
     fused: tuple | None = None  # (the matrix this one's rows are part of, first row): fuse_rows' views
@@ -55,9 +55,20 @@ class QuantizedDense:
         them)."""
         raise NotImplementedError
 
+    def _map(self, fn: Callable[[Tensor], Tensor]):
+        """A weight of the same kind made of fn(part) for each of its parts (absent ones stay None)."""
+        return type(self)(*(fn(p) if p is not None else None for p in self.parts()))
+
     def row_slice(self, r0: int, r1: int):
         """Rows r0..r1 as a weight of the same kind made of views."""
-        return type(self)(*(p[r0:r1] if p is not None else None for p in self.parts()))
+        return self._map(lambda p: p[r0:r1])
+
+    def gather(self, flat: Tensor):
+        """Rows flat [M] (int64, on the weight's device) as a weight of the same kind made of copies."""
+        return self._map(lambda p: p.index_select(0, flat))
+
+    def to(self, device: torch.device | str):
+        return self._map(lambda p: p.to(device))
 
     @property
     def shape(self) -> torch.Size:
@@ -129,15 +140,8 @@ class Q8Weight(QuantizedDense):
         q = qs.view(n, k // QK, QK).to(torch.float32)  # [n, K/32, 32] exact
         return (q * d.to(torch.float32)[:, :, None]).reshape(n, k)
 
-    def gather(self, flat: Tensor) -> Q8Weight:
-        """Rows flat [M] (int64, on the weight's device) as a Q8Weight of copies."""
-        return Q8Weight(self.qs.index_select(0, flat), self.d.index_select(0, flat))
-
     def parts(self) -> tuple:
         return self.qs, self.d
-
-    def to(self, device: torch.device | str) -> Q8Weight:
-        return Q8Weight(self.qs.to(device), self.d.to(device))
 
     def __repr__(self) -> str:
         return f"Q8Weight({list(self.shape)}, device={self.device})"

@@ -99,17 +99,8 @@ class ScaledWeight(QuantizedDense):
             w = w - self.offset[r0:r1][:, :, None]  # the second
         return w.reshape(n, k)
 
-    def gather(self, flat: Tensor) -> ScaledWeight:
-        """Rows flat [M] (int64, on the weight's device) as a ScaledWeight of copies."""
-        off = self.offset.index_select(0, flat) if self.offset is not None else None
-        return ScaledWeight(self.qs.index_select(0, flat), self.scale.index_select(0, flat), off)
-
     def parts(self) -> tuple:
         return self.qs, self.scale, self.offset
-
-    def to(self, device: torch.device | str) -> ScaledWeight:
-        off = self.offset.to(device) if self.offset is not None else None
-        return ScaledWeight(self.qs.to(device), self.scale.to(device), off)
 
     def __repr__(self) -> str:
         kind = "Q4_K" if self.offset is not None else "Q6_K"
