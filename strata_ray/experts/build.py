@@ -40,7 +40,7 @@ PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 def _warm_gdn_step(hp, device) -> None:
     """On the CPU, a qwen3next's decode GDN core runs as a numba kernel (kernels/gdn_step_cpu) where its state
-    is small: compiled here with the expert kernels, not at the first decode step."""
+    is small: compiled at load (float-expert files too), not at the first decode step."""
     from strata_ray.kernels.gdn_step import GDNDims
     from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, warm_up
 
@@ -140,6 +140,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     if not experts_block_quantized(file):
         stage("weights")
         loaded = load_model_file(file, device=device)  # the file is open: no second header parse
+        _warm_gdn_step(file.hparams, device)
         _decode_graphs(config, loaded.model, stage)
         return loaded, None
     stage("dense weights")

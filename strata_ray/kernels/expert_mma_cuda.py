@@ -437,7 +437,8 @@ def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, 
     if not mma_serves(k, r, wtype, bt):
         raise KernelError(f"the MMA prompt rows do not serve rows of {k} values of type {wtype} ({r} a "
                           f"matrix, tiles of {bt})")
-    if not (_aligned(16, aq, ad, asum) and _aligned(geometry(k, wtype).cpb, w1, w2)):
+    geo = geometry(k, wtype)
+    if not (_aligned(16, aq, ad, asum) and _aligned(geo.cpb, w1, w2)):
         return False
     dev = nvrtc.device_index(aq)
     kern = mma_kernel(k, two, dev, wtype)
@@ -450,5 +451,5 @@ def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, 
     ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
-    nvrtc.launch(kern, grid, 128, args, dev, shared_mem=shared_bytes(geometry(k, wtype)))
+    nvrtc.launch(kern, grid, 128, args, dev, shared_mem=shared_bytes(geo))
     return True
