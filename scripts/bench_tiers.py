@@ -357,12 +357,13 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
-    # and STRATA_PCIE_SHARE likewise
+    # and STRATA_PCIE_SHARE and STRATA_DECODE_PREFETCH likewise
     variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
     pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
+    prefetch = int(os.environ.get("STRATA_DECODE_PREFETCH") or EngineConfig.decode_prefetch)
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
-                       kernel_variant=variant, pcie_share=pcie_share)
+                       kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
@@ -378,7 +379,8 @@ def main() -> None:
 
     rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "
-          f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
+          f"PCIe share {cfg.pcie_share / 10:g}%, {cfg.decode_prefetch} experts copied ahead a layer)",
+          flush=True)
     model = Model(hp, weights, experts=tiers)
     if dev == "cuda" and not args.no_graphs:
         t = time.perf_counter()
@@ -421,6 +423,7 @@ def main() -> None:
         "dense_q8": cfg.dense_q8,
         "kernel_variant": cfg.kernel_variant,
         "pcie_share": cfg.pcie_share,
+        "decode_prefetch": cfg.decode_prefetch,
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,

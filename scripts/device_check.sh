@@ -25,7 +25,8 @@
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     team      decode at 8K on it, the CPU team at each TEAM_SIZES size, once per TEAM_SCHEDS host wait
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
-#               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program)
+#               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program;
+#               share:KiB:N also STRATA_DECODE_PREFETCH, the experts a layer copies ahead of its routing)
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
 #   KERNELS_ARGS="--types Q4_0 --variants simple,split"   extra arguments of the kernels step
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
@@ -143,11 +144,12 @@ for run in $runs; do
 done
 # decode at 8K (24 GiB card) with each PCIE_SHARES permille (default "0 500 700 1000") of a layer's misses read by
 # the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE); an entry
-# share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32)
+# share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32), share:KiB:N the
+# experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH, default 0)
 for entry in ${PCIE_SHARES:-0 500 700 1000}; do
-    IFS=: read -r ps ck <<< "$entry"
+    IFS=: read -r ps ck pf <<< "$entry"
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
-        "${decode[@]}" --json-out "$work/pcie-$ps-${ck:-32}.json"
+        STRATA_DECODE_PREFETCH="${pf:-0}" "${decode[@]}" --json-out "$work/pcie-$ps-${ck:-32}-${pf:-0}.json"
 done
 # decode at 8K (24 GiB card) with the pipelined decode's CPU team at each TEAM_SIZES size in one process (default
 # "15,12,9,15,12,9"), once per TEAM_SCHEDS entry (the host thread's wait: auto spin yield blocking; default auto)

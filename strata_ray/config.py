@@ -113,6 +113,12 @@ class EngineConfig:
     # CPU pool computes every miss. Same bits either way (the arithmetic contract). Default 400: the best
     # of 0/400/600/800/1000 on the H200 at 8K and a 24 GiB budget (51.9 -> 61.8 tok/s, session 10).
     pcie_share: int = 400
+    # STRATA_DECODE_PREFETCH (env only, 0-8 experts): in the pipelined decode each page-locked layer routes
+    # its input residual beside its attention / GDN mixer (a prediction: the mixer adds little to the
+    # residual) and copies the first this-many predicted non-resident experts into staging slots while the
+    # host's memory and PCIe are otherwise idle; routed misses among them are the GPU's (decode_pipeline).
+    # 0: off. Same bits either way.
+    decode_prefetch: int = 0
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -395,6 +401,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
                                                 "STRATA_DECODE_PIPELINE") == "1"
     if env.get("STRATA_PCIE_SHARE", "") != "":
         values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
+    if env.get("STRATA_DECODE_PREFETCH", "") != "":
+        values["decode_prefetch"] = parse_value(int_range(0, 8), env["STRATA_DECODE_PREFETCH"],
+                                                "STRATA_DECODE_PREFETCH")
     for name, parse in READ_WHERE_USED.items():  # switches the kernels read themselves: refused here first
         if env.get(name, "") != "":
             parse_value(parse, env[name], name)

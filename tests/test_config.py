@@ -215,6 +215,14 @@ def test_pcie_share_is_a_permille_env_switch():
     assert str(e.value) == "STRATA_PCIE_SHARE: invalid value '0.6' (allowed: an integer from 0 to 1000)"
 
 
+def test_decode_prefetch_is_a_count_env_switch():
+    assert config([]).decode_prefetch == 0
+    assert config([], {"STRATA_DECODE_PREFETCH": "2"}).decode_prefetch == 2
+    with pytest.raises(ConfigError) as e:
+        config([], {"STRATA_DECODE_PREFETCH": "9"})
+    assert str(e.value) == "STRATA_DECODE_PREFETCH: invalid value '9' (allowed: an integer from 0 to 8)"
+
+
 @pytest.mark.parametrize("name,value,allowed", [
     ("STRATA_FUSED_DECODE", "off", "0 or 1"),
     ("STRATA_DECODE_DEVICE_ATTENTION", "yes", "0 or 1"),

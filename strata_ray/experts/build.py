@@ -81,7 +81,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline,
-                         pcie_share=config.pcie_share)
+                         pcie_share=config.pcie_share, decode_prefetch=config.decode_prefetch)
 
 
 def ring_slots(overlap: bool, blob_bytes: int, n_expert: int) -> int:

@@ -25,6 +25,15 @@ page-locked host store into K staging slots over PCIe (kernels/gather_copy.stage
 tiles read them there. Layers not page-locked keep every miss on the CPU. The same kernels over the same
 bytes: the same bits. (Session 10: the tiles reading the host store in place ran at 21 GB/s.)
 
+With `tiers.decode_prefetch` (STRATA_DECODE_PREFETCH = C) the device also copies experts ahead of the
+routing: in each page-locked layer's dense segment, beside its attention / GDN mixer, DecodeGraphs routes
+the layer's input residual (`copy_ahead`: the MoE's norm and router over the residual before the mixer,
+which adds little to it), decode_plan.prefetch_pick takes the first C predicted experts that are not
+resident, and stage_experts copies them into staging slots K..K+C-1 while the host's memory and PCIe are
+otherwise idle (the CPU waits for the routing then). The layer's plan gives the routed misses among them to
+the GPU first, then the share of the others; publish hands the staged list to the worker, which applies the
+same rule. A wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
+
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
 no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
 counts). On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9). Session 11 moved the
@@ -74,18 +83,31 @@ class PipelinedDecodeRows:
         self._stage: dict[int, tuple[torch.Tensor, int, ExpertLayer]] = {}
         self.staging = None
         # no share when the cache holds every expert: an all-resident token then launches no staging tiles
-        if tiers.pcie_share and tiers.cache.n_slots < tiers.n_layers * tiers.n_expert:
-            self.staging = torch.empty((k, tiers.store.max_blob), dtype=torch.uint8, device=dev)  # [K, blob]
+        partial = tiers.cache.n_slots < tiers.n_layers * tiers.n_expert
+        self.ahead = tiers.decode_prefetch if partial else 0  # experts a layer copies ahead of its routing
+        if (tiers.pcie_share or self.ahead) and partial:
+            # [K + C, blob]: slot k for entry k's copy after the routing, K + c for the experts copied ahead
+            self.staging = torch.empty((k + self.ahead, tiers.store.max_blob), dtype=torch.uint8, device=dev)
             for layer in range(tiers.n_layers):
                 parts = tiers.store.pinned_addresses(layer)
                 if parts is not None:
                     self._stage[layer] = _staging_plan(parts, tiers.store.layouts[layer], self.staging)
                     self.shares[layer] = tiers.pcie_share
+        if not self._stage:
+            self.ahead = 0
+        # the experts copied ahead for the layer being planned (int32 [C], -1: none: also every layer that
+        # copies none, so the worker never sees another layer's list) and the pick's starts; the worker's copy
+        self._ahead_expert = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+        self._ahead_start = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+        self._no_ahead = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+        self._staged_pin = torch.full((max(1, self.ahead),), -1, dtype=torch.int64, pin_memory=True)
+        self._ahead_stream = torch.cuda.Stream(dev)  # the copies ahead, beside a layer's mixer
         self.worker = CpuTokenRows(
             layers, tiers.residency.res, k, tiers.pool.n_threads,
             buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
                      "inv": self._inv_pin.numpy(), "routed": self.routed.host,
-                     "rows_flag": self.rows_flag.host})
+                     "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy()},
+            n_staged=max(1, self.ahead))
         self.worker.shares[:] = self.shares
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
         self._beside = torch.cuda.Stream(dev)  # capture_all's `besides`, forked beside the layer's rows
@@ -118,6 +140,29 @@ class PipelinedDecodeRows:
         """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
+    def copy_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> bool:
+        """Inside a layer's dense segment (captured): fork the copies-ahead stream from the current one, where
+        predict() gives the layer's predicted routing [1, K'] (rank order), the first C predicted misses are
+        picked and copied into staging slots K..K+C-1. Returns whether it forked: join_ahead() must then
+        follow in the same segment."""
+        from strata_ray.kernels.decode_plan import prefetch_pick
+
+        if not self.ahead or layer not in self._stage:
+            return False
+        tiers = self.tiers
+        self._ahead_stream.wait_stream(torch.cuda.current_stream(tiers.device))
+        with torch.cuda.stream(self._ahead_stream):
+            pred = predict()
+            prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
+                          self._ahead_expert)
+            table, part_bytes, _ = self._stage[layer]
+            stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes)
+        return True
+
+    def join_ahead(self) -> None:
+        """The segment's end waits for copy_ahead's work (a captured fork joins before its capture ends)."""
+        torch.cuda.current_stream(self.tiers.device).wait_stream(self._ahead_stream)
+
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """The device's half of a layer: which entries are resident, and their rows (no host in the loop);
         with a PCIe share also the rows of the misses it reads from the host store. One token's tiles hold
@@ -130,20 +175,24 @@ class PipelinedDecodeRows:
         if tile_entries(1, "decode", tiers.kernel_variant, view) != 1:
             raise RuntimeError("the one-launch decode plan needs tiles of one entry")
         base, share = layer * tiers.n_expert, self.shares[layer]
+        device_misses = layer in self._stage  # a share, or experts copied ahead
         main = torch.cuda.current_stream(tiers.device)
         act = quantize_act_gpu(x)  # [1, E] codes, scales, sums: once for both tiers' launches
-        if share:
-            _, order, slot, starts, hslot, hstarts = decode_plan_pcie(self.table, base, ids.view(-1),
-                                                                      tiers.n_expert, share, hit=self.hit)
+        if device_misses:
+            staged = self._ahead_expert if self.ahead else None
+            _, order, slot, starts, hslot, hstarts, pslot, pstarts = decode_plan_pcie(
+                self.table, base, ids.view(-1), tiers.n_expert, share, hit=self.hit, staged=staged)
             # the PCIe entries on a forked stream beside the resident tiles: their copies wait on the host's
             # memory, the resident tiles on HBM; both write disjoint rows of gpu_rows, and the join below
-            # orders them before the combine. Entry k's expert lands in staging slot k.
+            # orders them before the combine. Entry k's expert lands in staging slot k; an expert copied
+            # ahead sits in slot K + c already.
             table, part_bytes, slots = self._stage[layer]
             self._fork.wait_stream(main)
             with torch.cuda.stream(self._fork):
-                stage_experts(hstarts, hslot, table, self.staging, part_bytes)
-                expert_ffn_gpu(x, self.tok, order, slots, mode="decode", out=self.gpu_rows,
-                               variant=tiers.kernel_variant, plan=(order, order, hstarts), act=act,
+                if share:
+                    stage_experts(hstarts, hslot, table, self.staging, part_bytes)
+                expert_ffn_gpu(x, self.tok, pslot, slots, mode="decode", out=self.gpu_rows,
+                               variant=tiers.kernel_variant, plan=(order, pslot, pstarts), act=act,
                                ident=self._ident)
         else:
             _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
@@ -151,7 +200,7 @@ class PipelinedDecodeRows:
             expert_ffn_gpu(x, self.tok, slot, view, mode="decode", out=self.gpu_rows,
                            variant=tiers.kernel_variant, plan=(order, slot, starts), act=act,
                            ident=self._ident)
-        if share:
+        if device_misses:
             main.wait_stream(self._fork)
 
     def _layer_graph(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -160,15 +209,18 @@ class PipelinedDecodeRows:
         page-locked buffers, then routed := base + layer), `beside` on a forked stream, the device's rows
         (resident tiles, PCIe share), the join."""
         tiers, main = self.tiers, torch.cuda.current_stream(self.tiers.device)
+        staged = None
+        if self.ahead:  # the worker reads each layer's list: -1s where the layer copied none
+            staged = self._ahead_expert if layer in self._stage else self._no_ahead
         publish(ids.view(-1), x, self._ids_pin, self._ids_all, self._x_pin, self.routed.tensor,
-                self._base_dev, layer)
+                self._base_dev, layer, staged, self._staged_pin if staged is not None else None)
         if beside is not None:
             self._beside.wait_stream(main)
             with torch.cuda.stream(self._beside):
                 beside()
         # every layer plans once any layer has device rows: the plan rewrites `hit`, which the combine reads,
         # so a layer left out would keep the previous layer's (with no cache and no share, hit stays 0)
-        if tiers.cache.n_slots or any(self.shares):
+        if tiers.cache.n_slots or self._stage:
             self._resident_rows(layer, x, ids)
         if beside is not None:
             main.wait_stream(self._beside)
@@ -267,6 +319,9 @@ class PipelinedDecodeRows:
             host = self._host if layer == 0 else 0.0
             tiers.count_entries(layer, self.worker.seen_ids[layer].copy(), 1, k - m - p, m, True, host,
                                 pcie=p)
+        if self.ahead:
+            counts.ahead_entries += int(self.worker.n_ahead[:, 0].sum())
+            counts.ahead_copies += int(self.worker.n_ahead[:, 1].sum())
 
     def abort(self) -> None:
         """After a failure mid-token: end the worker's wait and release the device's waits."""

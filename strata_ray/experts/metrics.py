@@ -18,6 +18,10 @@ class TierCounts:
     slot_hits: int = 0  # (token, k) entries computed from the cache slots
     cpu_entries: int = 0  # entries computed by the CPU pool from the host store
     pcie_entries: int = 0  # entries the GPU computed from the page-locked host store over PCIe
+    # of those, entries whose expert was copied ahead from a predicted routing (STRATA_DECODE_PREFETCH), and
+    # the experts copied ahead (ahead_entries / ahead_copies: how often a prediction was right)
+    ahead_entries: int = 0
+    ahead_copies: int = 0
     prompt_entries: int = 0  # entries of prompt chunks (any tier)
     swaps: int = 0  # adaptive swaps issued
     rounds: int = 0  # adaptive rounds whose swaps were applied
@@ -73,6 +77,8 @@ class TierMetrics:
         wait_ms = c.per_token_ms(c.wait_seconds)
         wait = f", waiting for the GPU {wait_ms:.2f} ms/token" if c.wait_seconds else ""
         pcie = f", {c.pcie_entries} read over PCIe" if c.pcie_entries else ""
+        if c.ahead_copies:  # the copies ahead of the routing: how many of them it used
+            pcie += f" ({c.ahead_entries} of {c.ahead_copies} copied ahead used)"
         return (
             f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries{pcie}, "
             f"{c.swaps} swaps, "

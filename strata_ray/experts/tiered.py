@@ -122,6 +122,7 @@ class TieredExperts:
         decode_cpu_thread: bool = False,
         decode_pipeline: bool = False,
         pcie_share: int = 0,
+        decode_prefetch: int = 0,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
@@ -134,6 +135,9 @@ class TieredExperts:
         # the pipelined decode: permille of a layer's misses the GPU reads over PCIe from the page-locked
         # store (contract.pcie_entries; layers not page-locked: none)
         self.pcie_share = pcie_share
+        # the pipelined decode: experts a page-locked layer copies ahead of its routing, from the routing
+        # predicted beside its mixer (decode_pipeline; 0: none)
+        self.decode_prefetch = decode_prefetch
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).

@@ -73,7 +73,9 @@ def pcie_entries(n_miss: int, share_permille: int) -> int:
     weights from the page-locked host store over PCIe: the first this-many misses in k order; the CPU pool
     takes the rest. One integer rule that the device plan (decode_plan.decode_plan_pcie), the CPU worker
     (expert_cpu_token) and their tests all evaluate, so the two sides split a layer without talking.
-    share_permille: 0-1000, the share of the misses, rounded half up."""
+    share_permille: 0-1000, the share of the misses, rounded half up. With experts copied ahead
+    (STRATA_DECODE_PREFETCH) a miss whose expert is in the layer's staged list is the GPU's first, and
+    n_miss counts the other misses only."""
     return (n_miss * share_permille + 500) // 1000
 
 

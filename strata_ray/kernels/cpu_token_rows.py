@@ -49,11 +49,12 @@ class CpuTokenRows:
     """One decode token's CPU rows over `layers` (ExpertLayer per layer, quantized), given the host
     residency table `res` (int32 [L * X], -1 = not resident; read during the call, so change it only
     between tokens). Buffers (numpy; on CUDA views of pinned memory the device copies to and from):
-    ids int64 [K], x f32 [1, E], rows f32 [K, E], inv int32 [K]; flags uint32 [1]: routed, rows, stop."""
+    ids int64 [K], x f32 [1, E], rows f32 [K, E], inv int32 [K], staged int64 [C] (the experts the device
+    copied ahead for the layer, -1: none; C = n_staged); flags uint32 [1]: routed, rows, stop."""
 
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
-                 single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True):
+                 single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -76,8 +77,10 @@ class CpuTokenRows:
         self.blob_bytes = max(lay.gate[0].nbytes + lay.up[0].nbytes + lay.down[0].nbytes for lay in layers)
         want = {"ids": ((k,), np.int64), "x": ((1, n_embd), np.float32), "rows": ((k, n_embd), np.float32),
                 "inv": ((k,), np.int32), "routed": ((1,), np.uint32), "rows_flag": ((1,), np.uint32),
-                "stop": ((1,), np.uint32)}
+                "stop": ((1,), np.uint32), "staged": ((max(1, n_staged),), np.int64)}
         buffers = dict(buffers or {})
+        if "staged" not in buffers:
+            buffers["staged"] = np.full(max(1, n_staged), -1, np.int64)  # nothing copied ahead
         for name, (shape, dtype) in want.items():
             buf = buffers.setdefault(name, np.zeros(shape, dtype))
             if buf.shape != shape or buf.dtype != dtype or not buf.flags.c_contiguous:
@@ -86,6 +89,7 @@ class CpuTokenRows:
         self.seen_ids = np.zeros((self.n_layers, k), np.int64)  # [L, K] each layer's routed experts
         self.n_miss = np.zeros(self.n_layers, np.int64)  # [L] entries computed here
         self.n_pcie = np.zeros(self.n_layers, np.int64)  # [L] misses the GPU read over PCIe instead
+        self.n_ahead = np.zeros((self.n_layers, 2), np.int64)  # [L, 2] misses copied ahead, experts copied
         # [L] each layer's permille of misses the GPU takes (contract.pcie_entries); set by the caller
         # between tokens, the device plan reads the same values
         self.shares = np.zeros(self.n_layers, np.int64)
@@ -111,15 +115,15 @@ class CpuTokenRows:
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
             if self.team:
                 token_rows_team(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
-                                self.shares, b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
+                                self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
                                 b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
-                                self.n_miss, self.n_pcie, self.busy, self._sync)
+                                self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
-                                  self.shares, b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
-                                  b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads,
+                                  self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"],
+                                  b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads,
                                   self.single_thread_bytes, self.blob_bytes, self.seen_ids, self.n_miss,
-                                  self.n_pcie, self.busy))
+                                  self.n_pcie, self.n_ahead, self.busy))
 
     def stop(self) -> None:
         """End the call's current wait (the device will not raise `routed` again: an error, a shutdown)."""

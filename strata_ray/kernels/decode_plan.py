@@ -15,9 +15,19 @@ Their host_start marks them and host_slot names their expert in the host store: 
 entry k's expert into staging slot k over PCIe (gather_copy.stage_experts) and runs their tiles there. The
 hit mask marks them too: the combine takes their rows from the GPU's rows.
 
-`decode_plan_reference` / `decode_plan_pcie_reference` are the torch twins (the oracles of the tests; also
-the CPU form). Triton is imported on first use only; TRITON_INTERPRET=1 runs the kernel on the CPU
-(tests/kernels/test_decode_plan.py).
+Predicted experts copied ahead (STRATA_DECODE_PREFETCH): while a layer's attention / GDN mixer runs, the
+pipelined decode routes the layer's input (its residual before the mixer, through the MoE's norm and
+router: the mixer adds little to the residual, so the prediction is mostly right) and `prefetch_pick`
+takes the first `cap` non-resident experts of that prediction in rank order; they are copied into staging
+slots K.. beside the mixer, when neither the host's memory nor PCIe has other work. The layer's plan
+(`decode_plan_pcie(..., staged=...)`) then gives a miss whose expert was copied ahead to the GPU (its
+tile reads staging slot K + c), and of the other misses the first contract.pcie_entries as before; the
+worker reads the same staged list (kernels/publish) and applies the same rule (contract.pcie_entries).
+A wrong prediction costs a copy and nothing else: the bits are the same, wherever a row is computed.
+
+`decode_plan_reference` / `decode_plan_pcie_reference` / `prefetch_pick_reference` are the torch twins
+(the oracles of the tests; also the CPU form). Triton is imported on first use only; TRITON_INTERPRET=1
+runs the kernels on the CPU (tests/kernels/test_decode_plan.py).
 """
 
 from __future__ import annotations
@@ -59,25 +69,63 @@ def decode_plan_reference(table: Tensor, base: int, ids: Tensor, n_expert: int
     return hit.to(torch.int32), k, slot, torch.where(hit, k, torch.full_like(k, -1))
 
 
-def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: int, share: int
-                               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """decode_plan_reference plus the misses the GPU reads over PCIe: (hit, order, slot, tile_start,
-    host_slot, host_start), int32 [K] each. share: permille of the misses (contract.pcie_entries). The
-    first pcie_entries(M, share) misses in k order are PCIe entries: hit 1, host_slot their expert id,
-    host_start k; every other host_start is -1. slot / tile_start are the resident tiles as before."""
+def _check_staged(staged: Tensor | None) -> None:
+    if staged is not None and (staged.dtype != torch.int32 or staged.ndim != 1 or staged.numel() == 0):
+        raise ValueError(f"decode_plan: staged must be int32 [C] expert ids (-1: none), got {staged.dtype} "
+                         f"{list(staged.shape)}")
+
+
+def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: int, share: int,
+                               staged: Tensor | None = None) -> tuple[Tensor, ...]:
+    """decode_plan_reference plus the misses the GPU computes: (hit, order, slot, tile_start, host_slot,
+    host_start, pcie_slot, pcie_start), int32 [K] each. share: permille of the misses (contract.pcie_entries);
+    staged: int32 [C], the experts copied ahead into staging slots K.. (-1: none; module docstring).
+    A miss whose expert is staged[c] is the GPU's, its tile reading staging slot K + c; of the other misses
+    the first pcie_entries(R, share) in k order are copied (host_start k, host_slot their expert id: into
+    staging slot k) and the GPU's too; hit marks every entry the GPU computes; pcie_start is k for each
+    non-resident entry the GPU computes (else -1), pcie_slot its staging slot. slot / tile_start are the
+    resident tiles as before."""
     _check(table, base, ids, n_expert, share)
+    _check_staged(staged)
     hit, order, slot, start = decode_plan_reference(table, base, ids, n_expert)
     miss = hit == 0
-    rank = torch.cumsum(miss.to(torch.int32), 0) - miss.to(torch.int32)  # misses before entry k
-    pcie = miss & (rank < pcie_entries(int(miss.sum()), share))
+    pslot = order.clone()
+    ahead = torch.zeros_like(miss)
+    if staged is not None:
+        k = ids.numel()
+        for c, e in enumerate(staged.tolist()):
+            match = miss & (ids == e) & (e >= 0)
+            ahead |= match
+            pslot = torch.where(match, torch.full_like(pslot, k + c), pslot)
+    rest = miss & ~ahead
+    rank = torch.cumsum(rest.to(torch.int32), 0) - rest.to(torch.int32)  # other misses before entry k
+    pcie = rest & (rank < pcie_entries(int(rest.sum()), share))
     host_start = torch.where(pcie, order, torch.full_like(order, -1))
-    return (hit | pcie.to(torch.int32)), order, slot, start, ids.to(torch.int32), host_start
+    device = pcie | ahead
+    pstart = torch.where(device, order, torch.full_like(order, -1))
+    return (hit | device.to(torch.int32)), order, slot, start, ids.to(torch.int32), host_start, pslot, pstart
 
 
-def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, base, K, share, BLOCK: tl.constexpr,
-               PCIE: tl.constexpr):
-    # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START (and with PCIE: HSLOT, HSTART) int32 [K].
-    # One program, one lane an entry.
+def prefetch_pick_reference(table: Tensor, base: int, pred: Tensor, n_expert: int, cap: int
+                            ) -> tuple[Tensor, Tensor]:
+    """The experts to copy ahead from a predicted routing pred int [K'] (rank order): the first `cap`
+    non-resident ones -> (start int32 [cap]: c where slot c is filled, else -1; expert int32 [cap]: the
+    expert of staging slot K + c, else -1), in stage_experts' form."""
+    _check(table, base, pred, n_expert)
+    if cap < 1:
+        raise ValueError(f"prefetch_pick: cap must be at least 1, got {cap}")
+    miss = [int(e) for e in pred.tolist() if int(table[base + int(e)]) < 0][:cap]
+    expert = torch.full((cap,), -1, dtype=torch.int32, device=pred.device)
+    start = torch.full((cap,), -1, dtype=torch.int32, device=pred.device)
+    expert[: len(miss)] = torch.tensor(miss, dtype=torch.int32)
+    start[: len(miss)] = torch.arange(len(miss), dtype=torch.int32)
+    return start, expert
+
+
+def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, PSTART, STAGED, base, K, share,
+               BLOCK: tl.constexpr, PCIE: tl.constexpr, C: tl.constexpr):
+    # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START (and with PCIE: HSLOT, HSTART, PSLOT, PSTART)
+    # int32 [K]; STAGED int32 [C] (C > 0: experts copied ahead). One program, one lane an entry.
     k = tl.arange(0, BLOCK)
     live = k < K
     expert = tl.load(IDS + k, mask=live, other=0).to(tl.int64)
@@ -86,15 +134,42 @@ def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, base, K, shar
     tl.store(ORDER + k, k, mask=live)
     tl.store(SLOT + k, slot, mask=live)
     tl.store(START + k, tl.where(hit, k, -1), mask=live)
-    if PCIE:  # the first pcie_entries(M, share) misses in k order (contract.pcie_entries, written out)
-        miss = (live & (slot < 0)).to(tl.int32)
-        rank = tl.cumsum(miss, 0) - miss
-        n_pcie = (tl.sum(miss, 0) * share + 500) // 1000
-        pcie = (miss > 0) & (rank < n_pcie)
-        hit = hit | pcie
+    if PCIE:  # the staged misses, then the first pcie_entries(R, share) other misses in k order
+        miss = live & (slot < 0)
+        pslot = k
+        ahead = k < 0
+        for c in tl.static_range(C):
+            e = tl.load(STAGED + c)
+            match = miss & (expert == e) & (e >= 0)
+            ahead = ahead | match
+            pslot = tl.where(match, K + c, pslot)
+        rest = (miss & ~ahead).to(tl.int32)
+        rank = tl.cumsum(rest, 0) - rest
+        n_pcie = (tl.sum(rest, 0) * share + 500) // 1000  # contract.pcie_entries, written out
+        pcie = (rest > 0) & (rank < n_pcie)
+        device = pcie | ahead
+        hit = hit | device
         tl.store(HSLOT + k, expert.to(tl.int32), mask=live)
         tl.store(HSTART + k, tl.where(pcie, k, -1), mask=live)
+        tl.store(PSLOT + k, pslot, mask=live)
+        tl.store(PSTART + k, tl.where(device, k, -1), mask=live)
     tl.store(HIT + k, hit.to(tl.int32), mask=live)
+
+
+def _pick_body(TABLE, PRED, START, EXPERT, base, K, BLOCK: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    # TABLE int32 [L * X]; PRED int [K] (rank order); START, EXPERT int32 [C]. One program: slot c takes the
+    # (c+1)-th non-resident predicted expert.
+    k = tl.arange(0, BLOCK)
+    live = k < K
+    pred = tl.load(PRED + k, mask=live, other=0).to(tl.int64)
+    miss = (live & (tl.load(TABLE + base + pred, mask=live, other=0) < 0)).to(tl.int32)
+    rank = tl.cumsum(miss, 0) - miss
+    c = tl.arange(0, BC)  # BC: C rounded up to a power of two
+    sel = (rank[None, :] == c[:, None]) & (miss[None, :] > 0)  # [C', BLOCK]
+    has = tl.sum(sel.to(tl.int32), 1) > 0
+    val = tl.sum(tl.where(sel, pred[None, :], 0), 1)
+    tl.store(EXPERT + c, tl.where(has, val, -1).to(tl.int32), mask=c < C)
+    tl.store(START + c, tl.where(has, c, -1), mask=c < C)
 
 
 def decode_plan(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | None = None
@@ -105,26 +180,44 @@ def decode_plan(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tenso
 
 
 def decode_plan_pcie(table: Tensor, base: int, ids: Tensor, n_expert: int, share: int,
-                     hit: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     hit: Tensor | None = None, staged: Tensor | None = None) -> tuple[Tensor, ...]:
     """decode_plan_pcie_reference in one launch (the same tensors); CUDA-graph capturable."""
-    return _launch(table, base, ids, n_expert, hit, share)
+    return _launch(table, base, ids, n_expert, hit, share, staged)
 
 
-def _launch(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | None, share: int):
+def prefetch_pick(table: Tensor, base: int, pred: Tensor, n_expert: int, start: Tensor, expert: Tensor
+                  ) -> None:
+    """prefetch_pick_reference in one launch, into start and expert (int32 [C], contiguous: a graph's static
+    buffers); CUDA-graph capturable."""
+    _check(table, base, pred.view(-1), n_expert)
+    cap = start.numel()
+    for t in (start, expert):
+        if t.dtype != torch.int32 or t.shape != (cap,) or not t.is_contiguous() or cap < 1:
+            raise ValueError("prefetch_pick: start and expert must be contiguous int32 [C], C >= 1")
+    n = pred.numel()
+    _kernels()[1][(1,)](table, pred.contiguous().view(-1), start, expert, base, n, BLOCK=next_pow2(n), C=cap,
+                        BC=next_pow2(cap), num_warps=1)
+
+
+def _launch(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | None, share: int,
+            staged: Tensor | None = None):
     _check(table, base, ids, n_expert, share)
+    _check_staged(staged)
     n = ids.numel()
     if hit is None:
         hit = torch.empty(n, dtype=torch.int32, device=ids.device)
     elif hit.shape != (n,) or hit.dtype != torch.int32 or not hit.is_contiguous():
         raise ValueError(f"decode_plan: hit must be a contiguous int32 [{n}] tensor")
-    pcie = share > 0
-    order, slot, start, hslot, hstart = (torch.empty(n if pcie or i < 3 else 1, dtype=torch.int32,
-                                                     device=ids.device) for i in range(5))
-    _kernel()[(1,)](table, ids.contiguous(), hit, order, slot, start, hslot, hstart, base, n, share,
-                    BLOCK=next_pow2(n), PCIE=pcie, num_warps=1)
-    return (hit, order, slot, start, hslot, hstart) if pcie else (hit, order, slot, start)
+    pcie = share > 0 or staged is not None
+    order, slot, start, hslot, hstart, pslot, pstart = (
+        torch.empty(n if pcie or i < 3 else 1, dtype=torch.int32, device=ids.device) for i in range(7))
+    stg = staged.contiguous() if staged is not None else hslot
+    _kernels()[0][(1,)](table, ids.contiguous(), hit, order, slot, start, hslot, hstart, pslot, pstart, stg,
+                        base, n, share, BLOCK=next_pow2(n), PCIE=pcie,
+                        C=0 if staged is None else staged.numel(), num_warps=1)
+    return (hit, order, slot, start, hslot, hstart, pslot, pstart) if pcie else (hit, order, slot, start)
 
 
 @functools.cache
-def _kernel():
-    return jit_bodies(_plan_body)[0]
+def _kernels():
+    return jit_bodies(_plan_body, _pick_body)

@@ -124,32 +124,51 @@ _pcie_entries = njit(nogil=True)(pcie_entries)
 
 
 @njit(nogil=True, cache=True)
-def _plan_layer(layer, ids_buf, res, n_expert, share, seen_ids, inv, n_miss, n_pcie, exp, ents, g_start,
-                g_exp, x_buf, x, xq, xd, xs):
+def _staged(staged, e):
+    """Whether expert e is in the layer's staged list (the experts the GPU copied ahead; -1: none)."""
+    for c in range(staged.shape[0]):
+        if staged[c] == e:
+            return True
+    return False
+
+
+@njit(nogil=True, cache=True)
+def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
+                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
     """A layer's CPU entries from the device's routing: each entry's row in `rows` into inv [K] (0 when
-    resident or read by the GPU over PCIe), the misses grouped by expert into ents / g_start / g_exp (one
-    token: its experts are distinct, one entry a group, in expert order) and x quantized into xq / xd / xs
-    when there are any. share: the permille of the misses the GPU takes, the first
-    contract.pcie_entries(misses, share) in k order (decode_plan.decode_plan_pcie, the same rule).
+    resident or computed by the GPU from the host store), the misses grouped by expert into ents / g_start /
+    g_exp (one token: its experts are distinct, one entry a group, in expert order) and x quantized into
+    xq / xd / xs when there are any. The GPU takes a miss whose expert is in staged int64 [C] (copied ahead,
+    -1: none), then of the other misses the first contract.pcie_entries(misses, share) in k order
+    (decode_plan.decode_plan_pcie, the same rule). n_ahead [L, 2] receives (staged misses, staged experts).
     Returns M, the CPU's entries."""
     n_all = 0
     for j in range(ids_buf.shape[0]):
-        if res[layer * n_expert + ids_buf[j]] < 0:
+        e = ids_buf[j]
+        if res[layer * n_expert + e] < 0 and not _staged(staged, e):
             n_all += 1
     skip = _pcie_entries(n_all, share)
-    n_pcie[layer] = skip
+    ahead = 0
     m = 0
     for j in range(ids_buf.shape[0]):
         e = ids_buf[j]
         seen_ids[layer, j] = e
         inv[j] = 0
         if res[layer * n_expert + e] < 0:
-            if skip > 0:  # one of the GPU's: its row comes from the device's rows
+            if _staged(staged, e):  # copied ahead: the GPU's, from its staging slot
+                ahead += 1
+            elif skip > 0:  # one of the GPU's: its row comes from the device's rows
                 skip -= 1
             else:
                 exp[m] = e
                 inv[j] = m
                 m += 1
+    n_pcie[layer] = _pcie_entries(n_all, share) + ahead
+    n_ahead[layer, 0] = ahead
+    n_ahead[layer, 1] = 0
+    for c in range(staged.shape[0]):
+        if staged[c] >= 0:
+            n_ahead[layer, 1] += 1
     n_miss[layer] = m
     if m:
         order = np.argsort(exp[:m], kind="mergesort")
@@ -164,17 +183,19 @@ def _plan_layer(layer, ids_buf, res, n_expert, share, seen_ids, inv, n_miss, n_p
 
 
 @njit(nogil=True, cache=True)
-def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x_buf, rows, inv, routed, rows_flag,
-               base, stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss, n_pcie, busy):
+def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv, routed,
+               rows_flag, base, stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss, n_pcie,
+               n_ahead, busy):
     """One token's CPU rows, layer after layer (module docstring).
 
     gates, ups, downs: typed lists of uint8 [X, rows, row_bytes], one per layer; wtypes int64 [L, 3];
     res int32 [L * X] slot or -1; shares int64 [L]: each layer's permille of misses the GPU reads over
-    PCIe (0: none; _plan_layer); ids_buf int64 [K], x_buf f32 [1, E]: the device's copies of this layer's
+    PCIe (0: none; _plan_layer); staged int64 [C]: the experts the device copied ahead for this layer (-1:
+    none); ids_buf int64 [K], x_buf f32 [1, E]: the device's copies of this layer's
     routing; rows f32 [K, E] (the first M rows written), inv int32 [K]: entry k's row, 0 for resident
     and PCIe entries; routed, rows_flag, stop uint32 [1]; v_l = base + l (mod 2^32). seen_ids int64 [L, K],
-    n_miss and n_pcie int64 [L] receive each layer's ids, CPU entries and PCIe entries (the caller's window
-    accounting); busy int64 [L]
+    n_miss and n_pcie int64 [L] receive each layer's ids, CPU entries and the GPU's misses (the caller's
+    window accounting), n_ahead int64 [L, 2] the staged misses and experts; busy int64 [L]
     the cycles() from seeing the layer's routing to raising its rows flag (the CPU rows' own time, the
     waits on the device left out).
     Returns -1, or the layer whose wait `stop` ended."""
@@ -196,8 +217,8 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x_buf,
         if not wait_flag(routed, v, stop):
             return layer
         t0 = _cycles()
-        m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], seen_ids, inv, n_miss, n_pcie, exp,
-                        ents_k, g_start_k, g_exp_k, x_buf, x, xq, xd, xs)
+        m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss, n_pcie,
+                        n_ahead, exp, ents_k, g_start_k, g_exp_k, x_buf, x, xq, xd, xs)
         if m == 0:
             rows_flag[0] = v
             busy[layer] = _cycles() - t0
@@ -249,9 +270,9 @@ def _barrier(sync, target):
 
 
 @njit(nogil=True, cache=True)
-def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x_buf, rows, inv,
-                 routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, busy, sync, exp, ents, g_start,
-                 g_exp, x, xq, xd, xs, h, hq, hd, hs, tok):
+def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows,
+                 inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync, exp, ents,
+                 g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok):
     n_layers = len(gates)
     n_embd = x_buf.shape[1]
     for layer in range(n_layers):
@@ -262,8 +283,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, id
                 _store_release(sync, READY, layer + 1)
                 return
             t0 = _cycles()
-            m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], seen_ids, inv, n_miss, n_pcie,
-                            exp, ents, g_start, g_exp, x_buf, x, xq, xd, xs)
+            m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss,
+                            n_pcie, n_ahead, exp, ents, g_start, g_exp, x_buf, x, xq, xd, xs)
             busy[layer] = t0  # the start; the end is taken after the last barrier
             sync[M] = m
             _store_release(sync, READY, layer + 1)
@@ -299,8 +320,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, id
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x_buf, rows, inv, routed,
-                    rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, busy, sync):
+def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv,
+                    routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy, sync):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
@@ -328,6 +349,6 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x
     hs = np.empty((k, n_ff // QK), np.int32)
     tok = np.zeros(k, np.int64)  # one token: every entry reads activation row 0
     for t in prange(n_team):
-        _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, ids_buf, x_buf, rows, inv,
-                     routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, busy, sync, exp, ents, g_start,
-                     g_exp, x, xq, xd, xs, h, hq, hd, hs, tok)
+        _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf,
+                     rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
+                     exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok)

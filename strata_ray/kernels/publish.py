@@ -26,14 +26,18 @@ from .tile_plan import next_pow2
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _publish_body(IDS, X, IDS_HOST, IDS_ALL, X_HOST, FLAG, BASE, layer, K, E, BK: tl.constexpr,
-                  BE: tl.constexpr, FENCE: tl.constexpr):
+def _publish_body(IDS, X, IDS_HOST, IDS_ALL, X_HOST, FLAG, BASE, STAGED, STAGED_HOST, layer, K, E,
+                  BK: tl.constexpr, BE: tl.constexpr, FENCE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
     # IDS int64 [K], X f32 [E] (device); IDS_HOST int64 [K], IDS_ALL int64 [L, K], X_HOST f32 [E], FLAG int32
-    # [1] (page-locked host memory); BASE int64 [1] (device). One program.
+    # [1] (page-locked host memory); BASE int64 [1] (device); C > 0: STAGED int32 [C] (device) -> STAGED_HOST
+    # int64 [C]. One program.
     k = tl.arange(0, BK)
     ids = tl.load(IDS + k, mask=k < K)
     tl.store(IDS_HOST + k, ids, mask=k < K)
     tl.store(IDS_ALL + layer * K + k, ids, mask=k < K)
+    if C > 0:
+        c = tl.arange(0, BC)
+        tl.store(STAGED_HOST + c, tl.load(STAGED + c, mask=c < C).to(tl.int64), mask=c < C)
     e = tl.arange(0, BE)
     tl.store(X_HOST + e, tl.load(X + e, mask=e < E), mask=e < E)
     zero = tl.zeros((1,), tl.int32)
@@ -68,26 +72,44 @@ def _check(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Te
         raise ValueError("publish: every buffer must be contiguous")
 
 
+def _check_staged(staged: Tensor | None, staged_host: Tensor | None) -> None:
+    if (staged is None) != (staged_host is None):
+        raise ValueError("publish: staged and staged_host come together")
+    if staged is not None and (staged.dtype != torch.int32 or staged_host.dtype != torch.int64
+                               or staged.numel() != staged_host.numel() or not staged.is_contiguous()
+                               or not staged_host.is_contiguous()):
+        raise ValueError("publish: staged must be contiguous int32 [C], staged_host int64 [C]")
+
+
 def publish(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Tensor, flag: Tensor,
-            base: Tensor, layer: int) -> None:
-    """On the current stream: ids [K] -> ids_host [K] and ids_all[layer]; x [1, E] -> x_host; then
-    flag := (base + layer) mod 2^32 after the host can see them. ids, x, base on the device; the host
-    buffers page-locked (or, under the Triton interpreter, CPU tensors). No host sync: graph-capturable."""
+            base: Tensor, layer: int, staged: Tensor | None = None,
+            staged_host: Tensor | None = None) -> None:
+    """On the current stream: ids [K] -> ids_host [K] and ids_all[layer]; x [1, E] -> x_host; staged [C] (the
+    experts copied ahead for the layer, if given) -> staged_host; then flag := (base + layer) mod 2^32 after
+    the host can see them. ids, x, base, staged on the device; the host buffers page-locked (or, under the
+    Triton interpreter, CPU tensors). No host sync: graph-capturable."""
     _check(ids, x, ids_host, ids_all, x_host, flag, base)
+    _check_staged(staged, staged_host)
     if not 0 <= layer < ids_all.shape[0]:
         raise ValueError(f"publish: layer {layer} of {ids_all.shape[0]}")
     k, e = ids.numel(), x.numel()
+    c = 0 if staged is None else staged.numel()
     fence = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX: not under the interpreter
-    _kernel()[(1,)](ids, x, ids_host, ids_all, x_host, flag, base, layer, k, e, BK=max(2, next_pow2(k)),
-                    BE=next_pow2(e), FENCE=fence, num_warps=4)
+    _kernel()[(1,)](ids, x, ids_host, ids_all, x_host, flag, base, staged if c else ids,
+                    staged_host if c else ids, layer, k, e, BK=max(2, next_pow2(k)), BE=next_pow2(e),
+                    FENCE=fence, C=c, BC=max(2, next_pow2(max(1, c))), num_warps=4)
 
 
 def publish_reference(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Tensor,
-                      flag: Tensor, base: Tensor, layer: int) -> None:
+                      flag: Tensor, base: Tensor, layer: int, staged: Tensor | None = None,
+                      staged_host: Tensor | None = None) -> None:
     """The plain twin: the same writes as copies, then the flag (on the CPU: in program order)."""
     _check(ids, x, ids_host, ids_all, x_host, flag, base)
+    _check_staged(staged, staged_host)
     ids_host.copy_(ids.reshape(-1))
     ids_all[layer].copy_(ids.reshape(-1))
     x_host.copy_(x.reshape(x_host.shape))
+    if staged is not None:
+        staged_host.copy_(staged.reshape(-1))
     value = (int(base.reshape(-1)[0]) + layer) & 0xFFFFFFFF
     flag.reshape(-1)[0] = value - (1 << 32) if value >= 1 << 31 else value

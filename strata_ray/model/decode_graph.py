@@ -7,6 +7,9 @@ captured once into a graph and replayed per token (DESIGN section 8):
     layer l (GDN):        [combine l-1 | norm | gated delta net | residual | norm | router]
     layer l (attention):  [combine l-1 | norm | q k v | rope]  attention over the KV cache  [gate | out |
                           residual | norm | router]
+    beside the mixer:     with a backend that copies experts ahead (STRATA_DECODE_PREFETCH): the layer's
+                          routing predicted from its input (_predict), the predicted misses copied
+                          (a forked stream, joined at the segment's end)
     then:                 routed rows of layer l (the expert backend: tiers, CPU pool, host plan), and
                           [shared expert], which the backend enqueues beside its CPU rows (only layer l+1
                           reads it: in the pipelined decode it leaves the path the device waits on)
@@ -127,6 +130,11 @@ class DecodeGraphs:
         # the next segment's graph, and its GPU part replays as a graph of its own
         make_rows = getattr(model.experts, "decode_rows", None)
         self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
+        # a backend that copies experts ahead of the routing (PipelinedDecodeRows with STRATA_DECODE_PREFETCH)
+        # gets each layer's routing predicted from the layer's input: the MoE's norm and router over the
+        # residual before the mixer (_predict), into these buffers, on its copies' stream
+        self._ahead = getattr(self.rows, "copy_ahead", None)
+        self._pred = (zeros(1, E), zeros(1, K, dtype=torch.int64), zeros(1, K))  # x, ids, weights
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
         self._graphs: list | None = None
@@ -169,6 +177,20 @@ class DecodeGraphs:
         ops.rms_norm(buf.h_mid, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps, out=buf.x)
         route(w[f"blk.{layer}.ffn_gate_inp.weight"], buf.x, hp.n_expert_used, out=(buf.ids, buf.weights))
 
+    def _predict(self, layer: int, h: Tensor) -> Tensor:
+        """The layer's routing from its input h [1, E] instead of its mixer's output: ids [1, K] in rank order
+        (only where to copy experts ahead: the layer's real routing follows the mixer as always)."""
+        hp, w = self.hp, self.w
+        x, ids, weights = self._pred
+        ops.rms_norm(h, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps, out=x)
+        route(w[f"blk.{layer}.ffn_gate_inp.weight"], x, hp.n_expert_used, out=(ids, weights))
+        return ids
+
+    def _copy_ahead(self, layer: int, h: Tensor) -> bool:
+        """Fork the backend's copies ahead of the layer's routing (beside the mixer); True: the segment must
+        call rows.join_ahead() at its end."""
+        return self._ahead is not None and self._ahead(layer, lambda: self._predict(layer, h))
+
     def _shared(self, layer: int) -> None:
         """The shared expert of the layer's MoE input into its buffer: a segment of its own, because only the
         next layer reads it (the expert backend enqueues it beside its CPU rows: `step`)."""
@@ -185,10 +207,13 @@ class DecodeGraphs:
             if buf.gdn is not None:
                 def gdn_seg(layer=layer, buf=buf, norm=norm):
                     h = self._layer_input(layer)
+                    ahead = self._copy_ahead(layer, h)
                     x = ops.rms_norm(h, norm, hp.rms_eps)
                     # one token: pos0 picks no other form; the state updated in its buffers
                     out, _ = gdn_block(hp, w, layer, x, buf.gdn, 0, state_out=buf.gdn)
                     self._moe_inputs(layer, h, out)
+                    if ahead:
+                        self.rows.join_ahead()
 
                 segments.append((gdn_seg, None, shared))
                 continue
@@ -196,12 +221,15 @@ class DecodeGraphs:
             if self.attn is not None:
                 def attn_seg(layer=layer, norm=norm):
                     h = self._layer_input(layer)
+                    ahead = self._copy_ahead(layer, h)
                     x = ops.rms_norm(h, norm, hp.rms_eps)
                     q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                     table = self.kv_table[layer]
                     self.attn.append(table, self.pos, k, v)
                     o = self.attn(q, table, self.pos, hp.head_dim**-0.5)  # [1, H, D]
                     self._moe_inputs(layer, h, attention_output(w, layer, o, gate))
+                    if ahead:
+                        self.rows.join_ahead()
 
                 segments.append((attn_seg, None, shared))
                 continue
@@ -209,6 +237,8 @@ class DecodeGraphs:
             def attn_in(layer=layer, buf=buf, norm=norm):
                 h = self._layer_input(layer)
                 buf.h_in.copy_(h)
+                # the eager attention core splits the layer: the copies ahead have this segment only
+                ahead = self._copy_ahead(layer, buf.h_in)
                 x = ops.rms_norm(h, norm, hp.rms_eps)
                 q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                 buf.q.copy_(q)
@@ -216,6 +246,8 @@ class DecodeGraphs:
                 buf.v.copy_(v)
                 if gate is not None:
                     buf.gate.copy_(gate)
+                if ahead:
+                    self.rows.join_ahead()
 
             def attn_out(layer=layer, buf=buf):
                 self._moe_inputs(layer, buf.h_in, attention_output(w, layer, buf.o, buf.gate))

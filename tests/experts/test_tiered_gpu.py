@@ -92,18 +92,22 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
         assert (gpu.deep_prefetches >= hp.n_layer - 2) == ("whole halves" in copies)
 
 
-@pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie"])
+@pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie", "pipeline-ahead",
+                                  "pipeline-pcie-ahead"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
 def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
     cpu_thread: the CPU rows from the helper thread behind the host flag (STRATA_DECODE_CPU_THREAD);
     pipeline: the whole token enqueued, a numba worker behind two flags (STRATA_DECODE_PIPELINE);
     pipeline-pcie: with 60% of each layer's misses read by the GPU from the page-locked store over PCIe
-    (STRATA_PCIE_SHARE; the eager forward has no such tier: its CPU entries are the two tiers' sum)."""
-    pcie = 600 if mode == "pipeline-pcie" else 0
+    (STRATA_PCIE_SHARE; the eager forward has no such tier: its CPU entries are the two tiers' sum);
+    ahead: experts copied ahead of the routing from its prediction beside the mixer (STRATA_DECODE_PREFETCH:
+    2 alone, 3 with the share)."""
+    pcie = 600 if "pcie" in mode else 0
+    ahead = (3 if pcie else 2) if mode.endswith("ahead") else 0
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
-                        pcie_share=pcie)
+                        pcie_share=pcie, decode_prefetch=ahead)
     got = {}
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
@@ -113,11 +117,18 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode):
         c = tiers.metrics.counts
         got[graphs, "counts"] = (c.slot_hits, c.cpu_entries + c.pcie_entries)
         got[graphs, "pcie"] = c.pcie_entries
+        got[graphs, "ahead"] = (c.ahead_entries, c.ahead_copies)
     assert torch.equal(got[True], got[False])
     assert got[True, "counts"] == got[False, "counts"]
-    assert got[False, "pcie"] == 0
-    if pcie and cache < 32:  # misses were split: some of them went over PCIe
-        assert 0 < got[True, "pcie"] < got[True, "counts"][1]
+    assert got[False, "pcie"] == 0 and got[False, "ahead"] == (0, 0)
+    if pcie and cache < 32:  # misses were split: some of them went over PCIe (with copies ahead, maybe all)
+        assert 0 < got[True, "pcie"] <= got[True, "counts"][1]
+        assert ahead or got[True, "pcie"] < got[True, "counts"][1]
+    if ahead and cache < 32:  # some copies ahead were routed misses, each one counted with the GPU's
+        used, copied = got[True, "ahead"]
+        assert 0 < used <= copied and used <= got[True, "pcie"]
+    if not ahead or cache == 32:
+        assert got[True, "ahead"] == (0, 0)
 
 
 def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):

@@ -8,9 +8,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
-from strata_ray.kernels.contract import KernelError, pcie_entries
+from strata_ray.kernels.contract import KernelError
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, cycles_per_second
+from strata_ray.kernels.decode_plan import decode_plan_pcie_reference
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_cpu_token import reached
 from tests.kernels.layers import N_EMBD, layer_for
@@ -56,61 +58,83 @@ def compiled():
         assert worker.run(1) == -1
 
 
-def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray) -> np.ndarray:
-    """The entries of a layer's routing ids [K] the worker computes: its misses after the first
-    pcie_entries(M, share) (the GPU's, read over PCIe)."""
-    miss = np.flatnonzero(worker.res[layer * worker.n_expert + ids] < 0)
-    return miss[pcie_entries(miss.size, int(worker.shares[layer])):]
+def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray, staged=None) -> np.ndarray:
+    """The entries of a layer's routing ids [K] the worker computes: those the device plan leaves to the CPU
+    (decode_plan_pcie_reference: the misses copied ahead, then the first pcie_entries of the others, are
+    the GPU's)."""
+    table = torch.from_numpy(worker.res.copy())
+    st = None if staged is None else torch.tensor(staged, dtype=torch.int32)
+    hit = decode_plan_pcie_reference(table, layer * worker.n_expert, torch.from_numpy(ids), worker.n_expert,
+                                     int(worker.shares[layer]), staged=st)[0]
+    return np.flatnonzero(hit.numpy() == 0)
 
 
-def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray) -> list[np.ndarray]:
-    """Per layer: write the routing, raise `routed`, wait for the rows; returns each layer's [K, E] rows
-    in entry order (resident and PCIe entries' rows are zeros: the device computes those)."""
+def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray, staged=None
+                 ) -> list[np.ndarray]:
+    """Per layer: write the routing (and the experts copied ahead), raise `routed`, wait for the rows;
+    returns each layer's [K, E] rows in entry order (the device's entries' rows are zeros)."""
     b, k = worker.buf, worker.k
     out = []
     for layer in range(worker.n_layers):
         b["ids"][:] = ids[layer]
         b["x"][:] = xs[layer]
+        if staged is not None:
+            b["staged"][:] = staged[layer]
         v = (base + layer) & 0xFFFFFFFF
         b["routed"][0] = v
         _wait(b["rows_flag"], v)
         rows = np.zeros((k, worker.n_embd), np.float32)
-        for j in _cpu_entries(worker, layer, ids[layer]):
+        for j in _cpu_entries(worker, layer, ids[layer], None if staged is None else staged[layer]):
             rows[j] = b["rows"][b["inv"][j]]
         out.append(rows)
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team,shares", [
-    (1, True, False, 0), (5, True, False, 0), (5, False, False, 0), (1, True, True, 0), (5, True, True, 0),
-    (5, True, True, (600, 0, 1000)), (5, False, False, (400, 1000, 1)), (1, True, False, (600, 0, 600))])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, rng):
+@pytest.mark.parametrize("k,parallel,team,shares,ahead", [
+    (1, True, False, 0, 0), (5, True, False, 0, 0), (5, False, False, 0, 0), (1, True, True, 0, 0),
+    (5, True, True, 0, 0), (5, True, True, (600, 0, 1000), 0), (5, False, False, (400, 1000, 1), 0),
+    (1, True, False, (600, 0, 600), 0), (5, True, True, (400, 0, 600), 2), (5, False, False, 0, 3),
+    (1, True, True, (1000, 400, 0), 1)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, rng):
     """team: one parallel region for the token (token_rows_team), its members meeting at counters. shares:
-    each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first ones."""
+    each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first ones.
+    ahead: experts the device copied ahead a layer (some routed misses, some not routed, some resident,
+    some -1): the worker skips the misses among them first."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
     ids = np.stack([np.sort(rng.choice(N_EXPERT, k, replace=False)) for _ in layers])  # [L, K]
     ids[1] = np.flatnonzero(res[N_EXPERT : 2 * N_EXPERT] >= 0)[:k]  # layer 1: every entry resident
     xs = rng.standard_normal((len(layers), 1, N_EMBD)).astype(np.float32)
+    staged = None
+    if ahead:
+        staged = rng.choice(N_EXPERT, (len(layers), ahead)).astype(np.int64)  # [L, C] any experts ...
+        for layer in range(len(layers)):
+            staged[layer, 0] = ids[layer, -1]  # ... one of them routed
+        staged[0, -1] = -1  # an empty slot
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
-                          team=team)
+                          team=team, n_staged=max(1, ahead))
     assert worker.team == team
     worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
     worker.buf["routed"][0] = worker.buf["rows_flag"][0] = base - 1  # the previous token's last value
     got = []
     t = time.perf_counter()
-    assert _serve(worker, base, lambda: got.extend(_play_device(worker, base, ids, xs))) == -1
+    assert _serve(worker, base, lambda: got.extend(_play_device(worker, base, ids, xs, staged))) == -1
     wall = time.perf_counter() - t
     if cycles_per_second() > 0:  # x86: the layers' own time is counted, and is less than the call's
         assert (worker.busy > 0).all()
         assert 0 < worker.busy_seconds() < wall
     for layer, lay in enumerate(layers):
         all_miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
-        miss = _cpu_entries(worker, layer, ids[layer])
+        miss = _cpu_entries(worker, layer, ids[layer], None if staged is None else staged[layer])
         assert worker.n_miss[layer] == miss.size
         assert worker.n_pcie[layer] == all_miss.size - miss.size
+        if staged is not None:
+            routed_ahead = [e for e in ids[layer, all_miss] if e in staged[layer]]
+            assert worker.n_ahead[layer].tolist() == [len(routed_ahead), int((staged[layer] >= 0).sum())]
+        else:
+            assert not worker.n_ahead[layer].any()
         assert (worker.seen_ids[layer] == ids[layer]).all()
         if miss.size:
             want = expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), ids[layer, miss], lay)

@@ -13,6 +13,8 @@ from strata_ray.kernels.decode_plan import (
     decode_plan_pcie,
     decode_plan_pcie_reference,
     decode_plan_reference,
+    prefetch_pick,
+    prefetch_pick_reference,
 )
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from tests.kernels.triton_interpret import interpret
@@ -58,13 +60,61 @@ def test_pcie_reference_takes_the_first_misses_in_k_order(case, share):
     table, layer, ids = list(_cases())[case]
     base = layer * N_EXPERT
     r_hit, r_order, r_slot, r_start = decode_plan_reference(table, base, ids, N_EXPERT)
-    hit, order, slot, start, hslot, hstart = decode_plan_pcie_reference(table, base, ids, N_EXPERT, share)
+    hit, order, slot, start, hslot, hstart, pslot, pstart = decode_plan_pcie_reference(table, base, ids,
+                                                                                       N_EXPERT, share)
     assert torch.equal(order, r_order) and torch.equal(slot, r_slot) and torch.equal(start, r_start)
     misses = [k for k in range(ids.numel()) if r_hit[k] == 0]
     pcie = misses[: pcie_entries(len(misses), share)]
     assert hstart.tolist() == [k if k in pcie else -1 for k in range(ids.numel())]
     assert hit.tolist() == [int(r_hit[k] == 1 or k in pcie) for k in range(ids.numel())]
     assert hslot.tolist() == ids.tolist()
+    assert torch.equal(pstart, hstart) and torch.equal(pslot, order)  # nothing copied ahead
+
+
+def _staged(table: torch.Tensor, base: int, ids: torch.Tensor, c: int) -> torch.Tensor:
+    """[C] int32: a routed miss, a resident routed expert, an expert not routed, then -1s."""
+    g = torch.Generator().manual_seed(c)
+    miss = [int(e) for e in ids.tolist() if table[base + e] < 0]
+    res = [int(e) for e in ids.tolist() if table[base + e] >= 0]
+    other = [e for e in torch.randperm(N_EXPERT, generator=g).tolist() if e not in ids.tolist()]
+    pick = (miss[-1:] + res[:1] + other[:1] + miss[:1] + [-1] * c)[:c]
+    return torch.tensor(pick, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("share", [0, 400, 1000])
+@pytest.mark.parametrize("c", [1, 3, 5])
+@pytest.mark.parametrize("case", range(5))
+def test_pcie_reference_gives_staged_misses_to_the_gpu_first(case, c, share):
+    """A miss whose expert is staged is the GPU's, read from staging slot K + c; the other misses split by
+    pcie_entries over their own count; a staged expert that is resident or not routed changes nothing."""
+    table, layer, ids = list(_cases())[case]
+    base, k = layer * N_EXPERT, ids.numel()
+    staged = _staged(table, base, ids, c)
+    r_hit = decode_plan_reference(table, base, ids, N_EXPERT)[0]
+    hit, order, slot, start, hslot, hstart, pslot, pstart = decode_plan_pcie_reference(
+        table, base, ids, N_EXPERT, share, staged=staged)
+    st = staged.tolist()
+    ahead = [j for j in range(k) if r_hit[j] == 0 and int(ids[j]) in st]
+    rest = [j for j in range(k) if r_hit[j] == 0 and j not in ahead]
+    pcie = rest[: pcie_entries(len(rest), share)]
+    assert hstart.tolist() == [j if j in pcie else -1 for j in range(k)]
+    assert pstart.tolist() == [j if j in pcie or j in ahead else -1 for j in range(k)]
+    assert hit.tolist() == [int(r_hit[j] == 1 or j in pcie or j in ahead) for j in range(k)]
+    for j in ahead:
+        assert int(pslot[j]) == k + st.index(int(ids[j]))
+    for j in pcie:
+        assert int(pslot[j]) == j
+
+
+@pytest.mark.parametrize("cap", [1, 2, 7])
+@pytest.mark.parametrize("case", range(5))
+def test_pick_takes_the_first_predicted_misses_in_rank_order(case, cap):
+    table, layer, ids = list(_cases())[case]
+    base = layer * N_EXPERT
+    start, expert = prefetch_pick_reference(table, base, ids, N_EXPERT, cap)
+    miss = [int(e) for e in ids.tolist() if table[base + e] < 0][:cap]
+    assert expert.tolist() == miss + [-1] * (cap - len(miss))
+    assert start.tolist() == list(range(len(miss))) + [-1] * (cap - len(miss))
 
 
 def test_pcie_entries_rule():
@@ -84,6 +134,13 @@ def test_bad_arguments():
         decode_plan_reference(table, 0, torch.arange(6).view(2, 3), N_EXPERT)
     with pytest.raises(ValueError, match="permille"):
         decode_plan_pcie_reference(table, 0, torch.arange(3), N_EXPERT, 1001)
+    with pytest.raises(ValueError, match="staged must be int32"):
+        decode_plan_pcie_reference(table, 0, torch.arange(3), N_EXPERT, 400, staged=torch.arange(2))
+    with pytest.raises(ValueError, match="cap must be"):
+        prefetch_pick_reference(table, 0, torch.arange(3), N_EXPERT, 0)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        prefetch_pick(table, 0, torch.arange(3), N_EXPERT, torch.zeros(2, dtype=torch.int32),
+                      torch.zeros(3, dtype=torch.int32))
 
 
 def _kernel_cases(device):
@@ -102,6 +159,21 @@ def _kernel_cases(device):
             assert got[0] is hit and len(got) == len(want)
             for g, w in zip(got, want, strict=True):
                 assert torch.equal(g, w)
+        for c in (1, 3):
+            staged = _staged(table.cpu(), layer * N_EXPERT, ids.cpu(), c).to(device)
+            for share in (0, 600):
+                want = decode_plan_pcie_reference(table, layer * N_EXPERT, ids, N_EXPERT, share,
+                                                  staged=staged)
+                got = decode_plan_pcie(table, layer * N_EXPERT, ids, N_EXPERT, share, staged=staged)
+                assert len(got) == len(want) == 8
+                for g, w in zip(got, want, strict=True):
+                    assert torch.equal(g, w)
+            # the pick, into poisoned buffers
+            start = torch.full((c,), 7, dtype=torch.int32, device=device)
+            expert = torch.full((c,), 7, dtype=torch.int32, device=device)
+            prefetch_pick(table, layer * N_EXPERT, ids.view(1, -1), N_EXPERT, start, expert)
+            w_start, w_expert = prefetch_pick_reference(table, layer * N_EXPERT, ids, N_EXPERT, c)
+            assert torch.equal(start, w_start) and torch.equal(expert, w_expert)
 
 
 @interpret

@@ -36,14 +36,34 @@ def _cases(device: str, pin: bool):
         got = _buffers(k, e, 48, device, pin)
         want = _buffers(k, e, 48, "cpu", False)
         b = torch.tensor([base], dtype=torch.int64, device=device)
-        publish(*got, b, layer)
+        staged = torch.tensor([7, -1, 3][: 1 + k % 3], dtype=torch.int32, device=device)  # copied ahead
+        host = torch.full((staged.numel(),), 9, dtype=torch.int64)
+        host = host.pin_memory() if pin else host
+        w_host = torch.full((staged.numel(),), 9, dtype=torch.int64)
+        publish(*got, b, layer, staged, host)
         if device == "cuda":
             torch.cuda.synchronize()
-        publish_reference(*[t.cpu() for t in got[:2]], *want[2:], b.cpu(), layer)
+        publish_reference(*[t.cpu() for t in got[:2]], *want[2:], b.cpu(), layer, staged.cpu(), w_host)
+        assert torch.equal(host, w_host) and host.tolist() == staged.tolist()
         for a, w in zip(got[2:], want[2:], strict=True):
             assert torch.equal(a, w), (k, e, layer)
         assert got[3][layer].tolist() == got[0].view(-1).tolist() and (got[3][layer - 1] == -1).all()
         assert int(got[5][0]) & 0xFFFFFFFF == (base + layer) & 0xFFFFFFFF  # the 32-bit wrap
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_staged_list_travels_with_the_routing(c):
+    """The experts copied ahead (int32 on the device) land in the host's int64 list before the flag."""
+    ids, x, ids_host, ids_all, x_host, flag = _buffers(10, 64, 4, "cpu", False)
+    staged = torch.tensor([5, -1, 511][:c], dtype=torch.int32)
+    host = torch.full((c,), 9, dtype=torch.int64)
+    base = torch.tensor([3], dtype=torch.int64)
+    publish_reference(ids, x, ids_host, ids_all, x_host, flag, base, 1, staged, host)
+    assert host.tolist() == staged.tolist() and int(flag[0]) == 4
+    with pytest.raises(ValueError, match="come together"):
+        publish_reference(ids, x, ids_host, ids_all, x_host, flag, base, 1, staged)
+    with pytest.raises(ValueError, match="staged must be"):
+        publish_reference(ids, x, ids_host, ids_all, x_host, flag, base, 1, staged.long(), host)
 
 
 def test_reference_and_errors():
@@ -87,6 +107,9 @@ def test_gpu_the_host_sees_the_flag_only_with_the_data():
     ids_host, x_host = torch.zeros(10, dtype=torch.int64).pin_memory(), torch.zeros(1, 2048).pin_memory()
     ids_all = torch.zeros(4, 10, dtype=torch.int64).pin_memory()
     base = torch.tensor([5], dtype=torch.int64, device=dev)
+    # this form of the kernel compiled now, into a flag of its own: a compile inside the check outlasts the sleep
+    publish(ids, x, ids_host, ids_all, x_host, HostFlag(dev).tensor, base, 0)
+    torch.cuda.current_stream(dev).synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the kernel starts late, the host must not see the flag early
     publish(ids, x, ids_host, ids_all, x_host, flag.tensor, base, 0)
     assert not reached(flag.host, 5)
