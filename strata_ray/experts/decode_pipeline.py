@@ -26,13 +26,18 @@ tiles read them there. Layers not page-locked keep every miss on the CPU. The sa
 bytes: the same bits. (Session 10: the tiles reading the host store in place ran at 21 GB/s.)
 
 With `tiers.decode_prefetch` (STRATA_DECODE_PREFETCH = C) the device also copies experts ahead of the
-routing: in each page-locked layer's dense segment, beside its attention / GDN mixer, DecodeGraphs routes
-the layer's input residual (`copy_ahead`: the MoE's norm and router over the residual before the mixer,
-which adds little to it), decode_plan.prefetch_pick takes the first C predicted experts that are not
-resident, and stage_experts copies them into staging slots K..K+C-1 while the host's memory and PCIe are
-otherwise idle (the CPU waits for the routing then). The layer's plan gives the routed misses among them to
-the GPU first, then the share of the others; publish hands the staged list to the worker, which applies the
-same rule. A wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
+routing. Once a page-locked layer's input is in its buffer (the decode graphs split the layer's first
+segment there and call `ahead_begin`), a graph on a stream of its own routes that input (the MoE's norm and
+router over the residual before the mixer, which adds little to it: on the synthetic 80b-a3b 98.5% of the
+copies were routed), decode_plan.prefetch_pick takes the first C predicted experts that are not resident,
+and stage_experts copies them into staging slots K..K+C-1 with a few programs, beside the layer's mixer,
+while the host's memory and PCIe are otherwise idle (the CPU waits for the routing then). The layer graph's
+plan gives the routed misses among them to the GPU first, then the share of the others; publish hands the
+staged list to the worker, which applies the same rule. A graph of their own computes their rows once the
+plan is done and the copies have landed (`_ahead_rows`), beside the CPU rows; the next layer waits for it.
+Events the host enqueues tie these graphs to the layer graphs, so no copy holds the mixer up (joined
+inside the segment's graph, two copies a layer cost more than they saved: 82.3 against 94.5 tok/s). A
+wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
 
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
 no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
@@ -55,6 +60,10 @@ from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import stage_experts, stage_table
 from strata_ray.kernels.publish import publish
 from strata_ray.kernels.stream_flags import HostFlag
+
+# programs of a layer's copies ahead of its routing: they run beside the layer's mixer, whose kernels want the
+# SMs; PCIe needs few loads in flight (kernels/gather_copy.GATHER_PROGRAMS)
+AHEAD_PROGRAMS = 16
 
 
 class PipelinedDecodeRows:
@@ -101,7 +110,17 @@ class PipelinedDecodeRows:
         self._ahead_start = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
         self._no_ahead = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
         self._staged_pin = torch.full((max(1, self.ahead),), -1, dtype=torch.int64, pin_memory=True)
-        self._ahead_stream = torch.cuda.Stream(dev)  # the copies ahead, beside a layer's mixer
+        # the layer plan's tensors, static: the ahead tiles' graphs read them (order, slot, tile_start,
+        # host_slot, host_start, pcie_slot, ahead_start; decode_plan.decode_plan_pcie)
+        self._plan_out = tuple(torch.full((k,), -1, dtype=torch.int32, device=dev) for _ in range(7))
+        # the copies ahead and their tiles: a graph of each a staged layer, each on a stream of its own, tied
+        # to the layer graphs by events (input ready, copies landed, plan done, tiles done) the host enqueues
+        self._ahead_stream, self._tile_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        self._copy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._tile_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._events = {layer: tuple(torch.cuda.Event() for _ in range(4)) for layer in self._stage} \
+            if self.ahead else {}
+        self._ahead_begun: set[int] = set()
         self.worker = CpuTokenRows(
             layers, tiers.residency.res, k, tiers.pool.n_threads,
             buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
@@ -140,28 +159,83 @@ class PipelinedDecodeRows:
         """[K, E]: each entry's row from the tier that computed it (captured into the combine's graph)."""
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
-    def copy_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> bool:
-        """Inside a layer's dense segment (captured): fork the copies-ahead stream from the current one, where
-        predict() gives the layer's predicted routing [1, K'] (rank order), the first C predicted misses are
-        picked and copied into staging slots K..K+C-1. Returns whether it forked: join_ahead() must then
-        follow in the same segment."""
+    # -- the copies ahead of the routing (STRATA_DECODE_PREFETCH) ------------------------------------------
+    def _copy_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> None:
+        """What a layer's copy graph holds: predict() -> the layer's routing predicted from its input [1, K]
+        (rank order), the first C predicted misses picked and copied into staging slots K..K+C-1 by a few
+        programs (the mixer's kernels run beside them)."""
         from strata_ray.kernels.decode_plan import prefetch_pick
 
-        if not self.ahead or layer not in self._stage:
-            return False
         tiers = self.tiers
-        self._ahead_stream.wait_stream(torch.cuda.current_stream(tiers.device))
-        with torch.cuda.stream(self._ahead_stream):
-            pred = predict()
-            prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
-                          self._ahead_expert)
-            table, part_bytes, _ = self._stage[layer]
-            stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes)
-        return True
+        pred = predict()
+        prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
+                      self._ahead_expert)
+        table, part_bytes, _ = self._stage[layer]
+        stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes,
+                      programs=AHEAD_PROGRAMS)
 
-    def join_ahead(self) -> None:
-        """The segment's end waits for copy_ahead's work (a captured fork joins before its capture ends)."""
-        torch.cuda.current_stream(self.tiers.device).wait_stream(self._ahead_stream)
+    def _ahead_tiles(self, layer: int, x: torch.Tensor) -> None:
+        """What a layer's ahead-tiles graph holds: the rows of the routed misses copied ahead, from their
+        staging slots, over the layer plan's static tensors (its ahead_start marks them)."""
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+
+        order, _, _, _, _, pslot, astart = self._plan_out
+        expert_ffn_gpu(x, self.tok, pslot, self._stage[layer][2], mode="decode", out=self.gpu_rows,
+                       variant=self.tiers.kernel_variant, plan=(order, pslot, astart), ident=self._ident)
+
+    def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]]) -> None:
+        """Each staged layer's copy graph and ahead-tiles graph, after a warm-up; each kind in a memory pool
+        of its own (they run beside the layer graphs, on streams of their own)."""
+        dev = self.tiers.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for layer in self._stage:
+                self._copy_ahead(layer, predicts[layer])
+                self._ahead_tiles(layer, xs[layer])
+        side.synchronize()
+        self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
+        copy_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+        for layer in self._stage:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=copy_pool):
+                self._copy_ahead(layer, predicts[layer])
+            self._copy_graphs[layer] = g
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=tile_pool):
+                self._ahead_tiles(layer, xs[layer])
+            self._tile_graphs[layer] = g
+
+    def ahead_begin(self, layer: int) -> None:
+        """Enqueue the layer's copies ahead once its input is in the buffer its prediction reads (the decode
+        graphs call this right after the layer's first segment): on their own stream, after that segment,
+        beside the rest of the layer's dense path. No host sync."""
+        if layer not in self._copy_graphs:
+            return
+        main = torch.cuda.current_stream(self.tiers.device)
+        ev_in, ev_copied = self._events[layer][:2]
+        ev_in.record(main)
+        self._ahead_stream.wait_event(ev_in)
+        with torch.cuda.stream(self._ahead_stream):
+            self._copy_graphs[layer].replay()
+        ev_copied.record(self._ahead_stream)
+        self._ahead_begun.add(layer)
+
+    def _ahead_rows(self, layer: int) -> None:
+        """After the layer graph (its plan): the ahead tiles on their own stream once the copies have landed,
+        beside the CPU rows."""
+        if layer not in self._tile_graphs:
+            return
+        if layer not in self._ahead_begun:  # its staged list would be another layer's
+            raise RuntimeError(f"layer {layer}: the copies ahead were not enqueued (ahead_begin)")
+        self._ahead_begun.discard(layer)
+        _, ev_copied, ev_plan, ev_tiles = self._events[layer]
+        ev_plan.record(torch.cuda.current_stream(self.tiers.device))
+        self._tile_stream.wait_event(ev_plan)
+        self._tile_stream.wait_event(ev_copied)
+        with torch.cuda.stream(self._tile_stream):
+            self._tile_graphs[layer].replay()
+        ev_tiles.record(self._tile_stream)
 
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """The device's half of a layer: which entries are resident, and their rows (no host in the loop);
@@ -180,20 +254,21 @@ class PipelinedDecodeRows:
         act = quantize_act_gpu(x)  # [1, E] codes, scales, sums: once for both tiers' launches
         if device_misses:
             staged = self._ahead_expert if self.ahead else None
-            _, order, slot, starts, hslot, hstarts, pslot, pstarts = decode_plan_pcie(
-                self.table, base, ids.view(-1), tiers.n_expert, share, hit=self.hit, staged=staged)
+            _, order, slot, starts, hslot, hstarts, pslot, _ = decode_plan_pcie(
+                self.table, base, ids.view(-1), tiers.n_expert, share, hit=self.hit, staged=staged,
+                out=self._plan_out)
             # the PCIe entries on a forked stream beside the resident tiles: their copies wait on the host's
             # memory, the resident tiles on HBM; both write disjoint rows of gpu_rows, and the join below
-            # orders them before the combine. Entry k's expert lands in staging slot k; an expert copied
-            # ahead sits in slot K + c already.
+            # orders them before the combine. Entry k's expert lands in staging slot k. (The misses copied
+            # ahead, in slots K + c, have a graph of their own: _ahead_rows.)
             table, part_bytes, slots = self._stage[layer]
             self._fork.wait_stream(main)
             with torch.cuda.stream(self._fork):
                 if share:
                     stage_experts(hstarts, hslot, table, self.staging, part_bytes)
-                expert_ffn_gpu(x, self.tok, pslot, slots, mode="decode", out=self.gpu_rows,
-                               variant=tiers.kernel_variant, plan=(order, pslot, pstarts), act=act,
-                               ident=self._ident)
+                    expert_ffn_gpu(x, self.tok, pslot, slots, mode="decode", out=self.gpu_rows,
+                                   variant=tiers.kernel_variant, plan=(order, pslot, hstarts), act=act,
+                                   ident=self._ident)
         else:
             _, order, slot, starts = decode_plan(self.table, base, ids.view(-1), tiers.n_expert, hit=self.hit)
         if tiers.cache.n_slots:
@@ -226,13 +301,17 @@ class PipelinedDecodeRows:
             main.wait_stream(self._beside)
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
-                    besides: list[Callable[[], None] | None] | None = None) -> bool:
+                    besides: list[Callable[[], None] | None] | None = None,
+                    predicts: list[Callable[[], torch.Tensor]] | None = None) -> bool:
         """Capture every layer's graph (_layer_graph) over the decode graphs' static xs[layer] [1, E] and
         ids[layer] [1, K], after a warm-up on a side stream. besides[layer]: work only the next layer reads
         (the shared expert), taken into the layer's graph beside its rows: returns True (the caller must
-        then not run it)."""
+        then not run it). predicts[layer]: the layer's routing predicted from its input, [1, K] (needed
+        with copies ahead: `ahead`; the caller then calls ahead_begin(layer) once that input is ready)."""
         if ids is None:
             raise ValueError("the pipelined decode captures over the routing's ids buffers too")
+        if self.ahead and predicts is None:
+            raise ValueError("copies ahead of the routing need each layer's prediction (predicts)")
         besides = besides or [None] * self.tiers.n_layers
         dev = self.tiers.device
         side = torch.cuda.Stream(dev)
@@ -251,6 +330,8 @@ class PipelinedDecodeRows:
             with torch.cuda.graph(g, pool=pool):
                 self._layer_graph(layer, xs[layer], ids[layer], besides[layer])
             self._graphs[layer] = g
+        if self.ahead:
+            self._capture_ahead(xs, predicts)
         return True
 
     # -- the enqueued part ------------------------------------------------------------------------------
@@ -277,6 +358,7 @@ class PipelinedDecodeRows:
         # the layer's graph (its ids also land in _ids_all[layer]: the resident token's window counts); an
         # all-resident token's combine reads no CPU row (hit = 1 for every entry)
         self._graphs[layer].replay()
+        self._ahead_rows(layer)
         if beside is not None:
             beside()
         if self._resident_token:
@@ -285,6 +367,8 @@ class PipelinedDecodeRows:
             self._host += time.perf_counter() - t0
             return
         self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
+        if layer in self._tile_graphs:  # the combine reads the ahead tiles' rows too
+            torch.cuda.current_stream(tiers.device).wait_event(self._events[layer][3])
         if not self.zero_copy:  # else the combine reads them where the worker wrote them
             self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
             self.inv.copy_(self._inv_pin, non_blocking=True)
@@ -325,6 +409,7 @@ class PipelinedDecodeRows:
 
     def abort(self) -> None:
         """After a failure mid-token: end the worker's wait and release the device's waits."""
+        self._ahead_begun.clear()
         if self._resident_token:  # no worker, no flags
             self._resident_token = False
             return

@@ -82,9 +82,9 @@ def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: 
     staged: int32 [C], the experts copied ahead into staging slots K.. (-1: none; module docstring).
     A miss whose expert is staged[c] is the GPU's, its tile reading staging slot K + c; of the other misses
     the first pcie_entries(R, share) in k order are copied (host_start k, host_slot their expert id: into
-    staging slot k) and the GPU's too; hit marks every entry the GPU computes; pcie_start is k for each
-    non-resident entry the GPU computes (else -1), pcie_slot its staging slot. slot / tile_start are the
-    resident tiles as before."""
+    staging slot k) and the GPU's too; hit marks every entry the GPU computes; ahead_start is k for each
+    staged miss (else -1: their tiles, launched apart from the copied ones), pcie_slot the staging slot of
+    each (K + c for a staged miss, k otherwise). slot / tile_start are the resident tiles as before."""
     _check(table, base, ids, n_expert, share)
     _check_staged(staged)
     hit, order, slot, start = decode_plan_reference(table, base, ids, n_expert)
@@ -101,9 +101,9 @@ def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: 
     rank = torch.cumsum(rest.to(torch.int32), 0) - rest.to(torch.int32)  # other misses before entry k
     pcie = rest & (rank < pcie_entries(int(rest.sum()), share))
     host_start = torch.where(pcie, order, torch.full_like(order, -1))
-    device = pcie | ahead
-    pstart = torch.where(device, order, torch.full_like(order, -1))
-    return (hit | device.to(torch.int32)), order, slot, start, ids.to(torch.int32), host_start, pslot, pstart
+    astart = torch.where(ahead, order, torch.full_like(order, -1))
+    hit = hit | (pcie | ahead).to(torch.int32)
+    return hit, order, slot, start, ids.to(torch.int32), host_start, pslot, astart
 
 
 def prefetch_pick_reference(table: Tensor, base: int, pred: Tensor, n_expert: int, cap: int
@@ -122,9 +122,9 @@ def prefetch_pick_reference(table: Tensor, base: int, pred: Tensor, n_expert: in
     return start, expert
 
 
-def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, PSTART, STAGED, base, K, share,
+def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, ASTART, STAGED, base, K, share,
                BLOCK: tl.constexpr, PCIE: tl.constexpr, C: tl.constexpr):
-    # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START (and with PCIE: HSLOT, HSTART, PSLOT, PSTART)
+    # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START (and with PCIE: HSLOT, HSTART, PSLOT, ASTART)
     # int32 [K]; STAGED int32 [C] (C > 0: experts copied ahead). One program, one lane an entry.
     k = tl.arange(0, BLOCK)
     live = k < K
@@ -147,12 +147,11 @@ def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, PSTART
         rank = tl.cumsum(rest, 0) - rest
         n_pcie = (tl.sum(rest, 0) * share + 500) // 1000  # contract.pcie_entries, written out
         pcie = (rest > 0) & (rank < n_pcie)
-        device = pcie | ahead
-        hit = hit | device
+        hit = hit | pcie | ahead
         tl.store(HSLOT + k, expert.to(tl.int32), mask=live)
         tl.store(HSTART + k, tl.where(pcie, k, -1), mask=live)
         tl.store(PSLOT + k, pslot, mask=live)
-        tl.store(PSTART + k, tl.where(device, k, -1), mask=live)
+        tl.store(ASTART + k, tl.where(ahead, k, -1), mask=live)
     tl.store(HIT + k, hit.to(tl.int32), mask=live)
 
 
@@ -180,9 +179,11 @@ def decode_plan(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tenso
 
 
 def decode_plan_pcie(table: Tensor, base: int, ids: Tensor, n_expert: int, share: int,
-                     hit: Tensor | None = None, staged: Tensor | None = None) -> tuple[Tensor, ...]:
-    """decode_plan_pcie_reference in one launch (the same tensors); CUDA-graph capturable."""
-    return _launch(table, base, ids, n_expert, hit, share, staged)
+                     hit: Tensor | None = None, staged: Tensor | None = None,
+                     out: tuple[Tensor, ...] | None = None) -> tuple[Tensor, ...]:
+    """decode_plan_pcie_reference in one launch (the same tensors); CUDA-graph capturable. out: the seven
+    int32 [K] tensors after hit to write into (a graph's static buffers), else new ones."""
+    return _launch(table, base, ids, n_expert, hit, share, staged, out)
 
 
 def prefetch_pick(table: Tensor, base: int, pred: Tensor, n_expert: int, start: Tensor, expert: Tensor
@@ -200,7 +201,7 @@ def prefetch_pick(table: Tensor, base: int, pred: Tensor, n_expert: int, start: 
 
 
 def _launch(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | None, share: int,
-            staged: Tensor | None = None):
+            staged: Tensor | None = None, out: tuple[Tensor, ...] | None = None):
     _check(table, base, ids, n_expert, share)
     _check_staged(staged)
     n = ids.numel()
@@ -209,13 +210,19 @@ def _launch(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | 
     elif hit.shape != (n,) or hit.dtype != torch.int32 or not hit.is_contiguous():
         raise ValueError(f"decode_plan: hit must be a contiguous int32 [{n}] tensor")
     pcie = share > 0 or staged is not None
-    order, slot, start, hslot, hstart, pslot, pstart = (
-        torch.empty(n if pcie or i < 3 else 1, dtype=torch.int32, device=ids.device) for i in range(7))
+    if out is not None:
+        if len(out) != 7 or not pcie or any(t.shape != (n,) or t.dtype != torch.int32 or not t.is_contiguous()
+                                            for t in out):
+            raise ValueError(f"decode_plan: out must be seven contiguous int32 [{n}] tensors (a PCIe plan)")
+        order, slot, start, hslot, hstart, pslot, astart = out
+    else:
+        order, slot, start, hslot, hstart, pslot, astart = (
+            torch.empty(n if pcie or i < 3 else 1, dtype=torch.int32, device=ids.device) for i in range(7))
     stg = staged.contiguous() if staged is not None else hslot
-    _kernels()[0][(1,)](table, ids.contiguous(), hit, order, slot, start, hslot, hstart, pslot, pstart, stg,
+    _kernels()[0][(1,)](table, ids.contiguous(), hit, order, slot, start, hslot, hstart, pslot, astart, stg,
                         base, n, share, BLOCK=next_pow2(n), PCIE=pcie,
                         C=0 if staged is None else staged.numel(), num_warps=1)
-    return (hit, order, slot, start, hslot, hstart, pslot, pstart) if pcie else (hit, order, slot, start)
+    return (hit, order, slot, start, hslot, hstart, pslot, astart) if pcie else (hit, order, slot, start)
 
 
 @functools.cache

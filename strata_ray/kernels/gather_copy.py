@@ -57,22 +57,25 @@ def _gather_body(DESC, n_items, chunks, CHUNK_WORDS: tl.constexpr, BLOCK: tl.con
             tl.store(dst + idx, tl.load(src + idx, mask=live), mask=live)
 
 
-def _stage_body(START, EXPERT, SRC, DST, slot_bytes, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _stage_body(START, EXPERT, SRC, DST, slot_bytes, n_items, chunks, CHUNK_WORDS: tl.constexpr,
+                BLOCK: tl.constexpr):
     # START, EXPERT int32 [K]: entry k is copied where START[k] >= 0, expert EXPERT[k]; SRC int64 [3, 4]: per
     # part (host address of expert 0, bytes from one expert to the next, bytes of the part, the part's offset
-    # in a staging slot); DST uint8: the staging slots, slot_bytes apart. Program (entry, part, chunk).
-    k = tl.program_id(0)
-    part = tl.program_id(1).to(tl.int64)
-    live = tl.load(START + k) >= 0
-    expert = tl.load(EXPERT + k).to(tl.int64)
-    src = (tl.load(SRC + part * 4) + expert * tl.load(SRC + part * 4 + 1)).to(tl.pointer_type(tl.int32))
-    n = tl.where(live, tl.load(SRC + part * 4 + 2) // 4, 0)  # words of this part; none for other entries
-    dst = (DST + k.to(tl.int64) * slot_bytes + tl.load(SRC + part * 4 + 3)).to(tl.pointer_type(tl.int32))
-    w0 = tl.program_id(2).to(tl.int64) * CHUNK_WORDS
-    for off in range(w0, tl.minimum(w0 + CHUNK_WORDS, n), BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        m = idx < n
-        tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
+    # in a staging slot); DST uint8: the staging slots, slot_bytes apart. Work item w = (entry, part, chunk),
+    # chunk fastest; program i takes items i, i + programs, ... (one item each, or a bounded grid).
+    for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
+        k = w // (3 * chunks)
+        part = ((w // chunks) % 3).to(tl.int64)
+        live = tl.load(START + k) >= 0
+        expert = tl.load(EXPERT + k).to(tl.int64)
+        src = (tl.load(SRC + part * 4) + expert * tl.load(SRC + part * 4 + 1)).to(tl.pointer_type(tl.int32))
+        n = tl.where(live, tl.load(SRC + part * 4 + 2) // 4, 0)  # words of this part; none for other entries
+        dst = (DST + k.to(tl.int64) * slot_bytes + tl.load(SRC + part * 4 + 3)).to(tl.pointer_type(tl.int32))
+        w0 = (w % chunks).to(tl.int64) * CHUNK_WORDS
+        for off in range(w0, tl.minimum(w0 + CHUNK_WORDS, n), BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            m = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=m), mask=m)
 
 
 def stage_chunk_kib(raw: str) -> int:
@@ -133,11 +136,12 @@ def stage_table(parts, offsets, slot_bytes: int) -> np.ndarray:
 
 
 def stage_experts(start: torch.Tensor, expert: torch.Tensor, table: torch.Tensor, staging: torch.Tensor,
-                  part_bytes: int) -> None:
+                  part_bytes: int, programs: int | None = None) -> None:
     """Copy the experts a decode plan picked into staging slots, on the current stream (no host sync:
     graph-capturable). start, expert: int32 [K] on the device (entry k is copied where start[k] >= 0,
     expert expert[k] into slot k); table: stage_table's int64 [3, 4] on the device; staging: uint8
-    [>= K, slot bytes] on the device, 4-byte aligned; part_bytes: the table's largest part."""
+    [>= K, slot bytes] on the device, 4-byte aligned; part_bytes: the table's largest part. programs: a
+    bounded grid that leaves the other SMs to kernels beside it (None: one program a chunk)."""
     if table.shape != (3, 4) or table.dtype != torch.int64:
         raise ValueError(f"stage_experts: table must be int64 [3, 4], got {table.dtype} {list(table.shape)}")
     if staging.ndim != 2 or staging.dtype != torch.uint8 or staging.shape[0] < start.numel():
@@ -146,9 +150,10 @@ def stage_experts(start: torch.Tensor, expert: torch.Tensor, table: torch.Tensor
         raise ValueError("stage_experts: staging must be contiguous and 4-byte aligned")
     chunk = _stage_chunk_bytes()
     chunks = -(-part_bytes // chunk)
-    _stage_kernel()[(start.numel(), 3, chunks)](start, expert, table, staging, staging.shape[1],
-                                                CHUNK_WORDS=chunk // 4, BLOCK=BLOCK_WORDS,
-                                                num_warps=4)
+    n_items = start.numel() * 3 * chunks
+    grid = n_items if programs is None else max(1, min(programs, n_items))
+    _stage_kernel()[(grid,)](start, expert, table, staging, staging.shape[1], n_items, chunks,
+                             CHUNK_WORDS=chunk // 4, BLOCK=BLOCK_WORDS, num_warps=4)
 
 
 def check_descriptors(desc: np.ndarray) -> None:

@@ -131,9 +131,10 @@ class DecodeGraphs:
         make_rows = getattr(model.experts, "decode_rows", None)
         self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
         # a backend that copies experts ahead of the routing (PipelinedDecodeRows with STRATA_DECODE_PREFETCH)
-        # gets each layer's routing predicted from the layer's input: the MoE's norm and router over the
-        # residual before the mixer (_predict), into these buffers, on its copies' stream
-        self._ahead = getattr(self.rows, "copy_ahead", None)
+        # gets each layer's routing predicted from the layer's input (_predict: the MoE's norm and router over
+        # the residual before the mixer, into these buffers, in the backend's own graphs), and the call
+        # ahead_begin(layer) once that input is in h_in: a layer's first segment ends there
+        self._ahead = getattr(self.rows, "ahead", 0) > 0
         self._pred = (zeros(1, E), zeros(1, K, dtype=torch.int64), zeros(1, K))  # x, ids, weights
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
@@ -186,59 +187,57 @@ class DecodeGraphs:
         route(w[f"blk.{layer}.ffn_gate_inp.weight"], x, hp.n_expert_used, out=(ids, weights))
         return ids
 
-    def _copy_ahead(self, layer: int, h: Tensor) -> bool:
-        """Fork the backend's copies ahead of the layer's routing (beside the mixer); True: the segment must
-        call rows.join_ahead() at its end."""
-        return self._ahead is not None and self._ahead(layer, lambda: self._predict(layer, h))
-
     def _shared(self, layer: int) -> None:
         """The shared expert of the layer's MoE input into its buffer: a segment of its own, because only the
         next layer reads it (the expert backend enqueues it beside its CPU rows: `step`)."""
         buf = self.layers[layer]
         shared_expert(self.w, layer, buf.x, out=buf.shared)
 
-    def _build_segments(self) -> tuple[list[tuple[Callable, Callable | None, Callable | None]], Callable]:
-        """Per layer (before attention, after attention or None, shared expert or None); the head."""
+    def _split(self, layer: int, body: Callable[[Tensor], None], shared: Callable | None) -> tuple:
+        """A layer of one segment, body(h) after the combine: whole, or (with copies ahead) its input into
+        h_in as a segment of its own, then the body over h_in (the copies start between the two)."""
+        if not self._ahead:
+            return (lambda: body(self._layer_input(layer))), None, shared, None
+        h_in = self.layers[layer].h_in
+
+        def head():
+            h_in.copy_(self._layer_input(layer))
+
+        return head, None, shared, (lambda: body(h_in))
+
+    def _build_segments(self) -> tuple[list[tuple], Callable]:
+        """Per layer (first segment, after attention or None, shared expert or None, the rest of the first
+        segment or None: see _split); the head. The eager attention core runs between the first two."""
         hp, w = self.hp, self.w
         segments = []
         for layer, buf in enumerate(self.layers):
             norm = w[f"blk.{layer}.attn_norm.weight"]
             shared = None if buf.shared is None else (lambda layer=layer: self._shared(layer))
             if buf.gdn is not None:
-                def gdn_seg(layer=layer, buf=buf, norm=norm):
-                    h = self._layer_input(layer)
-                    ahead = self._copy_ahead(layer, h)
+                def gdn_body(h, layer=layer, buf=buf, norm=norm):
                     x = ops.rms_norm(h, norm, hp.rms_eps)
                     # one token: pos0 picks no other form; the state updated in its buffers
                     out, _ = gdn_block(hp, w, layer, x, buf.gdn, 0, state_out=buf.gdn)
                     self._moe_inputs(layer, h, out)
-                    if ahead:
-                        self.rows.join_ahead()
 
-                segments.append((gdn_seg, None, shared))
+                segments.append(self._split(layer, gdn_body, shared))
                 continue
 
             if self.attn is not None:
-                def attn_seg(layer=layer, norm=norm):
-                    h = self._layer_input(layer)
-                    ahead = self._copy_ahead(layer, h)
+                def attn_body(h, layer=layer, norm=norm):
                     x = ops.rms_norm(h, norm, hp.rms_eps)
                     q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                     table = self.kv_table[layer]
                     self.attn.append(table, self.pos, k, v)
                     o = self.attn(q, table, self.pos, hp.head_dim**-0.5)  # [1, H, D]
                     self._moe_inputs(layer, h, attention_output(w, layer, o, gate))
-                    if ahead:
-                        self.rows.join_ahead()
 
-                segments.append((attn_seg, None, shared))
+                segments.append(self._split(layer, attn_body, shared))
                 continue
 
             def attn_in(layer=layer, buf=buf, norm=norm):
                 h = self._layer_input(layer)
-                buf.h_in.copy_(h)
-                # the eager attention core splits the layer: the copies ahead have this segment only
-                ahead = self._copy_ahead(layer, buf.h_in)
+                buf.h_in.copy_(h)  # the input the copies ahead predict from, too
                 x = ops.rms_norm(h, norm, hp.rms_eps)
                 q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                 buf.q.copy_(q)
@@ -246,13 +245,11 @@ class DecodeGraphs:
                 buf.v.copy_(v)
                 if gate is not None:
                     buf.gate.copy_(gate)
-                if ahead:
-                    self.rows.join_ahead()
 
             def attn_out(layer=layer, buf=buf):
                 self._moe_inputs(layer, buf.h_in, attention_output(w, layer, buf.o, buf.gate))
 
-            segments.append((attn_in, attn_out, shared))
+            segments.append((attn_in, attn_out, shared, None))
 
         def head():
             hidden = ops.rms_norm(self._layer_input(hp.n_layer), w["output_norm.weight"], hp.rms_eps)
@@ -292,11 +289,14 @@ class DecodeGraphs:
             for fn in flat:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        predicts = [lambda layer=layer, buf=buf: self._predict(layer, buf.h_in)
+                    for layer, buf in enumerate(self.layers)] if self._ahead else None
         if self.rows is not None and self.rows.capture_all([buf.x for buf in self.layers],
                                                            [buf.ids for buf in self.layers],
-                                                           besides=[fns[2] for fns in segments]):
+                                                           besides=[fns[2] for fns in segments],
+                                                           predicts=predicts):
             # the backend took each shared expert into its layer's graph (beside the rows)
-            segments = [(a, b, None) for a, b, _ in segments]
+            segments = [(a, b, None, t) for a, b, _, t in segments]
             flat = [f for fns in segments for f in fns if f is not None] + [head]
         pool = torch.cuda.graph_pool_handle()
         graphs = {}
@@ -360,13 +360,17 @@ class DecodeGraphs:
         if self.attn is not None:
             self._reserve_kv(state, pos0 + 1)
         try:
-            for layer, (before, after, shared) in enumerate(segments):
+            for layer, (before, after, shared, rest) in enumerate(segments):
                 buf = self.layers[layer]
                 before()
+                if self._ahead:  # the layer's input is in h_in: its copies ahead start beside the rest
+                    self.rows.ahead_begin(layer)
                 if after is not None:  # the attention core over the growing KV cache, eager
                     k_all, v_all = state.kv[layer].append(buf.k, buf.v)
                     buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
                     after()
+                if rest is not None:
+                    rest()
                 if self.rows is not None:  # the shared expert beside the CPU rows: off the critical path
                     self.rows.step(layer, buf.x, buf.ids, beside=shared)
                 else:

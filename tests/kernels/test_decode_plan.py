@@ -60,7 +60,7 @@ def test_pcie_reference_takes_the_first_misses_in_k_order(case, share):
     table, layer, ids = list(_cases())[case]
     base = layer * N_EXPERT
     r_hit, r_order, r_slot, r_start = decode_plan_reference(table, base, ids, N_EXPERT)
-    hit, order, slot, start, hslot, hstart, pslot, pstart = decode_plan_pcie_reference(table, base, ids,
+    hit, order, slot, start, hslot, hstart, pslot, astart = decode_plan_pcie_reference(table, base, ids,
                                                                                        N_EXPERT, share)
     assert torch.equal(order, r_order) and torch.equal(slot, r_slot) and torch.equal(start, r_start)
     misses = [k for k in range(ids.numel()) if r_hit[k] == 0]
@@ -68,7 +68,7 @@ def test_pcie_reference_takes_the_first_misses_in_k_order(case, share):
     assert hstart.tolist() == [k if k in pcie else -1 for k in range(ids.numel())]
     assert hit.tolist() == [int(r_hit[k] == 1 or k in pcie) for k in range(ids.numel())]
     assert hslot.tolist() == ids.tolist()
-    assert torch.equal(pstart, hstart) and torch.equal(pslot, order)  # nothing copied ahead
+    assert (astart == -1).all() and torch.equal(pslot, order)  # nothing copied ahead
 
 
 def _staged(table: torch.Tensor, base: int, ids: torch.Tensor, c: int) -> torch.Tensor:
@@ -91,14 +91,14 @@ def test_pcie_reference_gives_staged_misses_to_the_gpu_first(case, c, share):
     base, k = layer * N_EXPERT, ids.numel()
     staged = _staged(table, base, ids, c)
     r_hit = decode_plan_reference(table, base, ids, N_EXPERT)[0]
-    hit, order, slot, start, hslot, hstart, pslot, pstart = decode_plan_pcie_reference(
+    hit, order, slot, start, hslot, hstart, pslot, astart = decode_plan_pcie_reference(
         table, base, ids, N_EXPERT, share, staged=staged)
     st = staged.tolist()
     ahead = [j for j in range(k) if r_hit[j] == 0 and int(ids[j]) in st]
     rest = [j for j in range(k) if r_hit[j] == 0 and j not in ahead]
     pcie = rest[: pcie_entries(len(rest), share)]
     assert hstart.tolist() == [j if j in pcie else -1 for j in range(k)]
-    assert pstart.tolist() == [j if j in pcie or j in ahead else -1 for j in range(k)]
+    assert astart.tolist() == [j if j in ahead else -1 for j in range(k)]
     assert hit.tolist() == [int(r_hit[j] == 1 or j in pcie or j in ahead) for j in range(k)]
     for j in ahead:
         assert int(pslot[j]) == k + st.index(int(ids[j]))
@@ -136,6 +136,8 @@ def test_bad_arguments():
         decode_plan_pcie_reference(table, 0, torch.arange(3), N_EXPERT, 1001)
     with pytest.raises(ValueError, match="staged must be int32"):
         decode_plan_pcie_reference(table, 0, torch.arange(3), N_EXPERT, 400, staged=torch.arange(2))
+    with pytest.raises(ValueError, match="seven contiguous"):
+        decode_plan_pcie(table, 0, torch.arange(3), N_EXPERT, 400, out=(torch.zeros(3, dtype=torch.int32),))
     with pytest.raises(ValueError, match="cap must be"):
         prefetch_pick_reference(table, 0, torch.arange(3), N_EXPERT, 0)
     with pytest.raises(ValueError, match="contiguous int32"):
@@ -164,8 +166,9 @@ def _kernel_cases(device):
             for share in (0, 600):
                 want = decode_plan_pcie_reference(table, layer * N_EXPERT, ids, N_EXPERT, share,
                                                   staged=staged)
-                got = decode_plan_pcie(table, layer * N_EXPERT, ids, N_EXPERT, share, staged=staged)
-                assert len(got) == len(want) == 8
+                out = tuple(torch.full((ids.numel(),), 7, dtype=torch.int32, device=device) for _ in range(7))
+                got = decode_plan_pcie(table, layer * N_EXPERT, ids, N_EXPERT, share, staged=staged, out=out)
+                assert len(got) == len(want) == 8 and all(g is o for g, o in zip(got[1:], out, strict=True))
                 for g, w in zip(got, want, strict=True):
                     assert torch.equal(g, w)
             # the pick, into poisoned buffers

@@ -121,20 +121,23 @@ def test_stage_table_checks():
 
 
 @interpret
-def test_interpreted_staging_copies_the_planned_experts_only():
+@pytest.mark.parametrize("programs", [None, 1, 5])
+def test_interpreted_staging_copies_the_planned_experts_only(programs):
+    """One program a chunk, or a bounded grid looping over them (the copies ahead of the routing)."""
     pytest.importorskip("triton")
     host = _host_layer()
     slot_bytes = sum(PART_BYTES) + 12
     table, start, expert = _stage_case(host, slot_bytes)
     staging = torch.full((K_STAGE, slot_bytes), 7, dtype=torch.uint8)  # poison: untouched slots keep it
     before = staging.numpy().copy()
-    stage_experts(start, expert, torch.from_numpy(table), staging, max(PART_BYTES))
+    stage_experts(start, expert, torch.from_numpy(table), staging, max(PART_BYTES), programs=programs)
     assert np.array_equal(staging.numpy(), _stage_want(host, before, start, expert))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_staging_from_a_registered_block():
+@pytest.mark.parametrize("programs", [None, 3])
+def test_gpu_staging_from_a_registered_block(programs):
     from strata_ray.experts.host_arena import HostBlock
 
     src = _host_layer()
@@ -145,7 +148,8 @@ def test_gpu_staging_from_a_registered_block():
     table, start, expert = _stage_case(host, slot_bytes)
     staging = torch.full((K_STAGE, slot_bytes), 7, dtype=torch.uint8, device="cuda")
     before = staging.cpu().numpy()
-    stage_experts(start.cuda(), expert.cuda(), torch.from_numpy(table).cuda(), staging, max(PART_BYTES))
+    stage_experts(start.cuda(), expert.cuda(), torch.from_numpy(table).cuda(), staging, max(PART_BYTES),
+                  programs=programs)
     torch.cuda.synchronize()
     assert np.array_equal(staging.cpu().numpy(), _stage_want(src, before, start, expert))
     del host
