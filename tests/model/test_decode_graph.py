@@ -149,3 +149,58 @@ def test_capture_on_a_cpu_model_is_refused():
     _, graphed = _models()["qwen3moe"]
     with pytest.raises(ValueError, match="need a CUDA device"):
         graphed.use_decode_graphs(capture=True)
+
+
+class _AheadRows:
+    """A rows backend that copies experts ahead (`ahead` > 0), played on the CPU: its rows are FloatExperts'
+    (the eager forward's), and ahead_begin records, for each layer, the input the decode graphs hold at
+    that moment and the routing they predict from it."""
+
+    ahead = 2
+
+    def __init__(self, experts, k: int):
+        self.experts, self.k = experts, k
+        self.graphs = None  # the DecodeGraphs, set after construction
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._rows = None
+
+    def ahead_begin(self, layer: int) -> None:
+        buf = self.graphs.layers[layer]
+        self.calls.append((layer, buf.h_in.clone(), self.graphs._predict(layer, buf.h_in).clone()))
+
+    def step(self, layer, x, ids, beside=None):
+        self._rows = self.experts.rows(layer, x, ids)[0]  # [K, E]
+        if beside is not None:
+            beside()
+
+    def rows(self):
+        return self._rows
+
+    def finish(self):
+        pass
+
+
+def test_segments_split_for_copies_ahead_keep_the_bits_and_call_ahead_begin_at_each_layer_input():
+    """With a backend that copies ahead, each layer's first segment ends once its input is in h_in
+    (DecodeGraphs._split): ahead_begin(layer) comes then, every layer in order each step, the prediction
+    reads that input, and the decode keeps the plain forward's bits."""
+    from strata_ray.model.moe import FloatExperts
+
+    hf = ref.tiny_qwen3next(seed=0)
+    weights = ref.gguf_weights(hf)
+    hp = ref.hparams_of(hf)
+    eager, graphed = Model(hp, weights), Model(hp, weights)
+    backend = _AheadRows(FloatExperts(weights), hp.n_expert_used)
+    graphed.experts.decode_rows = lambda e, k, capture: backend  # the tiers' hook (TieredExperts.decode_rows)
+    graphed.use_decode_graphs(capture=False)
+    backend.graphs = graphed.decode_graphs
+    assert graphed.decode_graphs.rows is backend and graphed.decode_graphs._ahead
+    _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
+    layers = [layer for layer, _, _ in backend.calls]
+    assert layers == list(range(hp.n_layer)) * STEPS
+    for _, h_in, pred in backend.calls:
+        assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
+    # the first step's layer 0 input is the token's embedding: the prediction read this step's input
+    toks, _ = _decode(eager, ref.random_prompt(PROMPT, seed=4), 1)
+    emb = weights["token_embd.weight"][toks[0]]
+    assert torch.equal(backend.calls[0][1][0], emb)
