@@ -35,7 +35,9 @@ while the host's memory and PCIe are otherwise idle (the CPU waits for the routi
 plan gives the routed misses among them to the GPU first, then the share of the others; publish hands the
 staged list to the worker, which applies the same rule. A graph of their own computes their rows once the
 plan is done and the copies have landed (`_ahead_rows`), beside the CPU rows; the next layer waits for it.
-Events the host enqueues tie these graphs to the layer graphs, so no copy holds the mixer up (joined
+Events the host enqueues tie these graphs to the layer graphs (input ready -> pick -> the layer graph, whose
+plan and publish read the staged list; copies landed and plan done -> tiles -> the next layer), so no copy
+holds the mixer up (joined
 inside the segment's graph, two copies a layer cost more than they saved: 82.3 against 94.5 tok/s). A
 wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
 
@@ -116,9 +118,11 @@ class PipelinedDecodeRows:
         # the copies ahead and their tiles: a graph of each a staged layer, each on a stream of its own, tied
         # to the layer graphs by events (input ready, copies landed, plan done, tiles done) the host enqueues
         self._ahead_stream, self._tile_stream = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+        self._pick_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._copy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._tile_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._events = {layer: tuple(torch.cuda.Event() for _ in range(4)) for layer in self._stage} \
+        # (input ready, picked, copies landed, plan done, tiles done) a layer
+        self._events = {layer: tuple(torch.cuda.Event() for _ in range(5)) for layer in self._stage} \
             if self.ahead else {}
         self._ahead_begun: set[int] = set()
         self.worker = CpuTokenRows(
@@ -160,16 +164,19 @@ class PipelinedDecodeRows:
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
     # -- the copies ahead of the routing (STRATA_DECODE_PREFETCH) ------------------------------------------
-    def _copy_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> None:
-        """What a layer's copy graph holds: predict() -> the layer's routing predicted from its input [1, K]
-        (rank order), the first C predicted misses picked and copied into staging slots K..K+C-1 by a few
-        programs (the mixer's kernels run beside them)."""
+    def _pick_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> None:
+        """What a layer's pick graph holds: predict() -> the layer's routing predicted from its input [1, K]
+        (rank order), and its first C misses picked into the staged list (which the layer graph's plan and
+        publish read: that graph waits for this one)."""
         from strata_ray.kernels.decode_plan import prefetch_pick
 
         tiers = self.tiers
-        pred = predict()
-        prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
+        prefetch_pick(self.table, layer * tiers.n_expert, predict(), tiers.n_expert, self._ahead_start,
                       self._ahead_expert)
+
+    def _copy_ahead(self, layer: int) -> None:
+        """What a layer's copy graph holds: the picked experts copied into staging slots K..K+C-1 by a few
+        programs (the mixer's kernels run beside them)."""
         table, part_bytes, _ = self._stage[layer]
         stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes,
                       programs=AHEAD_PROGRAMS)
@@ -184,27 +191,28 @@ class PipelinedDecodeRows:
                        variant=self.tiers.kernel_variant, plan=(order, pslot, astart), ident=self._ident)
 
     def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]]) -> None:
-        """Each staged layer's copy graph and ahead-tiles graph, after a warm-up; each kind in a memory pool
-        of its own (they run beside the layer graphs, on streams of their own)."""
+        """Each staged layer's pick, copy and ahead-tiles graphs, after a warm-up; the tiles in a memory pool
+        of their own (the three kinds run beside the layer graphs, on streams of their own)."""
         dev = self.tiers.device
+        bodies = {layer: ((self._pick_graphs, lambda layer=layer: self._pick_ahead(layer, predicts[layer])),
+                          (self._copy_graphs, lambda layer=layer: self._copy_ahead(layer)),
+                          (self._tile_graphs, lambda layer=layer: self._ahead_tiles(layer, xs[layer])))
+                  for layer in self._stage}
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for layer in self._stage:
-                self._copy_ahead(layer, predicts[layer])
-                self._ahead_tiles(layer, xs[layer])
+                for _, body in bodies[layer]:
+                    body()
         side.synchronize()
         self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
-        copy_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
+        ahead_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         for layer in self._stage:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=copy_pool):
-                self._copy_ahead(layer, predicts[layer])
-            self._copy_graphs[layer] = g
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=tile_pool):
-                self._ahead_tiles(layer, xs[layer])
-            self._tile_graphs[layer] = g
+            for graphs, body in bodies[layer]:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=tile_pool if graphs is self._tile_graphs else ahead_pool):
+                    body()
+                graphs[layer] = g
 
     def ahead_begin(self, layer: int) -> None:
         """Enqueue the layer's copies ahead once its input is in the buffer its prediction reads (the decode
@@ -213,10 +221,12 @@ class PipelinedDecodeRows:
         if layer not in self._copy_graphs:
             return
         main = torch.cuda.current_stream(self.tiers.device)
-        ev_in, ev_copied = self._events[layer][:2]
+        ev_in, ev_picked, ev_copied = self._events[layer][:3]
         ev_in.record(main)
         self._ahead_stream.wait_event(ev_in)
         with torch.cuda.stream(self._ahead_stream):
+            self._pick_graphs[layer].replay()
+            ev_picked.record(self._ahead_stream)
             self._copy_graphs[layer].replay()
         ev_copied.record(self._ahead_stream)
         self._ahead_begun.add(layer)
@@ -226,10 +236,8 @@ class PipelinedDecodeRows:
         beside the CPU rows."""
         if layer not in self._tile_graphs:
             return
-        if layer not in self._ahead_begun:  # its staged list would be another layer's
-            raise RuntimeError(f"layer {layer}: the copies ahead were not enqueued (ahead_begin)")
         self._ahead_begun.discard(layer)
-        _, ev_copied, ev_plan, ev_tiles = self._events[layer]
+        _, _, ev_copied, ev_plan, ev_tiles = self._events[layer]
         ev_plan.record(torch.cuda.current_stream(self.tiers.device))
         self._tile_stream.wait_event(ev_plan)
         self._tile_stream.wait_event(ev_copied)
@@ -356,7 +364,12 @@ class PipelinedDecodeRows:
                 self._token_base = base
                 self._base_dev.fill_(base)  # the graphs' publish kernels raise routed to base + layer
         # the layer's graph (its ids also land in _ids_all[layer]: the resident token's window counts); an
-        # all-resident token's combine reads no CPU row (hit = 1 for every entry)
+        # all-resident token's combine reads no CPU row (hit = 1 for every entry). Its plan and publish read
+        # the layer's staged list: the pick must have run (long before: beside the mixer)
+        if layer in self._pick_graphs:
+            if layer not in self._ahead_begun:  # its staged list would be another layer's
+                raise RuntimeError(f"layer {layer}: the copies ahead were not enqueued (ahead_begin)")
+            torch.cuda.current_stream(tiers.device).wait_event(self._events[layer][1])
         self._graphs[layer].replay()
         self._ahead_rows(layer)
         if beside is not None:
@@ -368,7 +381,7 @@ class PipelinedDecodeRows:
             return
         self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
         if layer in self._tile_graphs:  # the combine reads the ahead tiles' rows too
-            torch.cuda.current_stream(tiers.device).wait_event(self._events[layer][3])
+            torch.cuda.current_stream(tiers.device).wait_event(self._events[layer][4])
         if not self.zero_copy:  # else the combine reads them where the worker wrote them
             self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
             self.inv.copy_(self._inv_pin, non_blocking=True)
