@@ -7,9 +7,11 @@ captured once into a graph and replayed per token (DESIGN section 8):
     layer l (GDN):        [combine l-1 | norm | gated delta net | residual | norm | router]
     layer l (attention):  [combine l-1 | norm | q k v | rope]  attention over the KV cache  [gate | out |
                           residual | norm | router]
-    beside the mixer:     with a backend that copies experts ahead (STRATA_DECODE_PREFETCH): the layer's
-                          routing predicted from its input (_predict), the predicted misses copied
-                          (a forked stream, joined at the segment's end)
+    beside the mixer:     with a backend that copies experts ahead (STRATA_DECODE_PREFETCH): a GDN
+                          layer's segment is two, [combine l-1 -> h_in] and the rest; once h_in is there
+                          (after the first graph, or after an attention layer's first segment, which writes
+                          it too) rows.ahead_begin(l) enqueues the backend's graphs that route h_in
+                          (_predict) and copy the predicted misses, on streams of their own
     then:                 routed rows of layer l (the expert backend: tiers, CPU pool, host plan), and
                           [shared expert], which the backend enqueues beside its CPU rows (only layer l+1
                           reads it: in the pipelined decode it leaves the path the device waits on)
