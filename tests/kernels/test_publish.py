@@ -107,7 +107,8 @@ def test_gpu_the_host_sees_the_flag_only_with_the_data():
     ids_host, x_host = torch.zeros(10, dtype=torch.int64).pin_memory(), torch.zeros(1, 2048).pin_memory()
     ids_all = torch.zeros(4, 10, dtype=torch.int64).pin_memory()
     base = torch.tensor([5], dtype=torch.int64, device=dev)
-    # this form of the kernel compiled now, into a flag of its own: a compile inside the check outlasts the sleep
+    # this form of the kernel compiled now, into a flag of its own (a compile inside the check would outlast
+    # the sleep)
     publish(ids, x, ids_host, ids_all, x_host, HostFlag(dev).tensor, base, 0)
     torch.cuda.current_stream(dev).synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the kernel starts late, the host must not see the flag early
