@@ -207,20 +207,16 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
     assert str(e.value) == want
 
 
-def test_pcie_share_is_a_permille_env_switch():
-    assert config([]).pcie_share == 400
-    assert config([], {"STRATA_PCIE_SHARE": "600"}).pcie_share == 600
+@pytest.mark.parametrize("name,field,default,good,bad,allowed", [
+    ("STRATA_PCIE_SHARE", "pcie_share", 400, "600", "0.6", "an integer from 0 to 1000"),  # permille
+    ("STRATA_DECODE_PREFETCH", "decode_prefetch", 0, "2", "9", "an integer from 0 to 8"),  # experts
+])
+def test_integer_env_switches(name, field, default, good, bad, allowed):
+    assert getattr(config([]), field) == default
+    assert getattr(config([], {name: good}), field) == int(good)
     with pytest.raises(ConfigError) as e:
-        config([], {"STRATA_PCIE_SHARE": "0.6"})
-    assert str(e.value) == "STRATA_PCIE_SHARE: invalid value '0.6' (allowed: an integer from 0 to 1000)"
-
-
-def test_decode_prefetch_is_a_count_env_switch():
-    assert config([]).decode_prefetch == 0
-    assert config([], {"STRATA_DECODE_PREFETCH": "2"}).decode_prefetch == 2
-    with pytest.raises(ConfigError) as e:
-        config([], {"STRATA_DECODE_PREFETCH": "9"})
-    assert str(e.value) == "STRATA_DECODE_PREFETCH: invalid value '9' (allowed: an integer from 0 to 8)"
+        config([], {name: bad})
+    assert str(e.value) == f"{name}: invalid value '{bad}' (allowed: {allowed})"
 
 
 @pytest.mark.parametrize("name,value,allowed", [
