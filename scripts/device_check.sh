@@ -19,14 +19,17 @@
 #     trace     decode at 8K on it, then 3 tokens under torch.profiler (tables + a Chrome trace);
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA); once per card size
 #               in TRACE_CARDS (GiB, default "24"; 80 holds every expert); TRACE_TIMELINE=N also lists N
-#               layers of the middle token event by event (trace_summary.py --timeline)
+#               layers of the middle token event by event (trace_summary.py --timeline); once per
+#               TRACE_ENVS entry ("-" the defaults, else NAME=VALUE pairs joined by commas)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     team      decode at 8K on it, the CPU team at each TEAM_SIZES size, once per TEAM_SCHEDS host wait
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
 #               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program;
-#               share:KiB:N also STRATA_DECODE_PREFETCH, the experts a layer copies ahead of its routing)
+#               share:KiB:N also STRATA_DECODE_PREFETCH, the experts a layer copies ahead of its routing;
+#               share:KiB:N:P also STRATA_AHEAD_PROGRAMS, the programs of those copies; a suffix
+#               @NAME=VALUE,NAME=VALUE sets more variables, e.g. 400:32:2@STRATA_TOKEN_GRAPH=1)
 #     gather    prefill at 1K and 8K on it, pinned copies per part then by one gather kernel (GATHER_MODES)
 #   KERNELS_ARGS="--types Q4_0 --variants simple,split"   extra arguments of the kernels step
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
@@ -147,9 +150,12 @@ done
 # share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32), share:KiB:N the
 # experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH, default 0)
 for entry in ${PCIE_SHARES:-0 500 700 1000}; do
-    IFS=: read -r ps ck pf <<< "$entry"
+    envs=()
+    [[ $entry == *@* ]] && IFS=, read -r -a envs <<< "${entry#*@}"
+    IFS=: read -r ps ck pf ap <<< "${entry%%@*}"
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
-        STRATA_DECODE_PREFETCH="${pf:-0}" "${decode[@]}" --json-out "$work/pcie-$ps-${ck:-32}-${pf:-0}.json"
+        STRATA_DECODE_PREFETCH="${pf:-0}" ${ap:+STRATA_AHEAD_PROGRAMS="$ap"} "${envs[@]}" "${decode[@]}" \
+        --json-out "$work/pcie-${entry//[=,@:]/_}.json"
 done
 # decode at 8K (24 GiB card) with the pipelined decode's CPU team at each TEAM_SIZES size in one process (default
 # "15,12,9,15,12,9"), once per TEAM_SCHEDS entry (the host thread's wait: auto spin yield blocking; default auto)
@@ -197,12 +203,18 @@ step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
+# (once per TRACE_ENVS entry as LTIMES_ENVS: "-" the defaults, else variables joined by commas)
 for gib in ${TRACE_CARDS:-24}; do
-    step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${decode[@]}" --card-gib "$gib" --trace-decode 3 \
-        --trace-out "$work/decode-trace-$gib.json" --json-out "$work/trace-$gib.json"
-    step trace 60 python scripts/trace_summary.py "$work/decode-trace-$gib.json" --tokens 3 \
-        --timeline "${TRACE_TIMELINE:-0}"
-    rm -f "$work/decode-trace-$gib.json"  # tens of MB: the summary is what comes back
+    for te in ${TRACE_ENVS:--}; do
+        envs=()
+        [[ $te == - ]] || IFS=, read -r -a envs <<< "$te"
+        tag="$gib-${te//[=,]/_}"
+        step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${envs[@]}" "${decode[@]}" --card-gib "$gib" \
+            --trace-decode 3 --trace-out "$work/decode-trace-$tag.json" --json-out "$work/trace-$tag.json"
+        step trace 60 python scripts/trace_summary.py "$work/decode-trace-$tag.json" --tokens 3 \
+            --timeline "${TRACE_TIMELINE:-0}"
+        rm -f "$work/decode-trace-$tag.json"  # tens of MB: the summary is what comes back
+    done
 done
 step ours 300 env MODEL="$M80" CONTEXTS="${OURS_CONTEXTS:-1024,8192}" GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
     OURS_ARGS=--local OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours

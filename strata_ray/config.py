@@ -420,7 +420,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_PROMPT_MMA: either, over
 # kernels/expert_mma_cuda.MMA["on"]; STRATA_PREFETCH_LAYERS: how far ahead the prompt path copies a layer's
 # experts, experts/tiered; STRATA_ATTN_DOT: the decode attention's
-# products, kernels/attention_decode)
+# products, kernels/attention_decode; STRATA_TOKEN_GRAPH: 1 captures runs of decode layers as one graph,
+# model/decode_graph; STRATA_AHEAD_PROGRAMS: the programs of the decode's copies ahead, kernels/gather_copy)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -432,7 +433,9 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_ATTN_DOT": _choice("tf32x3", "ieee"),
     "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,
     "STRATA_GATHER_PROGRAMS": gather_programs_value,
+    "STRATA_AHEAD_PROGRAMS": gather_programs_value,
     "STRATA_PREFETCH_LAYERS": _choice("1", "2"),
+    "STRATA_TOKEN_GRAPH": _choice("0", "1"),
 }
 
 

@@ -58,14 +58,11 @@ import torch
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
-from strata_ray.kernels.gather_copy import stage_experts, stage_table
+from strata_ray.kernels.gather_copy import ahead_programs, stage_experts, stage_table
 from strata_ray.kernels.publish import publish
 from strata_ray.kernels.stream_flags import HostFlag
-
-# programs of a layer's copies ahead of its routing: they run beside the layer's mixer, whose kernels want the
-# SMs; PCIe needs few loads in flight (kernels/gather_copy.GATHER_PROGRAMS)
-AHEAD_PROGRAMS = 16
 
 
 class PipelinedDecodeRows:
@@ -149,6 +146,8 @@ class PipelinedDecodeRows:
         self._done = torch.cuda.Event()
         self._host = 0.0  # this token's enqueue time on the host (metrics: host ms per token)
         self._base = 1  # v_l = base + l; the flags start at 0, below it
+        self._token_base, self._token_t0 = 0, 0.0
+        self._predicts: list[Callable[[], torch.Tensor]] | None = None  # capture_all's, for token_ahead
 
     # -- the captured part ------------------------------------------------------------------------------
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +178,7 @@ class PipelinedDecodeRows:
         programs (the mixer's kernels run beside them)."""
         table, part_bytes, _ = self._stage[layer]
         stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes,
-                      programs=AHEAD_PROGRAMS)
+                      programs=ahead_programs())
 
     def _ahead_tiles(self, layer: int, x: torch.Tensor) -> None:
         """What a layer's ahead-tiles graph holds: the rows of the routed misses copied ahead, from their
@@ -190,9 +189,11 @@ class PipelinedDecodeRows:
         expert_ffn_gpu(x, self.tok, pslot, self._stage[layer][2], mode="decode", out=self.gpu_rows,
                        variant=self.tiers.kernel_variant, plan=(order, pslot, astart), ident=self._ident)
 
-    def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]]) -> None:
-        """Each staged layer's pick, copy and ahead-tiles graphs, after a warm-up; the tiles in a memory pool
-        of their own (the three kinds run beside the layer graphs, on streams of their own)."""
+    def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]],
+                       graphs: bool = True) -> None:
+        """Each staged layer's pick, copy and ahead-tiles graphs, after a warm-up (graphs=False: the warm-up
+        only); the tiles in a memory pool of their own (the three kinds run beside the layer graphs, on
+        streams of their own)."""
         dev = self.tiers.device
         bodies = {layer: ((self._pick_graphs, lambda layer=layer: self._pick_ahead(layer, predicts[layer])),
                           (self._copy_graphs, lambda layer=layer: self._copy_ahead(layer)),
@@ -207,7 +208,7 @@ class PipelinedDecodeRows:
         side.synchronize()
         self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
         ahead_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
-        for layer in self._stage:
+        for layer in self._stage if graphs else ():
             for graphs, body in bodies[layer]:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=tile_pool if graphs is self._tile_graphs else ahead_pool):
@@ -220,16 +221,32 @@ class PipelinedDecodeRows:
         beside the rest of the layer's dense path. No host sync."""
         if layer not in self._copy_graphs:
             return
+        self._enqueue_ahead(layer, self._pick_graphs[layer].replay, self._copy_graphs[layer].replay)
+        self._ahead_begun.add(layer)
+
+    def _enqueue_ahead(self, layer: int, pick: Callable[[], None], copy: Callable[[], None]) -> None:
+        """pick, then copy, on the ahead stream after the main stream's work so far (the layer's input);
+        events: picked (the layer's plan waits for it), copies landed (its tiles wait for them)."""
         main = torch.cuda.current_stream(self.tiers.device)
         ev_in, ev_picked, ev_copied = self._events[layer][:3]
         ev_in.record(main)
         self._ahead_stream.wait_event(ev_in)
         with torch.cuda.stream(self._ahead_stream):
-            self._pick_graphs[layer].replay()
+            pick()
             ev_picked.record(self._ahead_stream)
-            self._copy_graphs[layer].replay()
+            copy()
         ev_copied.record(self._ahead_stream)
-        self._ahead_begun.add(layer)
+
+    def _enqueue_tiles(self, layer: int, tiles: Callable[[], None]) -> None:
+        """tiles on the tile stream once the main stream's work so far (the layer's plan) is done and the
+        copies have landed; event: tiles done (the next layer's combine waits for it)."""
+        _, _, ev_copied, ev_plan, ev_tiles = self._events[layer]
+        ev_plan.record(torch.cuda.current_stream(self.tiers.device))
+        self._tile_stream.wait_event(ev_plan)
+        self._tile_stream.wait_event(ev_copied)
+        with torch.cuda.stream(self._tile_stream):
+            tiles()
+        ev_tiles.record(self._tile_stream)
 
     def _ahead_rows(self, layer: int) -> None:
         """After the layer graph (its plan): the ahead tiles on their own stream once the copies have landed,
@@ -237,13 +254,7 @@ class PipelinedDecodeRows:
         if layer not in self._tile_graphs:
             return
         self._ahead_begun.discard(layer)
-        _, _, ev_copied, ev_plan, ev_tiles = self._events[layer]
-        ev_plan.record(torch.cuda.current_stream(self.tiers.device))
-        self._tile_stream.wait_event(ev_plan)
-        self._tile_stream.wait_event(ev_copied)
-        with torch.cuda.stream(self._tile_stream):
-            self._tile_graphs[layer].replay()
-        ev_tiles.record(self._tile_stream)
+        self._enqueue_tiles(layer, self._tile_graphs[layer].replay)
 
     def _resident_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """The device's half of a layer: which entries are resident, and their rows (no host in the loop);
@@ -310,16 +321,18 @@ class PipelinedDecodeRows:
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
                     besides: list[Callable[[], None] | None] | None = None,
-                    predicts: list[Callable[[], torch.Tensor]] | None = None) -> bool:
+                    predicts: list[Callable[[], torch.Tensor]] | None = None, graphs: bool = True) -> bool:
         """Capture every layer's graph (_layer_graph) over the decode graphs' static xs[layer] [1, E] and
         ids[layer] [1, K], after a warm-up on a side stream. besides[layer]: work only the next layer reads
         (the shared expert), taken into the layer's graph beside its rows: returns True (the caller must
         then not run it). predicts[layer]: the layer's routing predicted from its input, [1, K] (needed
-        with copies ahead: `ahead`; the caller then calls ahead_begin(layer) once that input is ready)."""
+        with copies ahead: `ahead`; the caller then calls ahead_begin(layer) once that input is ready).
+        graphs=False: the warm-up only, for the caller's token graphs (token_layer, token_ahead)."""
         if ids is None:
             raise ValueError("the pipelined decode captures over the routing's ids buffers too")
         if self.ahead and predicts is None:
             raise ValueError("copies ahead of the routing need each layer's prediction (predicts)")
+        self._predicts = predicts
         besides = besides or [None] * self.tiers.n_layers
         dev = self.tiers.device
         side = torch.cuda.Stream(dev)
@@ -332,14 +345,18 @@ class PipelinedDecodeRows:
         side.synchronize()
         self.routed.set(0)  # the warm-up raised it to n_layers - 1: back below the first token's base
         torch.cuda.current_stream(dev).wait_stream(side)
+        if not graphs:  # the token graphs' own kernels warmed up too: the flag wait (released at once)
+            self._base_dev.fill_(int(self.rows_flag.host[0]))
+            wait_flag(self.rows_flag.tensor, self._base_dev, 0)
+            torch.cuda.current_stream(dev).synchronize()
         pool = torch.cuda.graph_pool_handle()
-        for layer in range(self.tiers.n_layers):
+        for layer in range(self.tiers.n_layers) if graphs else ():
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self._layer_graph(layer, xs[layer], ids[layer], besides[layer])
             self._graphs[layer] = g
         if self.ahead:
-            self._capture_ahead(xs, predicts)
+            self._capture_ahead(xs, predicts, graphs)
         return True
 
     # -- the enqueued part ------------------------------------------------------------------------------
@@ -351,18 +368,7 @@ class PipelinedDecodeRows:
         t0 = time.perf_counter()
         tiers = self.tiers
         if layer == 0:
-            self._host = 0.0
-            tiers.start_forward(1)  # window boundary: residency may change here, never inside the token
-            # the captured graphs read this very tensor: refreshed in place, never replaced
-            if tiers.residency.device_table(tiers.device) is not self.table:
-                raise RuntimeError("the device residency table moved under the resident-rows graphs")
-            self._resident_token = tiers.all_resident  # every entry a hit: the device alone
-            if not self._resident_token:
-                base, self._base = self._base, (self._base + tiers.n_layers) & 0xFFFFFFFF
-                self.worker.buf["stop"][0] = 0
-                self._job = tiers.cpu_thread.submit(self.worker.run, base)
-                self._token_base = base
-                self._base_dev.fill_(base)  # the graphs' publish kernels raise routed to base + layer
+            self._begin_token(token_graph=False)
         # the layer's graph (its ids also land in _ids_all[layer]: the resident token's window counts); an
         # all-resident token's combine reads no CPU row (hit = 1 for every entry). Its plan and publish read
         # the layer's staged list: the pick must have run (long before: beside the mixer)
@@ -386,6 +392,69 @@ class PipelinedDecodeRows:
             self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
             self.inv.copy_(self._inv_pin, non_blocking=True)
         self._host += time.perf_counter() - t0
+
+    def _begin_token(self, token_graph: bool) -> None:
+        """A token's host part before its first layer: the window boundary, then (unless every expert is
+        resident) a flag base and the worker. token_graph: the token's graphs wait for rows_flag inside
+        (wait_flag), so a resident token gets a base too, its waits released at once."""
+        tiers = self.tiers
+        self._host = 0.0
+        tiers.start_forward(1)  # window boundary: residency may change here, never inside the token
+        # the captured graphs read this very tensor: refreshed in place, never replaced
+        if tiers.residency.device_table(tiers.device) is not self.table:
+            raise RuntimeError("the device residency table moved under the resident-rows graphs")
+        self._resident_token = tiers.all_resident  # every entry a hit: the device alone
+        if self._resident_token and not token_graph:
+            return
+        base, self._base = self._base, (self._base + tiers.n_layers) & 0xFFFFFFFF
+        self._token_base = base
+        self._base_dev.fill_(base)  # the graphs' publish kernels raise routed to base + layer
+        if self._resident_token:  # no worker: every layer's wait passes
+            self.rows_flag.set((base + tiers.n_layers - 1) & 0xFFFFFFFF)
+            return
+        self.worker.buf["stop"][0] = 0
+        self._job = tiers.cpu_thread.submit(self.worker.run, base)
+
+    # -- the token graphs: a run of layers captured as one graph by the decode graphs ------------------------
+    def token_begin(self) -> None:
+        """Before the token's graphs are launched (host: the window boundary, the base, the worker)."""
+        self._token_t0 = time.perf_counter()
+        self._begin_token(token_graph=True)
+
+    def token_ahead(self, layer: int) -> None:
+        """Capturable: layer's copies ahead once its input is in its buffer (as ahead_begin, in the caller's
+        graph: pick and copy on the ahead stream, forked there and joined by token_layer's waits)."""
+        if layer not in self._stage or not self.ahead:
+            return
+        self._enqueue_ahead(layer, lambda: self._pick_ahead(layer, self._predicts[layer]),
+                            lambda: self._copy_ahead(layer))
+
+    def token_layer(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                    beside: Callable[[], None] | None) -> None:
+        """Capturable: everything step(layer) enqueues, in the caller's graph: the pick's join, the layer's
+        rows (_layer_graph, beside on a fork), the ahead tiles, the wait for the worker's rows as a kernel
+        (kernels/flag_wait: base + layer, base from the device), the tiles' join, the copies up."""
+        staged = bool(self.ahead) and layer in self._stage
+        main = torch.cuda.current_stream(self.tiers.device)
+        if staged:  # the plan and publish read the staged list
+            main.wait_event(self._events[layer][1])
+        self._layer_graph(layer, x, ids, beside)
+        if staged:
+            self._enqueue_tiles(layer, lambda: self._ahead_tiles(layer, x))
+        wait_flag(self.rows_flag.tensor, self._base_dev, layer)
+        if staged:  # the combine reads the ahead tiles' rows too; the copies' stream joined here as well (a
+            # capture ends with every fork joined to its stream; the tiles already waited for the copies)
+            main.wait_event(self._events[layer][4])
+            main.wait_event(self._events[layer][2])
+        if not self.zero_copy:
+            self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
+            self.inv.copy_(self._inv_pin, non_blocking=True)
+
+    def token_end(self) -> None:
+        """After the token's graphs are launched: the resident token's done event; the host's time."""
+        if self._resident_token:
+            self._done.record()
+        self._host += time.perf_counter() - self._token_t0
 
     def finish(self) -> None:
         """Join the token's worker; count each layer's entries (window accounting, metrics: the host's

@@ -192,3 +192,14 @@ def gather_programs_value(raw: str) -> int:
 @functools.cache
 def gather_programs() -> int:
     return _env_value("STRATA_GATHER_PROGRAMS", gather_programs_value, GATHER_PROGRAMS)
+
+
+# programs of a decode layer's copies ahead of its routing (experts/decode_pipeline): they run beside the
+# layer's mixer, whose kernels want the SMs, and PCIe needs few loads in flight; STRATA_AHEAD_PROGRAMS (env
+# only, the gather's values) sets it
+AHEAD_PROGRAMS = 16
+
+
+@functools.cache
+def ahead_programs() -> int:
+    return _env_value("STRATA_AHEAD_PROGRAMS", gather_programs_value, AHEAD_PROGRAMS)

@@ -137,6 +137,13 @@ class DecodeGraphs:
         # the residual before the mixer, into these buffers, in the backend's own graphs), and the call
         # ahead_begin(layer) once that input is in h_in: a layer's first segment ends there
         self._ahead = getattr(self.rows, "ahead", 0) > 0
+        # STRATA_TOKEN_GRAPH=1 (env only) with a backend that has the token forms (PipelinedDecodeRows): each
+        # run of layers between two eager attention cores is one graph, the worker's rows waited for inside
+        # (kernels/flag_wait), so a token is a few launches instead of ~2 a layer (5 a staged layer with
+        # copies ahead): on the H200 host each launch cost 20-60 us of host time in the real decode, and with
+        # copies ahead the host set the pace (session 20). With the device attention, a token is one graph.
+        # (Without capture the pieces run as plain calls: the CPU tests check the order and the bits.)
+        self._token = hasattr(self.rows, "token_layer") and os.environ.get("STRATA_TOKEN_GRAPH", "0") == "1"
         self._pred = (zeros(1, E), zeros(1, K, dtype=torch.int64), zeros(1, K))  # x, ids, weights
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
@@ -261,10 +268,14 @@ class DecodeGraphs:
         return segments, head
 
     # -- capture ------------------------------------------------------------------------------------------
-    def _runners(self) -> tuple[list[tuple[Callable, Callable | None]], Callable]:
-        """The segments as callables: the functions themselves, or their graphs' replay (captured once)."""
+    def _runners(self) -> tuple[list[tuple[Callable, Callable | None]], Callable] | list:
+        """The segments as callables: the functions themselves, or their graphs' replay (captured once);
+        in the token mode the pieces of _capture_token."""
         segments, head = self._segments
         if not self.capture:
+            if self._token:
+                return [p if isinstance(p, int) else (lambda p=p: [fn() for fn in p])
+                        for p in self._token_pieces(segments, head)]
             return segments, head
         if self._graphs is None:
             self._graphs = self._capture(segments, head)
@@ -296,7 +307,10 @@ class DecodeGraphs:
         if self.rows is not None and self.rows.capture_all([buf.x for buf in self.layers],
                                                            [buf.ids for buf in self.layers],
                                                            besides=[fns[2] for fns in segments],
-                                                           predicts=predicts):
+                                                           predicts=predicts,
+                                                           **({"graphs": False} if self._token else {})):
+            if self._token:
+                return self._capture_token(segments, head)
             # the backend took each shared expert into its layer's graph (beside the rows)
             segments = [(a, b, None, t) for a, b, _, t in segments]
             flat = [f for fns in segments for f in fns if f is not None] + [head]
@@ -308,6 +322,41 @@ class DecodeGraphs:
                 fn()
             graphs[fn] = g.replay
         return [tuple(graphs[f] if f is not None else None for f in fns) for fns in segments], graphs[head]
+
+    def _token_pieces(self, segments, head) -> list:
+        """The token as pieces: a tuple of functions (one graph), or a layer index (its eager attention
+        core, between two graphs). Per layer: its first segment, the copies ahead once its input is there
+        (after the eager core for an attention layer: a fork must join inside its graph), the rest, the
+        backend's rows with the shared expert beside them; then the head."""
+        pieces: list = []
+        run: list[Callable] = []
+        for layer, (before, after, shared, rest) in enumerate(segments):
+            buf = self.layers[layer]
+            run.append(before)
+            if after is not None:
+                pieces += [tuple(run), layer]
+                run = []
+            if self._ahead:
+                run.append(lambda layer=layer: self.rows.token_ahead(layer))
+            run += [f for f in (after, rest) if f is not None]
+            run.append(lambda layer=layer, buf=buf, shared=shared:
+                       self.rows.token_layer(layer, buf.x, buf.ids, shared))
+        return pieces + [(*run, head)]
+
+    def _capture_token(self, segments, head) -> list:
+        """_token_pieces with each tuple captured as one graph (one memory pool: they replay in order)."""
+        pool = torch.cuda.graph_pool_handle()
+        out: list = []
+        for piece in self._token_pieces(segments, head):
+            if isinstance(piece, int):
+                out.append(piece)
+                continue
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                for fn in piece:
+                    fn()
+            out.append(g.replay)
+        return out
 
     # -- the step -----------------------------------------------------------------------------------------
     def _adopt(self, state: SequenceState) -> None:
@@ -346,11 +395,18 @@ class DecodeGraphs:
                 self.kv_table[layer, 1].fill_(row[1])
                 self._kv_at[layer] = at
 
+    def _attention_core(self, layer: int, state: SequenceState, pos0: int) -> None:
+        """An attention layer's core over its growing KV cache, eager (its shapes change every token)."""
+        buf = self.layers[layer]
+        k_all, v_all = state.kv[layer].append(buf.k, buf.v)
+        buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, self.hp.head_dim**-0.5))
+
     def step(self, ids: Tensor | Sequence[int], state: SequenceState,
              return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """One token (ids of length 1) at position state.pos -> logits [1, V] (and hidden [1, E]), exactly
         as Model.forward computes them."""
-        segments, head = self._runners()
+        runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
+        pieces, (segments, head) = (runners, ((), None)) if self._token else ((), runners)
         self._adopt(state)
         if isinstance(ids, Tensor):
             self.tok.copy_(ids.reshape(1))
@@ -358,18 +414,25 @@ class DecodeGraphs:
             self.tok.fill_(int(ids[0]))  # a kernel argument: no host-to-device copy
         pos0 = state.pos
         self.pos.fill_(pos0)
-        hp, experts = self.hp, self.model.experts
+        experts = self.model.experts
         if self.attn is not None:
             self._reserve_kv(state, pos0 + 1)
         try:
+            if self._token:  # graphs of many layers, the eager attention cores between them
+                self.rows.token_begin()
+                for piece in pieces:
+                    if isinstance(piece, int):
+                        self._attention_core(piece, state, pos0)
+                    else:
+                        piece()
+                self.rows.token_end()
             for layer, (before, after, shared, rest) in enumerate(segments):
                 buf = self.layers[layer]
                 before()
                 if self._ahead:  # the layer's input is in h_in: its copies ahead start beside the rest
                     self.rows.ahead_begin(layer)
                 if after is not None:  # the attention core over the growing KV cache, eager
-                    k_all, v_all = state.kv[layer].append(buf.k, buf.v)
-                    buf.o.copy_(ops.attention(buf.q, k_all, v_all, pos0, hp.head_dim**-0.5))
+                    self._attention_core(layer, state, pos0)
                     after()
                 if rest is not None:
                     rest()
@@ -379,7 +442,8 @@ class DecodeGraphs:
                     buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
                     if shared is not None:
                         shared()
-            head()
+            if not self._token:
+                head()
         except BaseException:
             abort = getattr(self.rows, "abort", None)  # a worker waiting on this token's flags
             if abort is not None:

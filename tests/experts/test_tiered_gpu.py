@@ -93,18 +93,24 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
 
 
 @pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie", "pipeline-ahead",
-                                  "pipeline-pcie-ahead"])
+                                  "pipeline-pcie-ahead", "pipeline-token", "pipeline-pcie-ahead-token",
+                                  "pipeline-ahead-token-device-attention"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
-def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode):
+def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, monkeypatch):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
     cpu_thread: the CPU rows from the helper thread behind the host flag (STRATA_DECODE_CPU_THREAD);
     pipeline: the whole token enqueued, a numba worker behind two flags (STRATA_DECODE_PIPELINE);
     pipeline-pcie: with 60% of each layer's misses read by the GPU from the page-locked store over PCIe
     (STRATA_PCIE_SHARE; the eager forward has no such tier: its CPU entries are the two tiers' sum);
     ahead: experts copied ahead of the routing from its prediction beside the mixer (STRATA_DECODE_PREFETCH:
-    2 alone, 3 with the share)."""
+    2 alone, 3 with the share); token: runs of layers as one graph, the worker's rows waited for inside
+    (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph)."""
     pcie = 600 if "pcie" in mode else 0
-    ahead = (3 if pcie else 2) if mode.endswith("ahead") else 0
+    ahead = (3 if pcie else 2) if "ahead" in mode else 0
+    if "token" in mode:
+        monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1")
+    if "device-attention" in mode:
+        monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1")
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
                         pcie_share=pcie, decode_prefetch=ahead)
@@ -112,6 +118,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode):
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
         assert (loaded.model.decode_graphs is not None) == graphs
+        if graphs:
+            assert loaded.model.decode_graphs._token == ("token" in mode)
         got[graphs] = greedy_logits(loaded.model, PROMPT, DECODE)
         tiers.finish()
         c = tiers.metrics.counts

@@ -204,3 +204,71 @@ def test_segments_split_for_copies_ahead_keep_the_bits_and_call_ahead_begin_at_e
     toks, _ = _decode(eager, ref.random_prompt(PROMPT, seed=4), 1)
     emb = weights["token_embd.weight"][toks[0]]
     assert torch.equal(backend.calls[0][1][0], emb)
+
+
+class _TokenRows(_AheadRows):
+    """_AheadRows with the token forms (PipelinedDecodeRows' token_begin / token_ahead / token_layer /
+    token_end), played on the CPU: it records the order of the calls and the input each prediction read."""
+
+    def __init__(self, experts, k: int):
+        super().__init__(experts, k)
+        self.order: list[tuple[str, int]] = []
+
+    def token_begin(self):
+        self.order.append(("begin", -1))
+
+    def token_ahead(self, layer):
+        self.order.append(("ahead", layer))
+        self.ahead_begin(layer)
+
+    def token_layer(self, layer, x, ids, beside):
+        self.order.append(("layer", layer))
+        self.step(layer, x, ids, beside)
+
+    def token_end(self):
+        self.order.append(("end", -1))
+
+
+def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(monkeypatch):
+    """STRATA_TOKEN_GRAPH=1: the token as runs of layers (one graph each on CUDA), an eager attention core
+    between two runs. Every layer's copies ahead come after its input is there (after the core for an
+    attention layer) and before its rows; the decode keeps the plain forward's bits."""
+    from strata_ray.model.moe import FloatExperts
+
+    monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1")
+    hf = ref.tiny_qwen3next(seed=0)
+    weights = ref.gguf_weights(hf)
+    hp = ref.hparams_of(hf)
+    eager, graphed = Model(hp, weights), Model(hp, weights)
+    backend = _TokenRows(FloatExperts(weights), hp.n_expert_used)
+    graphed.experts.decode_rows = lambda e, k, capture: backend
+    graphed.use_decode_graphs(capture=False)
+    graphs = backend.graphs = graphed.decode_graphs
+    assert graphs._token and graphs._ahead
+    pieces = graphs._runners()
+    attention = [layer for layer in range(hp.n_layer) if not hp.is_recurrent(layer)]
+    assert attention and [p for p in pieces if isinstance(p, int)] == attention
+    assert len(pieces) == 2 * len(attention) + 1  # runs of graphs and cores alternate
+    _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
+    one_token = [("begin", -1)] + [(kind, layer) for layer in range(hp.n_layer) for kind in ("ahead", "layer")]
+    assert backend.order == (one_token + [("end", -1)]) * STEPS
+    for _, h_in, pred in backend.calls:
+        assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
+
+
+def test_token_pieces_need_the_backend_token_forms(monkeypatch):
+    """A backend without the token forms (the host-planned DecodeRows, the CPU's) keeps the per-layer
+    segments under STRATA_TOKEN_GRAPH=1."""
+    from strata_ray.model.moe import FloatExperts
+
+    monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1")
+    hf = ref.tiny_qwen3next(seed=0)
+    weights = ref.gguf_weights(hf)
+    hp = ref.hparams_of(hf)
+    graphed = Model(hp, weights)
+    backend = _AheadRows(FloatExperts(weights), hp.n_expert_used)
+    graphed.experts.decode_rows = lambda e, k, capture: backend
+    graphed.use_decode_graphs(capture=False)
+    assert not graphed.decode_graphs._token
+    segments, head = graphed.decode_graphs._runners()
+    assert len(segments) == hp.n_layer and callable(head)

@@ -1,0 +1,70 @@
+"""A kernel that waits for a host flag: the CPU worker's rows, inside a graph of many layers.
+
+The pipelined decode enqueued `cuStreamWaitValue32` (kernels/stream_flags.HostFlag.wait) between a layer's
+rows graph and the next layer's segment graph: a stream operation with its value fixed by the host, so a
+token was ~2 graph launches a layer. On the H200 host each launch cost 20-60 us of host time in the real
+decode (session 20 trace: 109 launches a token, 4.7 ms), and with copies ahead of the routing (5 launches a
+staged layer) the host, not the device or the worker, set the pace. Waiting inside the graph lets a run of
+layers be one graph: this kernel spins (one thread) until the flag reaches base + layer, base read from the
+device (set once a token, as publish reads it), so the value changes every token without a new graph.
+
+The comparison is HostFlag's: (int32)(flag - target) >= 0 releases, so a stale value never releases a
+later wait, across the 32-bit wrap too. The worker writes its rows, then the flag (x86 stores are seen in
+order); kernels after this one read the rows.
+
+`wait_flag_reference` is the plain twin (the host spins), for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch import Tensor
+
+from .lazy_triton import jit_bodies
+
+tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
+
+
+def _wait_body(FLAG, BASE, layer):
+    # FLAG int32 [1] (page-locked host memory, read over PCIe each time: volatile); BASE int64 [1] (device).
+    # One program of one warp.
+    target = ((tl.load(BASE) + layer) & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+    v = tl.load(FLAG, volatile=True)
+    while v - target < 0:  # int32 arithmetic wraps: the flag's distance to the target, signed
+        v = tl.load(FLAG, volatile=True)
+
+
+@functools.cache
+def _kernel():
+    return jit_bodies(_wait_body, do_not_specialize=["layer"])[0]
+
+
+def _check(flag: Tensor, base: Tensor) -> None:
+    if flag.dtype != torch.int32 or flag.numel() != 1:
+        raise ValueError("wait_flag: the flag must be one int32")
+    if base.dtype != torch.int64 or base.numel() != 1:
+        raise ValueError("wait_flag: base must be one int64")
+
+
+def wait_flag(flag: Tensor, base: Tensor, layer: int) -> None:
+    """On the current stream: stop until (int32)(flag - (base + layer) mod 2^32) >= 0. flag: int32 [1],
+    page-locked (or, under the Triton interpreter, a CPU tensor); base: int64 [1] on the device. No host
+    sync: graph-capturable. Never released if nothing raises the flag (the worker's abort raises it)."""
+    _check(flag, base)
+    if layer < 0:
+        raise ValueError(f"wait_flag: layer {layer} < 0")
+    _kernel()[(1,)](flag, base, layer, num_warps=1)
+
+
+def wait_flag_reference(flag: Tensor, base: Tensor, layer: int, timeout_s: float = 10.0) -> None:
+    """The plain twin: the host spins on the same comparison (TimeoutError after timeout_s)."""
+    _check(flag, base)
+    target = (int(base.reshape(-1)[0]) + layer) & 0xFFFFFFFF
+    t0 = time.perf_counter()
+    while ((int(flag.reshape(-1)[0]) - target) & 0xFFFFFFFF) >= 1 << 31:
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"wait_flag: the flag stayed below {target}")
+        time.sleep(0)
