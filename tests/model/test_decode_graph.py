@@ -250,7 +250,8 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
     assert attention and [p for p in pieces if isinstance(p, int)] == attention
     assert len(pieces) == 2 * len(attention) + 1  # runs of graphs and cores alternate
     _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
-    one_token = [("begin", -1)] + [(kind, layer) for layer in range(hp.n_layer) for kind in ("ahead", "layer")]
+    layers = [(kind, layer) for layer in range(hp.n_layer) for kind in ("ahead", "layer")]
+    one_token = [("begin", -1)] + layers
     assert backend.order == (one_token + [("end", -1)]) * STEPS
     for _, h_in, pred in backend.calls:
         assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
