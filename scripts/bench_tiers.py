@@ -360,7 +360,8 @@ def main() -> None:
     # and STRATA_PCIE_SHARE and STRATA_DECODE_PREFETCH likewise
     variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
     pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
-    prefetch = int(os.environ.get("STRATA_DECODE_PREFETCH") or EngineConfig.decode_prefetch)
+    raw = os.environ.get("STRATA_DECODE_PREFETCH")
+    prefetch = int(raw) if raw else EngineConfig.decode_prefetch  # None: the decode's default
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
                        kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch)
@@ -379,14 +380,20 @@ def main() -> None:
 
     rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "
-          f"PCIe share {cfg.pcie_share / 10:g}%, {cfg.decode_prefetch} experts copied ahead a layer)",
-          flush=True)
+          f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
     model = Model(hp, weights, experts=tiers)
+    graphs = {"token_graph": False, "device_attention": False, "ahead": 0}
     if dev == "cuda" and not args.no_graphs:
         t = time.perf_counter()
         model.use_decode_graphs()
         model.decode_graphs.capture_now()
-        print(f"decode graphs captured in {time.perf_counter() - t:.1f} s", flush=True)
+        g = model.decode_graphs
+        graphs = {"token_graph": g.token_graph, "device_attention": g.attn is not None,
+                  "ahead": getattr(g.rows, "ahead", 0)}
+        on = {True: "on", False: "off"}
+        print(f"decode graphs captured in {time.perf_counter() - t:.1f} s (token graphs "
+              f"{on[graphs['token_graph']]}, device attention {on[graphs['device_attention']]}, "
+              f"{graphs['ahead']} experts copied ahead a layer)", flush=True)
     loaded = SimpleNamespace(model=model, hp=hp)
     print(
         f"dense weights in {dense_s:.1f} s, tiers in {time.perf_counter() - t:.1f} s; "
@@ -423,7 +430,9 @@ def main() -> None:
         "dense_q8": cfg.dense_q8,
         "kernel_variant": cfg.kernel_variant,
         "pcie_share": cfg.pcie_share,
-        "decode_prefetch": cfg.decode_prefetch,
+        "decode_prefetch": graphs["ahead"],  # the experts a layer copies ahead, as the decode took them
+        "token_graph": graphs["token_graph"],
+        "device_attention": graphs["device_attention"],
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,

@@ -117,8 +117,10 @@ class EngineConfig:
     # its input residual beside its attention / GDN mixer (a prediction: the mixer adds little to the
     # residual) and copies the first this-many predicted non-resident experts into staging slots while the
     # host's memory and PCIe are otherwise idle; routed misses among them are the GPU's (decode_pipeline).
-    # 0: off. Same bits either way.
-    decode_prefetch: int = 0
+    # 0: off. Same bits either way. None (unset): 2 in the token graphs (STRATA_TOKEN_GRAPH, on by default
+    # where some experts are not resident: 77.2 -> 87.0 tok/s on the H200 at 8K, session 20), else 0 (there
+    # each copy costs host launches: 94.5 -> 82.3 in session 19's form, 77 -> 70-75 in session 20's).
+    decode_prefetch: int | None = None
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -416,12 +418,14 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 
 # env-only A/B switches read where they act (kernels, decode graphs), not carried by EngineConfig: a value
 # they would not take is refused with the others' one line (STRATA_FUSED_DECODE, STRATA_GATHER_COPY and
-# STRATA_STREAM_ALL and STRATA_DENSE_CUDA: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on;
+# STRATA_STREAM_ALL and STRATA_DENSE_CUDA: 0 turns them off; STRATA_DECODE_DEVICE_ATTENTION: 1 turns it on
+# (default: on in the token graphs, off otherwise);
 # STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_PROMPT_MMA: either, over
 # kernels/expert_mma_cuda.MMA["on"]; STRATA_PREFETCH_LAYERS: how far ahead the prompt path copies a layer's
 # experts, experts/tiered; STRATA_ATTN_DOT: the decode attention's
-# products, kernels/attention_decode; STRATA_TOKEN_GRAPH: 1 captures runs of decode layers as one graph,
-# model/decode_graph; STRATA_AHEAD_PROGRAMS: the programs of the decode's copies ahead, kernels/gather_copy)
+# products, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
+# or a graph or two each (0; default: 1 where some experts are not resident), experts/decode_pipeline;
+# STRATA_AHEAD_PROGRAMS: the programs of the decode's copies ahead, kernels/gather_copy)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),

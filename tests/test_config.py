@@ -209,7 +209,7 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
 
 @pytest.mark.parametrize("name,field,default,good,bad,allowed", [
     ("STRATA_PCIE_SHARE", "pcie_share", 400, "600", "0.6", "an integer from 0 to 1000"),  # permille
-    ("STRATA_DECODE_PREFETCH", "decode_prefetch", 0, "2", "9", "an integer from 0 to 8"),  # experts
+    ("STRATA_DECODE_PREFETCH", "decode_prefetch", None, "2", "9", "an integer from 0 to 8"),  # None: auto
 ])
 def test_integer_env_switches(name, field, default, good, bad, allowed):
     assert getattr(config([]), field) == default

@@ -41,6 +41,16 @@ holds the mixer up (joined
 inside the segment's graph, two copies a layer cost more than they saved: 82.3 against 94.5 tok/s). A
 wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
 
+The token graphs (`token_graph`: STRATA_TOKEN_GRAPH, by default where some experts are not resident). Each
+graph launch cost the H200 host 20-60 us in the real decode (session 20: 109 launches a token, 5 a staged
+layer with copies ahead), and with copies ahead the host, not the device or the worker, set the pace: the
+device sat idle between a layer's graphs. So the decode graphs capture a run of layers as one graph
+(token_begin, then token_ahead / token_layer inside the capture, token_end): the same bodies, the events
+between the streams as edges inside the graph, and the wait for the worker's rows a one-thread kernel that
+spins on the host flag until it reaches base + layer, base read from the device (kernels/flag_wait), so
+the graph serves every token. With the device attention a token is one launch. A resident token gets a
+base too, its flag raised at once.
+
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
 no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
 counts). On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9). Session 11 moved the
@@ -50,6 +60,7 @@ rows where it wrote them: a layer is two graphs and a wait.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -63,6 +74,11 @@ from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, stage_experts, stage_table
 from strata_ray.kernels.publish import publish
 from strata_ray.kernels.stream_flags import HostFlag
+
+# experts a layer copies ahead of its routing by default in the token graphs: on the H200 at 8K, 24 GiB card
+# (session 20, one host): 77.2 tok/s with none, 87.0 with 2 (both with the device attention); 3 without it
+# measured below 2 (77.1 against 79.0-80.6)
+TOKEN_GRAPH_PREFETCH = 2
 
 
 class PipelinedDecodeRows:
@@ -92,7 +108,10 @@ class PipelinedDecodeRows:
         self.staging = None
         # no share when the cache holds every expert: an all-resident token then launches no staging tiles
         partial = tiers.cache.n_slots < tiers.n_layers * tiers.n_expert
-        self.ahead = tiers.decode_prefetch if partial else 0  # experts a layer copies ahead of its routing
+        # the token graphs (token_begin ... token_end: the decode graphs capture runs of layers as one graph,
+        # the worker's rows waited for inside) and the experts a layer copies ahead of its routing
+        token_env = os.environ.get("STRATA_TOKEN_GRAPH", "")
+        self.token_graph, self.ahead = token_graph_and_ahead(partial, token_env, tiers.decode_prefetch)
         if (tiers.pcie_share or self.ahead) and partial:
             # [K + C, blob]: slot k for entry k's copy after the routing, K + c for the experts copied ahead
             self.staging = torch.empty((k + self.ahead, tiers.store.max_blob), dtype=torch.uint8, device=dev)
@@ -509,6 +528,18 @@ def _staging_plan(parts, layout, staging: torch.Tensor) -> tuple[torch.Tensor, i
     ExpertLayer: uint8 [K, rows, row_bytes] views in the slot cache's blob layout)."""
     table = stage_table(parts, [off for _, _, off in layout.parts], staging.shape[1])
     return torch.from_numpy(table).to(staging.device), int(table[:, 2].max()), blob_views(staging, layout)
+
+
+def token_graph_and_ahead(partial: bool, token_env: str, prefetch: int | None) -> tuple[bool, int]:
+    """(token graphs on, experts a layer copies ahead) for a cache that holds some experts only (partial)
+    or all, STRATA_TOKEN_GRAPH's value ("" unset, "0", "1") and the config's decode_prefetch (None: the
+    default). Token graphs by default where a token has misses (the all-resident decode keeps its per-layer
+    graphs: measured there, not yet in this form); copies ahead only where experts can miss, by default
+    TOKEN_GRAPH_PREFETCH in the token graphs and none elsewhere (there each copy costs host launches)."""
+    token = partial if token_env == "" else token_env == "1"
+    if prefetch is None:
+        prefetch = TOKEN_GRAPH_PREFETCH if token else 0
+    return token, prefetch if partial else 0
 
 
 def pipeline_supported(tiers) -> bool:

@@ -122,7 +122,7 @@ class TieredExperts:
         decode_cpu_thread: bool = False,
         decode_pipeline: bool = False,
         pcie_share: int = 0,
-        decode_prefetch: int = 0,
+        decode_prefetch: int | None = None,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
@@ -136,7 +136,7 @@ class TieredExperts:
         # store (contract.pcie_entries; layers not page-locked: none)
         self.pcie_share = pcie_share
         # the pipelined decode: experts a page-locked layer copies ahead of its routing, from the routing
-        # predicted beside its mixer (decode_pipeline; 0: none)
+        # predicted beside its mixer (decode_pipeline; 0: none; None: its default, 2 in the token graphs)
         self.decode_prefetch = decode_prefetch
         self.device = torch.device(device)
         # On CUDA the caller's thread keeps launching GPU work while the CPU pool runs: leave it a core, so

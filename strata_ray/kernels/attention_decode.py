@@ -208,8 +208,10 @@ class DeviceAttention:
     walk the splits the tokens see, each split computed as attention_decode computes it (the same body), and
     the scratch holds the splits of max_keys keys. The bits are attention_decode's at the same position.
 
-    Opt-in in the decode graphs (STRATA_DECODE_DEVICE_ATTENTION=1): on the H200 its kernels ran as fast as
-    attention_decode's (scripts/bench_attention.py), but the decode with it was slower (session 12)."""
+    In the decode graphs with STRATA_DECODE_DEVICE_ATTENTION=1, the default in the token graphs only: on the
+    H200 its kernels ran as fast as attention_decode's (scripts/bench_attention.py), but the per-layer
+    graphs' decode with it was slower (session 12); in the token graphs, where it makes a token one graph,
+    the budget decode was faster (79.0-80.6 -> 87.0 tok/s at 8K, session 20)."""
 
     def __init__(self, n_head: int, n_head_kv: int, head_dim: int, max_keys: int, device: torch.device,
                  n_tok: int = 1, programs: int = 256):

@@ -16,9 +16,13 @@ captured once into a graph and replayed per token (DESIGN section 8):
                           [shared expert], which the backend enqueues beside its CPU rows (only layer l+1
                           reads it: in the pipelined decode it leaves the path the device waits on)
     last:                 [combine | output norm | logits]
+    token graphs:         with a backend that takes them (PipelinedDecodeRows.token_graph) the graphs above
+                          and the backend's per-layer work are captured as runs of layers, one graph each,
+                          split only at the eager attention cores (none with the device attention: one graph
+                          a token); the backend waits for its CPU rows inside (_token_pieces)
 
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
-are those of the eager forward. With STRATA_DECODE_DEVICE_ATTENTION=1 (opt-in: slower on the H200 so far,
+are those of the eager forward. With STRATA_DECODE_DEVICE_ATTENTION=1 (the default in the token graphs only:
 see __init__), captured on CUDA with the fused kernels, an attention layer is one graph too
 (kernels/attention_decode.DeviceAttention): the new k, v are written into the sequence's cache and the
 attention runs over it at the position held in a device cell, the caches' places read from a table the
@@ -113,37 +117,40 @@ class DecodeGraphs:
         # the token's rope tables [1, 1, n_rot], computed once in the first layer's segment for every
         # attention layer (the same ops as each layer computing them)
         self.rope = (zeros(1, 1, hp.n_rot), zeros(1, 1, hp.n_rot)) if attn_layers else None
-        # STRATA_DECODE_DEVICE_ATTENTION=1 (env only, opt-in), captured on CUDA with the fused kernels: an
-        # attention layer is one graph like a GDN layer, the new k, v written into the sequence's cache and
-        # the attention over it at the position in self.pos, the caches' places read from kv_table (the host
-        # rewrites a layer's row when its cache moves). On the H200 (session 12) it gave the eager
-        # attention's bits but an all-resident 8K decode 113 tok/s against 140: the device sat idle between
-        # graphs ~0.9 ms a token more (not the kernels: their times matched). Off until explained.
+        # an expert backend with a fixed-shape one-token step (TieredExperts): its rows are combined inside
+        # the next segment's graph, and its GPU part replays as a graph of its own
+        make_rows = getattr(model.experts, "decode_rows", None)
+        self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
+        # the token graphs: with a backend that has the token forms and takes them (PipelinedDecodeRows'
+        # token_graph: STRATA_TOKEN_GRAPH, by default where some experts are not resident) each run of layers
+        # between two eager attention cores is one graph, the worker's rows waited for inside
+        # (kernels/flag_wait), so a token is a few launches instead of ~2 a layer (5 a staged layer with
+        # copies ahead): on the H200 host each launch cost 20-60 us of host time in the real decode, and with
+        # copies ahead the host set the pace (session 20). With the device attention, a token is one graph.
+        # (Without capture the pieces run as plain calls: the CPU tests check the order and the bits.)
+        self.token_graph = bool(getattr(self.rows, "token_graph", False))
+        # STRATA_DECODE_DEVICE_ATTENTION (env only; default: on in the token graphs), captured on CUDA with
+        # the fused kernels: an attention layer is one graph like a GDN layer, the new k, v written into the
+        # sequence's cache and the attention over it at the position in self.pos, the caches' places read
+        # from kv_table (the host rewrites a layer's row when its cache moves). On the H200 (session 12) it
+        # gave the eager attention's bits but an all-resident 8K decode 113 tok/s against 140: the device sat
+        # idle between graphs ~0.9 ms a token more (not the kernels: their times matched); in the token
+        # graphs, where it makes the token one graph, the budget decode ran 79.0-80.6 -> 87.0 (session 20).
+        attn_env = os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "")
         self.attn: DeviceAttention | None = None
         if (self.capture and attn_layers and hp.context_length > 0 and fused_enabled(attn_layers[0].q, 1)
                 and attention_decode_supports(attn_layers[0].q, attn_layers[0].k)
-                and os.environ.get("STRATA_DECODE_DEVICE_ATTENTION", "0") == "1"):
+                and (attn_env == "1" or (attn_env == "" and self.token_graph))):
             self.attn = DeviceAttention(hp.n_head, hp.n_head_kv, hp.head_dim, hp.context_length, dev)
             self.kv_table = zeros(hp.n_layer, 2, dtype=torch.int64)  # [L, 2] DeviceAttention.table_row
             self._kv_at: list[tuple[int, int] | None] = [None] * hp.n_layer  # what kv_table holds, host side
             # the capture's warm-up runs the kernels: a one-token cache of its own
             self._kv_warmup = zeros(2, 1, hp.n_head_kv, hp.head_dim)  # [K | V, 1, Hkv, D]
-        # an expert backend with a fixed-shape one-token step (TieredExperts): its rows are combined inside
-        # the next segment's graph, and its GPU part replays as a graph of its own
-        make_rows = getattr(model.experts, "decode_rows", None)
-        self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
         # a backend that copies experts ahead of the routing (PipelinedDecodeRows with STRATA_DECODE_PREFETCH)
         # gets each layer's routing predicted from the layer's input (_predict: the MoE's norm and router over
         # the residual before the mixer, into these buffers, in the backend's own graphs), and the call
         # ahead_begin(layer) once that input is in h_in: a layer's first segment ends there
         self._ahead = getattr(self.rows, "ahead", 0) > 0
-        # STRATA_TOKEN_GRAPH=1 (env only) with a backend that has the token forms (PipelinedDecodeRows): each
-        # run of layers between two eager attention cores is one graph, the worker's rows waited for inside
-        # (kernels/flag_wait), so a token is a few launches instead of ~2 a layer (5 a staged layer with
-        # copies ahead): on the H200 host each launch cost 20-60 us of host time in the real decode, and with
-        # copies ahead the host set the pace (session 20). With the device attention, a token is one graph.
-        # (Without capture the pieces run as plain calls: the CPU tests check the order and the bits.)
-        self._token = hasattr(self.rows, "token_layer") and os.environ.get("STRATA_TOKEN_GRAPH", "0") == "1"
         self._pred = (zeros(1, E), zeros(1, K, dtype=torch.int64), zeros(1, K))  # x, ids, weights
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
@@ -273,7 +280,7 @@ class DecodeGraphs:
         in the token mode the pieces of _capture_token."""
         segments, head = self._segments
         if not self.capture:
-            if self._token:
+            if self.token_graph:
                 return [p if isinstance(p, int) else (lambda p=p: [fn() for fn in p])
                         for p in self._token_pieces(segments, head)]
             return segments, head
@@ -308,8 +315,8 @@ class DecodeGraphs:
                                                            [buf.ids for buf in self.layers],
                                                            besides=[fns[2] for fns in segments],
                                                            predicts=predicts,
-                                                           **({"graphs": False} if self._token else {})):
-            if self._token:
+                                                           **({"graphs": False} if self.token_graph else {})):
+            if self.token_graph:
                 return self._capture_token(segments, head)
             # the backend took each shared expert into its layer's graph (beside the rows)
             segments = [(a, b, None, t) for a, b, _, t in segments]
@@ -406,7 +413,7 @@ class DecodeGraphs:
         """One token (ids of length 1) at position state.pos -> logits [1, V] (and hidden [1, E]), exactly
         as Model.forward computes them."""
         runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
-        pieces, (segments, head) = (runners, ((), None)) if self._token else ((), runners)
+        pieces, (segments, head) = (runners, ((), None)) if self.token_graph else ((), runners)
         self._adopt(state)
         if isinstance(ids, Tensor):
             self.tok.copy_(ids.reshape(1))
@@ -418,7 +425,7 @@ class DecodeGraphs:
         if self.attn is not None:
             self._reserve_kv(state, pos0 + 1)
         try:
-            if self._token:  # graphs of many layers, the eager attention cores between them
+            if self.token_graph:  # graphs of many layers, the eager attention cores between them
                 self.rows.token_begin()
                 for piece in pieces:
                     if isinstance(piece, int):
@@ -442,7 +449,7 @@ class DecodeGraphs:
                     buf.routed.copy_(experts(layer, buf.x, buf.ids, buf.weights))
                     if shared is not None:
                         shared()
-            if not self._token:
+            if not self.token_graph:
                 head()
         except BaseException:
             abort = getattr(self.rows, "abort", None)  # a worker waiting on this token's flags

@@ -1,4 +1,5 @@
-"""PipelinedDecodeRows' parts that run without CUDA: the PCIe share's staging slots. The pipelined decode
+"""PipelinedDecodeRows' parts that run without CUDA: the PCIe share's staging slots, the token graphs' and
+copies' defaults. The pipelined decode
 itself needs CUDA graphs (tests/experts/test_tiered_gpu.py, -m gpu); here the staging copy (Triton
 interpreter) and the slot views it feeds are checked against the host layer, byte for byte, and the rows
 the expert kernels compute from the slots against the CPU rows."""
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata_ray.experts.decode_pipeline import _staging_plan
+from strata_ray.experts.decode_pipeline import TOKEN_GRAPH_PREFETCH, _staging_plan, token_graph_and_ahead
 from strata_ray.experts.host_store import BlobLayout
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.gather_copy import stage_experts
@@ -75,3 +76,15 @@ def test_staged_experts_give_the_cpu_rows(name):
                          lay.gate_type, lay.up_type, lay.down_type)
     got = expert_ffn_cpu(x, tok, np.array([0, 2], np.int32), staged)
     assert want.shape == (2, N_EMBD) and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("partial,env,prefetch,want", [
+    (True, "", None, (True, TOKEN_GRAPH_PREFETCH)),  # the budget decode's default
+    (False, "", None, (False, 0)),  # every expert resident: per-layer graphs, nothing to copy
+    (True, "0", None, (False, 0)),  # per-layer graphs: a copy ahead costs host launches there
+    (True, "0", 3, (False, 3)),  # an explicit count is kept
+    (True, "1", 0, (True, 0)),
+    (False, "1", 2, (True, 0)),  # nothing can miss: no copies
+])
+def test_token_graph_and_copies_ahead_defaults(partial, env, prefetch, want):
+    assert token_graph_and_ahead(partial, env, prefetch) == want

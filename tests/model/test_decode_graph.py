@@ -210,6 +210,8 @@ class _TokenRows(_AheadRows):
     """_AheadRows with the token forms (PipelinedDecodeRows' token_begin / token_ahead / token_layer /
     token_end), played on the CPU: it records the order of the calls and the input each prediction read."""
 
+    token_graph = True  # PipelinedDecodeRows': STRATA_TOKEN_GRAPH, by default where experts can miss
+
     def __init__(self, experts, k: int):
         super().__init__(experts, k)
         self.order: list[tuple[str, int]] = []
@@ -229,13 +231,12 @@ class _TokenRows(_AheadRows):
         self.order.append(("end", -1))
 
 
-def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(monkeypatch):
-    """STRATA_TOKEN_GRAPH=1: the token as runs of layers (one graph each on CUDA), an eager attention core
-    between two runs. Every layer's copies ahead come after its input is there (after the core for an
-    attention layer) and before its rows; the decode keeps the plain forward's bits."""
+def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores():
+    """A backend that takes the token graphs: the token as runs of layers (one graph each on CUDA), an
+    eager attention core between two runs. Every layer's copies ahead come after its input is there (after
+    the core for an attention layer) and before its rows; the decode keeps the plain forward's bits."""
     from strata_ray.model.moe import FloatExperts
 
-    monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1")
     hf = ref.tiny_qwen3next(seed=0)
     weights = ref.gguf_weights(hf)
     hp = ref.hparams_of(hf)
@@ -244,7 +245,7 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
     graphed.experts.decode_rows = lambda e, k, capture: backend
     graphed.use_decode_graphs(capture=False)
     graphs = backend.graphs = graphed.decode_graphs
-    assert graphs._token and graphs._ahead
+    assert graphs.token_graph and graphs._ahead and graphs.attn is None  # no capture: the eager cores
     pieces = graphs._runners()
     attention = [layer for layer in range(hp.n_layer) if not hp.is_recurrent(layer)]
     assert attention and [p for p in pieces if isinstance(p, int)] == attention
@@ -257,12 +258,11 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
         assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
 
 
-def test_token_pieces_need_the_backend_token_forms(monkeypatch):
-    """A backend without the token forms (the host-planned DecodeRows, the CPU's) keeps the per-layer
-    segments under STRATA_TOKEN_GRAPH=1."""
+def test_a_backend_without_token_graphs_keeps_the_segments():
+    """A backend that does not take the token graphs (the host-planned DecodeRows, the CPU's) keeps the
+    per-layer segments."""
     from strata_ray.model.moe import FloatExperts
 
-    monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1")
     hf = ref.tiny_qwen3next(seed=0)
     weights = ref.gguf_weights(hf)
     hp = ref.hparams_of(hf)
@@ -270,6 +270,6 @@ def test_token_pieces_need_the_backend_token_forms(monkeypatch):
     backend = _AheadRows(FloatExperts(weights), hp.n_expert_used)
     graphed.experts.decode_rows = lambda e, k, capture: backend
     graphed.use_decode_graphs(capture=False)
-    assert not graphed.decode_graphs._token
+    assert not graphed.decode_graphs.token_graph
     segments, head = graphed.decode_graphs._runners()
     assert len(segments) == hp.n_layer and callable(head)
