@@ -390,10 +390,7 @@ def main() -> None:
         g = model.decode_graphs
         graphs = {"token_graph": g.token_graph, "device_attention": g.attn is not None,
                   "ahead": getattr(g.rows, "ahead", 0)}
-        on = {True: "on", False: "off"}
-        print(f"decode graphs captured in {time.perf_counter() - t:.1f} s (token graphs "
-              f"{on[graphs['token_graph']]}, device attention {on[graphs['device_attention']]}, "
-              f"{graphs['ahead']} experts copied ahead a layer)", flush=True)
+        print(f"decode graphs captured in {time.perf_counter() - t:.1f} s ({g.describe()})", flush=True)
     loaded = SimpleNamespace(model=model, hp=hp)
     print(
         f"dense weights in {dense_s:.1f} s, tiers in {time.perf_counter() - t:.1f} s; "

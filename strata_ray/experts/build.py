@@ -116,6 +116,7 @@ def _decode_graphs(config, model, stage) -> None:
     model.use_decode_graphs()
     try:
         model.decode_graphs.capture_now()
+        log.info("decode graphs: %s", model.decode_graphs.describe())
     except RuntimeError as e:  # an op this torch cannot capture: run op by op (the same bits), and say so
         model.decode_graphs = None
         reason = str(e).strip().splitlines()[:1] or [type(e).__name__]  # the message's first line

@@ -288,6 +288,16 @@ class DecodeGraphs:
             self._graphs = self._capture(segments, head)
         return self._graphs
 
+    def describe(self) -> str:
+        """The decode's form in a few words, for the load log and the benchmarks."""
+        if self.token_graph:
+            pieces = "one graph a token" if self.attn is not None else "a graph a run of layers"
+            form = f"token graphs ({pieces})"
+        else:
+            form = "a graph or two a layer" + (", device attention" if self.attn is not None else "")
+        ahead = getattr(self.rows, "ahead", 0)
+        return form + (f", {ahead} experts copied ahead a layer" if ahead else "")
+
     def capture_now(self) -> None:
         """Capture the graphs now (otherwise the first step does); nothing to do without capture."""
         self._runners()

@@ -246,6 +246,7 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
     graphed.use_decode_graphs(capture=False)
     graphs = backend.graphs = graphed.decode_graphs
     assert graphs.token_graph and graphs._ahead and graphs.attn is None  # no capture: the eager cores
+    assert graphs.describe() == "token graphs (a graph a run of layers), 2 experts copied ahead a layer"
     pieces = graphs._runners()
     attention = [layer for layer in range(hp.n_layer) if not hp.is_recurrent(layer)]
     assert attention and [p for p in pieces if isinstance(p, int)] == attention
@@ -271,5 +272,6 @@ def test_a_backend_without_token_graphs_keeps_the_segments():
     graphed.experts.decode_rows = lambda e, k, capture: backend
     graphed.use_decode_graphs(capture=False)
     assert not graphed.decode_graphs.token_graph
+    assert graphed.decode_graphs.describe() == "a graph or two a layer, 2 experts copied ahead a layer"
     segments, head = graphed.decode_graphs._runners()
     assert len(segments) == hp.n_layer and callable(head)
