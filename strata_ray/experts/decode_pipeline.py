@@ -494,7 +494,11 @@ class PipelinedDecodeRows:
         if job is None:
             return
         t = time.perf_counter()
-        stopped = job.result()
+        try:
+            stopped = job.result()
+        except BaseException:  # the worker failed mid-token: release the device's waits, or it never ends
+            self.rows_flag.set((self._base - 1) & 0xFFFFFFFF)
+            raise
         counts.wait_seconds += time.perf_counter() - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
