@@ -94,7 +94,7 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
 
 @pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie", "pipeline-ahead",
                                   "pipeline-pcie-ahead", "pipeline-token", "pipeline-pcie-ahead-token",
-                                  "pipeline-ahead-token-device-attention"])
+                                  "pipeline-ahead-token-device-attention", "pipeline-defaults"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
 def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, monkeypatch):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
@@ -104,21 +104,30 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
     (STRATA_PCIE_SHARE; the eager forward has no such tier: its CPU entries are the two tiers' sum);
     ahead: experts copied ahead of the routing from its prediction beside the mixer (STRATA_DECODE_PREFETCH:
     2 alone, 3 with the share); token: runs of layers as one graph, the worker's rows waited for inside
-    (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph)."""
+    (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph); defaults: the engine's
+    (where experts can miss: token graphs, the device attention, 2 copied ahead, a 40% share)."""
     pcie = 600 if "pcie" in mode else 0
     ahead = (3 if pcie else 2) if "ahead" in mode else 0
-    monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1" if "token" in mode else "0")  # else on where experts miss
-    monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1" if "device-attention" in mode else "0")
+    token = "token" in mode
+    if mode == "pipeline-defaults":
+        pcie, ahead, token = EngineConfig.pcie_share, 2, cache < 32
+        monkeypatch.delenv("STRATA_TOKEN_GRAPH", raising=False)
+        monkeypatch.delenv("STRATA_DECODE_DEVICE_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1" if token else "0")  # else on where experts miss
+        monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1" if "device-attention" in mode else "0")
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
-                        pcie_share=pcie, decode_prefetch=ahead)
+                        pcie_share=pcie, decode_prefetch=None if mode == "pipeline-defaults" else ahead)
     got = {}
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
         assert (loaded.model.decode_graphs is not None) == graphs
         if graphs:
             graphs_of = loaded.model.decode_graphs
-            assert graphs_of.token_graph == ("token" in mode and mode.startswith("pipeline"))
+            assert graphs_of.token_graph == (token and mode.startswith("pipeline"))
+            assert (graphs_of.attn is not None) == ("device-attention" in mode or (mode == "pipeline-defaults"
+                                                                                  and token))
         got[graphs] = greedy_logits(loaded.model, PROMPT, DECODE)
         tiers.finish()
         c = tiers.metrics.counts
