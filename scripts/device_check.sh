@@ -148,13 +148,13 @@ done
 # decode at 8K (24 GiB card) with each PCIE_SHARES permille (default "0 500 700 1000") of a layer's misses read by
 # the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE); an entry
 # share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32), share:KiB:N the
-# experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH, default 0)
+# experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH; unset: the engine's default)
 for entry in ${PCIE_SHARES:-0 500 700 1000}; do
     envs=()
     [[ $entry == *@* ]] && IFS=, read -r -a envs <<< "${entry#*@}"
     IFS=: read -r ps ck pf ap <<< "${entry%%@*}"
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
-        STRATA_DECODE_PREFETCH="${pf:-0}" ${ap:+STRATA_AHEAD_PROGRAMS="$ap"} "${envs[@]}" "${decode[@]}" \
+        ${pf:+STRATA_DECODE_PREFETCH="$pf"} ${ap:+STRATA_AHEAD_PROGRAMS="$ap"} "${envs[@]}" "${decode[@]}" \
         --json-out "$work/pcie-${entry//[=,@:]/_}.json"
 done
 # decode at 8K (24 GiB card) with the pipelined decode's CPU team at each TEAM_SIZES size in one process (default
