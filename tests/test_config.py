@@ -230,6 +230,9 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_GATHER_PROGRAMS", "0", "an integer from 1 to 65535"),
     ("STRATA_PREFETCH_LAYERS", "3", "1 or 2"),
+    ("STRATA_TOKEN_GRAPH", "on", "0 or 1"),
+    ("STRATA_AHEAD_PROGRAMS", "0", "an integer from 1 to 65535"),
+    ("STRATA_SHARE_PROGRAMS", "-4", "an integer from 1 to 65535"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee"}.get(name, "1")

@@ -71,7 +71,7 @@ from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows
 from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
-from strata_ray.kernels.gather_copy import ahead_programs, stage_experts, stage_table
+from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
 from strata_ray.kernels.publish import publish
 from strata_ray.kernels.stream_flags import HostFlag
 
@@ -303,7 +303,7 @@ class PipelinedDecodeRows:
             self._fork.wait_stream(main)
             with torch.cuda.stream(self._fork):
                 if share:
-                    stage_experts(hstarts, hslot, table, self.staging, part_bytes)
+                    stage_experts(hstarts, hslot, table, self.staging, part_bytes, programs=share_programs())
                     expert_ffn_gpu(x, self.tok, pslot, slots, mode="decode", out=self.gpu_rows,
                                    variant=tiers.kernel_variant, plan=(order, pslot, hstarts), act=act,
                                    ident=self._ident)

@@ -203,3 +203,13 @@ AHEAD_PROGRAMS = 16
 @functools.cache
 def ahead_programs() -> int:
     return _env_value("STRATA_AHEAD_PROGRAMS", gather_programs_value, AHEAD_PROGRAMS)
+
+
+@functools.cache
+def share_programs() -> int | None:
+    """Programs of a decode layer's PCIe share copy (STRATA_SHARE_PROGRAMS, env only, the gather's values;
+    unset: one program a chunk). In session 20's trace that copy's ~114 programs ran beside the resident
+    tiles and slowed them ~5x (13 -> 58 us a layer), while 16 programs of the copies ahead moved the same
+    42-44 GB/s: a bounded grid is the A/B for the next GPU call."""
+    v = _env_value("STRATA_SHARE_PROGRAMS", gather_programs_value, 0)
+    return v or None

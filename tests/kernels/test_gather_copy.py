@@ -154,3 +154,22 @@ def test_gpu_staging_from_a_registered_block(programs):
     assert np.array_equal(staging.cpu().numpy(), _stage_want(src, before, start, expert))
     del host
     block.close()
+
+
+def test_copy_programs_come_from_the_environment(monkeypatch):
+    """The decode's copies: 16 programs ahead by default, the share one program a chunk (None) unless
+    STRATA_SHARE_PROGRAMS bounds it; each read once (cached) where used."""
+    from strata_ray.kernels import gather_copy
+
+    for getter in (gather_copy.ahead_programs, gather_copy.share_programs):
+        getter.cache_clear()
+    monkeypatch.delenv("STRATA_AHEAD_PROGRAMS", raising=False)
+    monkeypatch.delenv("STRATA_SHARE_PROGRAMS", raising=False)
+    assert gather_copy.ahead_programs() == gather_copy.AHEAD_PROGRAMS and gather_copy.share_programs() is None
+    for getter in (gather_copy.ahead_programs, gather_copy.share_programs):
+        getter.cache_clear()
+    monkeypatch.setenv("STRATA_AHEAD_PROGRAMS", "64")
+    monkeypatch.setenv("STRATA_SHARE_PROGRAMS", "32")
+    assert gather_copy.ahead_programs() == 64 and gather_copy.share_programs() == 32
+    for getter in (gather_copy.ahead_programs, gather_copy.share_programs):
+        getter.cache_clear()
