@@ -209,8 +209,8 @@ class PipelinedDecodeRows:
                        variant=self.tiers.kernel_variant, plan=(order, pslot, astart), ident=self._ident)
 
     def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]],
-                       graphs: bool = True) -> None:
-        """Each staged layer's pick, copy and ahead-tiles graphs, after a warm-up (graphs=False: the warm-up
+                       capture: bool = True) -> None:
+        """Each staged layer's pick, copy and ahead-tiles graphs, after a warm-up (capture=False: the warm-up
         only); the tiles in a memory pool of their own (the three kinds run beside the layer graphs, on
         streams of their own)."""
         dev = self.tiers.device
@@ -227,7 +227,7 @@ class PipelinedDecodeRows:
         side.synchronize()
         self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
         ahead_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
-        for layer in self._stage if graphs else ():
+        for layer in self._stage if capture else ():
             for graphs, body in bodies[layer]:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=tile_pool if graphs is self._tile_graphs else ahead_pool):
