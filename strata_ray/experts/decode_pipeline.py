@@ -405,12 +405,18 @@ class PipelinedDecodeRows:
             self._host += time.perf_counter() - t0
             return
         self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
-        if layer in self._tile_graphs:  # the combine reads the ahead tiles' rows too
-            torch.cuda.current_stream(tiers.device).wait_event(self._events[layer][4])
-        if not self.zero_copy:  # else the combine reads them where the worker wrote them
+        self._rows_landed(layer, tiles=layer in self._tile_graphs)
+        self._host += time.perf_counter() - t0
+
+    def _rows_landed(self, layer: int, tiles: bool) -> None:
+        """After the wait for the worker's rows: the wait for the ahead tiles' rows (tiles), which the combine
+        reads too, and the worker's rows copied up unless the combine reads them where the worker wrote them
+        (zero_copy)."""
+        if tiles:
+            torch.cuda.current_stream(self.tiers.device).wait_event(self._events[layer][4])
+        if not self.zero_copy:
             self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
             self.inv.copy_(self._inv_pin, non_blocking=True)
-        self._host += time.perf_counter() - t0
 
     def _begin_token(self, token_graph: bool) -> None:
         """A token's host part before its first layer: the window boundary, then (unless every expert is
@@ -461,13 +467,10 @@ class PipelinedDecodeRows:
         if staged:
             self._enqueue_tiles(layer, lambda: self._ahead_tiles(layer, x))
         wait_flag(self.rows_flag.tensor, self._base_dev, layer)
-        if staged:  # the combine reads the ahead tiles' rows too; the copies' stream joined here as well (a
-            # capture ends with every fork joined to its stream; the tiles already waited for the copies)
-            main.wait_event(self._events[layer][4])
+        self._rows_landed(layer, tiles=staged)
+        if staged:  # the copies' stream joined here as well (a capture ends with every fork joined to its
+            # stream; the tiles already waited for the copies)
             main.wait_event(self._events[layer][2])
-        if not self.zero_copy:
-            self.cpu_rows.copy_(self._rows_pin, non_blocking=True)
-            self.inv.copy_(self._inv_pin, non_blocking=True)
 
     def token_end(self) -> None:
         """After the token's graphs are launched: the resident token's done event; the host's time."""
@@ -497,7 +500,7 @@ class PipelinedDecodeRows:
         try:
             stopped = job.result()
         except BaseException:  # the worker failed mid-token: release the device's waits, or it never ends
-            self.rows_flag.set((self._base - 1) & 0xFFFFFFFF)
+            self._release_waits()
             raise
         counts.wait_seconds += time.perf_counter() - t
         if stopped != -1:
@@ -512,6 +515,10 @@ class PipelinedDecodeRows:
             counts.ahead_entries += int(self.worker.n_ahead[:, 0].sum())
             counts.ahead_copies += int(self.worker.n_ahead[:, 1].sum())
 
+    def _release_waits(self) -> None:
+        """Raise the rows flag to the token's last layer: every device wait of the token passes."""
+        self.rows_flag.set((self._base - 1) & 0xFFFFFFFF)
+
     def abort(self) -> None:
         """After a failure mid-token: end the worker's wait and release the device's waits."""
         self._ahead_begun.clear()
@@ -519,8 +526,7 @@ class PipelinedDecodeRows:
             self._resident_token = False
             return
         self.worker.stop()
-        last = (self._base - 1) & 0xFFFFFFFF
-        self.rows_flag.set(last)
+        self._release_waits()
         job, self._job = self._job, None
         if job is not None:
             job.result()

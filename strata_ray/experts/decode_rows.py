@@ -111,11 +111,11 @@ class DecodeRows:
                        out=self.gpu_rows, variant=tiers.kernel_variant, plan=plan)
 
     def capture_all(self, xs: list[torch.Tensor], ids: list[torch.Tensor] | None = None,
-                    besides=None, predicts=None) -> bool:
+                    besides=None, predicts=None, graphs: bool = True) -> bool:
         """Capture every layer's resident-rows graph over xs[layer] [1, E] (the decode graphs' static MoE
         inputs), after a warm-up with no tiles (tile_start -1: the kernels compile and return at once).
         besides: not taken (False: step() runs them, between the device's rows and the CPU's); predicts:
-        unused (no copies ahead here)."""
+        unused (no copies ahead here); graphs: always captured (this backend has no token graphs)."""
         if not self.capture or self.tiers.cache.n_slots == 0:
             return False
         self.plan.fill_(-1)

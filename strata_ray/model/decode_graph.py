@@ -324,8 +324,7 @@ class DecodeGraphs:
         if self.rows is not None and self.rows.capture_all([buf.x for buf in self.layers],
                                                            [buf.ids for buf in self.layers],
                                                            besides=[fns[2] for fns in segments],
-                                                           predicts=predicts,
-                                                           **({"graphs": False} if self.token_graph else {})):
+                                                           predicts=predicts, graphs=not self.token_graph):
             if self.token_graph:
                 return self._capture_token(segments, head)
             # the backend took each shared expert into its layer's graph (beside the rows)
