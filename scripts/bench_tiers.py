@@ -382,14 +382,14 @@ def main() -> None:
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "
           f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
     model = Model(hp, weights, experts=tiers)
-    graphs = {"token_graph": False, "device_attention": False, "ahead": 0}
+    graphs = {"token_graph": False, "device_attention": False, "ahead": 0, "warm": False}
     if dev == "cuda" and not args.no_graphs:
         t = time.perf_counter()
         model.use_decode_graphs()
         model.decode_graphs.capture_now()
         g = model.decode_graphs
         graphs = {"token_graph": g.token_graph, "device_attention": g.attn is not None,
-                  "ahead": getattr(g.rows, "ahead", 0)}
+                  "ahead": getattr(g.rows, "ahead", 0), "warm": getattr(g.rows, "warm", False)}
         print(f"decode graphs captured in {time.perf_counter() - t:.1f} s ({g.describe()})", flush=True)
     loaded = SimpleNamespace(model=model, hp=hp)
     print(
@@ -430,6 +430,7 @@ def main() -> None:
         "decode_prefetch": graphs["ahead"],  # the experts a layer copies ahead, as the decode took them
         "token_graph": graphs["token_graph"],
         "device_attention": graphs["device_attention"],
+        "decode_warm": graphs["warm"],  # the worker reads each layer's predicted CPU rows ahead
         "fused_decode": os.environ.get("STRATA_FUSED_DECODE", "1") == "1",
         "gather_copy": os.environ.get("STRATA_GATHER_COPY", "1") == "1",
         "pinned_gib": tiers.store.pinned_bytes / 2**30,

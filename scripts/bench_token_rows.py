@@ -7,7 +7,12 @@ host makes today (Python driver, the pool's parallel call). Layers of random Q4_
 shapes (E 2048, n_ff 512), top-10 with `--misses` entries a layer on the CPU.
 
     PYTHONPATH=. python scripts/bench_token_rows.py [--threads 2] [--layers 8] [--misses 3,6] [--tokens 10]
-        [--experts 24] [--fresh]
+        [--experts 24] [--fresh] [--mixer-us 80]
+
+--mixer-us N plays a layer's mixer too: before each layer's routing the thread hands the worker the layer's
+prediction (its routing itself: the H200 predicted 98.5% right) and spins N us, as the device's mixer takes;
+the team then runs twice, cold and warming (CpuTokenRows(warm=True): each member reads its share of the
+predicted rows' weights meanwhile). The flag to flag time is the CPU rows' share of the token.
 
 By default every token routes to the same experts, and 8 layers of 24 experts (340 MB) are reused for all
 48: on a host with a large L3 (the H200 machine's 300 MiB) much of that is served from cache, so the rate
@@ -44,6 +49,8 @@ def main() -> None:
     ap.add_argument("--misses", default="6", help="CPU entries a layer (a list: a run each)")
     ap.add_argument("--tokens", type=int, default=10)
     ap.add_argument("--fresh", action="store_true", help="new routing every token (else the same experts)")
+    ap.add_argument("--mixer-us", type=float, default=0.0,
+                    help="a mixer's time before each routing, the prediction handed over first (0: none)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     distinct = [random_layer(rng, args.experts, E, N_FF, (Q4_0, Q4_0, Q4_0), from_floats=False)
@@ -79,38 +86,54 @@ def main() -> None:
                 expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
                 direct.append(time.perf_counter() - t)
 
-        waits = {}
-        for team in (False, True):  # two parallel regions a layer, then one region a token
-            worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team)
+        waits, warmed = {}, {}
+        # two parallel regions a layer, then one region a token, then (with a mixer) that team warming
+        variants = [(False, False), (True, False)] + ([(True, True)] if args.mixer_us else [])
+        for team, warm in variants:
+            worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm)
             b = worker.buf
-            waits[team] = []
+            waits[team, warm] = []
             base = 1
             for token in range(args.tokens):
                 ids = route(token, misses)
-                b["routed"][0] = b["rows_flag"][0] = base - 1
+                b["routed"][0] = b["rows_flag"][0] = b["predicted"][0] = base - 1
                 thread = threading.Thread(target=worker.run, args=(base,))
                 thread.start()
                 for layer in range(48):
+                    v = base + layer
+                    if args.mixer_us:  # the prediction, then the mixer's time
+                        b["pred_ids"][:] = ids[layer]
+                        b["predicted"][0] = v
+                        t = time.perf_counter()
+                        while time.perf_counter() - t < args.mixer_us * 1e-6:
+                            pass
                     b["ids"][:] = ids[layer]
                     b["x"][:] = xs[layer]
-                    v = base + layer
                     t = time.perf_counter()
                     b["routed"][0] = v
                     while not reached(b["rows_flag"], v):
                         pass
-                    waits[team].append(time.perf_counter() - t)
+                    waits[team, warm].append(time.perf_counter() - t)
                 thread.join()
                 base += 48
+            warmed[team, warm] = worker.n_warm.copy()
         skip = 48  # the first token of each: warm-up
         d = np.median(direct[skip:]) * 1e3
         mb = misses * blob_mb
         print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
         print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-        labels = {False: "token worker, two regions a layer:", True: "token worker, one team a token:   "}
-        for team, label in labels.items():
-            w = np.median(waits[team][skip:]) * 1e3
-            n = len(waits[team]) - skip
+        labels = {(False, False): "token worker, two regions a layer:",
+                  (True, False): "token worker, one team a token:   ",
+                  (True, True): f"the team warming ({args.mixer_us:g} us mixer):"}
+        for key in waits:
+            label = labels[key]
+            w = np.median(waits[key][skip:]) * 1e3
+            n = len(waits[key]) - skip
             print(f"  {label} {w:.3f} ms flag to flag, {mb / w:.1f} GB/s (median of {n})")
+            if key[1]:
+                n_warm = warmed[key]
+                print(f"    read ahead: {int(n_warm[:, 0].sum())} entries, {int(n_warm[:, 1].sum())} used "
+                      "(the last token)")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@
 #     ltimes    prefill at 1K and 8K on it, each layer's expert call, its phases and the dense part timed
 #               (--layer-times), once per LTIMES_ENVS entry (default "-": no extra environment)
 #     rows      bench_token_rows.py at 14 threads: the same experts every token, then fresh ones from DRAM
+#               (ROWS_MIXER_US: with a mixer's time and the prediction before each routing, the warming team too)
 #     resident  decode at 8K on it with every expert on the GPU, per RESIDENT_VARIANTS (expert kernel variants,
 #               variant:NAME=VALUE also sets an environment variable)
 #     dense     bench_dense_q8.py at 1 and 4 tokens, both forms (the CUDA C and Triton GEMVs) against copy
@@ -194,10 +195,12 @@ for kvs in ${RESIDENT_VARIANTS:-simple split}; do
 done
 # a decode layer's CPU rows flag to flag, 14 threads: the same experts every token (L3-friendly), then new
 # routing over 5.4 GB of experts (DRAM, as in the engine)
-# (ROWS_MISSES: the CPU entries a layer, a list, default 6)
-step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10 --misses "${ROWS_MISSES:-6}"
-step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fresh --layers 48 --experts 64 \
+# (ROWS_MISSES: the CPU entries a layer, a list, default 6; ROWS_SAME=0 skips the first run; ROWS_MIXER_US=N
+# plays a mixer of N us before each routing, the prediction handed over first, and adds the warming team)
+[[ ${ROWS_SAME:-1} == 0 ]] || step rows 150 python scripts/bench_token_rows.py --threads 14 --tokens 10 \
     --misses "${ROWS_MISSES:-6}"
+step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fresh --layers 48 --experts 64 \
+    --misses "${ROWS_MISSES:-6}" ${ROWS_MIXER_US:+--mixer-us "$ROWS_MIXER_US"}
 # the dense Q8_0 GEMV against copy bandwidth: both forms at 1 and 4 tokens
 step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)

@@ -426,7 +426,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # products, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
 # or a graph or two each (0; default: 1 where some experts are not resident), experts/decode_pipeline;
 # STRATA_AHEAD_PROGRAMS / STRATA_SHARE_PROGRAMS: the programs of the decode's copies ahead / of its PCIe
-# share's copy, kernels/gather_copy)
+# share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
+# ahead, experts/decode_pipeline)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -442,6 +443,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_SHARE_PROGRAMS": gather_programs_value,
     "STRATA_PREFETCH_LAYERS": _choice("1", "2"),
     "STRATA_TOKEN_GRAPH": _choice("0", "1"),
+    "STRATA_DECODE_WARM": _choice("0", "1"),
 }
 
 

@@ -41,6 +41,16 @@ holds the mixer up (joined
 inside the segment's graph, two copies a layer cost more than they saved: 82.3 against 94.5 tok/s). A
 wrong prediction costs its copy only; the rows have the same bits wherever they are computed.
 
+Warming (`warm`: STRATA_DECODE_WARM, with copies ahead). While a layer's mixer runs on the device, the host's
+cores wait for its routing and its memory is idle, yet the CPU rows that follow read their experts' bytes
+from DRAM: with 14 cores ~40 us an expert, against a mixer of ~50-120 us. So the pick also hands its
+prediction to the worker (publish with no x: the predicted ids and the staged list into page-locked
+buffers, then `predicted` := base + layer), and each member of the worker's team reads, one byte a cache
+line, the share of the predicted CPU experts' weights that it will compute (expert_cpu_token.warm_share),
+until the routing comes. Then the rows read those bytes from the core's own cache. Only the time moves: the
+rows come from the real routing, with the same kernels, so the same bits; a wrong prediction costs reads
+of idle memory.
+
 The token graphs (`token_graph`: STRATA_TOKEN_GRAPH, by default where some experts are not resident). Each
 graph launch cost the H200 host 20-60 us in the real decode (session 20: 109 launches a token, 5 a staged
 layer with copies ahead), and with copies ahead the host, not the device or the worker, set the pace: the
@@ -79,6 +89,15 @@ from strata_ray.kernels.stream_flags import HostFlag
 # (session 20, one host): 77.2 tok/s with none, 87.0 with 2 (both with the device attention); 3 without it
 # measured below 2 (77.1 against 79.0-80.6)
 TOKEN_GRAPH_PREFETCH = 2
+# whether the worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM unset) where a layer
+# copies experts ahead (its prediction is there)
+DECODE_WARM = False
+
+
+def decode_warm() -> bool:
+    """STRATA_DECODE_WARM: "1" on, "0" off, unset DECODE_WARM (config refuses other values)."""
+    v = os.environ.get("STRATA_DECODE_WARM", "")
+    return DECODE_WARM if v == "" else v == "1"
 
 
 class PipelinedDecodeRows:
@@ -128,6 +147,14 @@ class PipelinedDecodeRows:
         self._ahead_start = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
         self._no_ahead = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
         self._staged_pin = torch.full((max(1, self.ahead),), -1, dtype=torch.int64, pin_memory=True)
+        # the worker reads each layer's predicted CPU rows ahead while its mixer runs (STRATA_DECODE_WARM):
+        # the pick also hands the prediction and the staged list over (ids into _pred_pin, the list into
+        # _pred_staged_pin, then `predicted` := base + layer)
+        self.warm = bool(self.ahead) and decode_warm()
+        self.predicted = HostFlag(dev)
+        self._pred_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K]
+        self._pred_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
+        self._pred_staged_pin = torch.full((max(1, self.ahead),), -1, dtype=torch.int64, pin_memory=True)
         # the layer plan's tensors, static: the ahead tiles' graphs read them (order, slot, tile_start,
         # host_slot, host_start, pcie_slot, ahead_start; decode_plan.decode_plan_pcie)
         self._plan_out = tuple(torch.full((k,), -1, dtype=torch.int32, device=dev) for _ in range(7))
@@ -145,8 +172,10 @@ class PipelinedDecodeRows:
             layers, tiers.residency.res, k, tiers.pool.n_threads,
             buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
                      "inv": self._inv_pin.numpy(), "routed": self.routed.host,
-                     "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy()},
-            n_staged=max(1, self.ahead))
+                     "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
+                     "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
+                     "pred_staged": self._pred_staged_pin.numpy()},
+            n_staged=max(1, self.ahead), warm=self.warm)
         self.worker.shares[:] = self.shares
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
         self._beside = torch.cuda.Stream(dev)  # capture_all's `besides`, forked beside the layer's rows
@@ -185,12 +214,16 @@ class PipelinedDecodeRows:
     def _pick_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> None:
         """What a layer's pick graph holds: predict() -> the layer's routing predicted from its input [1, K]
         (rank order), and its first C misses picked into the staged list (which the layer graph's plan and
-        publish read: that graph waits for this one)."""
+        publish read: that graph waits for this one); warming, both handed to the worker."""
         from strata_ray.kernels.decode_plan import prefetch_pick
 
         tiers = self.tiers
-        prefetch_pick(self.table, layer * tiers.n_expert, predict(), tiers.n_expert, self._ahead_start,
+        pred = predict()
+        prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
                       self._ahead_expert)
+        if self.warm:
+            publish(pred.view(-1), None, self._pred_pin, self._pred_all, None, self.predicted.tensor,
+                    self._base_dev, layer, self._ahead_expert, self._pred_staged_pin)
 
     def _copy_ahead(self, layer: int) -> None:
         """What a layer's copy graph holds: the picked experts copied into staging slots K..K+C-1 by a few
@@ -226,6 +259,7 @@ class PipelinedDecodeRows:
                     body()
         side.synchronize()
         self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
+        self.predicted.set(0)  # the warm-up's predictions: below the first token's base
         ahead_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         for layer in self._stage if capture else ():
             for graphs, body in bodies[layer]:
@@ -514,6 +548,9 @@ class PipelinedDecodeRows:
         if self.ahead:
             counts.ahead_entries += int(self.worker.n_ahead[:, 0].sum())
             counts.ahead_copies += int(self.worker.n_ahead[:, 1].sum())
+        if self.warm:
+            counts.warm_entries += int(self.worker.n_warm[:, 0].sum())
+            counts.warm_hits += int(self.worker.n_warm[:, 1].sum())
 
     def _release_waits(self) -> None:
         """Raise the rows flag to the token's last layer: every device wait of the token passes."""

@@ -22,6 +22,10 @@ class TierCounts:
     # the experts copied ahead (ahead_entries / ahead_copies: how often a prediction was right)
     ahead_entries: int = 0
     ahead_copies: int = 0
+    # the CPU entries the decode worker read ahead from a predicted routing (STRATA_DECODE_WARM), and of them
+    # the entries the routing then gave the CPU (warm_hits / warm_entries: how often its reads were used)
+    warm_entries: int = 0
+    warm_hits: int = 0
     prompt_entries: int = 0  # entries of prompt chunks (any tier)
     swaps: int = 0  # adaptive swaps issued
     rounds: int = 0  # adaptive rounds whose swaps were applied
@@ -79,8 +83,9 @@ class TierMetrics:
         pcie = f", {c.pcie_entries} read over PCIe" if c.pcie_entries else ""
         if c.ahead_copies:  # the copies ahead of the routing: how many of them it used
             pcie += f" ({c.ahead_entries} of {c.ahead_copies} copied ahead used)"
+        cpu = f" ({c.warm_hits} of {c.warm_entries} read ahead used)" if c.warm_entries else ""
         return (
-            f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries{pcie}, "
+            f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries{cpu}{pcie}, "
             f"{c.swaps} swaps, "
             f"host {c.per_token_ms(c.host_seconds):.2f} ms/token, "
             f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token{wait}"

@@ -50,11 +50,16 @@ class CpuTokenRows:
     residency table `res` (int32 [L * X], -1 = not resident; read during the call, so change it only
     between tokens). Buffers (numpy; on CUDA views of pinned memory the device copies to and from):
     ids int64 [K], x f32 [1, E], rows f32 [K, E], inv int32 [K], staged int64 [C] (the experts the device
-    copied ahead for the layer, -1: none; C = n_staged); flags uint32 [1]: routed, rows, stop."""
+    copied ahead for the layer, -1: none; C = n_staged); flags uint32 [1]: routed, rows, stop.
+    warm: before each layer's routing the team also waits for its prediction (flag `predicted`, then
+    pred_ids int64 [K] and pred_staged int64 [C]: the routing predicted from the layer's input, the experts
+    copied ahead for it) and reads the predicted CPU rows' weights into its cores' caches meanwhile
+    (expert_cpu_token.warm_share); the team form only."""
 
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
-                 single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1):
+                 single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
+                 warm: bool = False):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -77,10 +82,13 @@ class CpuTokenRows:
         self.blob_bytes = max(lay.gate[0].nbytes + lay.up[0].nbytes + lay.down[0].nbytes for lay in layers)
         want = {"ids": ((k,), np.int64), "x": ((1, n_embd), np.float32), "rows": ((k, n_embd), np.float32),
                 "inv": ((k,), np.int32), "routed": ((1,), np.uint32), "rows_flag": ((1,), np.uint32),
-                "stop": ((1,), np.uint32), "staged": ((max(1, n_staged),), np.int64)}
+                "stop": ((1,), np.uint32), "staged": ((max(1, n_staged),), np.int64),
+                "predicted": ((1,), np.uint32), "pred_ids": ((k,), np.int64),
+                "pred_staged": ((max(1, n_staged),), np.int64)}
         buffers = dict(buffers or {})
-        if "staged" not in buffers:
-            buffers["staged"] = np.full(max(1, n_staged), -1, np.int64)  # nothing copied ahead
+        for name in ("staged", "pred_staged"):
+            if name not in buffers:
+                buffers[name] = np.full(max(1, n_staged), -1, np.int64)  # nothing copied ahead
         for name, (shape, dtype) in want.items():
             buf = buffers.setdefault(name, np.zeros(shape, dtype))
             if buf.shape != shape or buf.dtype != dtype or not buf.flags.c_contiguous:
@@ -99,6 +107,8 @@ class CpuTokenRows:
         # workqueue threads, not TBB tasks; team=False keeps two regions a layer (token_rows)
         self.team = team and self.n_threads > 1 and team_layer_ok()
         self._sync = np.zeros(8, np.int64)  # the team's counters (expert_cpu_token.token_rows_team)
+        self.warm = warm and self.team
+        self.n_warm = np.zeros((self.n_layers, 2), np.int64)  # [L, 2] predicted CPU entries, of them routed
 
     def busy_seconds(self) -> float:
         """The last call's CPU-row time (its waits on the device left out), summed over the layers it served;
@@ -117,7 +127,8 @@ class CpuTokenRows:
                 token_rows_team(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
                                 self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
                                 b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
-                                self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync)
+                                self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync, int(self.warm),
+                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
                                   self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"],

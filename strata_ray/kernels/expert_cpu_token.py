@@ -33,7 +33,14 @@ from numba.extending import intrinsic
 from .act_quant import quantize_rows_into
 from .block_dots import ROWS
 from .contract import QK, pcie_entries
-from .expert_cpu_kernels import down_share, ffn_parallel, gate_up_rows_share, gate_up_share, quant_share
+from .expert_cpu_kernels import (
+    _share,
+    down_share,
+    ffn_parallel,
+    gate_up_rows_share,
+    gate_up_share,
+    quant_share,
+)
 
 
 def _element(context, builder, signature, args):
@@ -119,7 +126,7 @@ def wait_flag(flag, value, stop) -> bool:
     return True
 
 
-# compiled into _plan_layer (whose cache holds it): no cache file of its own under contract.py
+# compiled into _cpu_entries (whose cache holds it): no cache file of its own under contract.py
 _pcie_entries = njit(nogil=True)(pcie_entries)
 
 
@@ -133,26 +140,22 @@ def _staged(staged, e):
 
 
 @njit(nogil=True, cache=True)
-def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
-                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
-    """A layer's CPU entries from the device's routing: each entry's row in `rows` into inv [K] (0 when
-    resident or computed by the GPU from the host store), the misses grouped by expert into ents / g_start /
-    g_exp (one token: its experts are distinct, one entry a group, in expert order) and x quantized into
-    xq / xd / xs when there are any. The GPU takes a miss whose expert is in staged int64 [C] (copied ahead,
-    -1: none), then of the other misses the first contract.pcie_entries(misses, share) in k order
-    (decode_plan.decode_plan_pcie, the same rule). n_ahead [L, 2] receives (staged misses, staged experts).
-    Returns M, the CPU's entries."""
+def _cpu_entries(layer, ids, res, n_expert, share, staged, exp, inv):
+    """Which of a layer's entries ids [K] the CPU computes: the GPU takes a miss whose expert is in staged
+    int64 [C] (copied ahead, -1: none), then of the other misses the first contract.pcie_entries(misses,
+    share) in k order (decode_plan.decode_plan_pcie, the same rule); the rest are the CPU's. Their experts
+    go into exp[:m] in k order, each entry's index among them into inv [K] (0 for the others).
+    Returns (m, the staged misses, the misses not staged)."""
     n_all = 0
-    for j in range(ids_buf.shape[0]):
-        e = ids_buf[j]
+    for j in range(ids.shape[0]):
+        e = ids[j]
         if res[layer * n_expert + e] < 0 and not _staged(staged, e):
             n_all += 1
     skip = _pcie_entries(n_all, share)
     ahead = 0
     m = 0
-    for j in range(ids_buf.shape[0]):
-        e = ids_buf[j]
-        seen_ids[layer, j] = e
+    for j in range(ids.shape[0]):
+        e = ids[j]
         inv[j] = 0
         if res[layer * n_expert + e] < 0:
             if _staged(staged, e):  # copied ahead: the GPU's, from its staging slot
@@ -163,7 +166,21 @@ def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_m
                 exp[m] = e
                 inv[j] = m
                 m += 1
-    n_pcie[layer] = _pcie_entries(n_all, share) + ahead
+    return m, ahead, n_all
+
+
+@njit(nogil=True, cache=True)
+def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
+                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
+    """A layer's CPU entries from the device's routing (_cpu_entries): each entry's row in `rows` into inv
+    [K] (0 when resident or computed by the GPU), the misses grouped by expert into ents / g_start / g_exp
+    (one token: its experts are distinct, one entry a group, in expert order) and x quantized into xq / xd /
+    xs when there are any. n_ahead [L, 2] receives (staged misses, staged experts). Returns M, the CPU's
+    entries."""
+    for j in range(ids_buf.shape[0]):
+        seen_ids[layer, j] = ids_buf[j]
+    m, ahead, n_all = _cpu_entries(layer, ids_buf, res, n_expert, share, staged, exp, inv)
+    n_pcie[layer] = n_all - m + ahead
     n_ahead[layer, 0] = ahead
     n_ahead[layer, 1] = 0
     for c in range(staged.shape[0]):
@@ -180,6 +197,61 @@ def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_m
         x[0, :] = x_buf[0, :]
         quantize_rows_into(x, xq, xd, xs)
     return m
+
+
+@njit(nogil=True, cache=True)
+def _predicted_cpu(layer, pred_ids, res, n_expert, share, pred_staged, p_exp, p_inv):
+    """The experts the CPU will compute if the layer routes as predicted (pred_ids [K] from its input):
+    _cpu_entries' rule over the prediction, sorted into p_exp[:m] (the order the rows' shares split them
+    in). Returns m; 0 for a prediction holding an id out of range."""
+    for j in range(pred_ids.shape[0]):
+        if pred_ids[j] < 0 or pred_ids[j] >= n_expert:
+            return 0
+    m = _cpu_entries(layer, pred_ids, res, n_expert, share, pred_staged, p_exp, p_inv)[0]
+    p_exp[:m] = np.sort(p_exp[:m])
+    return m
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _touch(w, e, r0, r1):
+    """One byte of each 64 of expert e's rows r0..r1 of w uint8 [X, rows, RB] read: their cache lines pulled
+    into this core's caches. Returns the bytes' sum (the caller keeps it, so the reads stay)."""
+    s = 0
+    for r in range(r0, r1):
+        for b in range(0, w.shape[2], 64):
+            s += w[e, r, b]
+    return s
+
+
+@njit(nogil=True, cache=True)
+def warm_share(gate, up, down, g_exp, t, n_team, routed, value):
+    """Member t's bytes of the rows the experts g_exp (sorted) will need, read ahead: the gate and up tiles
+    gate_up_rows_share gives member t, then the down tiles down_share gives it, so each member's share of
+    the rows sits in its own core's cache when the layer's routing comes (the layer's mixer runs on the
+    device meanwhile, the host's memory idle). Stops once `routed` reaches `value`: from then on the rows
+    themselves are on the critical path. Returns the bytes' sum."""
+    m = g_exp.shape[0]
+    n_ff, n_embd = gate.shape[1], down.shape[1]
+    s = 0
+    n_up = min(n_team, m * n_ff // ROWS)
+    if t < n_up:
+        tiles = n_ff // ROWS
+        k0, k1 = _share(m * tiles, t, n_up)
+        for k in range(k0, k1):
+            if reached(routed, value):
+                return s
+            g, r0 = k // tiles, (k % tiles) * ROWS
+            s += _touch(gate, g_exp[g], r0, r0 + ROWS) + _touch(up, g_exp[g], r0, r0 + ROWS)
+    n_down = min(n_team, m * n_embd // QK)
+    if t < n_down:
+        tiles = n_embd // QK
+        k0, k1 = _share(m * tiles, t, n_down)
+        for k in range(k0, k1):
+            if reached(routed, value):
+                return s
+            g, tile = k // tiles, k % tiles
+            s += _touch(down, g_exp[g], tile * QK, tile * QK + QK)
+    return s
 
 
 @njit(nogil=True, cache=True)
@@ -257,8 +329,9 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
 # ffn_parallel: the same rows, bit for bit. The members spin between layers; the team lives one token.
 
 # sync int64 [8]: READY = layers planned (member 0 releases), ARRIVED = barrier arrivals, ABORT = the layer
-# a stop ended (-1: none), M = this layer's CPU entries
-READY, ARRIVED, ABORT, M = 0, 1, 2, 3
+# a stop ended (-1: none), M = this layer's CPU entries; with warming: PRED = layers whose prediction member 0
+# has read (released whether or not one came), PM = the predicted CPU entries to warm (0: none)
+READY, ARRIVED, ABORT, M, PRED, PM = 0, 1, 2, 3, 4, 5
 
 
 @njit(nogil=True, cache=True)
@@ -270,13 +343,61 @@ def _barrier(sync, target):
 
 
 @njit(nogil=True, cache=True)
+def _wait_prediction(predicted, routed, value, stop):
+    """Spin until the layer's prediction (predicted reaches value: 1) or its routing (routed does: 2) is
+    there, whichever first, or stop[0] becomes non-zero (0). A layer with no prediction just waits for its
+    routing."""
+    while True:
+        if reached(routed, value):
+            return 2
+        if reached(predicted, value):
+            return 1
+        if _load_acquire(stop, 0) != 0:
+            return 0
+
+
+@njit(nogil=True, cache=True)
+def _warm_hits(g_exp, m, p_exp, pm):
+    """How many of the layer's CPU experts g_exp[:m] the prediction's p_exp[:pm] held."""
+    hits = 0
+    for i in range(m):
+        for j in range(pm):
+            if p_exp[j] == g_exp[i]:
+                hits += 1
+                break
+    return hits
+
+
+@njit(nogil=True, cache=True)
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows,
                  inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync, exp, ents,
-                 g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok):
+                 g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids, pred_staged,
+                 n_warm, p_exp, p_inv, sink):
     n_layers = len(gates)
     n_embd = x_buf.shape[1]
     for layer in range(n_layers):
         v = np.uint32((base + layer) & 0xFFFFFFFF)
+        gate, up, down = gates[layer], ups[layer], downs[layer]
+        if warm:  # the layer's predicted CPU rows read ahead into each member's cache while its mixer runs
+            if t == 0:
+                got = _wait_prediction(predicted, routed, v, stop)
+                pm = 0
+                if got == 1:  # the buffers hold this layer's prediction until the worker raises its rows flag
+                    pm = _predicted_cpu(layer, pred_ids, res, n_expert, shares[layer], pred_staged, p_exp,
+                                        p_inv)
+                n_warm[layer, 0] = pm
+                sync[PM] = pm
+                _store_release(sync, PRED, layer + 1)
+                if got == 0:  # stopped: the others leave at READY, as below
+                    sync[ABORT] = layer
+                    _store_release(sync, READY, layer + 1)
+                    return
+            else:
+                while _load_acquire(sync, PRED) < layer + 1:
+                    pass
+            pm = sync[PM]
+            if pm:
+                sink[t] += warm_share(gate, up, down, p_exp[:pm], t, n_team, routed, v)
         if t == 0:  # the planner: wait for the device, classify, quantize x, publish
             if not wait_flag(routed, v, stop):
                 sync[ABORT] = layer
@@ -285,6 +406,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             t0 = _cycles()
             m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss,
                             n_pcie, n_ahead, exp, ents, g_start, g_exp, x_buf, x, xq, xd, xs)
+            if warm:
+                n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             busy[layer] = t0  # the start; the end is taken after the last barrier
             sync[M] = m
             _store_release(sync, READY, layer + 1)
@@ -294,9 +417,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             if sync[ABORT] >= 0:
                 return
         # every barrier even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
-        # while a member still reads this one's
+        # nor its prediction (p_exp) while a member still reads this one's
         m = sync[M]
-        gate, up, down = gates[layer], ups[layer], downs[layer]
         n_ff = gate.shape[1]
         # gate+up in ROWS-row units, then h's requantization as a phase of its own: a few experts' rows
         # split ~evenly over the team (32-row units with the requantization in them left members 25% idle)
@@ -321,14 +443,22 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
 
 @njit(parallel=True, nogil=True, cache=True)
 def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv,
-                    routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy, sync):
+                    routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
+                    warm, predicted, pred_ids, pred_staged, n_warm):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
     shares every layer's rows, whatever their size, which gives the same bits). sync int64 [8], the caller's
     (the members' counters);
     the caller reads sync[ABORT] afterwards (-1, or the layer a stop ended): returned from here, it came back
-    as the value stored before the region (numba 0.68)."""
+    as the value stored before the region (numba 0.68).
+
+    warm (0 / 1): before each layer's routing, wait for its prediction too: `predicted` uint32 [1] reaching
+    base + layer means pred_ids int64 [K] and pred_staged int64 [C] hold the routing predicted from the
+    layer's input and the experts the device copies ahead for it. Each member then reads ahead its share of
+    the predicted CPU rows' weights (warm_share), until the routing comes. Only the time moves: the rows
+    are computed from the real routing as always. n_warm int64 [L, 2] receives each layer's (predicted CPU
+    entries, CPU entries among them)."""
     k = ids_buf.shape[0]
     n_embd = x_buf.shape[1]
     nb = n_embd // QK
@@ -348,7 +478,13 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     hd = np.empty((k, n_ff // QK), np.float32)
     hs = np.empty((k, n_ff // QK), np.int32)
     tok = np.zeros(k, np.int64)  # one token: every entry reads activation row 0
+    p_exp = np.empty(k, np.int64)
+    p_inv = np.empty(k, np.int32)
+    sink = np.zeros(n_team, np.int64)  # the warm reads' sums: kept, so they are not optimised away
+    n_warm[:] = 0
     for t in prange(n_team):
         _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf,
                      rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
-                     exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok)
+                     exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids,
+                     pred_staged, n_warm, p_exp, p_inv, sink)
+    return sink.sum()

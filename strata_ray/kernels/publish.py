@@ -27,10 +27,11 @@ tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launc
 
 
 def _publish_body(IDS, X, IDS_HOST, IDS_ALL, X_HOST, FLAG, BASE, STAGED, STAGED_HOST, layer, K, E,
-                  BK: tl.constexpr, BE: tl.constexpr, FENCE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+                  BK: tl.constexpr, BE: tl.constexpr, FENCE: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  HAS_X: tl.constexpr):
     # IDS int64 [K], X f32 [E] (device); IDS_HOST int64 [K], IDS_ALL int64 [L, K], X_HOST f32 [E], FLAG int32
     # [1] (page-locked host memory); BASE int64 [1] (device); C > 0: STAGED int32 [C] (device) -> STAGED_HOST
-    # int64 [C]. One program.
+    # int64 [C]; HAS_X = 0: no x. One program.
     k = tl.arange(0, BK)
     ids = tl.load(IDS + k, mask=k < K)
     tl.store(IDS_HOST + k, ids, mask=k < K)
@@ -38,8 +39,9 @@ def _publish_body(IDS, X, IDS_HOST, IDS_ALL, X_HOST, FLAG, BASE, STAGED, STAGED_
     if C > 0:
         c = tl.arange(0, BC)
         tl.store(STAGED_HOST + c, tl.load(STAGED + c, mask=c < C).to(tl.int64), mask=c < C)
-    e = tl.arange(0, BE)
-    tl.store(X_HOST + e, tl.load(X + e, mask=e < E), mask=e < E)
+    if HAS_X:
+        e = tl.arange(0, BE)
+        tl.store(X_HOST + e, tl.load(X + e, mask=e < E), mask=e < E)
     zero = tl.zeros((1,), tl.int32)
     if FENCE:  # every thread's stores reach the host before it passes the barrier (__threadfence_system)
         tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, $1;", "=r,r", [zero], dtype=tl.int32,
@@ -57,8 +59,12 @@ def _kernel():
     return jit_bodies(_publish_body, do_not_specialize=["layer"])[0]
 
 
-def _check(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Tensor, flag: Tensor,
-           base: Tensor) -> None:
+def _check(ids: Tensor, x: Tensor | None, ids_host: Tensor, ids_all: Tensor, x_host: Tensor | None,
+           flag: Tensor, base: Tensor) -> None:
+    if (x is None) != (x_host is None):
+        raise ValueError("publish: x and x_host come together")
+    if x is None:  # the ids alone (a predicted routing): x's checks against themselves
+        x = x_host = torch.zeros(0, dtype=torch.float32)
     k, e = ids.numel(), x.numel()
     if ids.dtype != torch.int64 or ids_host.dtype != torch.int64 or ids_all.dtype != torch.int64:
         raise ValueError("publish: ids, ids_host and ids_all must be int64")
@@ -81,23 +87,25 @@ def _check_staged(staged: Tensor | None, staged_host: Tensor | None) -> None:
         raise ValueError("publish: staged must be contiguous int32 [C], staged_host int64 [C]")
 
 
-def publish(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Tensor, flag: Tensor,
-            base: Tensor, layer: int, staged: Tensor | None = None,
+def publish(ids: Tensor, x: Tensor | None, ids_host: Tensor, ids_all: Tensor, x_host: Tensor | None,
+            flag: Tensor, base: Tensor, layer: int, staged: Tensor | None = None,
             staged_host: Tensor | None = None) -> None:
-    """On the current stream: ids [K] -> ids_host [K] and ids_all[layer]; x [1, E] -> x_host; staged [C] (the
-    experts copied ahead for the layer, if given) -> staged_host; then flag := (base + layer) mod 2^32 after
-    the host can see them. ids, x, base, staged on the device; the host buffers page-locked (or, under the
-    Triton interpreter, CPU tensors). No host sync: graph-capturable."""
+    """On the current stream: ids [K] -> ids_host [K] and ids_all[layer]; x [1, E] -> x_host (both None: no
+    x, as for a predicted routing); staged [C] (the experts copied ahead for the layer, if given) ->
+    staged_host; then flag := (base + layer) mod 2^32 after the host can see them. ids, x, base, staged on
+    the device; the host buffers page-locked (or, under the Triton interpreter, CPU tensors). No host sync:
+    graph-capturable."""
     _check(ids, x, ids_host, ids_all, x_host, flag, base)
     _check_staged(staged, staged_host)
     if not 0 <= layer < ids_all.shape[0]:
         raise ValueError(f"publish: layer {layer} of {ids_all.shape[0]}")
-    k, e = ids.numel(), x.numel()
+    k, e = ids.numel(), 0 if x is None else x.numel()
     c = 0 if staged is None else staged.numel()
     fence = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX: not under the interpreter
-    _kernel()[(1,)](ids, x, ids_host, ids_all, x_host, flag, base, staged if c else ids,
-                    staged_host if c else ids, layer, k, e, BK=max(2, next_pow2(k)), BE=next_pow2(e),
-                    FENCE=fence, C=c, BC=max(2, next_pow2(max(1, c))), num_warps=4)
+    _kernel()[(1,)](ids, ids if x is None else x, ids_host, ids_all, ids_host if x is None else x_host, flag,
+                    base, staged if c else ids, staged_host if c else ids, layer, k, e,
+                    BK=max(2, next_pow2(k)), BE=max(2, next_pow2(e)), FENCE=fence, C=c,
+                    BC=max(2, next_pow2(max(1, c))), HAS_X=x is not None, num_warps=4)
 
 
 def publish_reference(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor, x_host: Tensor,
@@ -108,7 +116,8 @@ def publish_reference(ids: Tensor, x: Tensor, ids_host: Tensor, ids_all: Tensor,
     _check_staged(staged, staged_host)
     ids_host.copy_(ids.reshape(-1))
     ids_all[layer].copy_(ids.reshape(-1))
-    x_host.copy_(x.reshape(x_host.shape))
+    if x is not None:
+        x_host.copy_(x.reshape(x_host.shape))
     if staged is not None:
         staged_host.copy_(staged.reshape(-1))
     value = (int(base.reshape(-1)[0]) + layer) & 0xFFFFFFFF

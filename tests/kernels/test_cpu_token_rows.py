@@ -69,13 +69,21 @@ def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray, staged=None)
     return np.flatnonzero(hit.numpy() == 0)
 
 
-def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray, staged=None
-                 ) -> list[np.ndarray]:
-    """Per layer: write the routing (and the experts copied ahead), raise `routed`, wait for the rows;
-    returns each layer's [K, E] rows in entry order (the device's entries' rows are zeros)."""
+def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray, staged=None,
+                 preds: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per layer: (with preds [L, K]: write the predicted routing and the experts copied ahead, raise
+    `predicted`, give the team a moment to warm; a row of -1s: no prediction that layer) write the routing
+    (and the experts copied ahead), raise `routed`, wait for the rows; returns each layer's [K, E] rows in
+    entry order (the device's entries' rows are zeros)."""
     b, k = worker.buf, worker.k
     out = []
     for layer in range(worker.n_layers):
+        if preds is not None and preds[layer, 0] >= 0:
+            b["pred_ids"][:] = preds[layer]
+            if staged is not None:
+                b["pred_staged"][:] = staged[layer]
+            b["predicted"][0] = (base + layer) & 0xFFFFFFFF
+            time.sleep(0.002)
         b["ids"][:] = ids[layer]
         b["x"][:] = xs[layer]
         if staged is not None:
@@ -141,6 +149,75 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             assert np.array_equal(got[layer][miss].view(np.uint32), want.view(np.uint32)), layer
 
 
+@pytest.mark.parametrize("predict", ["routed", "wrong", "some"])
+def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, rng):
+    """warm: the team reads each layer's predicted CPU rows ahead. Whatever the prediction (the routing
+    itself, another one with an id out of range in one layer, none in some layers), the rows, entries and
+    ids are the cold team's; n_warm counts the predicted CPU entries and those the routing kept."""
+    layers = [layer_for(name, N_EXPERT) for name in LAYERS]
+    res = np.full(len(layers) * N_EXPERT, -1, np.int32)
+    res[rng.choice(res.size, res.size // 3, replace=False)] = 0
+    k, ahead = 5, 2
+    ids = np.stack([rng.choice(N_EXPERT, k, replace=False) for _ in layers])  # [L, K] rank order
+    xs = rng.standard_normal((len(layers), 1, N_EMBD)).astype(np.float32)
+    staged = rng.choice(N_EXPERT, (len(layers), ahead)).astype(np.int64)
+    staged[:, 0] = ids[:, 0]
+    preds = ids.copy()
+    if predict == "wrong":
+        preds = np.stack([rng.choice(N_EXPERT, k, replace=False) for _ in layers])
+        preds[2, 0] = ids[2, 1]
+        preds[1, 3] = N_EXPERT  # out of range: that layer warms nothing
+    elif predict == "some":
+        preds[1] = -1  # no prediction for layer 1: its wait is the routing's alone
+    runs = []
+    for warm in (False, True):
+        worker = CpuTokenRows(layers, res, k, n_threads=2, n_staged=ahead, warm=warm)
+        assert worker.team and worker.warm == warm
+        worker.shares[:] = (400, 0, 600)
+        base = 0xFFFFFFFE
+        for flag in ("routed", "rows_flag", "predicted"):
+            worker.buf[flag][0] = base - 1
+        got = []
+        assert _serve(worker, base, lambda w=worker, got=got, base=base: got.extend(
+            _play_device(w, base, ids, xs, staged, preds))) == -1
+        runs.append((got, worker))
+    (cold, w0), (warmed, w1) = runs
+    for layer in range(len(layers)):
+        assert np.array_equal(cold[layer].view(np.uint32), warmed[layer].view(np.uint32)), layer
+        for name in ("n_miss", "n_pcie", "n_ahead", "seen_ids"):
+            assert np.array_equal(getattr(w0, name)[layer], getattr(w1, name)[layer]), name
+        cpu = set(ids[layer, _cpu_entries(w1, layer, ids[layer], staged[layer])].tolist())
+        if preds[layer, 0] < 0 or preds[layer].max() >= N_EXPERT:
+            assert w1.n_warm[layer].tolist() == [0, 0]
+        else:
+            pred_cpu = set(preds[layer, _cpu_entries(w1, layer, preds[layer], staged[layer])].tolist())
+            assert w1.n_warm[layer].tolist() == [len(pred_cpu), len(pred_cpu & cpu)]
+    assert not w0.n_warm.any()
+    if predict == "routed":
+        assert (w1.n_warm[:, 0] == w1.n_warm[:, 1]).all() and (w1.n_warm[:, 1] == w1.n_miss).all()
+
+
+def test_warm_share_reads_what_the_rows_shares_will(rng):
+    """The members' warm_share reads together cover each predicted expert's gate, up and down rows, one byte
+    in 64 of each row, once (the sums add up to the plain twin's), split as the rows' shares split them;
+    a routing already there stops it at once."""
+    from strata_ray.kernels.expert_cpu_token import warm_share
+
+    lay = layer_for("Q4_0", N_EXPERT)
+    g_exp = np.array([2, 9, 30], np.int64)
+    routed = np.zeros(1, np.uint32)
+
+    def plain(w):
+        return int(w[g_exp][:, :, ::64].astype(np.int64).sum())
+
+    want = plain(lay.gate) + plain(lay.up) + plain(lay.down)
+    for n_team in (1, 2, 5, 64):
+        got = [warm_share(lay.gate, lay.up, lay.down, g_exp, t, n_team, routed, 1) for t in range(n_team)]
+        assert sum(got) == want, n_team
+    routed[0] = 1
+    assert warm_share(lay.gate, lay.up, lay.down, g_exp, 0, 2, routed, 1) == 0
+
+
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_stop_ends_a_wait_and_says_where(n_threads, rng):
     """1 thread: token_rows; 2: the team, whose other member waits for the planner and leaves with it."""
@@ -158,6 +235,14 @@ def test_stop_ends_a_wait_and_says_where(n_threads, rng):
         worker.stop()  # the worker now waits for layer 1: this ends that wait
 
     assert _serve(worker, 7, layer_0_only) == 1
+
+
+def test_stop_ends_the_wait_for_a_prediction(rng):
+    """A warming team waits for a layer's prediction or its routing: a stop there ends the token too."""
+    layers = [layer_for("Q4_0", N_EXPERT)] * 2
+    worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=2, warm=True)
+    assert worker.warm
+    assert _serve(worker, 7, lambda: time.sleep(0.05)) == 0  # nothing ever comes for layer 0
 
 
 def test_bad_layers_and_buffers_are_one_line_errors():

@@ -49,6 +49,13 @@ def _cases(device: str, pin: bool):
             assert torch.equal(a, w), (k, e, layer)
         assert got[3][layer].tolist() == got[0].view(-1).tolist() and (got[3][layer - 1] == -1).all()
         assert int(got[5][0]) & 0xFFFFFFFF == (base + layer) & 0xFFFFFFFF  # the 32-bit wrap
+        # the ids alone (a predicted routing: no x), with the staged list
+        ids, _, ids_host, ids_all, _, flag = _buffers(k, e, 48, device, pin)
+        publish(ids, None, ids_host, ids_all, None, flag, b, layer, staged, host)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert ids_host.tolist() == ids.view(-1).tolist() and ids_all[layer].tolist() == ids_host.tolist()
+        assert int(flag[0]) & 0xFFFFFFFF == (base + layer) & 0xFFFFFFFF and host.tolist() == staged.tolist()
 
 
 @pytest.mark.parametrize("c", [1, 3])
@@ -77,6 +84,10 @@ def test_reference_and_errors():
         publish_reference(ids, x, ids_host[:3], ids_all, x_host, flag, base, 0)
     with pytest.raises(ValueError, match="layer 4 of 4"):
         publish(ids, x, ids_host, ids_all, x_host, flag, base, 4)
+    with pytest.raises(ValueError, match="x and x_host come together"):
+        publish_reference(ids, x, ids_host, ids_all, None, flag, base, 0)
+    publish_reference(ids, None, ids_host, ids_all, None, flag, base, 3)  # the ids alone
+    assert int(flag[0]) == 2 and torch.equal(ids_all[3], ids[0])
 
 
 @interpret
