@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from strata_ray.experts.decode_pipeline import TOKEN_GRAPH_PREFETCH, _staging_plan, token_graph_and_ahead
+from strata_ray.experts.decode_pipeline import (
+    DECODE_WARM,
+    TOKEN_GRAPH_PREFETCH,
+    _staging_plan,
+    decode_warm,
+    token_graph_and_ahead,
+)
 from strata_ray.experts.host_store import BlobLayout
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.gather_copy import stage_experts
@@ -88,3 +94,9 @@ def test_staged_experts_give_the_cpu_rows(name):
 ])
 def test_token_graph_and_copies_ahead_defaults(partial, env, prefetch, want):
     assert token_graph_and_ahead(partial, env, prefetch) == want
+
+
+@pytest.mark.parametrize("env,want", [("", DECODE_WARM), ("0", False), ("1", True)])
+def test_warming_follows_its_switch(env, want, monkeypatch):
+    monkeypatch.setenv("STRATA_DECODE_WARM", env)
+    assert decode_warm() is want

@@ -28,3 +28,14 @@ def test_pcie_entries_are_a_tier_of_their_own():
     s = m.summary()
     assert s["hit_rate"] == 0.6 and s["tier_rates"] == {"cache": 0.6, "cpu": 0.2, "pcie": 0.2}
     assert "60.0% cache hits, 10 CPU entries, 10 read over PCIe" in m.line()
+
+
+def test_reads_ahead_are_counted_beside_the_cpu_entries():
+    """The CPU entries read ahead from a predicted routing (STRATA_DECODE_WARM): how many, how many used."""
+    m = TierMetrics()
+    c = m.counts
+    c.tokens, c.slot_hits, c.cpu_entries = 1, 30, 10
+    assert "read ahead" not in m.line()
+    c.warm_entries, c.warm_hits = 12, 9
+    assert "10 CPU entries (9 of 12 read ahead used)" in m.line()
+    assert m.summary()["warm_hits"] == 9
