@@ -109,8 +109,8 @@ class EngineConfig:
     cpu_dense_blocks: bool = False
     # STRATA_PCIE_SHARE (env only, permille 0-1000): in the pipelined decode the GPU computes this share of
     # a layer's non-resident entries itself, copying their weights from the page-locked host store over
-    # PCIe while the CPU pool computes the rest (contract.pcie_entries: the first ones in k order); 0: the
-    # CPU pool computes every miss. Same bits either way (the arithmetic contract). Default 400: the best
+    # PCIe while the CPU pool computes the rest (contract.pcie_entries: those of the lowest expert ids); 0:
+    # the CPU pool computes every miss. Same bits either way (the arithmetic contract). Default 400: the best
     # of 0/400/600/800/1000 on the H200 at 8K and a 24 GiB budget (51.9 -> 61.8 tok/s, session 10).
     pcie_share: int = 400
     # STRATA_DECODE_PREFETCH (env only, 0-8 experts): in the pipelined decode each page-locked layer routes

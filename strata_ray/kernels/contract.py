@@ -70,9 +70,12 @@ DECODE_MAX_TOKENS = 8  # a launch of at most this many tokens is a decode/verify
 
 def pcie_entries(n_miss: int, share_permille: int) -> int:
     """How many of a decode layer's n_miss non-resident entries the GPU computes itself, reading their
-    weights from the page-locked host store over PCIe: the first this-many misses in k order; the CPU pool
-    takes the rest. One integer rule that the device plan (decode_plan.decode_plan_pcie), the CPU worker
-    (expert_cpu_token) and their tests all evaluate, so the two sides split a layer without talking.
+    weights from the page-locked host store over PCIe: the this-many misses of the lowest expert ids; the
+    CPU pool takes the rest. One integer rule that the device plan (decode_plan.decode_plan_pcie), the CPU
+    worker (expert_cpu_token) and their tests all evaluate, so the two sides split a layer without talking.
+    Expert order, not k order: a routing predicted from the layer's input holds mostly the same experts in
+    another rank order, and with expert order it gives the CPU the same experts, which the worker reads
+    ahead (STRATA_DECODE_WARM; with k order 60% of those reads were used, session 21).
     share_permille: 0-1000, the share of the misses, rounded half up. With experts copied ahead
     (STRATA_DECODE_PREFETCH) a miss whose expert is in the layer's staged list is the GPU's first, and
     n_miss counts the other misses only."""

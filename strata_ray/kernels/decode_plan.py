@@ -9,8 +9,9 @@ one slot into tiles) and the masking of the misses' tiles, that plan took ~30 sm
 where its expert is resident. The expert kernels compute each tile's rows alone, so the rows have the
 same bits whatever the tiles' order.
 
-`decode_plan_pcie` adds the misses the GPU computes itself (a budget decode, STRATA_PCIE_SHARE): the first
-`contract.pcie_entries(M, share)` of a layer's M misses in k order, the CPU worker computing the others.
+`decode_plan_pcie` adds the misses the GPU computes itself (a budget decode, STRATA_PCIE_SHARE): the
+`contract.pcie_entries(M, share)` of a layer's M misses with the lowest expert ids, the CPU worker computing
+the others.
 Their host_start marks them and host_slot names their expert in the host store: the pipelined decode copies
 entry k's expert into staging slot k over PCIe (gather_copy.stage_experts) and runs their tiles there. The
 hit mask marks them too: the combine takes their rows from the GPU's rows.
@@ -81,10 +82,10 @@ def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: 
     host_start, pcie_slot, pcie_start), int32 [K] each. share: permille of the misses (contract.pcie_entries);
     staged: int32 [C], the experts copied ahead into staging slots K.. (-1: none; module docstring).
     A miss whose expert is staged[c] is the GPU's, its tile reading staging slot K + c; of the other misses
-    the first pcie_entries(R, share) in k order are copied (host_start k, host_slot their expert id: into
-    staging slot k) and the GPU's too; hit marks every entry the GPU computes; ahead_start is k for each
-    staged miss (else -1: their tiles, launched apart from the copied ones), pcie_slot the staging slot of
-    each (K + c for a staged miss, k otherwise). slot / tile_start are the resident tiles as before."""
+    the pcie_entries(R, share) of the lowest expert ids are copied (host_start k, host_slot their expert
+    id: into staging slot k) and the GPU's too; hit marks every entry the GPU computes; ahead_start is k for
+    each staged miss (else -1: their tiles, launched apart from the copied ones), pcie_slot the staging slot
+    of each (K + c for a staged miss, k otherwise). slot / tile_start are the resident tiles as before."""
     _check(table, base, ids, n_expert, share)
     _check_staged(staged)
     hit, order, slot, start = decode_plan_reference(table, base, ids, n_expert)
@@ -98,7 +99,8 @@ def decode_plan_pcie_reference(table: Tensor, base: int, ids: Tensor, n_expert: 
             ahead |= match
             pslot = torch.where(match, torch.full_like(pslot, k + c), pslot)
     rest = miss & ~ahead
-    rank = torch.cumsum(rest.to(torch.int32), 0) - rest.to(torch.int32)  # other misses before entry k
+    # [K]: the other misses of a lower expert id than entry k's (a token's experts are distinct)
+    rank = (rest[None, :] & (ids[None, :] < ids[:, None])).sum(1)
     pcie = rest & (rank < pcie_entries(int(rest.sum()), share))
     host_start = torch.where(pcie, order, torch.full_like(order, -1))
     astart = torch.where(ahead, order, torch.full_like(order, -1))
@@ -134,7 +136,7 @@ def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, ASTART
     tl.store(ORDER + k, k, mask=live)
     tl.store(SLOT + k, slot, mask=live)
     tl.store(START + k, tl.where(hit, k, -1), mask=live)
-    if PCIE:  # the staged misses, then the first pcie_entries(R, share) other misses in k order
+    if PCIE:  # the staged misses, then the pcie_entries(R, share) other misses of the lowest expert ids
         miss = live & (slot < 0)
         pslot = k
         ahead = k < 0
@@ -144,7 +146,8 @@ def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, ASTART
             ahead = ahead | match
             pslot = tl.where(match, K + c, pslot)
         rest = (miss & ~ahead).to(tl.int32)
-        rank = tl.cumsum(rest, 0) - rest
+        # the other misses of a lower expert id than lane k's: [BLOCK, BLOCK] pairs, summed over the row's
+        rank = tl.sum(((rest[None, :] > 0) & (expert[None, :] < expert[:, None])).to(tl.int32), 1)
         n_pcie = (tl.sum(rest, 0) * share + 500) // 1000  # contract.pcie_entries, written out
         pcie = (rest > 0) & (rank < n_pcie)
         hit = hit | pcie | ahead

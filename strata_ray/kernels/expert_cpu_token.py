@@ -142,16 +142,16 @@ def _staged(staged, e):
 @njit(nogil=True, cache=True)
 def _cpu_entries(layer, ids, res, n_expert, share, staged, exp, inv):
     """Which of a layer's entries ids [K] the CPU computes: the GPU takes a miss whose expert is in staged
-    int64 [C] (copied ahead, -1: none), then of the other misses the first contract.pcie_entries(misses,
-    share) in k order (decode_plan.decode_plan_pcie, the same rule); the rest are the CPU's. Their experts
-    go into exp[:m] in k order, each entry's index among them into inv [K] (0 for the others).
+    int64 [C] (copied ahead, -1: none), then of the other misses the contract.pcie_entries(misses, share)
+    of the lowest expert ids (decode_plan.decode_plan_pcie, the same rule); the rest are the CPU's. Their
+    experts go into exp[:m] in k order, each entry's index among them into inv [K] (0 for the others).
     Returns (m, the staged misses, the misses not staged)."""
     n_all = 0
     for j in range(ids.shape[0]):
         e = ids[j]
         if res[layer * n_expert + e] < 0 and not _staged(staged, e):
             n_all += 1
-    skip = _pcie_entries(n_all, share)
+    n_gpu = _pcie_entries(n_all, share)
     ahead = 0
     m = 0
     for j in range(ids.shape[0]):
@@ -160,9 +160,12 @@ def _cpu_entries(layer, ids, res, n_expert, share, staged, exp, inv):
         if res[layer * n_expert + e] < 0:
             if _staged(staged, e):  # copied ahead: the GPU's, from its staging slot
                 ahead += 1
-            elif skip > 0:  # one of the GPU's: its row comes from the device's rows
-                skip -= 1
-            else:
+                continue
+            lower = 0  # the other misses of a lower expert id (a token's experts are distinct)
+            for i in range(ids.shape[0]):
+                if ids[i] < e and res[layer * n_expert + ids[i]] < 0 and not _staged(staged, ids[i]):
+                    lower += 1
+            if lower >= n_gpu:  # the CPU's (else the GPU's: its row comes from the device's rows)
                 exp[m] = e
                 inv[j] = m
                 m += 1

