@@ -69,10 +69,25 @@ def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray, staged=None)
     return np.flatnonzero(hit.numpy() == 0)
 
 
+def _wait_counted(worker: CpuTokenRows, layer: int, pred: np.ndarray, staged) -> None:
+    """With a warming team: wait (10 s at most) until member 0 has counted the layer's predicted CPU entries,
+    so it takes the prediction before the routing however late the OS runs it (a fixed sleep lost that race
+    on a loaded 2-core CI machine); a prediction with no CPU entry, or an id out of range, counts 0: a short
+    sleep then. A cold team never looks, so nothing to wait for."""
+    if not worker.warm:
+        return
+    want = 0 if pred.max() >= worker.n_expert else _cpu_entries(worker, layer, pred, staged).size
+    deadline = time.monotonic() + 10
+    while want and worker.n_warm[layer, 0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    if not want:
+        time.sleep(0.002)
+
+
 def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray, staged=None,
                  preds: np.ndarray | None = None) -> list[np.ndarray]:
     """Per layer: (with preds [L, K]: write the predicted routing and the experts copied ahead, raise
-    `predicted`, give the team a moment to warm; a row of -1s: no prediction that layer) write the routing
+    `predicted`, wait for the team to take it; a row of -1s: no prediction that layer) write the routing
     (and the experts copied ahead), raise `routed`, wait for the rows; returns each layer's [K, E] rows in
     entry order (the device's entries' rows are zeros)."""
     b, k = worker.buf, worker.k
@@ -83,7 +98,7 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
             if staged is not None:
                 b["pred_staged"][:] = staged[layer]
             b["predicted"][0] = (base + layer) & 0xFFFFFFFF
-            time.sleep(0.002)
+            _wait_counted(worker, layer, preds[layer], None if staged is None else staged[layer])
         b["ids"][:] = ids[layer]
         b["x"][:] = xs[layer]
         if staged is not None:
