@@ -70,18 +70,20 @@ def _cpu_entries(worker: CpuTokenRows, layer: int, ids: np.ndarray, staged=None)
 
 
 def _wait_counted(worker: CpuTokenRows, layer: int, pred: np.ndarray, staged) -> None:
-    """With a warming team: wait (10 s at most) until member 0 has counted the layer's predicted CPU entries,
+    """Warming team: wait (10 s, as _wait: TimeoutError) for member 0 to count the predicted CPU entries,
     so it takes the prediction before the routing however late the OS runs it (a fixed sleep lost that race
     on a loaded 2-core CI machine); a prediction with no CPU entry, or an id out of range, counts 0: a short
     sleep then. A cold team never looks, so nothing to wait for."""
     if not worker.warm:
         return
     want = 0 if pred.max() >= worker.n_expert else _cpu_entries(worker, layer, pred, staged).size
-    deadline = time.monotonic() + 10
-    while want and worker.n_warm[layer, 0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.0002)
     if not want:
         time.sleep(0.002)
+    t = time.monotonic()
+    while want and worker.n_warm[layer, 0] == 0:
+        if time.monotonic() - t > 10:  # as _wait: a team that never took the prediction fails here, by name
+            raise TimeoutError(f"layer {layer}: the team never counted its {want} predicted CPU entries")
+        time.sleep(0.0002)
 
 
 def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarray, staged=None,
