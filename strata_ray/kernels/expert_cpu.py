@@ -81,8 +81,12 @@ def _float_ffn(x, tok, groups, layer: ExpertLayer, pool: CpuPool, out: np.ndarra
 
 
 def _contiguous(w) -> np.ndarray:
-    """The block bytes as a C-contiguous numpy array (a view when already contiguous)."""
-    return np.ascontiguousarray(np.asarray(w))
+    """The block bytes as a read-only C-contiguous numpy array (a view when already contiguous). Read-only
+    always, as the memory-mapped GGUF's are: numba compiles a kernel once per array type, and writable
+    weights would be a second set of compiles of every kernel."""
+    a = np.ascontiguousarray(np.asarray(w)).view()
+    a.flags.writeable = False
+    return a
 
 
 def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
@@ -120,20 +124,22 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
     gate, up, down = _contiguous(layer.gate), _contiguous(layer.up), _contiguous(layer.down)
+    # plain ints: an IntEnum type (gguf's GGMLQuantizationType) is another numba signature
+    gtype, utype, dtype = int(layer.gate_type), int(layer.up_type), int(layer.down_type)
     # One share per thread, never more shares than 32-row tiles.
     n_up = min(pool.n_threads, n_groups * n_ff // QK)
     n_down = min(pool.n_threads, n_groups * n_embd // QK)
-    args = (gate, layer.gate_type, up, layer.up_type, xq, xd, xs, tok, ents, g_start, g_exp)
+    args = (gate, gtype, up, utype, xq, xd, xs, tok, ents, g_start, g_exp)
     if started is not None:
         started.set()
     if pool.n_threads > 1 and pool.numba_parallel:
         flag, value = done if done is not None else (_NO_FLAG, 0)
-        with numba_threads(max(n_up, n_down)):
-            ffn_parallel(gate, layer.gate_type, up, layer.up_type, down, layer.down_type, xq, xd, xs, tok,
-                         ents, g_start, g_exp, n_up, n_down, h, hq, hd, hs, out, flag, value)
+        with numba_threads(max(n_up, n_down)):  # uint32 value: the type expert_cpu_token's call passes
+            ffn_parallel(gate, gtype, up, utype, down, dtype, xq, xd, xs, tok, ents, g_start, g_exp, n_up,
+                         n_down, h, hq, hd, hs, out, flag, np.uint32(value))
         return out
     pool.run(gate_up_share, [(*args, t, n_up, h, hq, hd, hs) for t in range(n_up)])
-    pool.run(down_share, [(down, layer.down_type, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
+    pool.run(down_share, [(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
                           for t in range(n_down)])
     _set_done(done)
     return out

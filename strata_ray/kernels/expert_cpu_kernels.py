@@ -123,10 +123,13 @@ def ffn_parallel(gate, gtype, up, utype, down, dtype, aq, ad, asum, tok, ents, g
     flag (uint32 [1] or [0]): when given, flag[0] = flag_value once every row is in `out`, from here
     rather than from Python after the call returns: a device stream waiting on it (stream_flags) is
     released without the caller's thread needing the GIL back first (DecodeRows' helper thread)."""
+    # np.int64(t): numba types a prange body twice (as a plain loop, int64 t, then as the parallel region,
+    # uint64 t); one index type means one compile of each share function, not two
     for t in prange(n_up):
-        gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_up, h, hq, hd, hs)
+        gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, np.int64(t), n_up,
+                      h, hq, hd, hs)
     for t in prange(n_down):
-        down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, t, n_down, out)
+        down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, np.int64(t), n_down, out)
     if flag.shape[0]:  # after the loop's barrier: every share's rows are written (x86 keeps store order)
         flag[0] = flag_value
 

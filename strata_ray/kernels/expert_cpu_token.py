@@ -315,9 +315,10 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
             ffn_parallel(gate, gtype, up, utype, down, dtype, xq, xd, xs, tok[:m], ents, g_start, g_exp, n_up,
                          n_down, h, hq, hd, hs, out, rows_flag, v)
         else:  # a small call: this thread alone, no parallel region (the same rows: batch invariance)
-            gate_up_share(gate, gtype, up, utype, xq, xd, xs, tok[:m], ents, g_start, g_exp, 0, 1,
-                          h, hq, hd, hs)
-            down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, 0, 1, out)
+            # np.int64 shares: literal 0 and 1 would compile the share functions once more for Literal[int]
+            gate_up_share(gate, gtype, up, utype, xq, xd, xs, tok[:m], ents, g_start, g_exp, np.int64(0),
+                          np.int64(1), h, hq, hd, hs)
+            down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, np.int64(0), np.int64(1), out)
             rows_flag[0] = v
         busy[layer] = _cycles() - t0
     return -1
@@ -485,9 +486,9 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     p_inv = np.empty(k, np.int32)
     sink = np.zeros(n_team, np.int64)  # the warm reads' sums: kept, so they are not optimised away
     n_warm[:] = 0
-    for t in prange(n_team):
-        _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf,
-                     rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
-                     exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids,
-                     pred_staged, n_warm, p_exp, p_inv, sink)
+    for t in prange(n_team):  # np.int64(t): one compile of _team_member (ffn_parallel says why)
+        _team_member(np.int64(t), n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf,
+                     x_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
+                     sync, exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted,
+                     pred_ids, pred_staged, n_warm, p_exp, p_inv, sink)
     return sink.sum()

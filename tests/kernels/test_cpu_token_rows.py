@@ -218,6 +218,7 @@ def test_warm_share_reads_what_the_rows_shares_will(rng):
     """The members' warm_share reads together cover each predicted expert's gate, up and down rows, one byte
     in 64 of each row, once (the sums add up to the plain twin's), split as the rows' shares split them;
     a routing already there stops it at once."""
+    from strata_ray.kernels.expert_cpu import _contiguous
     from strata_ray.kernels.expert_cpu_token import warm_share
 
     lay = layer_for("Q4_0", N_EXPERT)
@@ -228,11 +229,14 @@ def test_warm_share_reads_what_the_rows_shares_will(rng):
         return int(w[g_exp][:, :, ::64].astype(np.int64).sum())
 
     want = plain(lay.gate) + plain(lay.up) + plain(lay.down)
+    # the worker's argument types (read-only weights, a uint32 flag value): no compile of another signature
+    gate, up, down = (_contiguous(w) for w in (lay.gate, lay.up, lay.down))
+    one = np.uint32(1)
     for n_team in (1, 2, 5, 64):
-        got = [warm_share(lay.gate, lay.up, lay.down, g_exp, t, n_team, routed, 1) for t in range(n_team)]
+        got = [warm_share(gate, up, down, g_exp, t, n_team, routed, one) for t in range(n_team)]
         assert sum(got) == want, n_team
     routed[0] = 1
-    assert warm_share(lay.gate, lay.up, lay.down, g_exp, 0, 2, routed, 1) == 0
+    assert warm_share(gate, up, down, g_exp, 0, 2, routed, one) == 0
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -259,7 +263,8 @@ def test_stop_ends_the_wait_for_a_prediction(rng):
     layers = [layer_for("Q4_0", N_EXPERT)] * 2
     worker = CpuTokenRows(layers, np.full(2 * N_EXPERT, -1, np.int32), 2, n_threads=2, warm=True)
     assert worker.warm
-    assert _serve(worker, 7, lambda: time.sleep(0.05)) == 0  # nothing ever comes for layer 0
+    # nothing ever comes for layer 0: stopped after 50 ms (not after _serve's 60 s wait for the worker)
+    assert _serve(worker, 7, lambda: (time.sleep(0.05), worker.stop())) == 0
 
 
 def test_bad_layers_and_buffers_are_one_line_errors():
