@@ -49,8 +49,11 @@ class BlockMatrix:
         if raw.dtype != np.uint8 or raw.size != n_rows * rb:
             raise ValueError(f"{type_name(wtype)} [{n_rows}, {n_cols}] needs {n_rows * rb} uint8 bytes, got "
                              f"{raw.size} of {raw.dtype}")
-        self.blocks = np.ascontiguousarray(raw).reshape(1, n_rows, rb)  # [1, N, RB]: a view of a file map
-        self.wtype = wtype
+        # [1, N, RB]: a view of a file map; read-only and a plain-int type whatever the caller passed, the
+        # argument types the expert kernels are compiled for (another type would be another compile)
+        self.blocks = np.ascontiguousarray(raw).reshape(1, n_rows, rb).view()
+        self.blocks.flags.writeable = False
+        self.wtype = int(wtype)
         self.shape = torch.Size((n_rows, n_cols))
 
     @property
