@@ -111,6 +111,15 @@ class KernelError(ValueError):
     """A one-line user-facing error from the expert kernels (bad shapes, unsupported types)."""
 
 
+def readonly_blocks(w) -> np.ndarray:
+    """Block bytes as a read-only C-contiguous numpy array (a view when already contiguous). Read-only always,
+    as the memory-mapped GGUF's are: numba compiles a kernel once per argument type, and writable weights
+    would be a second compile of every kernel that reads them."""
+    a = np.ascontiguousarray(np.asarray(w)).view()
+    a.flags.writeable = False
+    return a
+
+
 def type_name(t: int) -> str:
     return TYPE_NAMES.get(t, f"type {t}")
 

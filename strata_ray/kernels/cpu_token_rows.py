@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from .contract import QK, ExpertLayer, KernelError
+from .contract import QK, ExpertLayer, KernelError, readonly_blocks
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import ABORT, cycles, token_rows, token_rows_team
 
@@ -36,13 +36,6 @@ def cycles_per_second(span_s: float = 0.01) -> float:
         pass
     dt, dc = time.perf_counter() - t0, cycles() - c0
     return dc / dt if dc > 0 else 0.0
-
-
-def _readonly(a) -> np.ndarray:
-    """A read-only C-contiguous view: every layer's arrays get one numba type (file maps are read-only)."""
-    v = np.ascontiguousarray(np.asarray(a)).view()
-    v.flags.writeable = False
-    return v
 
 
 class CpuTokenRows:
@@ -76,7 +69,7 @@ class CpuTokenRows:
         self.n_layers, self.n_expert, self.k, self.n_embd = len(layers), n_expert, k, n_embd
         self.n_threads = max(1, min(n_threads, numba.config.NUMBA_NUM_THREADS))
         self.res, self.single_thread_bytes = res, single_thread_bytes
-        self.gates, self.ups, self.downs = (List([_readonly(getattr(lay, m)) for lay in layers])
+        self.gates, self.ups, self.downs = (List([readonly_blocks(getattr(lay, m)) for lay in layers])
                                             for m in ("gate", "up", "down"))
         self.wtypes = np.array([[lay.gate_type, lay.up_type, lay.down_type] for lay in layers], np.int64)
         self.blob_bytes = max(lay.gate[0].nbytes + lay.up[0].nbytes + lay.down[0].nbytes for lay in layers)

@@ -27,7 +27,7 @@ from torch import Tensor
 from strata_ray.model.quants import T, dequantize, row_bytes, type_name
 
 from .act_quant import quantize_act_sums
-from .contract import QK
+from .contract import QK, readonly_blocks
 from .cpu_pool import SINGLE_THREAD_BYTES, default_pool
 from .dense_q8 import GEMV_MAX_TOKENS, dequantized_linear
 from .expert_cpu_kernels import down_share
@@ -51,8 +51,7 @@ class BlockMatrix:
                              f"{raw.size} of {raw.dtype}")
         # [1, N, RB]: a view of a file map; read-only and a plain-int type whatever the caller passed, the
         # argument types the expert kernels are compiled for (another type would be another compile)
-        self.blocks = np.ascontiguousarray(raw).reshape(1, n_rows, rb).view()
-        self.blocks.flags.writeable = False
+        self.blocks = readonly_blocks(raw).reshape(1, n_rows, rb)
         self.wtype = int(wtype)
         self.shape = torch.Size((n_rows, n_cols))
 

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from .act_quant import quantize_act_sums
-from .contract import QK, ExpertLayer, KernelError
+from .contract import QK, ExpertLayer, KernelError, readonly_blocks
 from .cpu_pool import CpuPool, default_pool, numba_threads
 from .expert_cpu_kernels import down_float_job, down_share, ffn_parallel, gate_up_float_job, gate_up_share
 from .spec import float_weights
@@ -80,15 +80,6 @@ def _float_ffn(x, tok, groups, layer: ExpertLayer, pool: CpuPool, out: np.ndarra
                               for e, ent in groups for r0, r1 in _row_ranges(n_embd, down_chunk)])
 
 
-def _contiguous(w) -> np.ndarray:
-    """The block bytes as a read-only C-contiguous numpy array (a view when already contiguous). Read-only
-    always, as the memory-mapped GGUF's are: numba compiles a kernel once per array type, and writable
-    weights would be a second set of compiles of every kernel."""
-    a = np.ascontiguousarray(np.asarray(w)).view()
-    a.flags.writeable = False
-    return a
-
-
 def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: ExpertLayer,
                    pool: CpuPool | None = None, started: threading.Event | None = None,
                    out: np.ndarray | None = None, done: tuple[np.ndarray, int] | None = None) -> np.ndarray:
@@ -123,7 +114,7 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     hq = np.empty((m, n_ff), np.int8)
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
-    gate, up, down = _contiguous(layer.gate), _contiguous(layer.up), _contiguous(layer.down)
+    gate, up, down = readonly_blocks(layer.gate), readonly_blocks(layer.up), readonly_blocks(layer.down)
     # plain ints: an IntEnum type (gguf's GGMLQuantizationType) is another numba signature
     gtype, utype, dtype = int(layer.gate_type), int(layer.up_type), int(layer.down_type)
     # One share per thread, never more shares than 32-row tiles.

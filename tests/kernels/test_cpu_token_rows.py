@@ -218,7 +218,7 @@ def test_warm_share_reads_what_the_rows_shares_will(rng):
     """The members' warm_share reads together cover each predicted expert's gate, up and down rows, one byte
     in 64 of each row, once (the sums add up to the plain twin's), split as the rows' shares split them;
     a routing already there stops it at once."""
-    from strata_ray.kernels.expert_cpu import _contiguous
+    from strata_ray.kernels.contract import readonly_blocks
     from strata_ray.kernels.expert_cpu_token import warm_share
 
     lay = layer_for("Q4_0", N_EXPERT)
@@ -230,7 +230,7 @@ def test_warm_share_reads_what_the_rows_shares_will(rng):
 
     want = plain(lay.gate) + plain(lay.up) + plain(lay.down)
     # the worker's argument types (read-only weights, a uint32 flag value): no compile of another signature
-    gate, up, down = (_contiguous(w) for w in (lay.gate, lay.up, lay.down))
+    gate, up, down = (readonly_blocks(w) for w in (lay.gate, lay.up, lay.down))
     one = np.uint32(1)
     for n_team in (1, 2, 5, 64):
         got = [warm_share(gate, up, down, g_exp, t, n_team, routed, one) for t in range(n_team)]
