@@ -40,7 +40,8 @@
 #               variant:NAME=VALUE also sets an environment variable)
 #     dense     bench_dense_q8.py at 1 and 4 tokens, both forms (the CUDA C and Triton GEMVs) against copy
 #               bandwidth; DENSE_ARGS adds arguments (e.g. "--sweep --no-f32")
-#     launch    the host cost of replaying a CUDA graph of kernels or of memcpy nodes (bench_graph_launch.py)
+#     launch    the host cost of replaying a CUDA graph by node kind, forked graphs too (bench_graph_launch.py;
+#               LAUNCH_ARGS, default "--nodes 25,100")
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
@@ -204,7 +205,7 @@ step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fres
 # the dense Q8_0 GEMV against copy bandwidth: both forms at 1 and 4 tokens
 step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
-step launch 60 python scripts/bench_graph_launch.py --nodes 25,100
+step launch 90 python scripts/bench_graph_launch.py ${LAUNCH_ARGS:---nodes 25,100}
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 # (once per TRACE_ENVS entry as LTIMES_ENVS: "-" the defaults, else variables joined by commas)
 for gib in ${TRACE_CARDS:-24}; do

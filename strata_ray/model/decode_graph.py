@@ -18,8 +18,9 @@ captured once into a graph and replayed per token (DESIGN section 8):
     last:                 [combine | output norm | logits]
     token graphs:         with a backend that takes them (PipelinedDecodeRows.token_graph) the graphs above
                           and the backend's per-layer work are captured as runs of layers, one graph each,
-                          split only at the eager attention cores (none with the device attention: one graph
-                          a token); the backend waits for its CPU rows inside (_token_pieces)
+                          split at the eager attention cores (none with the device attention: one graph a
+                          token) and, with STRATA_TOKEN_GRAPH_LAYERS=N, after every N-th layer; the backend
+                          waits for its CPU rows inside (_token_pieces)
 
 "combine l-1" is the previous layer's h + (routed + shared), the same ops as Model.forward, so the bits
 are those of the eager forward. With STRATA_DECODE_DEVICE_ATTENTION=1 (the default in the token graphs only:
@@ -57,6 +58,16 @@ from strata_ray.model.attention import attention_inputs, attention_output
 from strata_ray.model.gdn import gdn_block
 from strata_ray.model.moe import combine_rows, route, shared_expert
 from strata_ray.model.state import GDNState, SequenceState
+
+
+def token_graph_layers() -> int:
+    """STRATA_TOKEN_GRAPH_LAYERS (env only; config.py refuses a bad value with its one line): the most layers
+    one token graph holds, 0 (unset) for a whole run between two eager attention cores (with the device
+    attention, the whole token). A graph with forks launches in host time that grows with its nodes, and
+    the device starts it only once it is launched: shorter graphs let the device start the token's first
+    layers while the host still launches the rest."""
+    raw = os.environ.get("STRATA_TOKEN_GRAPH_LAYERS", "")
+    return int(raw) if raw.isdigit() else 0
 
 
 @dataclass
@@ -344,10 +355,15 @@ class DecodeGraphs:
         """The token as pieces: a tuple of functions (one graph), or a layer index (its eager attention
         core, between two graphs). Per layer: its first segment, the copies ahead once its input is there
         (after the eager core for an attention layer: a fork must join inside its graph), the rest, the
-        backend's rows with the shared expert beside them; then the head."""
+        backend's rows with the shared expert beside them; then the head. With STRATA_TOKEN_GRAPH_LAYERS=N
+        a run also ends after every N-th layer (every fork of a layer joins inside it)."""
         pieces: list = []
         run: list[Callable] = []
+        every = token_graph_layers()
         for layer, (before, after, shared, rest) in enumerate(segments):
+            if every and layer and layer % every == 0 and run:
+                pieces.append(tuple(run))
+                run = []
             buf = self.layers[layer]
             run.append(before)
             if after is not None:

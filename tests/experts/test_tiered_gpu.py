@@ -95,7 +95,8 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
 @pytest.mark.parametrize("mode", ["sync", "cpu_thread", "pipeline", "pipeline-pcie", "pipeline-ahead",
                                   "pipeline-pcie-ahead", "pipeline-token", "pipeline-pcie-ahead-token",
                                   "pipeline-ahead-token-device-attention", "pipeline-defaults",
-                                  "pipeline-pcie-ahead-token-device-attention-warm"])
+                                  "pipeline-pcie-ahead-token-device-attention-warm",
+                                  "pipeline-pcie-ahead-token-device-attention-split"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
 def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, monkeypatch):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
@@ -107,7 +108,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
     2 alone, 3 with the share); token: runs of layers as one graph, the worker's rows waited for inside
     (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph); defaults: the engine's
     (where experts can miss: token graphs, the device attention, 2 copied ahead, a 40% share); warm: the
-    worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM)."""
+    worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM); split: the token as graphs of
+    at most 2 layers (STRATA_TOKEN_GRAPH_LAYERS)."""
     pcie = 600 if "pcie" in mode else 0
     ahead = (3 if pcie else 2) if "ahead" in mode else 0
     token = "token" in mode
@@ -119,6 +121,7 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         monkeypatch.setenv("STRATA_TOKEN_GRAPH", "1" if token else "0")  # else on where experts miss
         monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1" if "device-attention" in mode else "0")
     monkeypatch.setenv("STRATA_DECODE_WARM", "1" if "warm" in mode else "0")
+    monkeypatch.setenv("STRATA_TOKEN_GRAPH_LAYERS", "2" if "split" in mode else "0")
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
                         pcie_share=pcie, decode_prefetch=None if mode == "pipeline-defaults" else ahead)

@@ -259,6 +259,29 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
         assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
 
 
+def test_token_pieces_split_every_n_layers_keep_the_bits(monkeypatch):
+    """STRATA_TOKEN_GRAPH_LAYERS=1: a run ends after every layer as well (an attention layer: its first
+    segment, the core, the rest), the calls keep their order and the decode its bits."""
+    from strata_ray.model.moe import FloatExperts
+
+    monkeypatch.setenv("STRATA_TOKEN_GRAPH_LAYERS", "1")
+    hf = ref.tiny_qwen3next(seed=0)
+    weights = ref.gguf_weights(hf)
+    hp = ref.hparams_of(hf)
+    eager, graphed = Model(hp, weights), Model(hp, weights)
+    backend = _TokenRows(FloatExperts(weights), hp.n_expert_used)
+    graphed.experts.decode_rows = lambda e, k, capture: backend
+    graphed.use_decode_graphs(capture=False)
+    backend.graphs = graphed.decode_graphs
+    pieces = graphed.decode_graphs._runners()
+    attention = [layer for layer in range(hp.n_layer) if not hp.is_recurrent(layer)]
+    assert [p for p in pieces if isinstance(p, int)] == attention
+    assert len(pieces) == hp.n_layer + 2 * len(attention)  # a run a layer, two and a core an attention layer
+    _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
+    layers = [(kind, layer) for layer in range(hp.n_layer) for kind in ("ahead", "layer")]
+    assert backend.order == ([("begin", -1)] + layers + [("end", -1)]) * STEPS
+
+
 def test_a_backend_without_token_graphs_keeps_the_segments():
     """A backend that does not take the token graphs (the host-planned DecodeRows, the CPU's) keeps the
     per-layer segments."""
