@@ -65,9 +65,10 @@ def build(kind: str, n: int, dev, first=None) -> torch.cuda.CUDAGraph:
             first()
         for i in range(n):
             ops(i)
-        main = torch.cuda.current_stream(dev)
-        for s in forks:  # every fork joined, whatever n
-            main.wait_stream(s)
+        if kind == "forked" and (n - 1) % 48 < 40:  # the last group's forks, forked but not yet joined
+            main = torch.cuda.current_stream(dev)
+            for s in forks:
+                main.wait_stream(s)
 
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))

@@ -173,6 +173,8 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
             prof.disable()
             print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
             pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            print(f"decode profile at depth {depth}, by cumulative time:", flush=True)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
         timed = dataclasses.replace(tiers.metrics.counts)
         team = _team_sweep(model, tiers, tok, state, n_decode, team_sizes) if team_sizes else []
         tok = team[-1].pop("tok") if team else tok
