@@ -193,6 +193,7 @@ class PipelinedDecodeRows:
         self._ids_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
         self._done = torch.cuda.Event()
         self._host = 0.0  # this token's enqueue time on the host (metrics: host ms per token)
+        self._finished_at: float | None = None  # when finish() joined the worker (metrics: the gap)
         self._base = 1  # v_l = base + l; the flags start at 0, below it
         self._token_base, self._token_t0 = 0, 0.0
         self._predicts: list[Callable[[], torch.Tensor]] | None = None  # capture_all's, for token_ahead
@@ -458,7 +459,9 @@ class PipelinedDecodeRows:
         (wait_flag), so a resident token gets a base too, its waits released at once."""
         tiers = self.tiers
         self._host = 0.0
-        tiers.start_forward(1)  # window boundary: residency may change here, never inside the token
+        # window boundary: residency may change here, never inside the token; in the token graphs its
+        # accounting, round planning and swap copies wait for token_end (after the launch: off the gap)
+        tiers.start_forward(1, defer=token_graph)
         # the captured graphs read this very tensor: refreshed in place, never replaced
         if tiers.residency.device_table(tiers.device) is not self.table:
             raise RuntimeError("the device residency table moved under the resident-rows graphs")
@@ -507,9 +510,15 @@ class PipelinedDecodeRows:
             main.wait_event(self._events[layer][2])
 
     def token_end(self) -> None:
-        """After the token's graphs are launched: the resident token's done event; the host's time."""
+        """After the token's graphs are launched: the resident token's done event; the gap since the last
+        token's end; the window boundary's deferred part (beside the token's device work); the host's time."""
         if self._resident_token:
             self._done.record()
+        now = time.perf_counter()
+        if self._finished_at is not None:
+            self.tiers.metrics.counts.gap_seconds += now - self._finished_at
+            self._finished_at = None
+        self.tiers.after_launch()
         self._host += time.perf_counter() - self._token_t0
 
     def finish(self) -> None:
@@ -521,7 +530,8 @@ class PipelinedDecodeRows:
             self._resident_token = False
             t = time.perf_counter()
             self._done.synchronize()  # the ids' copies landed
-            counts.wait_seconds += time.perf_counter() - t
+            self._finished_at = time.perf_counter()
+            counts.wait_seconds += self._finished_at - t
             ids = self._ids_all.numpy()
             for layer in range(tiers.n_layers):
                 host = self._host if layer == 0 else 0.0
@@ -536,7 +546,8 @@ class PipelinedDecodeRows:
         except BaseException:  # the worker failed mid-token: release the device's waits, or it never ends
             self._release_waits()
             raise
-        counts.wait_seconds += time.perf_counter() - t
+        self._finished_at = time.perf_counter()
+        counts.wait_seconds += self._finished_at - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
         counts.cpu_seconds += self.worker.busy_seconds()

@@ -34,6 +34,9 @@ class TierCounts:
     # decode windows: time the host waited for the device at each layer's routing sync (the dense work
     # before the experts, as far as it is not hidden behind the host's own work)
     wait_seconds: float = 0.0
+    # the pipelined decode: host time from one token's end (its worker joined) to the next token's launch,
+    # while the device has nothing queued but the previous token's head (the gap between two tokens)
+    gap_seconds: float = 0.0
 
     @property
     def entries(self) -> int:
@@ -73,6 +76,7 @@ class TierMetrics:
             "host_ms_per_token": c.per_token_ms(c.host_seconds),
             "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
             "wait_ms_per_token": c.per_token_ms(c.wait_seconds),
+            "gap_ms_per_token": c.per_token_ms(c.gap_seconds),
         }
 
     def line(self) -> str:
@@ -80,6 +84,8 @@ class TierMetrics:
         # the routing sync's wait exists on CUDA only: a CPU run would print a zero
         wait_ms = c.per_token_ms(c.wait_seconds)
         wait = f", waiting for the GPU {wait_ms:.2f} ms/token" if c.wait_seconds else ""
+        if c.gap_seconds:  # the pipelined decode's host time between two tokens
+            wait += f", between tokens {c.per_token_ms(c.gap_seconds):.2f} ms/token"
         pcie = f", {c.pcie_entries} read over PCIe" if c.pcie_entries else ""
         if c.ahead_copies:  # the copies ahead of the routing: how many of them it used
             pcie += f" ({c.ahead_entries} of {c.ahead_copies} copied ahead used)"

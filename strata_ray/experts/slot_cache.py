@@ -346,15 +346,29 @@ class SlotCache:
         return True
 
     # -- adaptive swaps ------------------------------------------------------------------------------
-    def issue_swaps(self, copies: list[SlotCopy]) -> None:
-        """Start the copies of a round's newcomers into their (already vacated) slots."""
+    def mark(self) -> torch.cuda.Event | None:
+        """An event at the end of the work enqueued so far (None on the CPU): issue_swaps(..., after=mark)
+        orders copies after it, not after what is enqueued in between."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def issue_swaps(self, copies: list[SlotCopy], after: torch.cuda.Event | None = None) -> None:
+        """Start the copies of a round's newcomers into their (already vacated) slots, after every read of
+        those slots enqueued so far, or (after, from mark()) after those enqueued before the mark: the work
+        enqueued since reads other slots (the victims had left the residency tables it plans with)."""
         if not copies:
             return
         items = [(*self._pair(c.pair), c.slot) for c in copies]
         if not self.is_cuda:
             self.copy_blobs(items)
             return
-        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier reads of the slots
+        if after is not None:
+            self.swap_stream.wait_event(after)
+        else:
+            self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier reads of the slots
         with torch.cuda.stream(self.swap_stream):
             self.copy_blobs(items)
             self._swap_event = torch.cuda.Event()

@@ -153,6 +153,11 @@ class TieredExperts:
         self.heat = np.zeros((self.n_layers, self.n_expert), dtype=np.float64)  # [L, X] counts since start
         self._window = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)  # this window's counts
         self._in_window = False
+        # window_boundary's deferred parts: the closed window's counts, the round planned from them
+        # (applied at the next boundary) and the copies of the round applied at this one (with a mark)
+        self._closed: np.ndarray | None = None
+        self._planned: list[Swap] = []
+        self._copies: tuple[list, object] | None = None
         # The one thread besides the caller that runs CPU pool calls (prompt misses beside the GPU's work,
         # decode rows with decode_cpu_thread). libgomp keeps an OpenMP team per thread that starts parallel
         # regions, and once its teams hold more threads than the machine has cores it drops the spin
@@ -535,42 +540,78 @@ class TieredExperts:
         return DecodeRows(self, n_embd, k, capture)
 
     # -- windows and adaptive rounds ------------------------------------------------------------------
-    def start_forward(self, n_tok: int) -> None:
-        """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one."""
+    def start_forward(self, n_tok: int, defer: bool = False) -> None:
+        """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one.
+        defer (the pipelined decode, before it launches the token): the closed window's accounting, the
+        round it may plan and the copies of the round applied here wait for after_launch(), which the
+        caller runs once the token is launched, beside its device work."""
         self._prefetched = {}  # a prefetch is only used by the forward that made it
-        self.window_boundary()
+        self.window_boundary(defer=True)
         self._in_window = n_tok <= DECODE_MAX_TOKENS
+        if not defer:
+            self.after_launch()
 
-    def window_boundary(self) -> None:
-        """Close the previous window: land swaps, hand its counts to the rounds, schedule new swaps."""
+    def window_boundary(self, defer: bool = False) -> None:
+        """Close the previous window: land the swaps in flight, apply the round planned after the last
+        boundary (its victims leave now; its newcomers' copies start in after_launch), and hand the closed
+        window's counts to the rounds (in after_launch: now unless defer). A round so takes effect one
+        window after the window that planned it, on every decode path alike (placement only: the output
+        does not depend on it), and its planning and copies stay off the path between two tokens."""
+        if self._closed is not None:  # the last boundary's deferred part never ran (its token failed)
+            self.after_launch()
         self._land()
-        if not self._in_window:
+        planned, self._planned = self._planned, []
+        if planned and not self.cache.swaps_in_flight():
+            self._copies = (self.residency.schedule_swaps(planned), self.cache.mark())
+            self.metrics.counts.swaps += len(self._copies[0])
+        if self._in_window:
+            self._in_window = False
+            self._closed, self._window = self._window, np.zeros_like(self._window)
+        if not defer:
+            self.after_launch()
+
+    def after_launch(self) -> None:
+        """The boundary's deferred part: the applied round's copies (ordered after the work enqueued before
+        the boundary, whose reads of the victims' slots they must follow), then the closed window's counts
+        to the heat, the metrics and the rounds; a round planned now is applied at the next boundary."""
+        self._issue_copies()
+        counts, self._closed = self._closed, None
+        if counts is None:
             return
-        self._in_window = False
-        counts, self._window = self._window, np.zeros_like(self._window)
         self.heat += counts
         self.metrics.window_done()
         if self.rounds is None or self.all_resident:
             return
         resident = self.residency.resident_mask(include_pending=True)
-        self._schedule(self.rounds.window_done(counts, resident, self.cache.swaps_in_flight()))
+        self._planned = self.rounds.window_done(counts, resident, self.cache.swaps_in_flight())
+
+    def _issue_copies(self) -> None:
+        copies, self._copies = self._copies, None
+        if copies is not None:
+            self.cache.issue_swaps(*copies)
 
     def _land(self) -> None:
-        """Land the pending round's copies (a round counts when its newcomers become resident)."""
+        """Land the pending round's copies (a round counts when its newcomers become resident); copies not
+        yet issued (a token that failed before its after_launch) start first."""
+        self._issue_copies()
         if self.cache.land_swaps():
             self.metrics.counts.rounds += 1
 
     def _schedule(self, swaps: list[Swap]) -> None:
-        """Start a round's swaps (victims leave now, newcomers copy) unless the last round's are in flight."""
+        """Start a round's swaps now (victims leave, newcomers copy) unless the last round's are in flight."""
         if swaps and not self.cache.swaps_in_flight():
             copies = self.residency.schedule_swaps(swaps)
             self.cache.issue_swaps(copies)
             self.metrics.counts.swaps += len(copies)
 
     def finish(self) -> None:
-        """End of a generation: close the last window, so its counts and swaps are not lost, and land the
-        round still in flight at the coordinator (placement after a request does not depend on timing)."""
+        """End of a generation: close the last window, so its counts and swaps are not lost, apply the round
+        it planned, and land the round still in flight at the coordinator (placement after a request does
+        not depend on timing)."""
         self.window_boundary()
+        self._land()
+        planned, self._planned = self._planned, []
+        self._schedule(planned)
         if self.rounds is not None and not self.all_resident:
             self._land()
             self._schedule(self.rounds.drain())

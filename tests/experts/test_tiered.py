@@ -119,6 +119,59 @@ def test_learned_profile_saved_after_a_generation(tiny_next, tmp_path):
     assert set(saved.pair_ids()[: len(resident)].tolist()) == resident  # resident pairs first
 
 
+def _window_of(tiers, layer: int, expert: int, n: int) -> None:
+    """A decode window in which `expert` of `layer` was routed n times (and nothing else)."""
+    tiers.count_entries(layer, np.full(n, expert, np.int64), 1, 0, n, True, 0.0)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_round_applies_at_the_boundary_after_the_one_that_planned_it(tiny_next, defer):
+    """Window boundaries: the closed window's counts plan a round (after the launch where deferred), whose
+    victims leave at the next boundary while the newcomers' copies start, and which lands at the one after;
+    deferred or not, the same states at every boundary."""
+    loaded, tiers = load_tiered_model(config(tiny_next, expert_cache=6, adapt_every=1, adapt_swaps=4), "cpu",
+                                      progress=False)
+    res = tiers.residency
+    expert = int(np.flatnonzero(~res.resident_mask()[0])[0])  # a non-resident expert of layer 0
+    pair = expert  # layer 0
+    states = []
+
+    def boundary():
+        tiers.start_forward(1, defer=defer)
+        if defer:
+            states.append(("before launch", tiers.heat[0, expert], res.is_resident(pair)))
+            tiers.after_launch()
+        pending = bool(res.resident_mask(include_pending=True)[0, expert])
+        states.append((tiers.heat[0, expert], pending, res.is_resident(pair), tiers.metrics.counts.swaps))
+
+    boundary()
+    _window_of(tiers, 0, expert, 5)
+    boundary()  # window 1 closed: its round planned, not applied
+    assert states[-1] == (5, False, False, 0)
+    boundary()  # the round applied: the expert's copy in flight, the victim gone
+    assert states[-1][1:] == (True, False, 1)
+    boundary()  # landed
+    assert states[-1][1:3] == (True, True) and tiers.metrics.counts.rounds == 1
+    if defer:  # before its after_launch a boundary has not yet counted the closed window
+        assert states[2] == ("before launch", 0, False)  # the second boundary, before its launch
+    tiers.finish()
+
+
+def test_a_boundary_whose_token_failed_is_completed_at_the_next(tiny_next):
+    """start_forward(defer=True) without its after_launch (the token failed before its launch): the next
+    boundary counts the closed window first, so no counts are lost."""
+    loaded, tiers = load_tiered_model(config(tiny_next, expert_cache=6, adapt_every=1, adapt_swaps=4), "cpu",
+                                      progress=False)
+    tiers.start_forward(1)
+    _window_of(tiers, 1, 2, 3)
+    tiers.start_forward(1, defer=True)  # closed, not counted yet
+    assert tiers.heat[1, 2] == 0
+    _window_of(tiers, 1, 2, 4)
+    tiers.start_forward(1)
+    assert tiers.heat[1, 2] == 7  # both windows counted
+    tiers.finish()
+
+
 def test_mismatched_profile_is_refused(tiny_next, tmp_path):
     write_profile(tmp_path / "other.strp", Profile(3, 8, np.array([(0, 0)])))
     file = GGUFFile(tiny_next)
