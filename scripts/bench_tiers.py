@@ -165,10 +165,17 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         if prof:
             prof.enable()
         by_entries = _RowsByEntries(model, tiers)
+        rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
+        gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
+        idle0 = getattr(rows, "device_idle", 0.0)
         for _ in range(n_decode):
             tok = int(model.forward([tok], state)[-1].argmax())
             by_entries.token()
         decode_s = time.perf_counter() - t0
+        # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the caller
+        # until the next token_begin, token_begin, the launches
+        gap = (np.array(getattr(rows, "gap_parts", [0.0] * 4)) - gap0) * 1e3 / max(1, n_decode)
+        idle = (getattr(rows, "device_idle", 0.0) - idle0) * 1e3 / max(1, n_decode)
         if prof:
             prof.disable()
             print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
@@ -186,6 +193,10 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
     s = tiers.metrics.summary()
     out = {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s,
            **split}
+    if gap.any():
+        out["gap_parts_ms"] = dict(zip(("finish", "caller", "begin", "launch"), gap.round(3).tolist(),
+                                       strict=True))
+        out["gap_parts_ms"]["device_idle"] = round(idle, 3)
     if team_sizes:
         out["team_sweep"] = team
     if by_entries.counts.any():

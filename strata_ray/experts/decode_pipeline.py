@@ -194,6 +194,17 @@ class PipelinedDecodeRows:
         self._done = torch.cuda.Event()
         self._host = 0.0  # this token's enqueue time on the host (metrics: host ms per token)
         self._finished_at: float | None = None  # when finish() joined the worker (metrics: the gap)
+        # the gap's parts, summed over tokens (seconds; bench_tiers reports them a token): the rest of
+        # finish() after the join, the caller's time until the next token_begin (its wait for the head,
+        # sampling, the step's prologue), token_begin itself, and the launches (to token_end)
+        self.gap_parts = [0.0, 0.0, 0.0, 0.0]
+        self._stamps = [0.0, 0.0]  # finish()'s end, token_begin's end
+        # and the device's idle time between two tokens, by timing events: one after a token's work (recorded
+        # in finish()), one before the next token's first launch (it completes as soon as it is recorded:
+        # the device has nothing else queued); bench_tiers reports it beside the parts
+        self.device_idle = 0.0
+        self._idle_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._idle_armed = False
         self._base = 1  # v_l = base + l; the flags start at 0, below it
         self._token_base, self._token_t0 = 0, 0.0
         self._predicts: list[Callable[[], torch.Tensor]] | None = None  # capture_all's, for token_ahead
@@ -481,7 +492,14 @@ class PipelinedDecodeRows:
     def token_begin(self) -> None:
         """Before the token's graphs are launched (host: the window boundary, the base, the worker)."""
         self._token_t0 = time.perf_counter()
+        if self._finished_at is not None:
+            self.gap_parts[1] += self._token_t0 - self._stamps[0]
         self._begin_token(token_graph=True)
+        if self._idle_armed:
+            self._idle_events[1].record()
+        self._stamps[1] = time.perf_counter()
+        if self._finished_at is not None:
+            self.gap_parts[2] += self._stamps[1] - self._token_t0
 
     def token_ahead(self, layer: int) -> None:
         """Capturable: layer's copies ahead once its input is in its buffer (as ahead_begin, in the caller's
@@ -517,7 +535,12 @@ class PipelinedDecodeRows:
         now = time.perf_counter()
         if self._finished_at is not None:
             self.tiers.metrics.counts.gap_seconds += now - self._finished_at
+            self.gap_parts[3] += now - self._stamps[1]
             self._finished_at = None
+        if self._idle_armed:
+            self._idle_events[1].synchronize()  # long done: the token's work is queued behind it
+            self.device_idle += self._idle_events[0].elapsed_time(self._idle_events[1]) * 1e-3
+            self._idle_armed = False
         self.tiers.after_launch()
         self._host += time.perf_counter() - self._token_t0
 
@@ -562,6 +585,10 @@ class PipelinedDecodeRows:
         if self.warm:
             counts.warm_entries += int(self.worker.n_warm[:, 0].sum())
             counts.warm_hits += int(self.worker.n_warm[:, 1].sum())
+        self._stamps[0] = time.perf_counter()
+        self.gap_parts[0] += self._stamps[0] - self._finished_at
+        self._idle_events[0].record()  # after the token's last work on this stream (its head included)
+        self._idle_armed = True
 
     def _release_waits(self) -> None:
         """Raise the rows flag to the token's last layer: every device wait of the token passes."""
