@@ -30,6 +30,7 @@ from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.experts.build import build_expert_backend
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.kernels.cpu_pool import CpuPool
+from strata_ray.model.decode_graph import greedy_chain
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
@@ -168,9 +169,13 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
         gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
         idle0 = getattr(rows, "device_idle", 0.0)
-        for _ in range(n_decode):
-            tok = int(model.forward([tok], state)[-1].argmax())
-            by_entries.token()
+        if getattr(model.decode_graphs, "chain", False):  # STRATA_DECODE_CHAIN=1: the chained greedy loop
+            # (the worker's per-layer counts are the next token's by now: not read)
+            tok = list(greedy_chain(model.decode_graphs, tok, state, n_decode))[-1]
+        else:
+            for _ in range(n_decode):
+                tok = int(model.forward([tok], state)[-1].argmax())
+                by_entries.token()
         decode_s = time.perf_counter() - t0
         # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the caller
         # until the next token_begin, token_begin, the launches

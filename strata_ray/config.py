@@ -426,6 +426,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # products, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
 # or a graph or two each (0; default: 1 where some experts are not resident), experts/decode_pipeline;
 # STRATA_TOKEN_GRAPH_LAYERS: the most layers a token graph holds (0: no limit), model/decode_graph;
+# STRATA_DECODE_CHAIN: the greedy decode launches each token before the host reads the one before,
+# model/decode_graph;
 # STRATA_AHEAD_PROGRAMS / STRATA_SHARE_PROGRAMS: the programs of the decode's copies ahead / of its PCIe
 # share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
 # ahead, experts/decode_pipeline)
@@ -445,6 +447,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_PREFETCH_LAYERS": _choice("1", "2"),
     "STRATA_TOKEN_GRAPH": _choice("0", "1"),
     "STRATA_TOKEN_GRAPH_LAYERS": int_range(0, 1 << 16),
+    "STRATA_DECODE_CHAIN": _choice("0", "1"),
     "STRATA_DECODE_WARM": _choice("0", "1"),
 }
 

@@ -232,6 +232,7 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_PREFETCH_LAYERS", "3", "1 or 2"),
     ("STRATA_TOKEN_GRAPH", "on", "0 or 1"),
     ("STRATA_TOKEN_GRAPH_LAYERS", "-1", "an integer from 0 to 65536"),
+    ("STRATA_DECODE_CHAIN", "yes", "0 or 1"),
     ("STRATA_AHEAD_PROGRAMS", "0", "an integer from 1 to 65535"),
     ("STRATA_SHARE_PROGRAMS", "-4", "an integer from 1 to 65535"),
     ("STRATA_DECODE_WARM", "yes", "0 or 1"),

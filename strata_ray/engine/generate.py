@@ -11,6 +11,7 @@ import torch
 
 from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import Sampler, SamplingParams
+from strata_ray.model.decode_graph import greedy_chain
 from strata_ray.model.ops import GDN_CHUNK
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prompt forward; a multiple of GDN_CHUNK
@@ -87,8 +88,14 @@ def generate(
         t1 = time.perf_counter()
 
         result = GenerationResult([], len(prompt), t1 - t0, 0.0)
+        graphs = getattr(model, "decode_graphs", None)
+        chained = (graphs is not None and graphs.chain and sampler.params.temperature == 0 and logprobs == 0
+                   and max_tokens > 0)
         with decode_threads(model.device):
-            while len(result.token_ids) < max_tokens:
+            if chained:  # greedy on the device, each token launched before the host reads the one before
+                _generate_chained(graphs, sampler.sample(last), state, hp.context_length, max_tokens, stops,
+                                  on_token, result)
+            while not chained and len(result.token_ids) < max_tokens:
                 tok = sampler.sample(last)
                 if tok in stops:
                     result.finish_reason = "stop"
@@ -107,3 +114,26 @@ def generate(
                 last = model.forward([tok], state)[-1].float().cpu()
         result.decode_seconds = time.perf_counter() - t1
     return result
+
+
+def _generate_chained(graphs, first: int, state, context: int, max_tokens: int, stops: set[int],
+                      on_token: Callable[[int], None] | None, result: GenerationResult) -> None:
+    """generate()'s loop for a greedy request over chained decode graphs (DecodeGraphs.chain): the same
+    tokens, stops and limits; the token launched ahead of a stop is dropped (the state is not reused)."""
+    tok = first
+    chain = greedy_chain(graphs, tok, state, min(max_tokens - 1, context - state.pos))
+    try:
+        while True:
+            if tok in stops:
+                result.finish_reason = "stop"
+                return
+            result.token_ids.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if len(result.token_ids) == max_tokens:
+                return
+            tok = next(chain, None)
+            if tok is None:  # the context is full
+                return
+    finally:
+        chain.close()

@@ -72,13 +72,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
-from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.cpu_token_rows import CpuTokenRows, TokenOutputs
 from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
@@ -186,7 +188,16 @@ class PipelinedDecodeRows:
         self.zero_copy = fused_enabled(self.gpu_rows, 1)
         self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._job = None
+        # the worker's jobs, oldest first: one a token, two where the chained decode launches token N+1
+        # before it joins token N (the one worker thread runs them in order); each job reads a snapshot of
+        # the residency table taken at its token's boundary (two, alternating: a boundary may change the
+        # residency while the token before it still runs) and returns copies of its outputs
+        self._jobs: deque = deque()
+        self._res_snaps = [tiers.residency.res.copy() for _ in range(2)]
+        self._n_tokens = 0
+        # the chained decode (DecodeGraphs.chain) overlaps two tokens: only where the worker serves every
+        # token (not the all-resident token, whose counts come from one done event)
+        self.can_chain = self.token_graph and partial
         # a token while every expert is resident (an 80 GiB card): no worker, no flags, no CPU rows; the
         # ids still come back, one pinned row a layer, for the window counts (read after _done)
         self._resident_token = False
@@ -485,8 +496,18 @@ class PipelinedDecodeRows:
         if self._resident_token:  # no worker: every layer's wait passes
             self.rows_flag.set((base + tiers.n_layers - 1) & 0xFFFFFFFF)
             return
-        self.worker.buf["stop"][0] = 0
-        self._job = tiers.cpu_thread.submit(self.worker.run, base)
+        if not self._jobs:
+            self.worker.buf["stop"][0] = 0
+        res = self._res_snaps[self._n_tokens % 2]
+        np.copyto(res, tiers.residency.res)  # this token's residency, as the device table's refresh has it
+        self._n_tokens += 1
+        self._jobs.append(tiers.cpu_thread.submit(self._run_worker, base, res))
+
+    def _run_worker(self, base: int, res: np.ndarray) -> tuple[int, TokenOutputs]:
+        """The worker's job for one token: its rows, then copies of its outputs (the next job overwrites
+        the worker's own arrays, maybe before this token is joined)."""
+        stopped = self.worker.run(base, res)
+        return stopped, self.worker.outputs()
 
     # -- the token graphs: a run of layers captured as one graph by the decode graphs ------------------------
     def token_begin(self) -> None:
@@ -560,12 +581,12 @@ class PipelinedDecodeRows:
                 host = self._host if layer == 0 else 0.0
                 tiers.count_entries(layer, ids[layer].copy(), 1, k, 0, True, host)
             return
-        job, self._job = self._job, None
-        if job is None:
+        if not self._jobs:
             return
+        job = self._jobs.popleft()
         t = time.perf_counter()
         try:
-            stopped = job.result()
+            stopped, out = job.result()
         except BaseException:  # the worker failed mid-token: release the device's waits, or it never ends
             self._release_waits()
             raise
@@ -573,18 +594,17 @@ class PipelinedDecodeRows:
         counts.wait_seconds += self._finished_at - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
-        counts.cpu_seconds += self.worker.busy_seconds()
+        counts.cpu_seconds += self.worker.busy_seconds(out.busy)
         for layer in range(tiers.n_layers):
-            m, p = int(self.worker.n_miss[layer]), int(self.worker.n_pcie[layer])
+            m, p = int(out.n_miss[layer]), int(out.n_pcie[layer])
             host = self._host if layer == 0 else 0.0
-            tiers.count_entries(layer, self.worker.seen_ids[layer].copy(), 1, k - m - p, m, True, host,
-                                pcie=p)
+            tiers.count_entries(layer, out.seen_ids[layer], 1, k - m - p, m, True, host, pcie=p)
         if self.ahead:
-            counts.ahead_entries += int(self.worker.n_ahead[:, 0].sum())
-            counts.ahead_copies += int(self.worker.n_ahead[:, 1].sum())
+            counts.ahead_entries += int(out.n_ahead[:, 0].sum())
+            counts.ahead_copies += int(out.n_ahead[:, 1].sum())
         if self.warm:
-            counts.warm_entries += int(self.worker.n_warm[:, 0].sum())
-            counts.warm_hits += int(self.worker.n_warm[:, 1].sum())
+            counts.warm_entries += int(out.n_warm[:, 0].sum())
+            counts.warm_hits += int(out.n_warm[:, 1].sum())
         self._stamps[0] = time.perf_counter()
         self.gap_parts[0] += self._stamps[0] - self._finished_at
         self._idle_events[0].record()  # after the token's last work on this stream (its head included)
@@ -602,9 +622,8 @@ class PipelinedDecodeRows:
             return
         self.worker.stop()
         self._release_waits()
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
+        while self._jobs:  # a queued job starts with the stop raised and ends at its first wait
+            self._jobs.popleft().result()
         self.worker.buf["stop"][0] = 0
 
 

@@ -43,6 +43,12 @@ class Residency:
         self.epoch = 0
         self._mirror: torch.Tensor | None = None
         self._mirror_epoch = -1
+        # a CUDA mirror's page-locked sources, two alternating: a copy from pageable memory would first wait
+        # for every kernel already queued (the chained decode queues a whole token before the refresh);
+        # a source is rewritten two refreshes later, once its copy ran (its event: long done by then)
+        self._staging: list[torch.Tensor] = []
+        self._staged_done: list[torch.cuda.Event | None] = [None, None]  # after each source's last copy
+        self._refreshes = 0
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -143,7 +149,19 @@ class Residency:
         if self._mirror is None or self._mirror.device != device:
             self._mirror = torch.empty(self.res.shape, dtype=torch.int32, device=device)
             self._mirror_epoch = -1
+            self._staging = [torch.empty(self.res.shape, dtype=torch.int32, pin_memory=True)
+                             for _ in range(2)] if device.type == "cuda" else []
         if self._mirror_epoch != self.epoch:
-            self._mirror.copy_(torch.from_numpy(self.res))
+            if self._staging:
+                i = self._refreshes % 2
+                self._refreshes += 1
+                if self._staged_done[i] is not None:  # long done, but never rewrite a source in flight
+                    self._staged_done[i].synchronize()
+                self._staging[i].numpy()[:] = self.res
+                self._mirror.copy_(self._staging[i], non_blocking=True)
+                self._staged_done[i] = torch.cuda.Event()
+                self._staged_done[i].record()
+            else:
+                self._mirror.copy_(torch.from_numpy(self.res))
             self._mirror_epoch = self.epoch
         return self._mirror

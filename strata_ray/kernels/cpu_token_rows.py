@@ -10,6 +10,7 @@ plays the device's part with the same buffers.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -36,6 +37,17 @@ def cycles_per_second(span_s: float = 0.01) -> float:
         pass
     dt, dc = time.perf_counter() - t0, cycles() - c0
     return dc / dt if dc > 0 else 0.0
+
+
+class TokenOutputs(NamedTuple):
+    """One call's outputs (CpuTokenRows.outputs: copies)."""
+
+    seen_ids: np.ndarray  # [L, K] each layer's routed experts
+    n_miss: np.ndarray  # [L] entries computed here
+    n_pcie: np.ndarray  # [L] misses the GPU read over PCIe instead
+    n_ahead: np.ndarray  # [L, 2] misses copied ahead, experts copied
+    busy: np.ndarray  # [L] cycles from a layer's routing to its rows flag
+    n_warm: np.ndarray  # [L, 2] predicted CPU entries, of them routed
 
 
 class CpuTokenRows:
@@ -103,27 +115,38 @@ class CpuTokenRows:
         self.warm = warm and self.team
         self.n_warm = np.zeros((self.n_layers, 2), np.int64)  # [L, 2] predicted CPU entries, of them routed
 
-    def busy_seconds(self) -> float:
-        """The last call's CPU-row time (its waits on the device left out), summed over the layers it served;
-        0.0 where the cycle counter is not read."""
+    def busy_seconds(self, busy: np.ndarray | None = None) -> float:
+        """The last call's CPU-row time (its waits on the device left out), summed over the layers it served
+        (or that of `busy`, a call's outputs().busy); 0.0 where the cycle counter is not read."""
         if self._rate is None:
             self._rate = cycles_per_second()
-        return float(self.busy.sum()) / self._rate if self._rate else 0.0
+        busy = self.busy if busy is None else busy
+        return float(busy.sum()) / self._rate if self._rate else 0.0
 
-    def run(self, base: int) -> int:
+    def outputs(self) -> TokenOutputs:
+        """Copies of the last call's outputs (the next call overwrites the arrays)."""
+        return TokenOutputs(self.seen_ids.copy(), self.n_miss.copy(), self.n_pcie.copy(), self.n_ahead.copy(),
+                            self.busy.copy(), self.n_warm.copy())
+
+    def run(self, base: int, res: np.ndarray | None = None) -> int:
         """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
-        GIL is released); returns -1, or the layer whose wait `stop` ended."""
+        GIL is released); returns -1, or the layer whose wait `stop` ended. res: the residency table the
+        token was planned with (a snapshot of the constructor's, same shape), else the constructor's."""
         b = self.buf
+        if res is None:
+            res = self.res
+        elif res.dtype != self.res.dtype or res.shape != self.res.shape or not res.flags.c_contiguous:
+            raise KernelError(f"res must be C-contiguous int32 {self.res.shape}")
         self.busy[:] = 0
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
             if self.team:
-                token_rows_team(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
+                token_rows_team(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
                                 self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
                                 b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
                                 self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync, int(self.warm),
                                 b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm)
                 return int(self._sync[ABORT])
-            return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, self.res, self.n_expert,
+            return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
                                   self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"],
                                   b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads,
                                   self.single_thread_bytes, self.blob_bytes, self.seen_ids, self.n_miss,

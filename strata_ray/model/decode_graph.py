@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,33 @@ from strata_ray.model.attention import attention_inputs, attention_output
 from strata_ray.model.gdn import gdn_block
 from strata_ray.model.moe import combine_rows, route, shared_expert
 from strata_ray.model.state import GDNState, SequenceState
+
+
+def greedy_chain(graphs: DecodeGraphs, tok: int, state: SequenceState, n: int) -> Iterator[int]:
+    """The chained greedy decode: the next n token ids after `tok` (the token at state.pos), each the
+    first of its logits' largest, as step() + argmax give them. Launches one token ahead of the one it
+    yields (never more than n launches); closing the generator early completes and drops the token
+    launched ahead (the state then holds one position more than the ids yielded)."""
+    if n <= 0:
+        return
+    if not graphs.chain:
+        raise RuntimeError("greedy_chain needs chained decode graphs (STRATA_DECODE_CHAIN=1, token graphs)")
+    graphs.launch([tok], state)
+    launched = 1
+    try:
+        for _ in range(n):
+            if launched < n:
+                graphs.launch(None, state)
+                launched += 1
+            yield graphs.complete_choice()
+    finally:
+        graphs.cancel()
+
+
+def chain_enabled() -> bool:
+    """STRATA_DECODE_CHAIN=1 (env only; config.py refuses a bad value): the chained greedy decode (see
+    DecodeGraphs.chain)."""
+    return os.environ.get("STRATA_DECODE_CHAIN", "") == "1"
 
 
 def token_graph_layers() -> int:
@@ -166,6 +194,19 @@ class DecodeGraphs:
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
         self._owner: weakref.ref | None = None
         self._graphs: list | None = None
+        # the chained decode (STRATA_DECODE_CHAIN=1, greedy): launch() of token N+1 before complete() of token
+        # N, its input the token N's head chose on the device (argmax of its logits into self.tok), so the
+        # device never waits for the host between two tokens (session 23: it idled 0.8-1.3 ms a token).
+        # Needs a rows backend whose tokens may overlap (PipelinedDecodeRows.can_chain) and the device
+        # attention (no eager core reading the host's view of the cache); the launched tokens wait in
+        # _inflight for complete(), each with its logits, its choice copied to page-locked memory and an
+        # event after that copy
+        self.chain = (chain_enabled() and self.token_graph and getattr(self.rows, "can_chain", False)
+                      and (self.attn is not None or not self.capture))
+        pin = self.device.type == "cuda"
+        self._choices = [torch.zeros(1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._inflight: deque = deque()
+        self._launched = 0
 
     def _attention_gated(self, layer: int) -> bool:
         """qwen3next attention projects q and the output gate together (twice the q rows)."""
@@ -282,6 +323,8 @@ class DecodeGraphs:
             hidden = ops.rms_norm(self._layer_input(hp.n_layer), w["output_norm.weight"], hp.rms_eps)
             self.hidden.copy_(hidden)
             self.logits.copy_(ops.linear(hidden, w.get("output.weight", w["token_embd.weight"])))
+            if self.chain:  # the next token's input, chosen here (greedy: the first of the largest logits)
+                self.tok.copy_(torch.argmax(self.logits, dim=-1))
 
         return segments, head
 
@@ -438,12 +481,24 @@ class DecodeGraphs:
              return_hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """One token (ids of length 1) at position state.pos -> logits [1, V] (and hidden [1, E]), exactly
         as Model.forward computes them."""
+        if self._inflight:
+            raise RuntimeError("decode graphs: a chained token is still in flight (complete() it first)")
+        self.launch(ids, state, return_hidden=return_hidden, advance=False)
+        return self.complete(state)
+
+    def launch(self, ids: Tensor | Sequence[int] | None, state: SequenceState, *, return_hidden: bool = False,
+               advance: bool = True) -> None:
+        """Enqueue one token at state.pos; complete() returns its logits, in launch order. ids None (the
+        chained decode): the token the previous launch's head chose on the device. advance: the state moves
+        on now (so that the next launch may follow before this one completes), else in complete()."""
+        if ids is None and not (self.chain and self._launched):
+            raise RuntimeError("decode graphs: a launch without ids follows a chained launch")
         runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
         pieces, (segments, head) = (runners, ((), None)) if self.token_graph else ((), runners)
         self._adopt(state)
         if isinstance(ids, Tensor):
             self.tok.copy_(ids.reshape(1))
-        else:
+        elif ids is not None:
             self.tok.fill_(int(ids[0]))  # a kernel argument: no host-to-device copy
         pos0 = state.pos
         self.pos.fill_(pos0)
@@ -482,12 +537,52 @@ class DecodeGraphs:
             if abort is not None:
                 abort()
             raise
-        if self.rows is not None:  # the last layer's CPU rows: joined (errors raised) before the logits count
-            self.rows.finish()
+        self._launched += 1
+        # this token's outputs, copied in stream order before the next launch's graphs overwrite them
+        logits = self.logits.clone()
+        hidden = self.hidden.clone() if return_hidden else None
+        choice, done = None, None
+        if self.chain:
+            choice = self._choices[self._launched % 2]
+            choice.copy_(self.tok, non_blocking=True)
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        self._inflight.append((state, pos0, not advance, logits, hidden, choice, done))
+        if advance:
+            self._advance(state, pos0)
+
+    def _advance(self, state: SequenceState, pos0: int) -> None:
         if self.attn is not None:  # the graphs wrote this token's k, v rows
             for layer, buf in enumerate(self.layers):
                 if buf.q is not None:
                     state.kv[layer].advance(1)
         state.pos = pos0 + 1
-        logits = self.logits.clone()
-        return (logits, self.hidden.clone()) if return_hidden else logits
+
+    def complete(self, state: SequenceState | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """The oldest launched token: its rows joined (a worker's error is raised here), its state advanced
+        where launch() left that for now; its logits [1, V] (and hidden [1, E] where asked)."""
+        logits, hidden, _ = self._complete()
+        return (logits, hidden) if hidden is not None else logits
+
+    def complete_choice(self) -> int:
+        """The chained decode: complete() the oldest token and return the id its head chose, read from
+        page-locked memory (no wait for the tokens launched after it)."""
+        _, _, choice = self._complete()
+        return int(choice[0])
+
+    def _complete(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        state, pos0, later, logits, hidden, choice, done = self._inflight.popleft()
+        if self.rows is not None:  # the token's last CPU rows: joined (errors raised) before it counts
+            self.rows.finish()
+        if later:
+            self._advance(state, pos0)
+        if done is not None:
+            done.synchronize()
+        return logits, hidden, choice
+
+    def cancel(self) -> None:
+        """Drop the launched tokens not yet completed (after a stop id): their work still runs, their rows
+        are joined; the state keeps their positions (a chained decode's state is not reused after it)."""
+        while self._inflight:
+            self._complete()

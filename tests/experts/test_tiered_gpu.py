@@ -162,6 +162,43 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         assert got[True, "warm"] == (0, 0) and got[True, "predicted"] == 0
 
 
+@pytest.mark.parametrize("cache", [0, 10])
+def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, cache, monkeypatch):
+    """STRATA_DECODE_CHAIN=1 with the engine's defaults where experts miss (token graphs, the device
+    attention, copies ahead, a PCIe share) and adaptive rounds: each token launched before the host reads
+    the one before, the worker's jobs queued, each with its token's residency snapshot: the greedy ids of
+    the plain step-by-step decode (the same decode without the chain), also through engine.generate."""
+    from strata_ray.engine.generate import generate
+    from strata_ray.model.decode_graph import greedy_chain
+
+    for name in ("STRATA_TOKEN_GRAPH", "STRATA_DECODE_DEVICE_ATTENTION", "STRATA_DECODE_WARM",
+                 "STRATA_TOKEN_GRAPH_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8)
+    got = {}
+    for chain in ("0", "1"):
+        monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
+        loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
+        graphs = loaded.model.decode_graphs
+        assert graphs.chain == (chain == "1") and graphs.token_graph
+        with torch.inference_mode():
+            state = loaded.model.new_state()
+            first = int(loaded.model.forward(PROMPT, state)[-1].argmax())
+            if chain == "1":
+                ids = [first, *greedy_chain(graphs, first, state, DECODE - 1)]
+            else:
+                ids = [first]
+                for _ in range(DECODE - 1):
+                    ids.append(int(loaded.model.forward([ids[-1]], state)[-1].argmax()))
+        got[chain] = ids
+        got[chain, "generate"] = generate(loaded.model, PROMPT, DECODE).token_ids
+        tiers.finish()
+        c = tiers.metrics.counts
+        assert c.cpu_entries + c.pcie_entries > 0  # experts missed: the worker served the tokens
+    assert got["1"] == got["0"] == got["0", "generate"] == got["1", "generate"]
+    assert len(set(got["0"])) > 2
+
+
 def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):
     """--expert-cache auto on CUDA keeps --vram-reserve-mib plus the prompt chunk's temporaries free."""
     from strata_ray.engine.prefill import chunk_bytes

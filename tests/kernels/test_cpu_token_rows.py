@@ -166,6 +166,42 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             assert np.array_equal(got[layer][miss].view(np.uint32), want.view(np.uint32)), layer
 
 
+def test_a_residency_snapshot_plans_the_token_and_outputs_are_copies(rng):
+    """run(base, res): the token's misses are those of the snapshot given, not of the constructor's table
+    (the chained decode's boundaries change that one while a token runs); outputs() are copies that the
+    next call cannot touch; a snapshot of another shape is refused with one line."""
+    layers = [layer_for(name, N_EXPERT) for name in LAYERS]
+    k = 5
+    live = np.full(len(layers) * N_EXPERT, -1, np.int32)  # the constructor's table: every expert a miss
+    snap = live.copy()
+    snap[rng.choice(snap.size, snap.size // 2, replace=False)] = 0  # the token's: half resident
+    ids = np.stack([np.sort(rng.choice(N_EXPERT, k, replace=False)) for _ in layers])  # [L, K]
+    worker = CpuTokenRows(layers, live, k, n_threads=2)
+    b, base = worker.buf, 5
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("rc", worker.run(base, snap)), daemon=True)
+    thread.start()
+    try:
+        for layer in range(len(layers)):
+            b["ids"][:] = ids[layer]
+            b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+            b["routed"][0] = base + layer
+            _wait(b["rows_flag"], base + layer)
+        thread.join(60)
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert result["rc"] == -1
+    want = [int((snap[layer * N_EXPERT + ids[layer]] < 0).sum()) for layer in range(len(layers))]
+    assert worker.n_miss.tolist() == want and 0 < sum(want) < k * len(layers)
+    out = worker.outputs()
+    worker.n_miss[:] = 99
+    worker.seen_ids[:] = -7
+    assert out.n_miss.tolist() == want and (out.seen_ids == ids).all()
+    with pytest.raises(KernelError, match="res must be C-contiguous int32"):
+        worker.run(base, snap[:-1])
+
+
 @pytest.mark.parametrize("predict", ["routed", "wrong", "some"])
 def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, rng):
     """warm: the team reads each layer's predicted CPU rows ahead. Whatever the prediction (the routing

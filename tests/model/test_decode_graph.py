@@ -282,6 +282,93 @@ def test_token_pieces_split_every_n_layers_keep_the_bits(monkeypatch):
     assert backend.order == ([("begin", -1)] + layers + [("end", -1)]) * STEPS
 
 
+class _ChainRows(_TokenRows):
+    """_TokenRows whose tokens may overlap (PipelinedDecodeRows.can_chain), counting its joins."""
+
+    can_chain = True
+
+    def __init__(self, experts, k: int):
+        super().__init__(experts, k)
+        self.finished = 0
+
+    def finish(self):
+        self.finished += 1
+
+
+def _chain_model(monkeypatch, chain: str):
+    from strata_ray.model.moe import FloatExperts
+
+    monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
+    hf = ref.tiny_qwen3next(seed=0)
+    weights = ref.gguf_weights(hf)
+    hp = ref.hparams_of(hf)
+    eager, graphed = Model(hp, weights), Model(hp, weights)
+    backend = _ChainRows(FloatExperts(weights), hp.n_expert_used)
+    graphed.experts.decode_rows = lambda e, k, capture: backend
+    graphed.use_decode_graphs(capture=False)
+    backend.graphs = graphed.decode_graphs
+    return eager, graphed, backend
+
+
+def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
+    """STRATA_DECODE_CHAIN=1: each token launched before the one before it completes, its input the id the
+    previous head chose on the device: the greedy ids of the plain forward, one join a token; stopped
+    early, the token launched ahead is joined too and the state holds one position more."""
+    from strata_ray.model.decode_graph import greedy_chain
+
+    eager, graphed, backend = _chain_model(monkeypatch, "1")
+    graphs = graphed.decode_graphs
+    assert graphs.chain
+    prompt = ref.random_prompt(PROMPT, seed=4)
+    want, _ = _decode(eager, prompt, STEPS)
+    with torch.inference_mode():
+        state = graphed.new_state()
+        first = int(graphed.forward(prompt, state)[-1].argmax())
+        got = [first, *greedy_chain(graphs, first, state, STEPS - 1)]
+        assert got == want and len(set(want)) > 2
+        assert backend.finished == STEPS - 1 and state.pos == PROMPT + STEPS - 1 and not graphs._inflight
+        state = graphed.new_state()
+        first = int(graphed.forward(prompt, state)[-1].argmax())
+        chain = greedy_chain(graphs, first, state, STEPS - 1)
+        early = [next(chain) for _ in range(3)]
+        chain.close()
+        assert [first, *early] == want[:4]
+        assert state.pos == PROMPT + 4 and not graphs._inflight  # the 4th launch ran, its id dropped
+        assert graphed.forward([want[4]], graphed.new_state()).shape[-1] == graphed.hp.n_vocab  # step works
+
+
+def test_generate_over_chained_graphs_keeps_its_tokens_stops_and_limits(monkeypatch):
+    """engine.generate takes the chained loop for a greedy request without logprobs: the same ids and
+    finish reason as the plain forward, stopping at a stop id, at max_tokens (0 too) and at a full context."""
+    from dataclasses import replace
+
+    from strata_ray.engine.generate import generate
+
+    eager, graphed, backend = _chain_model(monkeypatch, "1")
+    prompt = ref.random_prompt(PROMPT, seed=4)
+    want = generate(eager, prompt, STEPS)
+    assert generate(graphed, prompt, STEPS).token_ids == want.token_ids and backend.finished == STEPS - 1
+    stop = want.token_ids[5]
+    first = want.token_ids.index(stop)
+    got = generate(graphed, prompt, STEPS, stop_ids={stop})
+    assert (got.token_ids, got.finish_reason) == (want.token_ids[:first], "stop")
+    assert generate(graphed, prompt, 0).token_ids == [] and generate(eager, prompt, 0).token_ids == []
+    for model in (eager, graphed):  # a context 3 tokens past the prompt: 4 tokens, the last never forwarded
+        model.hp = replace(model.hp, context_length=PROMPT + 3)
+    short = generate(eager, prompt, STEPS)
+    assert generate(graphed, prompt, STEPS).token_ids == short.token_ids == want.token_ids[:4]
+
+
+def test_without_the_chain_switch_there_is_no_chain(monkeypatch):
+    """STRATA_DECODE_CHAIN unset: step() as before, and greedy_chain refuses with one line."""
+    from strata_ray.model.decode_graph import greedy_chain
+
+    _, graphed, _ = _chain_model(monkeypatch, "0")
+    assert not graphed.decode_graphs.chain
+    with pytest.raises(RuntimeError, match="needs chained decode graphs"):
+        next(greedy_chain(graphed.decode_graphs, 1, graphed.new_state(), 3))
+
+
 def test_a_backend_without_token_graphs_keeps_the_segments():
     """A backend that does not take the token graphs (the host-planned DecodeRows, the CPU's) keeps the
     per-layer segments."""
