@@ -1,3 +1,5 @@
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -115,3 +117,26 @@ def test_device_mirror_is_one_tensor_for_cuda_and_cuda_0():
     r.make_resident(1, 0)
     assert r.device_table(torch.device("cuda", torch.cuda.current_device())) is table
     assert r.device_table("cuda") is table and table.tolist() == [-1, 0, -1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_mirror_refreshes_from_page_locked_memory_behind_queued_work():
+    """The mirror's refresh is a copy from page-locked memory in stream order: it does not wait for the
+    kernels already queued (the chained decode's token in flight) and lands behind them; three refreshes in
+    a row (the two sources alternate) each leave the table they were asked for."""
+    r = Residency(2, 4, n_slots=4)
+    table = r.device_table("cuda")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of queued work
+    r.make_resident(1, 0)
+    t = time.perf_counter()
+    r.device_table("cuda")
+    assert time.perf_counter() - t < 0.05  # the host did not wait for the queued work
+    seen = [table.clone()]
+    for pair, slot in ((6, 1), (3, 2)):
+        r.make_resident(pair, slot)
+        r.device_table("cuda")
+        seen.append(table.clone())
+    torch.cuda.synchronize()
+    assert [s.tolist() for s in seen] == [[-1, 0, -1, -1, -1, -1, -1, -1], [-1, 0, -1, -1, -1, -1, 1, -1],
+                                          [-1, 0, -1, 2, -1, -1, 1, -1]]
