@@ -426,8 +426,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # products, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
 # or a graph or two each (0; default: 1 where some experts are not resident), experts/decode_pipeline;
 # STRATA_TOKEN_GRAPH_LAYERS: the most layers a token graph holds (0: no limit), model/decode_graph;
-# STRATA_DECODE_CHAIN: the greedy decode launches each token before the host reads the one before,
-# model/decode_graph;
+# STRATA_DECODE_CHAIN: 0 turns off the chained greedy decode (each token launched before the host reads
+# the one before; default on where the token graphs run), model/decode_graph;
 # STRATA_AHEAD_PROGRAMS / STRATA_SHARE_PROGRAMS: the programs of the decode's copies ahead / of its PCIe
 # share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
 # ahead, experts/decode_pipeline)

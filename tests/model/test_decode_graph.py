@@ -311,9 +311,10 @@ def _chain_model(monkeypatch, chain: str):
 
 
 def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
-    """STRATA_DECODE_CHAIN=1: each token launched before the one before it completes, its input the id the
-    previous head chose on the device: the greedy ids of the plain forward, one join a token; stopped
-    early, the token launched ahead is joined too and the state holds one position more."""
+    """The chained decode (STRATA_DECODE_CHAIN, on by default): each token launched before the one before
+    it completes, its input the id the previous head chose on the device: the greedy ids of the plain
+    forward, one join a token; stopped early, the token launched ahead is joined too and the state holds
+    one position more."""
     from strata_ray.model.decode_graph import greedy_chain
 
     eager, graphed, backend = _chain_model(monkeypatch, "1")
@@ -360,7 +361,7 @@ def test_generate_over_chained_graphs_keeps_its_tokens_stops_and_limits(monkeypa
 
 
 def test_without_the_chain_switch_there_is_no_chain(monkeypatch):
-    """STRATA_DECODE_CHAIN unset: step() as before, and greedy_chain refuses with one line."""
+    """STRATA_DECODE_CHAIN=0: no chain (step() as before), and greedy_chain refuses with one line."""
     from strata_ray.model.decode_graph import greedy_chain
 
     _, graphed, _ = _chain_model(monkeypatch, "0")
