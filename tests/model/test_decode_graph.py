@@ -319,7 +319,7 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
 
     eager, graphed, backend = _chain_model(monkeypatch, "1")
     graphs = graphed.decode_graphs
-    assert graphs.chain
+    assert graphs.chain and graphs.describe().endswith(", greedy tokens chained on the device")
     prompt = ref.random_prompt(PROMPT, seed=4)
     want, _ = _decode(eager, prompt, STEPS)
     with torch.inference_mode():
