@@ -207,15 +207,16 @@ class PipelinedDecodeRows:
         self._finished_at: float | None = None  # when finish() joined the worker (metrics: the gap)
         # the gap's parts, summed over tokens (seconds; bench_tiers reports them a token): the rest of
         # finish() after the join, the caller's time until the next token_begin (its wait for the head,
-        # sampling, the step's prologue), token_begin itself, and the launches (to token_end)
+        # sampling, the step's prologue), token_begin itself, and the launches (to token_end). One token at a
+        # time the device idles through them; chained, it runs the token launched ahead meanwhile
         self.gap_parts = [0.0, 0.0, 0.0, 0.0]
         self._stamps = [0.0, 0.0]  # finish()'s end, token_begin's end
-        # and the device's idle time between two tokens, by timing events: one after a token's work (recorded
-        # in finish()), one before the next token's first launch (it completes as soon as it is recorded:
-        # the device has nothing else queued); bench_tiers reports it beside the parts
+        # and the device's idle time between two tokens, by timing events: one after a token's launches, one
+        # before the next token's (done when the device reaches it: at once where it idles, at the end of the
+        # token before where that still runs, as in the chained decode); the pairs are read once done
         self.device_idle = 0.0
-        self._idle_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._idle_armed = False
+        self._token_done: torch.cuda.Event | None = None
+        self._idle_pairs: deque = deque()
         self._base = 1  # v_l = base + l; the flags start at 0, below it
         self._token_base, self._token_t0 = 0, 0.0
         self._predicts: list[Callable[[], torch.Tensor]] | None = None  # capture_all's, for token_ahead
@@ -516,8 +517,11 @@ class PipelinedDecodeRows:
         if self._finished_at is not None:
             self.gap_parts[1] += self._token_t0 - self._stamps[0]
         self._begin_token(token_graph=True)
-        if self._idle_armed:
-            self._idle_events[1].record()
+        if self._token_done is not None:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record()
+            self._idle_pairs.append((self._token_done, before))
+            self._token_done = None
         self._stamps[1] = time.perf_counter()
         if self._finished_at is not None:
             self.gap_parts[2] += self._stamps[1] - self._token_t0
@@ -558,10 +562,11 @@ class PipelinedDecodeRows:
             self.tiers.metrics.counts.gap_seconds += now - self._finished_at
             self.gap_parts[3] += now - self._stamps[1]
             self._finished_at = None
-        if self._idle_armed:
-            self._idle_events[1].synchronize()  # long done: the token's work is queued behind it
-            self.device_idle += self._idle_events[0].elapsed_time(self._idle_events[1]) * 1e-3
-            self._idle_armed = False
+        self._token_done = torch.cuda.Event(enable_timing=True)
+        self._token_done.record()
+        while self._idle_pairs and self._idle_pairs[0][1].query():  # the pairs the device has passed
+            end, before = self._idle_pairs.popleft()
+            self.device_idle += end.elapsed_time(before) * 1e-3
         self.tiers.after_launch()
         self._host += time.perf_counter() - self._token_t0
 
@@ -607,8 +612,6 @@ class PipelinedDecodeRows:
             counts.warm_hits += int(out.n_warm[:, 1].sum())
         self._stamps[0] = time.perf_counter()
         self.gap_parts[0] += self._stamps[0] - self._finished_at
-        self._idle_events[0].record()  # after the token's last work on this stream (its head included)
-        self._idle_armed = True
 
     def _release_waits(self) -> None:
         """Raise the rows flag to the token's last layer: every device wait of the token passes."""
