@@ -325,6 +325,9 @@ def main() -> None:
     ap.add_argument("--layer-times", action="store_true",
                     help="time each layer's expert call and the dense part before it during prefill (events)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
+    ap.add_argument("--adapt-every", type=int, default=None, metavar="N",
+                    help="adaptive rounds every N windows (0: none; default: the engine's); each round's "
+                         "swap copies share PCIe with the decode's own copies")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
     ap.add_argument("--team-sizes", default=None, metavar="N,N,...",
                     help="after the first depth's timed decode, the same decode again with the pipelined "
@@ -387,6 +390,10 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
         cfg = dataclasses.replace(cfg, decode_pipeline=args.decode_pipeline == "1")
+    if args.adapt_every is not None:
+        if args.adapt_every < 0:
+            raise SystemExit(f"error: --adapt-every must be >= 0, got {args.adapt_every}")
+        cfg = dataclasses.replace(cfg, adapt_every=args.adapt_every)
     t = time.perf_counter()
     tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
     if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
