@@ -487,7 +487,7 @@ class DecodeGraphs:
         if self._inflight:
             raise RuntimeError("decode graphs: a chained token is still in flight (complete() it first)")
         self.launch(ids, state, return_hidden=return_hidden, advance=False)
-        return self.complete(state)
+        return self.complete()
 
     def launch(self, ids: Tensor | Sequence[int] | None, state: SequenceState, *, return_hidden: bool = False,
                advance: bool = True) -> None:
@@ -562,7 +562,7 @@ class DecodeGraphs:
                     state.kv[layer].advance(1)
         state.pos = pos0 + 1
 
-    def complete(self, state: SequenceState | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def complete(self) -> Tensor | tuple[Tensor, Tensor]:
         """The oldest launched token: its rows joined (a worker's error is raised here), its state advanced
         where launch() left that for now; its logits [1, V] (and hidden [1, E] where asked)."""
         logits, hidden, _ = self._complete()
