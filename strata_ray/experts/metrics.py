@@ -126,6 +126,8 @@ class _RayTierMetrics:
         self.cpu_ms = Gauge("strata_expert_cpu_ms_per_token", description="CPU-pool time per decode token")
         self.wait_ms = Gauge("strata_expert_wait_ms_per_token",
                              description="time per decode token the host waited for the GPU at routing syncs")
+        self.gap_ms = Gauge("strata_expert_gap_ms_per_token",
+                            description="host time per decode token from one token's end to the next launch")
 
     def push(self, now: TierCounts, before: TierCounts) -> None:
         for name in ("slot_hits", "cpu_entries", "pcie_entries", "swaps"):
@@ -136,3 +138,4 @@ class _RayTierMetrics:
         self.host_ms.set(now.per_token_ms(now.host_seconds))
         self.cpu_ms.set(now.per_token_ms(now.cpu_seconds))
         self.wait_ms.set(now.per_token_ms(now.wait_seconds))
+        self.gap_ms.set(now.per_token_ms(now.gap_seconds))

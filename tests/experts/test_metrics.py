@@ -39,3 +39,15 @@ def test_reads_ahead_are_counted_beside_the_cpu_entries():
     c.warm_entries, c.warm_hits = 12, 9
     assert "10 CPU entries (9 of 12 read ahead used)" in m.line()
     assert m.summary()["warm_hits"] == 9
+
+
+def test_the_gap_between_tokens_is_printed_where_measured():
+    """The pipelined decode's host time between two tokens (gap_seconds): in the summary, and in the line
+    after the wait when there is one."""
+    m = TierMetrics()
+    c = m.counts
+    c.tokens, c.slot_hits, c.cpu_entries = 4, 30, 10
+    assert "between tokens" not in m.line() and m.summary()["gap_ms_per_token"] == 0.0
+    c.wait_seconds, c.gap_seconds = 0.02, 0.006
+    assert m.summary()["gap_ms_per_token"] == 1.5
+    assert m.line().endswith("waiting for the GPU 5.00 ms/token, between tokens 1.50 ms/token")
