@@ -492,8 +492,9 @@ class DecodeGraphs:
     def launch(self, ids: Tensor | Sequence[int] | None, state: SequenceState, *, return_hidden: bool = False,
                advance: bool = True) -> None:
         """Enqueue one token at state.pos; complete() returns its logits, in launch order. ids None (the
-        chained decode): the token the previous launch's head chose on the device. advance: the state moves
-        on now (so that the next launch may follow before this one completes), else in complete()."""
+        chained decode): the token the previous launch's head chose on the device. advance (a chained
+        launch): the state moves on now, so that the next launch may follow before this one completes, and
+        the head's choice is copied out for complete_choice(); else (step()) the state moves in complete()."""
         if ids is None and not (self.chain and self._launched):
             raise RuntimeError("decode graphs: a launch without ids follows a chained launch")
         runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
@@ -545,7 +546,7 @@ class DecodeGraphs:
         logits = self.logits.clone()
         hidden = self.hidden.clone() if return_hidden else None
         choice, done = None, None
-        if self.chain:
+        if self.chain and advance:  # a chained launch: its head's choice for complete_choice()
             choice = self._choices[self._launched % 2]
             choice.copy_(self.tok, non_blocking=True)
             if self.device.type == "cuda":
@@ -572,6 +573,8 @@ class DecodeGraphs:
         """The chained decode: complete() the oldest token and return the id its head chose, read from
         page-locked memory (no wait for the tokens launched after it)."""
         _, _, choice = self._complete()
+        if choice is None:
+            raise RuntimeError("decode graphs: complete_choice() after a launch that chose nothing")
         return int(choice[0])
 
     def _complete(self) -> tuple[Tensor, Tensor | None, Tensor | None]:

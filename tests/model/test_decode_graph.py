@@ -336,6 +336,10 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
         assert [first, *early] == want[:4]
         assert state.pos == PROMPT + 4 and not graphs._inflight  # the 4th launch ran, its id dropped
         assert graphed.forward([want[4]], graphed.new_state()).shape[-1] == graphed.hp.n_vocab  # step works
+        graphs.launch([want[4]], graphed.new_state(), advance=False)  # step()'s launch: no choice copied
+        with pytest.raises(RuntimeError, match="after a launch that chose nothing"):
+            graphs.complete_choice()
+        assert not graphs._inflight
 
 
 def test_generate_over_chained_graphs_keeps_its_tokens_stops_and_limits(monkeypatch):
