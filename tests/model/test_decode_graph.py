@@ -180,20 +180,29 @@ class _AheadRows:
         pass
 
 
-def test_segments_split_for_copies_ahead_keep_the_bits_and_call_ahead_begin_at_each_layer_input():
-    """With a backend that copies ahead, each layer's first segment ends once its input is in h_in
-    (DecodeGraphs._split): ahead_begin(layer) comes then, every layer in order each step, the prediction
-    reads that input, and the decode keeps the plain forward's bits."""
+def _backed_models(backend_cls):
+    """(eager model, model with uncaptured decode graphs over a backend_cls rows backend, that backend):
+    the tiny qwen3next's weights, the backend's rows FloatExperts' (the eager forward's), backend.graphs
+    set to the decode graphs."""
     from strata_ray.model.moe import FloatExperts
 
     hf = ref.tiny_qwen3next(seed=0)
     weights = ref.gguf_weights(hf)
     hp = ref.hparams_of(hf)
     eager, graphed = Model(hp, weights), Model(hp, weights)
-    backend = _AheadRows(FloatExperts(weights), hp.n_expert_used)
+    backend = backend_cls(FloatExperts(weights), hp.n_expert_used)
     graphed.experts.decode_rows = lambda e, k, capture: backend  # the tiers' hook (TieredExperts.decode_rows)
     graphed.use_decode_graphs(capture=False)
     backend.graphs = graphed.decode_graphs
+    return eager, graphed, backend
+
+
+def test_segments_split_for_copies_ahead_keep_the_bits_and_call_ahead_begin_at_each_layer_input():
+    """With a backend that copies ahead, each layer's first segment ends once its input is in h_in
+    (DecodeGraphs._split): ahead_begin(layer) comes then, every layer in order each step, the prediction
+    reads that input, and the decode keeps the plain forward's bits."""
+    eager, graphed, backend = _backed_models(_AheadRows)
+    hp = graphed.hp
     assert graphed.decode_graphs.rows is backend and graphed.decode_graphs._ahead
     _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
     layers = [layer for layer, _, _ in backend.calls]
@@ -202,7 +211,7 @@ def test_segments_split_for_copies_ahead_keep_the_bits_and_call_ahead_begin_at_e
         assert h_in.abs().sum() > 0 and pred.shape == (1, hp.n_expert_used)
     # the first step's layer 0 input is the token's embedding: the prediction read this step's input
     toks, _ = _decode(eager, ref.random_prompt(PROMPT, seed=4), 1)
-    emb = weights["token_embd.weight"][toks[0]]
+    emb = graphed.weights["token_embd.weight"][toks[0]]
     assert torch.equal(backend.calls[0][1][0], emb)
 
 
@@ -235,16 +244,9 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
     """A backend that takes the token graphs: the token as runs of layers (one graph each on CUDA), an
     eager attention core between two runs. Every layer's copies ahead come after its input is there (after
     the core for an attention layer) and before its rows; the decode keeps the plain forward's bits."""
-    from strata_ray.model.moe import FloatExperts
-
-    hf = ref.tiny_qwen3next(seed=0)
-    weights = ref.gguf_weights(hf)
-    hp = ref.hparams_of(hf)
-    eager, graphed = Model(hp, weights), Model(hp, weights)
-    backend = _TokenRows(FloatExperts(weights), hp.n_expert_used)
-    graphed.experts.decode_rows = lambda e, k, capture: backend
-    graphed.use_decode_graphs(capture=False)
-    graphs = backend.graphs = graphed.decode_graphs
+    eager, graphed, backend = _backed_models(_TokenRows)
+    hp = graphed.hp
+    graphs = graphed.decode_graphs
     assert graphs.token_graph and graphs._ahead and graphs.attn is None  # no capture: the eager cores
     assert graphs.describe() == "token graphs (a graph a run of layers), 2 experts copied ahead a layer"
     pieces = graphs._runners()
@@ -262,17 +264,9 @@ def test_token_pieces_keep_the_bits_and_split_only_at_the_eager_attention_cores(
 def test_token_pieces_split_every_n_layers_keep_the_bits(monkeypatch):
     """STRATA_TOKEN_GRAPH_LAYERS=1: a run ends after every layer as well (an attention layer: its first
     segment, the core, the rest), the calls keep their order and the decode its bits."""
-    from strata_ray.model.moe import FloatExperts
-
     monkeypatch.setenv("STRATA_TOKEN_GRAPH_LAYERS", "1")
-    hf = ref.tiny_qwen3next(seed=0)
-    weights = ref.gguf_weights(hf)
-    hp = ref.hparams_of(hf)
-    eager, graphed = Model(hp, weights), Model(hp, weights)
-    backend = _TokenRows(FloatExperts(weights), hp.n_expert_used)
-    graphed.experts.decode_rows = lambda e, k, capture: backend
-    graphed.use_decode_graphs(capture=False)
-    backend.graphs = graphed.decode_graphs
+    eager, graphed, backend = _backed_models(_TokenRows)
+    hp = graphed.hp
     pieces = graphed.decode_graphs._runners()
     attention = [layer for layer in range(hp.n_layer) if not hp.is_recurrent(layer)]
     assert [p for p in pieces if isinstance(p, int)] == attention
@@ -296,18 +290,8 @@ class _ChainRows(_TokenRows):
 
 
 def _chain_model(monkeypatch, chain: str):
-    from strata_ray.model.moe import FloatExperts
-
     monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
-    hf = ref.tiny_qwen3next(seed=0)
-    weights = ref.gguf_weights(hf)
-    hp = ref.hparams_of(hf)
-    eager, graphed = Model(hp, weights), Model(hp, weights)
-    backend = _ChainRows(FloatExperts(weights), hp.n_expert_used)
-    graphed.experts.decode_rows = lambda e, k, capture: backend
-    graphed.use_decode_graphs(capture=False)
-    backend.graphs = graphed.decode_graphs
-    return eager, graphed, backend
+    return _backed_models(_ChainRows)
 
 
 def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
@@ -377,16 +361,8 @@ def test_without_the_chain_switch_there_is_no_chain(monkeypatch):
 def test_a_backend_without_token_graphs_keeps_the_segments():
     """A backend that does not take the token graphs (the host-planned DecodeRows, the CPU's) keeps the
     per-layer segments."""
-    from strata_ray.model.moe import FloatExperts
-
-    hf = ref.tiny_qwen3next(seed=0)
-    weights = ref.gguf_weights(hf)
-    hp = ref.hparams_of(hf)
-    graphed = Model(hp, weights)
-    backend = _AheadRows(FloatExperts(weights), hp.n_expert_used)
-    graphed.experts.decode_rows = lambda e, k, capture: backend
-    graphed.use_decode_graphs(capture=False)
+    _, graphed, _ = _backed_models(_AheadRows)
     assert not graphed.decode_graphs.token_graph
     assert graphed.decode_graphs.describe() == "a graph or two a layer, 2 experts copied ahead a layer"
     segments, head = graphed.decode_graphs._runners()
-    assert len(segments) == hp.n_layer and callable(head)
+    assert len(segments) == graphed.hp.n_layer and callable(head)
