@@ -546,10 +546,8 @@ class TieredExperts:
         round it may plan and the copies of the round applied here wait for after_launch(), which the
         caller runs once the token is launched, beside its device work."""
         self._prefetched = {}  # a prefetch is only used by the forward that made it
-        self.window_boundary(defer=True)
+        self.window_boundary(defer=defer)
         self._in_window = n_tok <= DECODE_MAX_TOKENS
-        if not defer:
-            self.after_launch()
 
     def window_boundary(self, defer: bool = False) -> None:
         """Close the previous window: land the swaps in flight, apply the round planned after the last
