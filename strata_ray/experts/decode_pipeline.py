@@ -65,7 +65,9 @@ A token while every expert is resident (`tiers.all_resident`: a card that holds 
 no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
 counts). On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9). Session 11 moved the
 host's per-layer copies and flag write into the graph (one kernel) and let the combine read the worker's
-rows where it wrote them: a layer is two graphs and a wait.
+rows where it wrote them: a layer is two graphs and a wait. Such a token has no host wait at all, so the
+chained greedy decode (DecodeGraphs.chain) launches the next one before it is joined; each token's ids
+are then copied out at its end, before the next token's publish overwrites them (`_resident_ids`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -188,21 +192,29 @@ class PipelinedDecodeRows:
         self.zero_copy = fused_enabled(self.gpu_rows, 1)
         self.table = tiers.residency.device_table(dev)  # [L * X] int32, refreshed in place
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # the worker's jobs, oldest first: one a token, two where the chained decode launches token N+1
-        # before it joins token N (the one worker thread runs them in order); each job reads a snapshot of
-        # the residency table taken at its token's boundary (two, alternating: a boundary may change the
-        # residency while the token before it still runs) and returns copies of its outputs
-        self._jobs: deque = deque()
+        # the launched tokens not yet joined, oldest first (_LaunchedToken): one, or two where the chained
+        # decode launches token N+1 before it joins token N. Each a worker job (the one worker thread runs
+        # them in order), reading a snapshot of the residency table taken at its token's boundary (two,
+        # alternating: a boundary may change the residency while the token before it still runs) and
+        # returning copies of its outputs; or an all-resident token's ids
+        self._tokens: deque[_LaunchedToken] = deque()
         self._res_snaps = [tiers.residency.res.copy() for _ in range(2)]
         self._n_tokens = 0
-        # the chained decode (DecodeGraphs.chain) overlaps two tokens: only where the worker serves every
-        # token (not the all-resident token, whose counts come from one done event)
-        self.can_chain = self.token_graph and partial
+        # the chained decode (DecodeGraphs.chain) overlaps two tokens: where the token graphs wait for the
+        # worker inside (a per-layer step waits on the host), or where every expert is resident (no worker)
+        self.can_chain = self.token_graph or not partial
         # a token while every expert is resident (an 80 GiB card): no worker, no flags, no CPU rows; the
-        # ids still come back, one pinned row a layer, for the window counts (read after _done)
+        # ids still come back for the window counts: the layer graphs' publish writes them into one pinned
+        # row a layer, which the next token overwrites, so at the token's end they are copied through the
+        # device into a page-locked copy of the token's own (two, alternating: at most two tokens are
+        # launched), read after the event behind that copy
         self._resident_token = False
         self._ids_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
-        self._done = torch.cuda.Event()
+        self._ids_dev = torch.zeros((tiers.n_layers, k), dtype=torch.int64, device=dev)  # [L, K]
+        self._ids_snaps = [torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)
+                           for _ in range(2)]  # [L, K] each
+        self._ids_done = [torch.cuda.Event() for _ in range(2)]
+        self._n_resident = 0
         self._host = 0.0  # this token's enqueue time on the host (metrics: host ms per token)
         self._finished_at: float | None = None  # when finish() joined the worker (metrics: the gap)
         # the gap's parts, summed over tokens (seconds; bench_tiers reports them a token): the rest of
@@ -457,14 +469,14 @@ class PipelinedDecodeRows:
         self._ahead_rows(layer)
         if beside is not None:
             beside()
-        if self._resident_token:
-            if layer == tiers.n_layers - 1:
-                self._done.record()
-            self._host += time.perf_counter() - t0
-            return
-        self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
-        self._rows_landed(layer, tiles=layer in self._tile_graphs)
+        if not self._resident_token:
+            self.rows_flag.wait((self._token_base + layer) & 0xFFFFFFFF)
+            self._rows_landed(layer, tiles=layer in self._tile_graphs)
+        elif layer == tiers.n_layers - 1:
+            self._resident_ids()
         self._host += time.perf_counter() - t0
+        if layer == tiers.n_layers - 1:
+            self._tokens[-1].host = self._host
 
     def _rows_landed(self, layer: int, tiles: bool) -> None:
         """After the wait for the worker's rows: the wait for the ahead tiles' rows (tiles), which the combine
@@ -489,20 +501,37 @@ class PipelinedDecodeRows:
         if tiers.residency.device_table(tiers.device) is not self.table:
             raise RuntimeError("the device residency table moved under the resident-rows graphs")
         self._resident_token = tiers.all_resident  # every entry a hit: the device alone
-        if self._resident_token and not token_graph:
-            return
+        if len(self._tokens) >= 2:  # the alternating snapshots (residency, ids) serve two tokens
+            raise RuntimeError("the pipelined decode joins a token before it launches a third")
+        token = _LaunchedToken()
+        if self._resident_token:
+            self._tokens.append(token)
+            if not token_graph:
+                return
         base, self._base = self._base, (self._base + tiers.n_layers) & 0xFFFFFFFF
         self._token_base = base
         self._base_dev.fill_(base)  # the graphs' publish kernels raise routed to base + layer
         if self._resident_token:  # no worker: every layer's wait passes
             self.rows_flag.set((base + tiers.n_layers - 1) & 0xFFFFFFFF)
             return
-        if not self._jobs:
+        if not self._tokens:
             self.worker.buf["stop"][0] = 0
         res = self._res_snaps[self._n_tokens % 2]
         np.copyto(res, tiers.residency.res)  # this token's residency, as the device table's refresh has it
         self._n_tokens += 1
-        self._jobs.append(tiers.cpu_thread.submit(self._run_worker, base, res))
+        token.job = tiers.cpu_thread.submit(self._run_worker, base, res)
+        self._tokens.append(token)
+
+    def _resident_ids(self) -> None:
+        """After an all-resident token's last layer: its ids [L, K] copied out of the row the next token's
+        publish overwrites (through the device, in stream order) into a page-locked copy of its own, and
+        the event finish() waits for before it reads them."""
+        i = self._n_resident % 2
+        self._n_resident += 1
+        self._ids_dev.copy_(self._ids_all, non_blocking=True)
+        self._ids_snaps[i].copy_(self._ids_dev, non_blocking=True)
+        self._ids_done[i].record()
+        self._tokens[-1].ids, self._tokens[-1].done = self._ids_snaps[i], self._ids_done[i]
 
     def _run_worker(self, base: int, res: np.ndarray) -> tuple[int, TokenOutputs]:
         """The worker's job for one token: its rows, then copies of its outputs (the next job overwrites
@@ -556,7 +585,7 @@ class PipelinedDecodeRows:
         """After the token's graphs are launched: the resident token's done event; the gap since the last
         token's end; the window boundary's deferred part (beside the token's device work); the host's time."""
         if self._resident_token:
-            self._done.record()
+            self._resident_ids()
         now = time.perf_counter()
         if self._finished_at is not None:
             self.tiers.metrics.counts.gap_seconds += now - self._finished_at
@@ -569,29 +598,33 @@ class PipelinedDecodeRows:
             self.device_idle += end.elapsed_time(before) * 1e-3
         self.tiers.after_launch()
         self._host += time.perf_counter() - self._token_t0
+        self._tokens[-1].host = self._host
 
     def finish(self) -> None:
-        """Join the token's worker; count each layer's entries (window accounting, metrics: the host's
-        enqueue time, the worker's own CPU-row time, and the wait here for the token's last layer)."""
+        """Join the oldest launched token: its worker, or (all resident) its ids' copy; count each layer's
+        entries (window accounting, metrics: the host's enqueue time, the worker's own CPU-row time, and
+        the wait here for the token's last layer)."""
         tiers, k = self.tiers, self.k
         counts = tiers.metrics.counts
-        if self._resident_token:
-            self._resident_token = False
-            t = time.perf_counter()
-            self._done.synchronize()  # the ids' copies landed
+        if not self._tokens:
+            return
+        token = self._tokens.popleft()
+        t = time.perf_counter()
+        if token.job is None:  # all resident: the device alone
+            if token.done is None:
+                raise RuntimeError("an all-resident token was joined before its last layer was enqueued")
+            token.done.synchronize()  # its ids' copies landed
             self._finished_at = time.perf_counter()
             counts.wait_seconds += self._finished_at - t
-            ids = self._ids_all.numpy()
+            ids = token.ids.numpy()
             for layer in range(tiers.n_layers):
-                host = self._host if layer == 0 else 0.0
+                host = token.host if layer == 0 else 0.0
                 tiers.count_entries(layer, ids[layer].copy(), 1, k, 0, True, host)
+            self._stamps[0] = time.perf_counter()
+            self.gap_parts[0] += self._stamps[0] - self._finished_at
             return
-        if not self._jobs:
-            return
-        job = self._jobs.popleft()
-        t = time.perf_counter()
         try:
-            stopped, out = job.result()
+            stopped, out = token.job.result()
         except BaseException:  # the worker failed mid-token: release the device's waits, or it never ends
             self._release_waits()
             raise
@@ -602,7 +635,7 @@ class PipelinedDecodeRows:
         counts.cpu_seconds += self.worker.busy_seconds(out.busy)
         for layer in range(tiers.n_layers):
             m, p = int(out.n_miss[layer]), int(out.n_pcie[layer])
-            host = self._host if layer == 0 else 0.0
+            host = token.host if layer == 0 else 0.0
             tiers.count_entries(layer, out.seen_ids[layer], 1, k - m - p, m, True, host, pcie=p)
         if self.ahead:
             counts.ahead_entries += int(out.n_ahead[:, 0].sum())
@@ -620,14 +653,28 @@ class PipelinedDecodeRows:
     def abort(self) -> None:
         """After a failure mid-token: end the worker's wait and release the device's waits."""
         self._ahead_begun.clear()
+        jobs = [token.job for token in self._tokens if token.job is not None]
+        self._tokens.clear()
         if self._resident_token:  # no worker, no flags
             self._resident_token = False
             return
         self.worker.stop()
         self._release_waits()
-        while self._jobs:  # a queued job starts with the stop raised and ends at its first wait
-            self._jobs.popleft().result()
+        for job in jobs:  # a queued job starts with the stop raised and ends at its first wait
+            job.result()
         self.worker.buf["stop"][0] = 0
+
+
+@dataclass
+class _LaunchedToken:
+    """A launched token until finish() joins it: its worker's job (a future of (stopped, TokenOutputs)), or
+    for an all-resident token its ids' page-locked copy [L, K] and the event behind that copy; the host's
+    enqueue time (seconds)."""
+
+    job: Future | None = None
+    ids: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    host: float = 0.0
 
 
 def _staging_plan(parts, layout, staging: torch.Tensor) -> tuple[torch.Tensor, int, ExpertLayer]:

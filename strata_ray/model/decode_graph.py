@@ -69,7 +69,8 @@ def greedy_chain(graphs: DecodeGraphs, tok: int, state: SequenceState, n: int) -
     if n <= 0:
         return
     if not graphs.chain:
-        raise RuntimeError("greedy_chain needs chained decode graphs (token graphs, STRATA_DECODE_CHAIN on)")
+        raise RuntimeError("greedy_chain needs chained decode graphs (a rows backend that chains, "
+                           "STRATA_DECODE_CHAIN on)")
     graphs.launch([tok], state)
     launched = 1
     try:
@@ -199,12 +200,12 @@ class DecodeGraphs:
         # complete() of token N, its input the token N's head chose on the device (argmax of its logits into
         # self.tok), so the device never waits for the host between two tokens (session 23: it idled 0.8-1.3
         # ms a token).
-        # Needs a rows backend whose tokens may overlap (PipelinedDecodeRows.can_chain) and the device
-        # attention (no eager core reading the host's view of the cache); the launched tokens wait in
-        # _inflight for complete(), each with its logits, its choice copied to page-locked memory and an
-        # event after that copy
-        self.chain = (chain_enabled() and self.token_graph and getattr(self.rows, "can_chain", False)
-                      and (self.attn is not None or not self.capture))
+        # Needs a rows backend whose tokens may overlap (PipelinedDecodeRows.can_chain: the token graphs, or
+        # every expert resident, where a layer's graph alone serves it). An eager attention core between
+        # graphs is enqueued like them (its KV rows appended on the device, the position known on the host).
+        # The launched tokens wait in _inflight for complete(), each with its logits, its choice copied to
+        # page-locked memory and an event after that copy
+        self.chain = chain_enabled() and bool(getattr(self.rows, "can_chain", False))
         pin = self.device.type == "cuda"
         self._choices = [torch.zeros(1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._inflight: deque = deque()

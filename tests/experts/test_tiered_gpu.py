@@ -162,12 +162,14 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         assert got[True, "warm"] == (0, 0) and got[True, "predicted"] == 0
 
 
-@pytest.mark.parametrize("cache", [0, 10])
+@pytest.mark.parametrize("cache", [0, 10, 32])
 def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, cache, monkeypatch):
     """STRATA_DECODE_CHAIN=1 with the engine's defaults where experts miss (token graphs, the device
     attention, copies ahead, a PCIe share) and adaptive rounds: each token launched before the host reads
     the one before, the worker's jobs queued, each with its token's residency snapshot: the greedy ids of
-    the plain step-by-step decode (the same decode without the chain), also through engine.generate."""
+    the plain step-by-step decode (the same decode without the chain), also through engine.generate. Every
+    expert resident (cache 32): the per-layer graphs, the eager attention cores between them, each token's
+    ids copied out for the window counts (no worker)."""
     from strata_ray.engine.generate import generate
     from strata_ray.model.decode_graph import greedy_chain
 
@@ -180,7 +182,7 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
         monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
         loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
         graphs = loaded.model.decode_graphs
-        assert graphs.chain == (chain == "1") and graphs.token_graph
+        assert graphs.chain == (chain == "1") and graphs.token_graph == (cache < 32)
         with torch.inference_mode():
             state = loaded.model.new_state()
             first = int(loaded.model.forward(PROMPT, state)[-1].argmax())
@@ -194,7 +196,12 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
         got[chain, "generate"] = generate(loaded.model, PROMPT, DECODE).token_ids
         tiers.finish()
         c = tiers.metrics.counts
-        assert c.cpu_entries + c.pcie_entries > 0  # experts missed: the worker served the tokens
+        if cache < 32:
+            assert c.cpu_entries + c.pcie_entries > 0  # experts missed: the worker served the tokens
+        else:
+            assert c.cpu_entries + c.pcie_entries == 0 and c.slot_hits > 0
+        got[chain, "heat"] = tiers.heat.copy()  # each token counted from its own ids
+    assert np.array_equal(got["1", "heat"], got["0", "heat"]) and got["1", "heat"].sum() > 0
     assert got["1"] == got["0"] == got["0", "generate"] == got["1", "generate"]
     assert len(set(got["0"])) > 2
 

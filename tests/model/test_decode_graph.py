@@ -289,21 +289,39 @@ class _ChainRows(_TokenRows):
         self.finished += 1
 
 
-def _chain_model(monkeypatch, chain: str):
+class _LayerChainRows(_AheadRows):
+    """A per-layer rows backend whose tokens may overlap, as PipelinedDecodeRows where every expert is
+    resident (no worker: a layer's graph alone), counting its joins; it copies nothing ahead."""
+
+    ahead = 0
+    can_chain = True
+
+    def __init__(self, experts, k: int):
+        super().__init__(experts, k)
+        self.finished = 0
+
+    def finish(self):
+        self.finished += 1
+
+
+def _chain_model(monkeypatch, chain: str, backend_cls=_ChainRows):
     monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
-    return _backed_models(_ChainRows)
+    return _backed_models(backend_cls)
 
 
-def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch):
+@pytest.mark.parametrize("backend_cls", [_ChainRows, _LayerChainRows], ids=["token-graphs", "per-layer"])
+def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch, backend_cls):
     """The chained decode (STRATA_DECODE_CHAIN, on by default): each token launched before the one before
     it completes, its input the id the previous head chose on the device: the greedy ids of the plain
     forward, one join a token; stopped early, the token launched ahead is joined too and the state holds
-    one position more."""
+    one position more. The same over the token graphs and over the per-layer segments (the all-resident
+    decode's form), the attention cores eager between them."""
     from strata_ray.model.decode_graph import greedy_chain
 
-    eager, graphed, backend = _chain_model(monkeypatch, "1")
+    eager, graphed, backend = _chain_model(monkeypatch, "1", backend_cls)
     graphs = graphed.decode_graphs
     assert graphs.chain and graphs.describe().endswith(", greedy tokens chained on the device")
+    assert graphs.token_graph == (backend_cls is _ChainRows) and graphs.attn is None
     prompt = ref.random_prompt(PROMPT, seed=4)
     want, _ = _decode(eager, prompt, STEPS)
     with torch.inference_mode():
