@@ -151,13 +151,18 @@ done
 # the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE); an entry
 # share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32), share:KiB:N the
 # experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH; unset: the engine's default)
+# (a suffix #ARG,ARG adds bench_tiers arguments, after any @ suffix: 400:32#--adapt-every=0)
+n_pcie=0
 for entry in ${PCIE_SHARES:-0 500 700 1000}; do
-    envs=()
+    envs=() extra=()
+    [[ $entry == *#* ]] && IFS=, read -r -a extra <<< "${entry#*#}"
+    entry=${entry%%#*}
     [[ $entry == *@* ]] && IFS=, read -r -a envs <<< "${entry#*@}"
     IFS=: read -r ps ck pf ap <<< "${entry%%@*}"
+    n_pcie=$((n_pcie + 1))
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
         ${pf:+STRATA_DECODE_PREFETCH="$pf"} ${ap:+STRATA_AHEAD_PROGRAMS="$ap"} "${envs[@]}" "${decode[@]}" \
-        --json-out "$work/pcie-${entry//[=,@:]/_}.json"
+        "${extra[@]}" --json-out "$work/pcie-$n_pcie-${entry//[=,@:]/_}.json"
 done
 # decode at 8K (24 GiB card) with the pipelined decode's CPU team at each TEAM_SIZES size in one process (default
 # "15,12,9,15,12,9"), once per TEAM_SCHEDS entry (the host thread's wait: auto spin yield blocking; default auto)

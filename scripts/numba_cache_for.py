@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                           "--signatures-from", args.signatures_from], env=env)
     if rc == 0 and args.tar:
         cache = Path(args.cache_dir)
+        Path(args.tar).parent.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no .nbc/
         with tarfile.open(args.tar, "w:xz") as tar:
             tar.add(cache, arcname=cache.name)
         print(f"packed {cache} into {args.tar}")
