@@ -190,11 +190,11 @@ for le in ${LTIMES_ENVS:--}; do
 done
 # decode at 8K with every expert resident (an 80 GiB card) with each GPU expert kernel variant in
 # RESIDENT_VARIANTS (default "simple split"): the expert kernels in series with the dense segment; an entry
-# variant:NAME=VALUE also sets that environment variable (e.g. words:STRATA_WORDS_CUDA=0)
+# variant:NAME=VALUE[,NAME=VALUE] also sets those environment variables (e.g. words:STRATA_WORDS_CUDA=0)
 n_res=0
 for kvs in ${RESIDENT_VARIANTS:-simple split}; do
     kv=${kvs%%:*} extra=()
-    [[ $kvs == *:* ]] && extra=("${kvs#*:}")
+    [[ $kvs == *:* ]] && IFS=, read -r -a extra <<< "${kvs#*:}"
     n_res=$((n_res + 1))
     step resident 120 env STRATA_KERNEL_VARIANT="$kv" "${extra[@]}" python scripts/bench_tiers.py --model "$M80" \
         --card-gib 80 --depths 8192 --decode 32 --chunk 4096 --json-out "$work/resident-$n_res-${kvs//[:=]/_}.json"
