@@ -117,7 +117,7 @@ class EngineConfig:
     # its input residual beside its attention / GDN mixer (a prediction: the mixer adds little to the
     # residual) and copies the first this-many predicted non-resident experts into staging slots while the
     # host's memory and PCIe are otherwise idle; routed misses among them are the GPU's (decode_pipeline).
-    # 0: off. Same bits either way. None (unset): 2 in the token graphs (STRATA_TOKEN_GRAPH, on by default
+    # 0: off. Same bits either way. None (unset): 2 in the token graphs (STRATA_TOKEN_GRAPH, on by default,
     # where some experts are not resident: 77.2 -> 87.0 tok/s on the H200 at 8K, session 20), else 0 (there
     # each copy costs host launches: 94.5 -> 82.3 in session 19's form, 77 -> 70-75 in session 20's).
     decode_prefetch: int | None = None

@@ -163,7 +163,7 @@ class DecodeGraphs:
         make_rows = getattr(model.experts, "decode_rows", None)
         self.rows = make_rows(E, K, self.capture) if make_rows is not None else None
         # the token graphs: with a backend that has the token forms and takes them (PipelinedDecodeRows'
-        # token_graph: STRATA_TOKEN_GRAPH, by default where some experts are not resident) each run of layers
+        # token_graph: STRATA_TOKEN_GRAPH, on by default) each run of layers
         # between two eager attention cores is one graph, the worker's rows waited for inside
         # (kernels/flag_wait), so a token is a few launches instead of ~2 a layer (5 a staged layer with
         # copies ahead): on the H200 host each launch cost 20-60 us of host time in the real decode, and with

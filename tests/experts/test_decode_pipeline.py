@@ -86,11 +86,12 @@ def test_staged_experts_give_the_cpu_rows(name):
 
 @pytest.mark.parametrize("partial,env,prefetch,want", [
     (True, "", None, (True, TOKEN_GRAPH_PREFETCH)),  # the budget decode's default
-    (False, "", None, (False, 0)),  # every expert resident: per-layer graphs, nothing to copy
+    (False, "", None, (True, 0)),  # every expert resident: token graphs too, nothing to copy
     (True, "0", None, (False, 0)),  # per-layer graphs: a copy ahead costs host launches there
     (True, "0", 3, (False, 3)),  # an explicit count is kept
     (True, "1", 0, (True, 0)),
     (False, "1", 2, (True, 0)),  # nothing can miss: no copies
+    (False, "0", None, (False, 0)),
 ])
 def test_token_graph_and_copies_ahead_defaults(partial, env, prefetch, want):
     assert token_graph_and_ahead(partial, env, prefetch) == want

@@ -107,14 +107,14 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
     ahead: experts copied ahead of the routing from its prediction beside the mixer (STRATA_DECODE_PREFETCH:
     2 alone, 3 with the share); token: runs of layers as one graph, the worker's rows waited for inside
     (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph); defaults: the engine's
-    (where experts can miss: token graphs, the device attention, 2 copied ahead, a 40% share); warm: the
+    (token graphs, the device attention; where experts can miss 2 copied ahead, a 40% share); warm: the
     worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM); split: the token as graphs of
     at most 2 layers (STRATA_TOKEN_GRAPH_LAYERS)."""
     pcie = 600 if "pcie" in mode else 0
     ahead = (3 if pcie else 2) if "ahead" in mode else 0
     token = "token" in mode
     if mode == "pipeline-defaults":
-        pcie, ahead, token = EngineConfig.pcie_share, 2, cache < 32
+        pcie, ahead, token = EngineConfig.pcie_share, 2, True
         monkeypatch.delenv("STRATA_TOKEN_GRAPH", raising=False)
         monkeypatch.delenv("STRATA_DECODE_DEVICE_ATTENTION", raising=False)
     else:
@@ -162,27 +162,31 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         assert got[True, "warm"] == (0, 0) and got[True, "predicted"] == 0
 
 
-@pytest.mark.parametrize("cache", [0, 10, 32])
-def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, cache, monkeypatch):
-    """STRATA_DECODE_CHAIN=1 with the engine's defaults where experts miss (token graphs, the device
-    attention, copies ahead, a PCIe share) and adaptive rounds: each token launched before the host reads
-    the one before, the worker's jobs queued, each with its token's residency snapshot: the greedy ids of
-    the plain step-by-step decode (the same decode without the chain), also through engine.generate. Every
-    expert resident (cache 32): the per-layer graphs, the eager attention cores between them, each token's
-    ids copied out for the window counts (no worker)."""
+@pytest.mark.parametrize("cache,token", [(0, ""), (10, ""), (32, ""), (32, "0")],
+                         ids=["0", "10", "32", "32-per-layer"])
+def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, cache, token, monkeypatch):
+    """STRATA_DECODE_CHAIN=1 with the engine's defaults (token graphs, the device attention; where experts
+    miss copies ahead, a PCIe share) and adaptive rounds: each token launched before the host reads the one
+    before, the worker's jobs queued, each with its token's residency snapshot: the greedy ids of the plain
+    step-by-step decode (the same decode without the chain), also through engine.generate. Every expert
+    resident (cache 32): no worker, each token's ids copied out for the window counts; with
+    STRATA_TOKEN_GRAPH=0 over the per-layer graphs, the eager attention cores between them."""
     from strata_ray.engine.generate import generate
     from strata_ray.model.decode_graph import greedy_chain
 
     for name in ("STRATA_TOKEN_GRAPH", "STRATA_DECODE_DEVICE_ATTENTION", "STRATA_DECODE_WARM",
                  "STRATA_TOKEN_GRAPH_LAYERS"):
         monkeypatch.delenv(name, raising=False)
+    if token:
+        monkeypatch.setenv("STRATA_TOKEN_GRAPH", token)
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8)
     got = {}
     for chain in ("0", "1"):
         monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
         loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
         graphs = loaded.model.decode_graphs
-        assert graphs.chain == (chain == "1") and graphs.token_graph == (cache < 32)
+        assert graphs.chain == (chain == "1") and graphs.token_graph == (token != "0")
+        assert (graphs.attn is not None) == graphs.token_graph
         with torch.inference_mode():
             state = loaded.model.new_state()
             first = int(loaded.model.forward(PROMPT, state)[-1].argmax())
