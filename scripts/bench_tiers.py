@@ -98,6 +98,9 @@ def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) 
     """n_tokens more decode steps under torch.profiler: the op tables, and a Chrome trace (`trace_out`) that
     shows where a token's time goes between the device and the host."""
     def steps(tok=tok):
+        graphs = model.decode_graphs
+        if getattr(graphs, "chain", False):  # the decode as the timed steps ran it: chained
+            return list(greedy_chain(graphs, tok, state, n_tokens))[-1]
         for _ in range(n_tokens):
             tok = int(model.forward([tok], state)[-1].argmax())
         return tok
