@@ -20,7 +20,8 @@
 #               TRACE_SPIN sets its GOMP_SPINCOUNT (default 300000, the engine's on CUDA); once per card size
 #               in TRACE_CARDS (GiB, default "24"; 80 holds every expert); TRACE_TIMELINE=N also lists N
 #               layers of the middle token event by event (trace_summary.py --timeline); once per
-#               TRACE_ENVS entry ("-" the defaults, else NAME=VALUE pairs joined by commas)
+#               TRACE_ENVS entry ("-" the defaults, else NAME=VALUE pairs joined by commas); TRACE_BY_LAYER
+#               names the op listed by layer (default _wait_body: the device's wait for the CPU rows)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
@@ -221,7 +222,7 @@ for gib in ${TRACE_CARDS:-24}; do
         step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${envs[@]}" "${decode[@]}" --card-gib "$gib" \
             --trace-decode 3 --trace-out "$work/decode-trace-$tag.json" --json-out "$work/trace-$tag.json"
         step trace 60 python scripts/trace_summary.py "$work/decode-trace-$tag.json" --tokens 3 \
-            --timeline "${TRACE_TIMELINE:-0}"
+            --timeline "${TRACE_TIMELINE:-0}" --by-layer "${TRACE_BY_LAYER:-_wait_body}"
         rm -f "$work/decode-trace-$tag.json"  # tens of MB: the summary is what comes back
     done
 done

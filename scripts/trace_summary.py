@@ -7,6 +7,7 @@ torch.profiler's tables add up kernel times; they do not say how long the device
 (kernels, copies, memsets), merges them into busy intervals over all streams, and prints the span, the busy
 time, the gaps by size, and the kernels by total time, each per token. --timeline N then lists N layers
 of the middle token event by event (start, length, stream, gap before): what one layer waits on.
+--by-layer NAME lists an op's length by layer (e.g. the flag wait, `_wait_body`: which layers wait).
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ def timeline(events: list[tuple], layers: int) -> str:
                      f"{stream!s:>6} {name[:70]}")
         end = max(end, stop)
     lines.append(f"  {events[hi][0] - t0:9.1f}  (the next layer opens)")
+    return "\n".join(lines)
+
+
+def by_layer(events: list[tuple], name: str, tokens: int) -> str:
+    """The events named `name` (one a layer a token, as the flag wait's), by their place within a token: the
+    layer's mean length over the tokens, the spread over layers, and the longest layers."""
+    durs = [stop - start for start, stop, n, *_ in events if n == name]
+    if not durs or len(durs) % tokens:
+        return f"by layer: {len(durs)} '{name}' events do not split evenly over {tokens} tokens"
+    n = len(durs) // tokens
+    means = [sum(durs[t * n + i] for t in range(tokens)) / tokens for i in range(n)]
+    ranked = sorted(means)
+    lines = [f"'{name}' by layer ({n} a token; us, the mean over {tokens} tokens): min {ranked[0]:.1f}, "
+             f"median {ranked[n // 2]:.1f}, max {ranked[-1]:.1f}, sum {sum(means) / 1e3:.2f} ms a token"]
+    top = sorted(range(n), key=lambda i: -means[i])[:8]
+    lines.append("  longest: " + ", ".join(f"#{i} {means[i]:.1f}" for i in top))
+    lines.append("  all: " + " ".join(f"{m:.0f}" for m in means))
     return "\n".join(lines)
 
 
@@ -99,6 +117,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30, help="how many ops to list")
     ap.add_argument("--timeline", type=int, default=0, metavar="N",
                     help="then list N layers of the middle of the trace event by event")
+    ap.add_argument("--by-layer", default="", metavar="NAME",
+                    help="then each layer's mean length of the op NAME (one a layer a token: _wait_body)")
     args = ap.parse_args()
     if args.tokens < 1 or args.timeline < 0:
         ap.error("--tokens must be at least 1 and --timeline at least 0")
@@ -106,6 +126,8 @@ def main() -> None:
     print(summarize([e[:3] for e in events], args.tokens, args.top))
     if args.timeline:
         print(timeline(events, args.timeline))
+    if args.by_layer:
+        print(by_layer(events, args.by_layer, args.tokens))
 
 
 if __name__ == "__main__":

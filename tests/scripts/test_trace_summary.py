@@ -59,3 +59,23 @@ def test_timeline_lists_the_middle_layers_event_by_event(tmp_path):
     few = subprocess.run([sys.executable, "scripts/trace_summary.py", str(path), "--timeline", "9"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert "fewer than 10 '_combine_body' events" in few
+
+
+def test_by_layer_gives_each_layers_mean_over_tokens(tmp_path):
+    """--by-layer: the op's events split by their place within a token (2 tokens of 3 layers)."""
+    events, t = [], 0.0
+    for waits in ((10, 40, 4), (20, 60, 6)):
+        for w in waits:
+            events.append(_event("_wait_body", t, w, 7))
+            t += 100
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    run = [sys.executable, "scripts/trace_summary.py", str(path), "--by-layer", "_wait_body"]
+    def summary(tokens: str) -> str:
+        return subprocess.run([*run, "--tokens", tokens], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+
+    tail = summary("2").split("'_wait_body' by layer")[1].splitlines()
+    assert "(3 a token; us, the mean over 2 tokens): min 5.0, median 15.0, max 50.0, sum 0.07 ms" in tail[0]
+    assert tail[1].split(": ")[1] == "#1 50.0, #0 15.0, #2 5.0" and tail[2].split(": ")[1] == "15 50 5"
+    assert "6 '_wait_body' events do not split evenly over 4 tokens" in summary("4")
