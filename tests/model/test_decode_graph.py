@@ -276,32 +276,25 @@ def test_token_pieces_split_every_n_layers_keep_the_bits(monkeypatch):
     assert backend.order == ([("begin", -1)] + layers + [("end", -1)]) * STEPS
 
 
-class _ChainRows(_TokenRows):
-    """_TokenRows whose tokens may overlap (PipelinedDecodeRows.can_chain), counting its joins."""
+class _Chains:
+    """A rows backend's tokens may overlap (PipelinedDecodeRows.can_chain); it counts its joins."""
 
     can_chain = True
-
-    def __init__(self, experts, k: int):
-        super().__init__(experts, k)
-        self.finished = 0
+    finished = 0
 
     def finish(self):
         self.finished += 1
 
 
-class _LayerChainRows(_AheadRows):
+class _ChainRows(_Chains, _TokenRows):
+    """_TokenRows whose tokens may overlap, counting its joins."""
+
+
+class _LayerChainRows(_Chains, _AheadRows):
     """A per-layer rows backend whose tokens may overlap, as PipelinedDecodeRows where every expert is
     resident (no worker: a layer's graph alone), counting its joins; it copies nothing ahead."""
 
     ahead = 0
-    can_chain = True
-
-    def __init__(self, experts, k: int):
-        super().__init__(experts, k)
-        self.finished = 0
-
-    def finish(self):
-        self.finished += 1
 
 
 def _chain_model(monkeypatch, chain: str, backend_cls=_ChainRows):
