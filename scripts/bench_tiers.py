@@ -27,10 +27,11 @@ import torch
 
 from strata_ray.config import EngineConfig
 from strata_ray.engine.prefill import chunk_bytes
+from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.experts.build import build_expert_backend
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.kernels.cpu_pool import CpuPool
-from strata_ray.model.decode_graph import greedy_chain
+from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
@@ -100,7 +101,7 @@ def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) 
     def steps(tok=tok):
         graphs = model.decode_graphs
         if getattr(graphs, "chain", False):  # the decode as the timed steps ran it: chained
-            return list(greedy_chain(graphs, tok, state, n_tokens))[-1]
+            return list(decode_chain(graphs, tok, state, n_tokens))[-1]
         for _ in range(n_tokens):
             tok = int(model.forward([tok], state)[-1].argmax())
         return tok
@@ -138,6 +139,7 @@ def _layer_times(clock: LayerClock, depth: int, kind_of=None) -> dict:
 
 
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
+              temperature: float = 0.0,
               trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None,
               layer_times: bool = False, team_sizes: list[int] | None = None) -> dict:
     model = loaded.model
@@ -172,12 +174,14 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
         gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
         idle0 = getattr(rows, "device_idle", 0.0)
-        if getattr(model.decode_graphs, "chain", False):  # STRATA_DECODE_CHAIN=1: the chained greedy loop
-            # (the worker's per-layer counts are the next token's by now: not read)
-            tok = list(greedy_chain(model.decode_graphs, tok, state, n_decode))[-1]
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=0))  # 0: greedy
+        if getattr(model.decode_graphs, "chain", False):  # STRATA_DECODE_CHAIN=1: the chained loop (the
+            # worker's per-layer counts are the next token's by now: not read); sampled: draws on the device
+            choose = sampler.choose_into if temperature > 0 else None
+            tok = list(decode_chain(model.decode_graphs, tok, state, n_decode, choose))[-1]
         else:
             for _ in range(n_decode):
-                tok = int(model.forward([tok], state)[-1].argmax())
+                tok = sampler.sample(model.forward([tok], state)[-1])
                 by_entries.token()
         decode_s = time.perf_counter() - t0
         # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the caller
@@ -199,8 +203,8 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
             tiers.metrics.counts = timed
     tiers.finish()
     s = tiers.metrics.summary()
-    out = {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s, **s,
-           **split}
+    out = {"depth": depth, "prefill_tok_s": depth / prefill_s, "decode_tok_s": n_decode / decode_s,
+           "temperature": temperature, **s, **split}
     if gap.any():
         out["gap_parts_ms"] = dict(zip(("finish", "caller", "begin", "launch"), gap.round(3).tolist(),
                                        strict=True))
@@ -339,7 +343,11 @@ def main() -> None:
                     help="how the host thread waits for the device (the CUDA context's scheduling flag)")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
                     "non-resident expert once)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the timed decode draws seeded samples at this temperature (0: greedy)")
     args = ap.parse_args()
+    if not args.temperature >= 0:
+        raise SystemExit(f"error: --temperature must be >= 0, got {args.temperature}")
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
         os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)
@@ -431,6 +439,7 @@ def main() -> None:
     for depth in (int(d) for d in args.depths.split(",")):
         first = not results
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
+                      temperature=args.temperature,
                       trace_prefill=args.trace_prefill == depth,
                       trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out,
                       layer_times=args.layer_times,

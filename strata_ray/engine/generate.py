@@ -11,7 +11,7 @@ import torch
 
 from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import Sampler, SamplingParams
-from strata_ray.model.decode_graph import greedy_chain
+from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.ops import GDN_CHUNK
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prompt forward; a multiple of GDN_CHUNK
@@ -84,24 +84,26 @@ def generate(
         state = model.new_state()
         for start in range(0, len(prompt), prefill_chunk):
             logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
-        last = logits[-1].float().cpu()  # waits for the device
+        last = logits[-1].float()  # [V] where the model ran: the sampler draws there
+        if last.device.type == "cuda":
+            torch.cuda.synchronize(last.device)  # the prompt's time ends when its logits are there
         t1 = time.perf_counter()
 
         result = GenerationResult([], len(prompt), t1 - t0, 0.0)
         graphs = getattr(model, "decode_graphs", None)
-        chained = (graphs is not None and graphs.chain and sampler.params.temperature == 0 and logprobs == 0
-                   and max_tokens > 0)
+        chained = graphs is not None and graphs.chain and logprobs == 0 and max_tokens > 0
         with decode_threads(model.device):
-            if chained:  # greedy on the device, each token launched before the host reads the one before
+            if chained:  # each token chosen on the device and launched before the host reads the one before
+                choose = None if sampler.params.temperature == 0 else sampler.choose_into
                 _generate_chained(graphs, sampler.sample(last), state, hp.context_length, max_tokens, stops,
-                                  on_token, result)
+                                  on_token, result, choose)
             while not chained and len(result.token_ids) < max_tokens:
                 tok = sampler.sample(last)
                 if tok in stops:
                     result.finish_reason = "stop"
                     break
                 if logprobs > 0:
-                    lp = torch.log_softmax(last, dim=-1)
+                    lp = torch.log_softmax(last.cpu(), dim=-1)
                     top = torch.topk(lp, min(logprobs, lp.shape[0]))
                     pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
                     result.top_logprobs.append(list(pairs))
@@ -111,17 +113,19 @@ def generate(
                     on_token(tok)
                 if len(result.token_ids) == max_tokens or state.pos >= hp.context_length:
                     break
-                last = model.forward([tok], state)[-1].float().cpu()
+                last = model.forward([tok], state)[-1].float()
         result.decode_seconds = time.perf_counter() - t1
     return result
 
 
 def _generate_chained(graphs, first: int, state, context: int, max_tokens: int, stops: set[int],
-                      on_token: Callable[[int], None] | None, result: GenerationResult) -> None:
-    """generate()'s loop for a greedy request over chained decode graphs (DecodeGraphs.chain): the same
-    tokens, stops and limits; the token launched ahead of a stop is dropped (the state is not reused)."""
+                      on_token: Callable[[int], None] | None, result: GenerationResult,
+                      choose: Callable | None) -> None:
+    """generate()'s loop over chained decode graphs (DecodeGraphs.chain), greedy or drawing with `choose`
+    (a Sampler's choose_into): the same tokens, stops and limits; the token launched ahead of a stop is
+    dropped (the state is not reused)."""
     tok = first
-    chain = greedy_chain(graphs, tok, state, min(max_tokens - 1, context - state.pos))
+    chain = decode_chain(graphs, tok, state, min(max_tokens - 1, context - state.pos), choose)
     try:
         while True:
             if tok in stops:

@@ -1,14 +1,18 @@
 """Token sampling: greedy, or temperature with top-k / top-p / min-p filters, seeded and deterministic.
 
 Filter order follows llama.cpp's default chain: top-k, top-p, min-p on the raw logits, then temperature.
+Every step runs where the logits are (the GPU in the engine), so a draw needs no copy to the host.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from strata_ray.kernels.gumbel import draw_keys, gumbel_scores
 
 
 class SamplingError(ValueError):
@@ -46,7 +50,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches p (at least one token)."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
+    sorted_logits, order = torch.sort(logits, descending=True, stable=True)  # ties: id order, anywhere
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
     drop_sorted = mass_before >= p
@@ -64,27 +68,39 @@ def min_p_filter(logits: Tensor, p: float) -> Tensor:
 
 
 class Sampler:
-    """Draws one token id per call from logits [V]; the same seed gives the same sequence of draws."""
+    """Draws one token id per call from logits [V]; the same seed gives the same sequence of draws.
+
+    A draw is the arg-max of the filtered logits / temperature plus Gumbel noise hashed from (seed, draw
+    number, token id) (kernels/gumbel.py): a pure function of the logits, the seed and how many draws came
+    before, computed where the logits are. So the chained decode draws on the device (`choose_into`, no host
+    wait) and a step-by-step decode (`sample`) gives the same token from the same logits."""
 
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()
-        self.generator = torch.Generator()
-        if self.params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(self.params.seed)
+        self.seed = secrets.randbits(64) if self.params.seed is None else self.params.seed
+        self.draws = 0  # draws taken so far: the next draw's number
 
     def filtered_logits(self, logits: Tensor) -> Tensor:
-        """The logits after top-k, top-p, min-p and temperature (float32, on CPU)."""
+        """The logits [V] after top-k, top-p and min-p (float32, on their device), before the temperature."""
         p = self.params
-        x = logits.detach().float().cpu()
+        x = logits.detach().float()
         x = top_k_filter(x, p.top_k)
         x = top_p_filter(x, p.top_p)
-        x = min_p_filter(x, p.min_p)
-        return x / p.temperature if p.temperature > 0 else x
+        return min_p_filter(x, p.min_p)
+
+    def choose(self, logits: Tensor) -> Tensor:
+        """The next draw from logits [V] as a 0-d int64 tensor on their device, enqueued only (no host
+        wait); greedy: the first of the largest logits."""
+        if self.params.temperature == 0:
+            return torch.argmax(logits)
+        k1, k2 = draw_keys(self.seed, self.draws)
+        self.draws += 1
+        return torch.argmax(gumbel_scores(self.filtered_logits(logits), self.params.temperature, k1, k2))
+
+    def choose_into(self, logits: Tensor, out: Tensor) -> None:
+        """choose() into out [1] int64 (the chained decode's next input): no host wait."""
+        out.copy_(self.choose(logits).reshape(1))
 
     def sample(self, logits: Tensor) -> int:
-        if self.params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(self.filtered_logits(logits), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """The next draw from logits [V] as a Python int (waits for the device)."""
+        return int(self.choose(logits))

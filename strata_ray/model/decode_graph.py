@@ -61,22 +61,25 @@ from strata_ray.model.moe import combine_rows, route, shared_expert
 from strata_ray.model.state import GDNState, SequenceState
 
 
-def greedy_chain(graphs: DecodeGraphs, tok: int, state: SequenceState, n: int) -> Iterator[int]:
-    """The chained greedy decode: the next n token ids after `tok` (the token at state.pos), each the
-    first of its logits' largest, as step() + argmax give them. Launches one token ahead of the one it
-    yields (never more than n launches); closing the generator early completes and drops the token
-    launched ahead (the state then holds one position more than the ids yielded)."""
+def decode_chain(graphs: DecodeGraphs, tok: int, state: SequenceState, n: int,
+                 choose: Callable[[Tensor, Tensor], None] | None = None) -> Iterator[int]:
+    """The chained decode: the next n token ids after `tok` (the token at state.pos), each chosen on the
+    device from its logits: greedy (the first of the largest, as step() + argmax give them), or by
+    choose(logits [V], out [1] int64) enqueued after each token's head (a seeded Sampler's choose_into:
+    the draws sample() gives from the same logits). Launches one token ahead of the one it yields (never
+    more than n launches); closing the generator early completes and drops the token launched ahead (the
+    state then holds one position more than the ids yielded)."""
     if n <= 0:
         return
     if not graphs.chain:
-        raise RuntimeError("greedy_chain needs chained decode graphs (a rows backend that chains, "
+        raise RuntimeError("decode_chain needs chained decode graphs (a rows backend that chains, "
                            "STRATA_DECODE_CHAIN on)")
-    graphs.launch([tok], state)
+    graphs.launch([tok], state, choose=choose)
     launched = 1
     try:
         for _ in range(n):
             if launched < n:
-                graphs.launch(None, state)
+                graphs.launch(None, state, choose=choose)
                 launched += 1
             yield graphs.complete_choice()
     finally:
@@ -492,11 +495,12 @@ class DecodeGraphs:
         return self.complete()
 
     def launch(self, ids: Tensor | Sequence[int] | None, state: SequenceState, *, return_hidden: bool = False,
-               advance: bool = True) -> None:
+               advance: bool = True, choose: Callable[[Tensor, Tensor], None] | None = None) -> None:
         """Enqueue one token at state.pos; complete() returns its logits, in launch order. ids None (the
-        chained decode): the token the previous launch's head chose on the device. advance (a chained
-        launch): the state moves on now, so that the next launch may follow before this one completes, and
-        the head's choice is copied out for complete_choice(); else (step()) the state moves in complete()."""
+        chained decode): the token the previous launch chose on the device. advance (a chained launch): the
+        state moves on now, so that the next launch may follow before this one completes, and the choice is
+        copied out for complete_choice(); else (step()) the state moves in complete(). The choice is the
+        head's arg-max, or what choose(logits [V], self.tok) writes over it (enqueued after the head)."""
         if ids is None and not (self.chain and self._launched):
             raise RuntimeError("decode graphs: a launch without ids follows a chained launch")
         runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
@@ -538,6 +542,8 @@ class DecodeGraphs:
                         shared()
             if not self.token_graph:
                 head()
+            if choose is not None:  # a sampled chain: the draw overwrites the head's arg-max
+                choose(self.logits[0], self.tok)
         except BaseException:
             abort = getattr(self.rows, "abort", None)  # a worker waiting on this token's flags
             if abort is not None:

@@ -86,3 +86,38 @@ def test_low_temperature_concentrates_on_the_argmax():
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_a_draw_is_the_argmax_of_filtered_logits_over_temperature_plus_its_numbered_noise():
+    """Draw i of a seeded sampler: argmax(filtered / T + Gumbel noise of (seed, i)) - a pure function of the
+    logits, the seed and the draw's number (so the chained decode can draw on the device)."""
+    from strata_ray.kernels.gumbel import draw_keys, gumbel_noise_reference
+
+    gen = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=77)
+    sampler = Sampler(params)
+    for i in range(30):
+        logits = torch.randn(500, generator=gen) * 3
+        filtered = min_p_filter(top_p_filter(top_k_filter(logits, 50), 0.95), 0.0)
+        noise = torch.from_numpy(gumbel_noise_reference(500, *draw_keys(77, i)))
+        assert sampler.sample(logits) == int(torch.argmax(filtered / torch.tensor(0.9) + noise))
+    assert sampler.draws == 30
+
+
+def test_choose_into_writes_the_draw_sample_returns():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    a, b = Sampler(SamplingParams(temperature=1.0, seed=8)), Sampler(SamplingParams(temperature=1.0, seed=8))
+    out = torch.full((1,), -1, dtype=torch.int64)
+    for _ in range(10):
+        a.choose_into(logits, out)
+        assert int(out[0]) == b.sample(logits)
+    greedy = Sampler()
+    greedy.choose_into(logits, out)
+    assert int(out[0]) == int(logits.argmax()) and greedy.draws == 0
+
+
+def test_unseeded_samplers_draw_differently():
+    logits = torch.zeros(1000)
+    unseeded = SamplingParams(temperature=1.0)
+    draws = {tuple(Sampler(unseeded).sample(logits) for _ in range(5)) for _ in range(4)}
+    assert len(draws) > 1

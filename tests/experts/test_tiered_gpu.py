@@ -170,9 +170,13 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     before, the worker's jobs queued, each with its token's residency snapshot: the greedy ids of the plain
     step-by-step decode (the same decode without the chain), also through engine.generate. Every expert
     resident (cache 32): no worker, each token's ids copied out for the window counts; with
-    STRATA_TOKEN_GRAPH=0 over the per-layer graphs, the eager attention cores between them."""
+    STRATA_TOKEN_GRAPH=0 over the per-layer graphs, the eager attention cores between them. A sampled
+    request chains too (its draws on the device): the step-by-step draws' ids."""
     from strata_ray.engine.generate import generate
-    from strata_ray.model.decode_graph import greedy_chain
+    from strata_ray.engine.sampling import SamplingParams
+
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
+    from strata_ray.model.decode_graph import decode_chain
 
     for name in ("STRATA_TOKEN_GRAPH", "STRATA_DECODE_DEVICE_ATTENTION", "STRATA_DECODE_WARM",
                  "STRATA_TOKEN_GRAPH_LAYERS"):
@@ -191,13 +195,14 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
             state = loaded.model.new_state()
             first = int(loaded.model.forward(PROMPT, state)[-1].argmax())
             if chain == "1":
-                ids = [first, *greedy_chain(graphs, first, state, DECODE - 1)]
+                ids = [first, *decode_chain(graphs, first, state, DECODE - 1)]
             else:
                 ids = [first]
                 for _ in range(DECODE - 1):
                     ids.append(int(loaded.model.forward([ids[-1]], state)[-1].argmax()))
         got[chain] = ids
         got[chain, "generate"] = generate(loaded.model, PROMPT, DECODE).token_ids
+        got[chain, "sampled"] = generate(loaded.model, PROMPT, DECODE, sampling=sampled).token_ids
         tiers.finish()
         c = tiers.metrics.counts
         if cache < 32:
@@ -208,6 +213,7 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     assert np.array_equal(got["1", "heat"], got["0", "heat"]) and got["1", "heat"].sum() > 0
     assert got["1"] == got["0"] == got["0", "generate"] == got["1", "generate"]
     assert len(set(got["0"])) > 2
+    assert got["1", "sampled"] == got["0", "sampled"] != got["0"]  # drawn on the device: the host's draws
 
 
 def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):

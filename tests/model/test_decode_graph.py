@@ -309,7 +309,7 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch, ba
     forward, one join a token; stopped early, the token launched ahead is joined too and the state holds
     one position more. The same over the token graphs and over the per-layer segments (the all-resident
     decode's form), the attention cores eager between them."""
-    from strata_ray.model.decode_graph import greedy_chain
+    from strata_ray.model.decode_graph import decode_chain
 
     eager, graphed, backend = _chain_model(monkeypatch, "1", backend_cls)
     graphs = graphed.decode_graphs
@@ -320,12 +320,12 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch, ba
     with torch.inference_mode():
         state = graphed.new_state()
         first = int(graphed.forward(prompt, state)[-1].argmax())
-        got = [first, *greedy_chain(graphs, first, state, STEPS - 1)]
+        got = [first, *decode_chain(graphs, first, state, STEPS - 1)]
         assert got == want and len(set(want)) > 2
         assert backend.finished == STEPS - 1 and state.pos == PROMPT + STEPS - 1 and not graphs._inflight
         state = graphed.new_state()
         first = int(graphed.forward(prompt, state)[-1].argmax())
-        chain = greedy_chain(graphs, first, state, STEPS - 1)
+        chain = decode_chain(graphs, first, state, STEPS - 1)
         early = [next(chain) for _ in range(3)]
         chain.close()
         assert [first, *early] == want[:4]
@@ -359,14 +359,37 @@ def test_generate_over_chained_graphs_keeps_its_tokens_stops_and_limits(monkeypa
     assert generate(graphed, prompt, STEPS).token_ids == short.token_ids == want.token_ids[:4]
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1.0, seed=5), dict(temperature=0.8, top_k=20, seed=6),
+                                    dict(temperature=1.3, top_p=0.9, min_p=0.01, seed=2**64 - 1)],
+                         ids=["plain", "top-k", "top-p-min-p"])
+def test_sampled_requests_chain_with_the_step_by_step_draws(monkeypatch, params):
+    """A sampled request (temperature > 0) takes the chained loop too, each draw made on the device after
+    its token's head: the ids of the plain forward's step-by-step draws with the same seed (a draw is a
+    function of the logits, the seed and its number), one join a token; a stop id ends it the same way."""
+    from strata_ray.engine.generate import generate
+    from strata_ray.engine.sampling import SamplingParams
+
+    eager, graphed, backend = _chain_model(monkeypatch, "1")
+    prompt = ref.random_prompt(PROMPT, seed=4)
+    sampling = SamplingParams(**params)
+    want = generate(eager, prompt, STEPS, sampling=sampling)
+    greedy = generate(eager, prompt, STEPS)
+    assert want.token_ids != greedy.token_ids  # it really samples
+    got = generate(graphed, prompt, STEPS, sampling=sampling)
+    assert got.token_ids == want.token_ids and backend.finished == STEPS - 1
+    stop = want.token_ids[4]
+    got = generate(graphed, prompt, STEPS, sampling=sampling, stop_ids={stop})
+    assert (got.token_ids, got.finish_reason) == (want.token_ids[: want.token_ids.index(stop)], "stop")
+
+
 def test_without_the_chain_switch_there_is_no_chain(monkeypatch):
-    """STRATA_DECODE_CHAIN=0: no chain (step() as before), and greedy_chain refuses with one line."""
-    from strata_ray.model.decode_graph import greedy_chain
+    """STRATA_DECODE_CHAIN=0: no chain (step() as before), and decode_chain refuses with one line."""
+    from strata_ray.model.decode_graph import decode_chain
 
     _, graphed, _ = _chain_model(monkeypatch, "0")
     assert not graphed.decode_graphs.chain
     with pytest.raises(RuntimeError, match="needs chained decode graphs"):
-        next(greedy_chain(graphed.decode_graphs, 1, graphed.new_state(), 3))
+        next(decode_chain(graphed.decode_graphs, 1, graphed.new_state(), 3))
 
 
 def test_a_backend_without_token_graphs_keeps_the_segments():
