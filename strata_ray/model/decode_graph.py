@@ -358,7 +358,7 @@ class DecodeGraphs:
             form = "a graph or two a layer" + (", device attention" if self.attn is not None else "")
         ahead = getattr(self.rows, "ahead", 0)
         warm = ", the CPU's predicted rows read ahead" if getattr(self.rows, "warm", False) else ""
-        chain = ", greedy tokens chained on the device" if self.chain else ""
+        chain = ", tokens chosen and chained on the device" if self.chain else ""
         return form + (f", {ahead} experts copied ahead a layer" if ahead else "") + warm + chain
 
     def capture_now(self) -> None:

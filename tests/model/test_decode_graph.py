@@ -313,7 +313,7 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch, ba
 
     eager, graphed, backend = _chain_model(monkeypatch, "1", backend_cls)
     graphs = graphed.decode_graphs
-    assert graphs.chain and graphs.describe().endswith(", greedy tokens chained on the device")
+    assert graphs.chain and graphs.describe().endswith(", tokens chosen and chained on the device")
     assert graphs.token_graph == (backend_cls is _ChainRows) and graphs.attn is None
     prompt = ref.random_prompt(PROMPT, seed=4)
     want, _ = _decode(eager, prompt, STEPS)
