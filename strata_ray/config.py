@@ -21,7 +21,7 @@ PREFILL_MAX = 8192
 PREFILL_ALIGN = 64  # GDN chunks are aligned to absolute positions, so prompt chunks are multiples of 64
 SPEC_MAX_DRAFTS = 7  # verify window = drafts + 1 <= 8
 PEER_RESERVE_FLOOR_MIB = 128
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+SEED_MAX = 2**64 - 1  # the sampler hashes 64-bit seeds (kernels/gumbel.draw_keys)
 
 
 class ConfigError(Exception):
@@ -174,7 +174,7 @@ def float_range(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], 
 
 
 def seed_value(s: str) -> int:
-    """A sampling seed: what torch.Generator takes, so a big one fails here and not in the engine."""
+    """A sampling seed: what the sampler takes (64 bits), so a big one fails here and not in the engine."""
     return int_range(0, SEED_MAX)(s)
 
 

@@ -36,6 +36,8 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise SamplingError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:

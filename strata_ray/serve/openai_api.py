@@ -133,7 +133,7 @@ def _seed(body) -> int | None:
     from strata_ray.config import SEED_MAX
 
     seed = _integer(body, "seed", 0)
-    if seed is not None and seed > SEED_MAX:  # torch.Generator takes 64 bits
+    if seed is not None and seed > SEED_MAX:  # the sampler hashes 64-bit seeds
         raise invalid("seed", f"must be < 2**64, got {seed}")
     return seed
 

@@ -82,7 +82,7 @@ def test_low_temperature_concentrates_on_the_argmax():
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
-                                    dict(min_p=2.0)])
+                                    dict(min_p=2.0), dict(seed=-1), dict(seed=2**64)])
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
