@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strata_ray.config import SEED_MAX
 from strata_ray.kernels.gumbel import draw_keys, gumbel_scores
 
 
@@ -36,7 +37,7 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:  # the bound run and the API check too
             raise SamplingError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
