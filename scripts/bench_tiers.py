@@ -95,18 +95,28 @@ def _prefill(model, prompt, state, chunk: int, trace: bool):
     return logits
 
 
-def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None) -> int:
+def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None, sampler: Sampler) -> int:
     """n_tokens more decode steps under torch.profiler: the op tables, and a Chrome trace (`trace_out`) that
     shows where a token's time goes between the device and the host."""
     def steps(tok=tok):
-        graphs = model.decode_graphs
-        if getattr(graphs, "chain", False):  # the decode as the timed steps ran it: chained
-            return list(decode_chain(graphs, tok, state, n_tokens))[-1]
-        for _ in range(n_tokens):
-            tok = int(model.forward([tok], state)[-1].argmax())
-        return tok
+        return _decode(model, tok, state, n_tokens, sampler)
 
     return _profiled(f"decode of {n_tokens} tokens", steps, row_limit=25, trace_out=trace_out)
+
+
+def _decode(model, tok: int, state, n_tokens: int, sampler: Sampler, each=None) -> int:
+    """n_tokens decode steps after `tok` drawn by `sampler` (greedy at temperature 0): chained where the
+    decode graphs chain (the worker's per-layer counts are the next token's by then: `each` is not called),
+    else one token at a time, calling each() after every token; returns the last token."""
+    graphs = model.decode_graphs
+    if getattr(graphs, "chain", False):  # STRATA_DECODE_CHAIN=1; sampled: the draws made on the device
+        choose = sampler.choose_into if sampler.params.temperature > 0 else None
+        return list(decode_chain(graphs, tok, state, n_tokens, choose))[-1]
+    for _ in range(n_tokens):
+        tok = sampler.sample(model.forward([tok], state)[-1])
+        if each is not None:
+            each()
+    return tok
 
 
 def _layer_times(clock: LayerClock, depth: int, kind_of=None) -> dict:
@@ -175,14 +185,7 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
         idle0 = getattr(rows, "device_idle", 0.0)
         sampler = Sampler(SamplingParams(temperature=temperature, seed=0))  # 0: greedy
-        if getattr(model.decode_graphs, "chain", False):  # STRATA_DECODE_CHAIN=1: the chained loop (the
-            # worker's per-layer counts are the next token's by now: not read); sampled: draws on the device
-            choose = sampler.choose_into if temperature > 0 else None
-            tok = list(decode_chain(model.decode_graphs, tok, state, n_decode, choose))[-1]
-        else:
-            for _ in range(n_decode):
-                tok = sampler.sample(model.forward([tok], state)[-1])
-                by_entries.token()
+        tok = _decode(model, tok, state, n_decode, sampler, each=by_entries.token)
         decode_s = time.perf_counter() - t0
         # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the caller
         # until the next token_begin, token_begin, the launches
@@ -199,7 +202,7 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         tok = team[-1].pop("tok") if team else tok
         tiers.metrics.counts = timed
         if trace_decode:  # after the timed steps, and out of their counts: the profiler slows them
-            _trace_decode(model, tok, state, trace_decode, trace_out)
+            _trace_decode(model, tok, state, trace_decode, trace_out, sampler)
             tiers.metrics.counts = timed
     tiers.finish()
     s = tiers.metrics.summary()

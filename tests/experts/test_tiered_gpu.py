@@ -174,9 +174,9 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     request chains too (its draws on the device): the step-by-step draws' ids."""
     from strata_ray.engine.generate import generate
     from strata_ray.engine.sampling import SamplingParams
+    from strata_ray.model.decode_graph import decode_chain
 
     sampled = SamplingParams(temperature=1.0, top_p=0.95, seed=9)
-    from strata_ray.model.decode_graph import decode_chain
 
     for name in ("STRATA_TOKEN_GRAPH", "STRATA_DECODE_DEVICE_ATTENTION", "STRATA_DECODE_WARM",
                  "STRATA_TOKEN_GRAPH_LAYERS"):
