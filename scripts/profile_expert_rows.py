@@ -1,5 +1,7 @@
-"""One layer's one-token expert rows (1 token x top-10, Q4_0, E = 2048, n_ff = 512), a few launches of each
+"""One layer's decode expert rows (T tokens x top-10, Q4_0, E = 2048, n_ff = 512), a few launches of each
 form, for a kernel profiler: `ncu --kernel-name regex:q4_0_rows python scripts/profile_expert_rows.py`.
+With --tokens T > 1 the tokens' experts overlap, so the CUDA rows take tiles of several entries of an expert
+(a verify window's case: issue 5's "16+ experts a launch").
 
 Plain timing is bench_kernels.py's; this only runs the kernels (the CUDA C rows, then the Triton words tile).
 """
@@ -23,20 +25,24 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64, help="slots of the random layer")
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")
     ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a launch, each routed to 10 experts")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     host = random_layer(rng, args.experts, 2048, 512, (Q4_0,) * 3)
     mats = (torch.from_numpy(w).cuda() for w in (host.gate, host.up, host.down))
     slots = ExpertLayer(*mats, Q4_0, Q4_0, Q4_0)
-    x = torch.randn(1, 2048, device="cuda")
-    tok = torch.zeros(10, dtype=torch.int32, device="cuda")
+    if not 1 <= args.tokens <= 8:
+        ap.error("--tokens must be from 1 to 8")
+    x = torch.randn(args.tokens, 2048, device="cuda")  # [T, E]
+    tok = torch.arange(args.tokens, dtype=torch.int32, device="cuda").repeat_interleave(10)  # [T*10]
     outs = {}
     forms = [("1", int(rpw)) for rpw in args.rpw.split(",")] + [("0", 2)]
     for form, rpw in forms:  # STRATA_WORDS_CUDA: the CUDA C rows, then the Triton words tile
         os.environ["STRATA_WORDS_CUDA"] = form
         ew.WORDS["cuda_rpw"] = rpw
         for i in range(args.calls):
-            ids = torch.from_numpy(rng.permutation(args.experts)[:10].astype(np.int32)).cuda()
+            ids = np.concatenate([rng.permutation(args.experts)[:10] for _ in range(args.tokens)])
+            ids = torch.from_numpy(ids.astype(np.int32)).cuda()  # [T*10], each token's experts distinct
             outs[form, rpw, i] = (ids, expert_ffn_gpu(x, tok, ids, slots, mode="decode", variant="words"))
     torch.cuda.synchronize()
     print("done", len(outs), "calls")

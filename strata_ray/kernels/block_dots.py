@@ -56,8 +56,20 @@ def _vec(ty, n: int):
     return ir.VectorType(ty, n)
 
 
+_CONSTS: dict[tuple, ir.Constant] = {}
+
+
 def _const(ty, n: int, values) -> ir.Constant:
-    return ir.Constant(_vec(ty, n), list(values) if hasattr(values, "__iter__") else [values] * n)
+    """A <n x ty> constant (values: n of them, or one for every lane). Kept and handed out again: a tile's IR
+    asks for the same masks and shuffle indices tens of thousands of times, and llvmlite builds each element
+    and renders its text in Python (a third of a cold compile before this cache); a Constant is immutable
+    and caches its own text, so one object serves every function and module."""
+    vals = tuple(values) if hasattr(values, "__iter__") else (values,) * n
+    key = (str(ty), n, vals)
+    c = _CONSTS.get(key)
+    if c is None:
+        c = _CONSTS[key] = ir.Constant(_vec(ty, n), list(vals))
+    return c
 
 
 def _shuffle(builder, x, y, idx):

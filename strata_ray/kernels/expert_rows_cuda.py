@@ -72,7 +72,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 {
     __shared__ unsigned stage_s[WARPS][GROUPS][WPR + 1];  // a row's words, from the coalesced loads to unit
                                                           // lanes (+1: Q6_K's realigning reads)
-    __shared__ float term_s[WARPS][GROUPS][BT][RPW][NB];  // each entry's rows' blocks' fp32 terms
+    // each (entry, row)'s blocks' fp32 terms: slot c = e RPW + r of row group grp at [c][grp], NB + 1 apart
+    // (an odd pitch: the fold's lanes, each reading its own slot's block b at once, hit 32 distinct banks;
+    // NB apart they all hit one bank, a 16-way conflict for a tile of 8 entries)
+    __shared__ float term_s[WARPS][BT * RPW][GROUPS][NB + 1];
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
@@ -110,10 +113,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // entries' activation rows first, once (two dependent loads each), not per word
     if (threadIdx.x < n_ent) arow_s[threadIdx.x] = ACT_ROW[ORDER[start + threadIdx.x]];
     __syncthreads();
-    for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
-        const int e = ei / (K / 4), wi = ei % (K / 4);
-        const int* aq = (const int*)(AQ + (long long)arow_s[e] * K);
-        act_s[e][wi & 7][wi >> 3] = aq[wi];
+    if (((unsigned long long)AQ & 15) == 0) {
+        // a block's 8 code words as two 16-byte loads: lanes 2 apart store 2 words apart (2-way), where one
+        // word a lane stored 8 rows of NB apart: an 8-way conflict
+        for (int qi = threadIdx.x; qi < n_ent * (K / 16); qi += WARPS * 32) {
+            const int e = qi / (K / 16), wq = qi % (K / 16), b = wq >> 1, k0 = 4 * (wq & 1);
+            const int4 v = ((const int4*)(AQ + (long long)arow_s[e] * K))[wq];
+            act_s[e][k0][b] = v.x;
+            act_s[e][k0 + 1][b] = v.y;
+            act_s[e][k0 + 2][b] = v.z;
+            act_s[e][k0 + 3][b] = v.w;
+        }
+    } else {
+        for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
+            const int e = ei / (K / 4), wi = ei % (K / 4);
+            const int* aq = (const int*)(AQ + (long long)arow_s[e] * K);
+            act_s[e][wi & 7][wi >> 3] = aq[wi];
+        }
     }
     for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
         const int e = eb / NB, b = eb % NB;
@@ -123,6 +139,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     }
     __syncthreads();
 
+    // every row of the group unpacked into registers first, so each entry's activation codes are read from
+    // shared memory once for the RPW rows (a read a row and entry kept the shared-memory pipe the kernel's
+    // busiest unit at tiles of several entries, ncu: L1 73%, DRAM 29%)
+#if Q4K
+    unsigned cw[RPW][NPL][8];
+    int sc[RPW][NPL][2], mn[RPW][NPL][2];
+    float d[RPW][NPL][2];
+#elif Q6K
+    unsigned cw[RPW][NPL][16];
+    int sc[RPW][NPL][4];
+    float d[RPW][NPL];
+#elif Q80
+    unsigned cw[RPW][NPL][16];  // code words of blocks 2p (k < 8) and 2p + 1 (k >= 8)
+    float d[RPW][NPL][2];
+#else
+    unsigned lo[RPW][NPL][8], hi[RPW][NPL][8];  // nibbles of blocks 2p (k < 4), 2p + 1 (k >= 4) by dp4a word
+    float d[RPW][NPL][2];
+#endif
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         // the row's words to the lanes of its units: lane g holds units g + G q
@@ -136,26 +170,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         // Quarter c = g + G q is sub-blocks 2 h, 2 h + 1 (h = c % 4) of super-block c / 4: its 8 code words
         // and the two sub-blocks' scales and mins (bytes j, 4 + j, 8 + j of the scale words, j = 2 h + s
         // mod 4)
-        unsigned cw[NPL][8];
-        int sc[NPL][2], mn[NPL][2];
-        float d[NPL][2];
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const int c = g + G * q, h = c & 3;
             const unsigned* pw = &stage_s[warp][grp][36 * (c >> 2)];
             const unsigned w0 = pw[0];
-            d[q][0] = half_bits(w0 & 0xFFFFu);
-            d[q][1] = half_bits(w0 >> 16);
+            d[r][q][0] = half_bits(w0 & 0xFFFFu);
+            d[r][q][1] = half_bits(w0 >> 16);
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 const int j = 2 * h + s, sh = 8 * (j & 3);
                 const unsigned s_lo = (pw[1] >> sh) & 0xFFu, s_mid = (pw[2] >> sh) & 0xFFu;
                 const unsigned s_hi = (pw[3] >> sh) & 0xFFu;
-                sc[q][s] = j < 4 ? s_lo & 63 : (s_hi & 0xF) | ((s_lo >> 6) << 4);
-                mn[q][s] = j < 4 ? s_mid & 63 : (s_hi >> 4) | ((s_mid >> 6) << 4);
+                sc[r][q][s] = j < 4 ? s_lo & 63 : (s_hi & 0xF) | ((s_lo >> 6) << 4);
+                mn[r][q][s] = j < 4 ? s_mid & 63 : (s_hi >> 4) | ((s_mid >> 6) << 4);
             }
 #pragma unroll
-            for (int t = 0; t < 8; ++t) cw[q][t] = pw[4 + 8 * h + t];
+            for (int t = 0; t < 8; ++t) cw[r][q][t] = pw[4 + 8 * h + t];
         }
 #elif Q6K
         // super-block bytes [ql 128, qh 64, 16 int8 scales, d d], 2-byte aligned for odd super-blocks.
@@ -163,37 +194,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         // its codes' low 4 bits from ql bytes 64 h + 32 (r % 2).. (nibble r / 2), high 2 bits from qh bytes
         // 128 + 32 h.. (bits 2 r, 2 r + 1). cw: (q - 32) as signed bytes, 8 words a block; sc: the scales of
         // the two blocks' 16-value halves (bytes 192 + 4 jj..).
-        unsigned cw[NPL][16];
-        int sc[NPL][4];
-        float d[NPL];
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const int c = g + G * q, u = c >> 2, jj = c & 3, h = jj >> 1, base = 210 * u;
             const unsigned* sw = stage_s[warp][grp];
             const unsigned sel = (base & 2) ? 0x5432u : 0x3210u;  // the word at base + o, realigned
 #define Q6_WORD(o) __byte_perm(sw[(base + (o)) >> 2], sw[((base + (o)) >> 2) + 1], sel)
-            d[q] = half_bits(Q6_WORD(208) & 0xFFFFu);
+            d[r][q] = half_bits(Q6_WORD(208) & 0xFFFFu);
             const unsigned s4 = Q6_WORD(192 + 4 * jj);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[q][i] = (int)(signed char)(s4 >> (8 * i));
+            for (int i = 0; i < 4; ++i) sc[r][q][i] = (int)(signed char)(s4 >> (8 * i));
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = 2 * (jj & 1) + half;
+                const int rr = 2 * (jj & 1) + half;
 #pragma unroll
                 for (int t = 0; t < 8; ++t) {
-                    const unsigned ql = Q6_WORD(64 * h + 32 * (r & 1) + 4 * t);
+                    const unsigned ql = Q6_WORD(64 * h + 32 * (rr & 1) + 4 * t);
                     const unsigned qh = Q6_WORD(128 + 32 * h + 4 * t);
-                    const unsigned code = ((ql >> (4 * (r >> 1))) & 0x0F0F0F0Fu)
-                                          | (((qh >> (2 * r)) & 0x03030303u) << 4);
-                    cw[q][8 * half + t] = __vsub4(code, 0x20202020u);
+                    const unsigned code = ((ql >> (4 * (rr >> 1))) & 0x0F0F0F0Fu)
+                                          | (((qh >> (2 * rr)) & 0x03030303u) << 4);
+                    cw[r][q][8 * half + t] = __vsub4(code, 0x20202020u);
                 }
             }
 #undef Q6_WORD
         }
 #elif Q80
         // pair bytes [d0 d0 c0..c31 d1 d1 c0..c31] (int8 codes): the first block's sit two bytes into a word
-        unsigned cw[NPL][16];  // code words of blocks 2p (k < 8) and 2p + 1 (k >= 8)
-        float d[NPL][2];
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const unsigned* pw = &stage_s[warp][grp][17 * (g + G * q)];
@@ -202,15 +228,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             for (int i = 0; i < 17; ++i) w[i] = pw[i];
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                cw[q][k] = __byte_perm(w[k], w[k + 1], 0x5432);
-                cw[q][8 + k] = w[9 + k];
+                cw[r][q][k] = __byte_perm(w[k], w[k + 1], 0x5432);
+                cw[r][q][8 + k] = w[9 + k];
             }
-            d[q][0] = half_bits(w[0] & 0xFFFFu);
-            d[q][1] = half_bits(w[8] >> 16);
+            d[r][q][0] = half_bits(w[0] & 0xFFFFu);
+            d[r][q][1] = half_bits(w[8] >> 16);
         }
 #else
-        unsigned lo[NPL][8], hi[NPL][8];  // nibbles of blocks 2p (k < 4) and 2p + 1 (k >= 4), by dp4a word
-        float d[NPL][2];
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const unsigned* pw = &stage_s[warp][grp][9 * (g + G * q)];
@@ -221,78 +245,81 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const unsigned a = __byte_perm(w[k], w[k + 1], 0x5432), b = w[5 + k];
-                lo[q][k] = a & 0x0F0F0F0Fu;
-                hi[q][k] = (a >> 4) & 0x0F0F0F0Fu;
-                lo[q][4 + k] = b & 0x0F0F0F0Fu;
-                hi[q][4 + k] = (b >> 4) & 0x0F0F0F0Fu;
+                lo[r][q][k] = a & 0x0F0F0F0Fu;
+                hi[r][q][k] = (a >> 4) & 0x0F0F0F0Fu;
+                lo[r][q][4 + k] = b & 0x0F0F0F0Fu;
+                hi[r][q][4 + k] = (b >> 4) & 0x0F0F0F0Fu;
             }
-            d[q][0] = half_bits(w[0] & 0xFFFFu);
-            d[q][1] = half_bits(w[4] >> 16);
+            d[r][q][0] = half_bits(w[0] & 0xFFFFu);
+            d[r][q][1] = half_bits(w[4] >> 16);
         }
 #endif
         __syncwarp();  // stage_s is the next row's
+    }
 
-        // each entry of the tile over the same words (registers), the one-entry arithmetic: an entry's rows
-        // do not depend on the others of its tile
-        for (int e = 0; e < n_ent; ++e) {
+    // each entry of the tile over the same registers, the one-entry arithmetic: an entry's rows do not
+    // depend on the others of its tile. A unit's two blocks are b0, b0 + 1 (b0 = 2 (g + G q) for every type:
+    // Q4_K and Q6_K quarter c holds blocks 8 (c / 4) + 2 (c % 4) = 2 c); their code words k side by side
+    for (int e = 0; e < n_ent; ++e) {
 #pragma unroll
-            for (int q = 0; q < NPL; ++q) {
+        for (int q = 0; q < NPL; ++q) {
+            const int b0 = 2 * (g + G * q);
+            int2 ac[8];  // the entry's code words k of blocks b0 (.x), b0 + 1 (.y)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) ac[k] = *(const int2*)&act_s[e][k][b0];
+            const float2 ad = *(const float2*)&ad_s[e][b0];
+#if Q4K || !(Q6K || Q80)
+            const int2 as = *(const int2*)&as_s[e][b0];
+#endif
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                float* term = term_s[warp][e * RPW + r][grp];
 #if Q4K
-                const int c = g + G * q, b0 = 8 * (c >> 2) + 2 * (c & 3);
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
                     int dot = 0;
 #pragma unroll
                     for (int t = 0; t < 8; ++t) {
-                        const unsigned nib = s ? (cw[q][t] >> 4) & 0x0F0F0F0Fu : cw[q][t] & 0x0F0F0F0Fu;
-                        dot = __dp4a((int)nib, act_s[e][t][b0 + s], dot);
+                        const unsigned nib = s ? (cw[r][q][t] >> 4) & 0x0F0F0F0Fu : cw[r][q][t] & 0x0F0F0F0Fu;
+                        dot = __dp4a((int)nib, s ? ac[t].y : ac[t].x, dot);
                     }
-                    const float ad = ad_s[e][b0 + s];
-                    const float t_i = (float)(dot * sc[q][s]) * (d[q][0] * ad);
-                    const float t_m = (float)(mn[q][s] * as_s[e][b0 + s]) * (d[q][1] * ad);
-                    term_s[warp][grp][e][r][b0 + s] = t_i - t_m;
+                    const float a_d = s ? ad.y : ad.x;
+                    const float t_i = (float)(dot * sc[r][q][s]) * (d[r][q][0] * a_d);
+                    const float t_m = (float)(mn[r][q][s] * (s ? as.y : as.x)) * (d[r][q][1] * a_d);
+                    term[b0 + s] = t_i - t_m;
                 }
 #elif Q6K
-                const int c = g + G * q, b0 = 8 * (c >> 2) + 2 * (c & 3);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     int lo = 0, hi = 0;  // the block's two 16-value halves
 #pragma unroll
                     for (int t = 0; t < 4; ++t) {
-                        lo = __dp4a((int)cw[q][8 * half + t], act_s[e][t][b0 + half], lo);
-                        hi = __dp4a((int)cw[q][8 * half + 4 + t], act_s[e][4 + t][b0 + half], hi);
+                        lo = __dp4a((int)cw[r][q][8 * half + t], half ? ac[t].y : ac[t].x, lo);
+                        hi = __dp4a((int)cw[r][q][8 * half + 4 + t], half ? ac[4 + t].y : ac[4 + t].x, hi);
                     }
-                    const int isum = sc[q][2 * half] * lo + sc[q][2 * half + 1] * hi;
-                    term_s[warp][grp][e][r][b0 + half] = (float)isum * (d[q] * ad_s[e][b0 + half]);
+                    const int isum = sc[r][q][2 * half] * lo + sc[r][q][2 * half + 1] * hi;
+                    term[b0 + half] = (float)isum * (d[r][q] * (half ? ad.y : ad.x));
                 }
 #elif Q80
-                const int b0 = 2 * (g + G * q);
                 int dot[2] = {0, 0};
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
-                    const int2 c = *(const int2*)&act_s[e][k][b0];  // code words k of blocks b0, b0 + 1
-                    dot[0] = __dp4a((int)cw[q][k], c.x, dot[0]);
-                    dot[1] = __dp4a((int)cw[q][8 + k], c.y, dot[1]);
+                    dot[0] = __dp4a((int)cw[r][q][k], ac[k].x, dot[0]);
+                    dot[1] = __dp4a((int)cw[r][q][8 + k], ac[k].y, dot[1]);
                 }
-                const float2 ad = *(const float2*)&ad_s[e][b0];
-                term_s[warp][grp][e][r][b0] = (float)dot[0] * (d[q][0] * ad.x);
-                term_s[warp][grp][e][r][b0 + 1] = (float)dot[1] * (d[q][1] * ad.y);
+                term[b0] = (float)dot[0] * (d[r][q][0] * ad.x);
+                term[b0 + 1] = (float)dot[1] * (d[r][q][1] * ad.y);
 #else
-                const int b0 = 2 * (g + G * q);
                 int dot[2] = {0, 0};
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const int2 c_lo = *(const int2*)&act_s[e][k][b0];  // code words k of blocks b0, b0 + 1
-                    const int2 c_hi = *(const int2*)&act_s[e][4 + k][b0];
-                    dot[0] = __dp4a((int)lo[q][k], c_lo.x, dot[0]);
-                    dot[0] = __dp4a((int)hi[q][k], c_hi.x, dot[0]);
-                    dot[1] = __dp4a((int)lo[q][4 + k], c_lo.y, dot[1]);
-                    dot[1] = __dp4a((int)hi[q][4 + k], c_hi.y, dot[1]);
+                    dot[0] = __dp4a((int)lo[r][q][k], ac[k].x, dot[0]);
+                    dot[0] = __dp4a((int)hi[r][q][k], ac[4 + k].x, dot[0]);
+                    dot[1] = __dp4a((int)lo[r][q][4 + k], ac[k].y, dot[1]);
+                    dot[1] = __dp4a((int)hi[r][q][4 + k], ac[4 + k].y, dot[1]);
                 }
-                const float2 ad = *(const float2*)&ad_s[e][b0];
-                const int2 as = *(const int2*)&as_s[e][b0];
-                term_s[warp][grp][e][r][b0] = (float)(dot[0] - 8 * as.x) * (d[q][0] * ad.x);
-                term_s[warp][grp][e][r][b0 + 1] = (float)(dot[1] - 8 * as.y) * (d[q][1] * ad.y);
+                term[b0] = (float)(dot[0] - 8 * as.x) * (d[r][q][0] * ad.x);
+                term[b0 + 1] = (float)(dot[1] - 8 * as.y) * (d[r][q][1] * ad.y);
 #endif
             }
         }
@@ -306,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         if (row < n_rows) {
             float acc = 0.0f;
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][grp][e][r][b];
+            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][c][grp][b];
             const long long ent = ORDER[start + e];
             const int which = TWO && row >= R;
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
@@ -376,7 +403,7 @@ def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: 
     """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
     arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * nb) + bt * (8 * nb + 2 * nb + 1))
+    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * (nb + 1)) + bt * (8 * nb + 2 * nb + 1))
 
 
 def _lanes(nu: int) -> int:

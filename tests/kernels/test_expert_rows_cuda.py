@@ -127,10 +127,11 @@ def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
     assert eg.tile_entries(300, "prompt", "words", wide_rows) == 64
 
 
-def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> None:
+def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_offset: int = 0) -> None:
     """n_ent entries of n_tok tokens (tiles of up to next_pow2(n_tok) entries of one expert) over the layer's
-    experts: the GPU rows, every element written, equal the CPU rows bit for bit."""
-    from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+    experts: the GPU rows, every element written, equal the CPU rows bit for bit. act_offset: the activation
+    codes handed in at that many bytes past a 16-byte boundary (the kernel's 4-byte staging path)."""
+    from strata_ray.kernels.expert_gpu import expert_ffn_gpu, quantize_act_gpu
 
     rng = np.random.default_rng(seed + n_ent)
     x = (rng.standard_normal((n_tok, layer.n_embd)) * 2).astype(np.float32)
@@ -142,8 +143,17 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1) -> Non
                                                                                        layer.down)),
                         layer.gate_type, layer.up_type, layer.down_type)
     out = torch.full((n_ent, layer.n_embd), float("nan"), device="cuda")  # poisoned: every element written
-    got = expert_ffn_gpu(*(torch.from_numpy(a).cuda() for a in (x, tok, exp)), slots, mode="decode", out=out,
-                         variant="words")
+    x_gpu = torch.from_numpy(x).cuda()
+    act = None
+    if act_offset:
+        xq, xd, xs = quantize_act_gpu(x_gpu)
+        buf = torch.empty(xq.numel() + 16, dtype=torch.int8, device="cuda")
+        moved = buf[act_offset:act_offset + xq.numel()].view(xq.shape)
+        moved.copy_(xq)
+        assert moved.data_ptr() % 16 == act_offset
+        act = (moved, xd, xs)
+    tok_gpu, exp_gpu = (torch.from_numpy(a).cuda() for a in (tok, exp))
+    got = expert_ffn_gpu(x_gpu, tok_gpu, exp_gpu, slots, mode="decode", out=out, variant="words", act=act)
     assert np.array_equal(got.cpu().numpy().view(np.int32), want), n_ent
 
 
@@ -156,6 +166,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
     wide = _layer(2048, 512, 12)  # the 80b-a3b's widths
     _check(wide, 10)
+    _check(wide, 40, n_tok=4, act_offset=4)  # codes off a 16-byte boundary: staged a word at a time
     _check(_layer(256, 768, 5), 33)  # 4 lanes a gate row, 12 pairs (27 words a lane) a down row
     _check(_layer(512, 128, 5, down=Q8_0), 1)  # a Q8_0 down takes the Triton tile
     # verify windows: tiles of several entries of one expert share its weight words
