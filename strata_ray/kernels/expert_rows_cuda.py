@@ -62,6 +62,7 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
 // row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
+#define TP ((NB + 3) / 4 % 2 ? (NB + 3) / 4 * 4 : (NB + 3) / 4 * 4 + 4)  // a term slot's pitch (floats)
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
@@ -72,10 +73,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 {
     __shared__ unsigned stage_s[WARPS][GROUPS][WPR + 1];  // a row's words, from the coalesced loads to unit
                                                           // lanes (+1: Q6_K's realigning reads)
-    // each (entry, row)'s blocks' fp32 terms: slot c = e RPW + r of row group grp at [c][grp], NB + 1 apart
-    // (an odd pitch: the fold's lanes, each reading its own slot's block b at once, hit 32 distinct banks;
-    // NB apart they all hit one bank, a 16-way conflict for a tile of 8 entries)
-    __shared__ float term_s[WARPS][BT * RPW][GROUPS][NB + 1];
+    // each (entry, row)'s blocks' fp32 terms: slot c = e RPW + r of row group grp at [grp][c], TP apart:
+    // a multiple of 4 whose quarter is odd, so the fold's lanes, each reading its own slot's blocks 4 at a
+    // time, hit distinct banks within each 8-lane phase of a 16-byte load (NB apart they all hit one bank, a
+    // 16-way conflict for a tile of 8 entries, a block at a time)
+    __shared__ __align__(16) float term_s[WARPS][GROUPS][BT * RPW][TP];
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
@@ -273,7 +275,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #endif
 #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-                float* term = term_s[warp][e * RPW + r][grp];
+                float* term = term_s[warp][grp][e * RPW + r];  // b0 even: its two terms one 8-byte store
+                float2 tt;
 #if Q4K
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
@@ -286,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                     const float a_d = s ? ad.y : ad.x;
                     const float t_i = (float)(dot * sc[r][q][s]) * (d[r][q][0] * a_d);
                     const float t_m = (float)(mn[r][q][s] * (s ? as.y : as.x)) * (d[r][q][1] * a_d);
-                    term[b0 + s] = t_i - t_m;
+                    (s ? tt.y : tt.x) = t_i - t_m;
                 }
 #elif Q6K
 #pragma unroll
@@ -298,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                         hi = __dp4a((int)cw[r][q][8 * half + 4 + t], half ? ac[4 + t].y : ac[4 + t].x, hi);
                     }
                     const int isum = sc[r][q][2 * half] * lo + sc[r][q][2 * half + 1] * hi;
-                    term[b0 + half] = (float)isum * (d[r][q] * (half ? ad.y : ad.x));
+                    (half ? tt.y : tt.x) = (float)isum * (d[r][q] * (half ? ad.y : ad.x));
                 }
 #elif Q80
                 int dot[2] = {0, 0};
@@ -307,8 +310,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                     dot[0] = __dp4a((int)cw[r][q][k], ac[k].x, dot[0]);
                     dot[1] = __dp4a((int)cw[r][q][8 + k], ac[k].y, dot[1]);
                 }
-                term[b0] = (float)dot[0] * (d[r][q][0] * ad.x);
-                term[b0 + 1] = (float)dot[1] * (d[r][q][1] * ad.y);
+                tt.x = (float)dot[0] * (d[r][q][0] * ad.x);
+                tt.y = (float)dot[1] * (d[r][q][1] * ad.y);
 #else
                 int dot[2] = {0, 0};
 #pragma unroll
@@ -318,9 +321,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
                     dot[1] = __dp4a((int)lo[r][q][4 + k], ac[k].y, dot[1]);
                     dot[1] = __dp4a((int)hi[r][q][4 + k], ac[4 + k].y, dot[1]);
                 }
-                term[b0] = (float)(dot[0] - 8 * as.x) * (d[r][q][0] * ad.x);
-                term[b0 + 1] = (float)(dot[1] - 8 * as.y) * (d[r][q][1] * ad.y);
+                tt.x = (float)(dot[0] - 8 * as.x) * (d[r][q][0] * ad.x);
+                tt.y = (float)(dot[1] - 8 * as.y) * (d[r][q][1] * ad.y);
 #endif
+                *(float2*)&term[b0] = tt;
             }
         }
     }
@@ -332,8 +336,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         const int e = c / RPW, r = c % RPW, row = row0 + r;
         if (row < n_rows) {
             float acc = 0.0f;
+            const float4* t4 = (const float4*)term_s[warp][grp][c];
 #pragma unroll
-            for (int b = 0; b < NB; ++b) acc = acc + term_s[warp][c][grp][b];
+            for (int b4 = 0; b4 < (NB + 3) / 4; ++b4) {  // block order: a 16-byte load, its terms in turn
+                const float4 v = t4[b4];
+                acc = acc + v.x;
+                if (4 * b4 + 1 < NB) acc = acc + v.y;
+                if (4 * b4 + 2 < NB) acc = acc + v.z;
+                if (4 * b4 + 3 < NB) acc = acc + v.w;
+            }
             const long long ent = ORDER[start + e];
             const int which = TWO && row >= R;
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
@@ -403,7 +414,8 @@ def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: 
     """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
     arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * (nb + 1)) + bt * (8 * nb + 2 * nb + 1))
+    tp = -(-nb // 4) * 4 + (0 if -(-nb // 4) % 2 else 4)  # the kernel's TP: a term slot's pitch
+    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * tp) + bt * (8 * nb + 2 * nb + 1))
 
 
 def _lanes(nu: int) -> int:

@@ -168,6 +168,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
     _check(wide, 10)
     _check(wide, 40, n_tok=4, act_offset=4)  # codes off a 16-byte boundary: staged a word at a time
     _check(_layer(256, 768, 5), 33)  # 4 lanes a gate row, 12 pairs (27 words a lane) a down row
+    _check(_layer(256, 192, 4), 9)  # a 192-value down row: 6 blocks, the fold's last 16-byte load half used
     _check(_layer(512, 128, 5, down=Q8_0), 1)  # a Q8_0 down takes the Triton tile
     # verify windows: tiles of several entries of one expert share its weight words
     for n_tok, n_ent in [(2, 20), (3, 33), (8, 80), (8, 222)]:
