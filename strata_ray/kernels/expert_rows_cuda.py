@@ -27,7 +27,11 @@ entries (tokens of a verify window) routed to one expert, each entry's rows from
 Session 15's form kept the coalesced words on their lanes and summed each block's word products through
 shared memory (a division by 9 and a 4-or-5-term sum per word): ncu found it instruction bound (0.60 issued a
 scheduler cycle, DRAM 15%). The activation codes are the token's int8 codes read four a word, built in shared
-memory once a CTA while the weight loads are in flight. The integers are exact in any order and the fp32
+memory once a CTA while the weight loads are in flight (16-byte loads). A row group's RPW rows are unpacked
+into registers before the entries, so each entry's codes leave shared memory once for all of them, and the
+fold's terms sit at a pitch whose quarter is odd, read 16 bytes at a time without bank conflicts (session 26:
+ncu had the shared-memory pipe at 73% and DRAM at 29% for tiles of several entries before). The integers
+are exact in any order and the fp32
 steps are the contract's (compiled with --fmad=false), so the rows are the simple tile's, the CPU's, to the
 bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization launch follows, as for
 the split words tile.
