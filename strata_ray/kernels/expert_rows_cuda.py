@@ -63,10 +63,10 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
 // of them a lane; or Q4_K super-blocks (Q4K 1: 36 words, 8 blocks) or Q6_K super-blocks (Q6K 1: 210 bytes, 8
 // blocks), a lane taking NPL quarters of 2 blocks. WPR words and NB 32-blocks a row (from the host, as G, the
 // lanes a row, and WL = ceil(WPR / G), the words a lane loads a row); BT entries at most a tile, RPW rows a
-// row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R].
+// row group, TWO: gate and up rows (2R of them) into OUT [M, 2, R], else R rows into OUT [M, R]. TP: a term
+// slot's pitch in floats (term_pitch on the host, which sizes the shared memory by it too).
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
-#define TP ((NB + 3) / 4 % 2 ? (NB + 3) / 4 * 4 : (NB + 3) / 4 * 4 + 4)  // a term slot's pitch (floats)
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
@@ -418,8 +418,14 @@ def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: 
     """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
     arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    tp = -(-nb // 4) * 4 + (0 if -(-nb // 4) % 2 else 4)  # the kernel's TP: a term slot's pitch
-    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * tp) + bt * (8 * nb + 2 * nb + 1))
+    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * term_pitch(nb)) + bt * (8 * nb + 2 * nb + 1))
+
+
+def term_pitch(nb: int) -> int:
+    """TP, the floats between two (entry, row) term slots of nb blocks: nb rounded up to a multiple of 4 whose
+    quarter is odd, so the fold's 16-byte loads of 8 lanes' slots hit distinct banks."""
+    quads = -(-nb // 4)
+    return 4 * (quads if quads % 2 else quads + 1)
 
 
 def _lanes(nu: int) -> int:
@@ -431,8 +437,8 @@ def _lanes(nu: int) -> int:
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
     wpr, nb, g, wl, npl = geometry(k, wtype)
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
-    defines = (f"-DWPR={wpr}", f"-DNB={nb}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
-               f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
+    defines = (f"-DWPR={wpr}", f"-DNB={nb}", f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}",
+               f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
     return nvrtc.build(_SOURCE, "expert_rows", ("--fmad=false", *defines), device)
 
 
