@@ -27,12 +27,12 @@ def main() -> None:
     ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a launch, each routed to 10 experts")
     args = ap.parse_args()
+    if not 1 <= args.tokens <= 8:
+        ap.error("--tokens must be from 1 to 8")
     rng = np.random.default_rng(0)
     host = random_layer(rng, args.experts, 2048, 512, (Q4_0,) * 3)
     mats = (torch.from_numpy(w).cuda() for w in (host.gate, host.up, host.down))
     slots = ExpertLayer(*mats, Q4_0, Q4_0, Q4_0)
-    if not 1 <= args.tokens <= 8:
-        ap.error("--tokens must be from 1 to 8")
     x = torch.randn(args.tokens, 2048, device="cuda")  # [T, E]
     tok = torch.arange(args.tokens, dtype=torch.int32, device="cuda").repeat_interleave(10)  # [T*10]
     outs = {}
