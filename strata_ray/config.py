@@ -121,6 +121,11 @@ class EngineConfig:
     # where some experts are not resident: 77.2 -> 87.0 tok/s on the H200 at 8K, session 20), else 0 (there
     # each copy costs host launches: 94.5 -> 82.3 in session 19's form, 77 -> 70-75 in session 20's).
     decode_prefetch: int | None = None
+    # STRATA_RING_LOAN (env only, default 1): on CUDA, while decoding, the prompt ring's slots (idle between
+    # prompt chunks; ~1 GiB) hold the hottest pairs the cache does not, copied in a few steps after a prompt
+    # and given back before the next prompt chunk (experts/residency: a loan). 0: the ring idles in decode.
+    # Same bits either way (placement only).
+    ring_loan: bool = True
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -401,6 +406,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_DECODE_PIPELINE", "") != "":
         values["decode_pipeline"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_PIPELINE"],
                                                 "STRATA_DECODE_PIPELINE") == "1"
+    if env.get("STRATA_RING_LOAN", "") != "":
+        values["ring_loan"] = parse_value(_choice("0", "1"), env["STRATA_RING_LOAN"],
+                                          "STRATA_RING_LOAN") == "1"
     if env.get("STRATA_PCIE_SHARE", "") != "":
         values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
     if env.get("STRATA_DECODE_PREFETCH", "") != "":

@@ -68,9 +68,12 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     if pin_gib is None:
         pin_gib = auto_pin_gib() if device.type == "cuda" else 0.0
     store = HostStore(loaded_file, pin_gib=pin_gib)
-    ring = ring_slots(config.ring_overlap, store.max_blob, hp.n_expert) if device.type == "cuda" else 0
+    # a CPU primary streams no prompt through a ring; STRATA_RING_SLOTS still gives it one, for a loan
+    # alone (the tests' view of the CUDA decode's loan)
+    cuda_ring = device.type == "cuda" or os.environ.get("STRATA_RING_SLOTS") is not None
+    ring = ring_slots(config.ring_overlap, store.max_blob, hp.n_expert) if cuda_ring else 0
     n_slots = cache_slots(config, store, device, ring_slots=ring)
-    residency = Residency(hp.n_layer, hp.n_expert, n_slots)
+    residency = Residency(hp.n_layer, hp.n_expert, n_slots, n_lendable=loan_slots(config, n_slots, ring, hp))
     cache = SlotCache(store, residency, device, ring_slots=ring)
     cache.fill(profile, progress=reporter.fill if reporter is not None else progress)
     rounds = None
@@ -82,6 +85,14 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline,
                          pcie_share=config.pcie_share, decode_prefetch=config.decode_prefetch)
+
+
+def loan_slots(config, n_slots: int, ring: int, hp) -> int:
+    """The ring slots decode borrows (config.ring_loan): all of them, where the cache holds some experts
+    but the cache and the ring together hold fewer than all (a loan that made every expert resident would
+    switch the decode to its all-resident form mid-request); else none."""
+    pairs = hp.n_layer * hp.n_expert
+    return ring if config.ring_loan and 0 < n_slots and n_slots + ring < pairs else 0
 
 
 def ring_slots(overlap: bool, blob_bytes: int, n_expert: int) -> int:

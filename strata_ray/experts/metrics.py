@@ -28,6 +28,7 @@ class TierCounts:
     warm_hits: int = 0
     prompt_entries: int = 0  # entries of prompt chunks (any tier)
     swaps: int = 0  # adaptive swaps issued
+    loaned: int = 0  # pairs copied into the ring's slots lent to the decode (tiered: a loan)
     rounds: int = 0  # adaptive rounds whose swaps were applied
     host_seconds: float = 0.0  # host-side planning, gathers and launches of decode windows
     cpu_seconds: float = 0.0  # wall time of the CPU pool's decode work
@@ -92,7 +93,7 @@ class TierMetrics:
         cpu = f" ({c.warm_hits} of {c.warm_entries} read ahead used)" if c.warm_entries else ""
         return (
             f"experts: {100 * c.hit_rate:.1f}% cache hits, {c.cpu_entries} CPU entries{cpu}{pcie}, "
-            f"{c.swaps} swaps, "
+            f"{c.swaps} swaps, " + (f"{c.loaned} loaned into the ring, " if c.loaned else "") +
             f"host {c.per_token_ms(c.host_seconds):.2f} ms/token, "
             f"CPU pool {c.per_token_ms(c.cpu_seconds):.2f} ms/token{wait}"
         )
@@ -121,6 +122,8 @@ class _RayTierMetrics:
             "strata_expert_pcie_entries", description="decode entries the GPU read from host memory over PCIe"
         )
         self.swaps = Counter("strata_expert_swaps", description="adaptive swaps issued")
+        self.loaned = Counter("strata_expert_loaned",
+                              description="pairs copied into the prompt ring's slots lent to the decode")
         self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
         self.host_ms = Gauge("strata_expert_host_ms_per_token", description="host time per decode token")
         self.cpu_ms = Gauge("strata_expert_cpu_ms_per_token", description="CPU-pool time per decode token")
@@ -130,7 +133,7 @@ class _RayTierMetrics:
                             description="host time per decode token from one token's end to the next launch")
 
     def push(self, now: TierCounts, before: TierCounts) -> None:
-        for name in ("slot_hits", "cpu_entries", "pcie_entries", "swaps"):
+        for name in ("slot_hits", "cpu_entries", "pcie_entries", "swaps", "loaned"):
             delta = getattr(now, name) - getattr(before, name)
             if delta > 0:
                 getattr(self, name).inc(delta)

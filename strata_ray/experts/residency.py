@@ -5,6 +5,11 @@ pair a slot holds or -1. Adaptive swaps follow the reference's order: the victim
 CPU computes it from the next window on, while its slot is being overwritten), the newcomer waits in
 `pending` until its copy has landed and `apply_pending` runs at a window boundary. Every change bumps
 `epoch`, so the device mirror (read by the GPU hit path) is refreshed exactly when the table changed.
+
+A loan: `n_lendable` more slots after the S cache slots (the prompt ring's, idle between prompts) hold more
+pairs while decoding. `open_loan` makes them available, `lend` admits pairs into them like swaps (pending
+until their copies land), `close_loan` takes them back at once before the next prompt chunk streams
+through them (their pairs are computed by the other tiers again, with the same bits).
 """
 
 from __future__ import annotations
@@ -32,13 +37,16 @@ class ResidencyError(Exception):
 
 
 class Residency:
-    def __init__(self, n_layers: int, n_expert: int, n_slots: int):
-        if n_slots < 0:
-            raise ValueError(f"n_slots must be >= 0, got {n_slots}")
+    def __init__(self, n_layers: int, n_expert: int, n_slots: int, n_lendable: int = 0):
+        if n_slots < 0 or n_lendable < 0:
+            raise ValueError(f"n_slots and n_lendable must be >= 0, got {n_slots} and {n_lendable}")
         self.n_layers, self.n_expert, self.n_slots = n_layers, n_expert, n_slots
+        self.n_lendable = n_lendable  # slots n_slots .. n_slots + n_lendable - 1: a loan's (see open_loan)
         self.res = np.full(n_layers * n_expert, -1, dtype=np.int32)  # [L*X] pair -> slot or -1
-        self.slot_pair = np.full(n_slots, -1, dtype=np.int64)  # [S] slot -> pair or -1
+        self.slot_pair = np.full(n_slots + n_lendable, -1, dtype=np.int64)  # [S + R] slot -> pair or -1
         self.free: deque[int] = deque(range(n_slots))  # lowest slot first: slot 0 is filled first
+        self.lent_free: deque[int] = deque()  # the open loan's slots not yet given a pair
+        self.loan_open = False
         self.pending: list[SlotCopy] = []  # copies in flight: the slot is taken, the pair not yet resident
         self.epoch = 0
         self._mirror: torch.Tensor | None = None
@@ -81,7 +89,11 @@ class Residency:
         if self.slot_pair[slot] >= 0:
             raise ResidencyError(f"slot {slot} already holds pair {self.slot_pair[slot]}")
         if not reserved:
-            if self.free and self.free[0] == slot:  # the fill's case: O(1)
+            if slot >= self.n_slots:  # a loan's slot
+                if slot not in self.lent_free:
+                    raise ResidencyError(f"slot {slot} is not a free slot of an open loan")
+                self.lent_free.remove(slot)
+            elif self.free and self.free[0] == slot:  # the fill's case: O(1)
                 self.free.popleft()
             elif slot in self.free:
                 self.free.remove(slot)
@@ -99,7 +111,7 @@ class Residency:
         self.res[pair] = -1
         self.slot_pair[slot] = -1
         if to_free_list:
-            self.free.append(slot)
+            (self.lent_free if slot >= self.n_slots else self.free).append(slot)
         self.epoch += 1
         return slot
 
@@ -122,12 +134,19 @@ class Residency:
 
     def schedule_swaps(self, swaps: Iterable) -> list[SlotCopy]:
         """Apply an adaptive round's swaps (objects with .layer, .candidate, .victim): each victim
-        leaves now, its slot is reserved for the candidate whose copy the caller issues."""
+        leaves now, its slot is reserved for the candidate whose copy the caller issues. A swap that no
+        longer fits the placement (planned before a loan came or went: its victim gone, its candidate
+        resident or on its way) is dropped."""
         copies = []
+        coming = {c.pair for c in self.pending}
         for s in swaps:
             victim = s.layer * self.n_expert + s.victim
+            candidate = s.layer * self.n_expert + s.candidate
+            if self.res[victim] < 0 or self.res[candidate] >= 0 or candidate in coming:
+                continue
             slot = self.evict(victim, to_free_list=False)
-            copy = SlotCopy(s.layer * self.n_expert + s.candidate, slot)
+            coming.add(candidate)
+            copy = SlotCopy(candidate, slot)
             self.pending.append(copy)
             copies.append(copy)
         return copies
@@ -138,6 +157,47 @@ class Residency:
         for c in done:
             self.make_resident(c.pair, c.slot, reserved=True)
         return done
+
+    # -- a loan of more slots ----------------------------------------------------------------------
+    def open_loan(self) -> None:
+        """Make the n_lendable slots available to `lend` (no-op while a loan is open)."""
+        if not self.loan_open:
+            self.lent_free = deque(range(self.n_slots, self.n_slots + self.n_lendable))
+            self.loan_open = True
+
+    def lend(self, pairs: Iterable[int], limit: int) -> list[SlotCopy]:
+        """Admit up to `limit` of `pairs` (in order, skipping resident and pending ones) into the open loan's
+        free slots, as pending copies: the caller issues them, `apply_pending` lands them."""
+        copies: list[SlotCopy] = []
+        if not self.loan_open:
+            return copies
+        coming = {c.pair for c in self.pending}
+        for pair in pairs:
+            if len(copies) == limit or not self.lent_free:
+                break
+            pair = int(pair)
+            if self.res[pair] >= 0 or pair in coming:
+                continue
+            copy = SlotCopy(pair, self.lent_free.popleft())
+            self.pending.append(copy)
+            coming.add(pair)
+            copies.append(copy)
+        return copies
+
+    def close_loan(self) -> int:
+        """Take the loan's slots back now: their pairs leave, copies pending into them are dropped (the caller
+        orders later writes of those slots after the copies in flight). Returns how many pairs left."""
+        if not self.loan_open:
+            return 0
+        lent = np.flatnonzero(self.slot_pair[self.n_slots :] >= 0) + self.n_slots
+        for slot in lent:
+            self.res[self.slot_pair[slot]] = -1
+            self.slot_pair[slot] = -1
+        self.pending = [c for c in self.pending if c.slot < self.n_slots]
+        self.lent_free = deque()
+        self.loan_open = False
+        self.epoch += 1
+        return int(lent.size)
 
     # -- device mirror ---------------------------------------------------------------------------
     def device_table(self, device: torch.device | str) -> torch.Tensor:

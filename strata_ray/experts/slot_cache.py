@@ -186,6 +186,20 @@ class SlotCache:
             event.record(torch.cuda.current_stream(self.device))
             self._ring_read[half] = event
 
+    def lend_ring(self) -> None:
+        """Before a loan's first copies into the ring slots: the swap stream (which runs them) waits for the
+        ring stream's copies still in flight (a prefetch the last prompt chunk made but never read); the
+        kernels that read the ring are ordered before them by issue_swaps' mark."""
+        if self.ring_stream is not None:
+            self.swap_stream.wait_stream(self.ring_stream)
+
+    def reclaim_ring(self) -> None:
+        """After the loan closed, before the ring's next copies: the ring stream waits for every read of the
+        lent slots enqueued so far (the decode's tokens) and for the loan's copies still in flight."""
+        if self.ring_stream is not None:
+            self.ring_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.ring_stream.wait_stream(self.swap_stream)
+
     # -- copies --------------------------------------------------------------------------------------
     def copy_blob(self, layer: int, expert: int, slot: int, non_blocking: bool = False) -> None:
         """Byte-exact copy of the pair's gate | up | down into `slot`. On CUDA through a ring of pinned

@@ -39,6 +39,9 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
 
+# a loan (the ring's slots while decoding): pairs copied at each window boundary, ~113 MB for the 80b-a3b's
+# 1.77 MB blobs, ~2.5 ms of PCIe: each step lands within the next token, so its boundary does not wait
+LOAN_STEP = 64
 ALIGN_INT32 = 4  # _upload's arrays start on 16-byte boundaries (4 int32)
 STREAM_ALL_TOKENS = 1024  # prompt chunks from this size stream every non-resident expert (DESIGN section 8)
 
@@ -176,6 +179,8 @@ class TieredExperts:
         self.prefetches_used = 0  # ring batches a layer found already copied (tests, benchmarks)
         self.deep_prefetches = 0  # of those, copies issued two layers ahead (tests)
         self.stream_all = os.environ.get("STRATA_STREAM_ALL", "1") != "0"
+        self._loan_order: np.ndarray | None = None  # the open loan's candidates, hottest first
+        self._loan_at = 0  # the next of them
         self.prefetch_deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
@@ -546,10 +551,13 @@ class TieredExperts:
         round it may plan and the copies of the round applied here wait for after_launch(), which the
         caller runs once the token is launched, beside its device work."""
         self._prefetched = {}  # a prefetch is only used by the forward that made it
-        self.window_boundary(defer=defer)
-        self._in_window = n_tok <= DECODE_MAX_TOKENS
+        decode = n_tok <= DECODE_MAX_TOKENS
+        if not decode:
+            self._close_loan()  # before this prompt's first ring copies
+        self.window_boundary(defer=defer, lend=decode)
+        self._in_window = decode
 
-    def window_boundary(self, defer: bool = False) -> None:
+    def window_boundary(self, defer: bool = False, lend: bool = False) -> None:
         """Close the previous window: land the swaps in flight, apply the round planned after the last
         boundary (its victims leave now; its newcomers' copies start in after_launch), and hand the closed
         window's counts to the rounds (in after_launch: now unless defer). A round so takes effect one
@@ -562,6 +570,8 @@ class TieredExperts:
         if planned and not self.cache.swaps_in_flight():
             self._copies = (self.residency.schedule_swaps(planned), self.cache.mark())
             self.metrics.counts.swaps += len(self._copies[0])
+        if lend and self.residency.n_lendable and not self._copies and not self.cache.swaps_in_flight():
+            self._lend_step()
         if self._in_window:
             self._in_window = False
             self._closed, self._window = self._window, np.zeros_like(self._window)
@@ -589,11 +599,46 @@ class TieredExperts:
             self.cache.issue_swaps(*copies)
 
     def _land(self) -> None:
-        """Land the pending round's copies (a round counts when its newcomers become resident); copies not
-        yet issued (a token that failed before its after_launch) start first."""
+        """Land the pending round's copies (a round counts when its newcomers become resident) or a loan's
+        step; copies not yet issued (a token that failed before its after_launch) start first."""
         self._issue_copies()
-        if self.cache.land_swaps():
+        landed = self.cache.land_swaps()
+        if any(c.slot < self.residency.n_slots for c in landed):
             self.metrics.counts.rounds += 1
+
+    # -- a loan of the ring's slots while decoding (residency.open_loan) -------------------------------
+    def _lend_step(self) -> None:
+        """The next LOAN_STEP of the hottest non-resident pairs (the learned profile's order: heat since
+        start, then the prior profile) into the loan's slots, as a boundary's copies; the loan opens at the
+        first step after a prompt."""
+        res = self.residency
+        if not res.loan_open:
+            res.open_loan()
+            self.cache.lend_ring()
+            order = self.learned_profile().pair_ids()
+            self._loan_order = order[~res.resident_mask(include_pending=True).reshape(-1)[order]]
+            self._loan_at = 0
+        if not res.lent_free or self._loan_at >= self._loan_order.size:
+            return
+        batch = self._loan_order[self._loan_at : self._loan_at + LOAN_STEP]
+        self._loan_at += batch.size
+        copies = res.lend(batch, LOAN_STEP)
+        if copies:
+            self._copies = (copies, self.cache.mark())
+            self.metrics.counts.loaned += len(copies)
+
+    def _close_loan(self) -> None:
+        """Give the ring's slots back before a prompt streams through them: their pairs leave now, a loan step
+        not yet issued is dropped, and the ring's next copies wait for the reads and copies in flight."""
+        res = self.residency
+        if not res.loan_open:
+            return
+        res.close_loan()
+        if self._copies is not None:
+            kept = [c for c in self._copies[0] if c.slot < res.n_slots]
+            self._copies = (kept, self._copies[1]) if kept else None
+        self.cache.reclaim_ring()
+        self._loan_order = None
 
     def _schedule(self, swaps: list[Swap]) -> None:
         """Start a round's swaps now (victims leave, newcomers copy) unless the last round's are in flight."""

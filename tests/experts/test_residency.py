@@ -140,3 +140,44 @@ def test_device_mirror_refreshes_from_page_locked_memory_behind_queued_work():
     torch.cuda.synchronize()
     assert [s.tolist() for s in seen] == [[-1, 0, -1, -1, -1, -1, -1, -1], [-1, 0, -1, -1, -1, -1, 1, -1],
                                           [-1, 0, -1, 2, -1, -1, 1, -1]]
+
+
+def test_a_loan_admits_pairs_into_its_slots_and_gives_them_back():
+    r = Residency(2, 4, n_slots=2, n_lendable=3)
+    r.admit_in_rank_order(Profile(2, 4, np.array([[0, 0], [1, 1]])))  # pairs 0 and 5 in slots 0, 1
+    assert r.lend([1, 2], 4) == []  # no loan open
+    r.open_loan()
+    copies = r.lend([0, 6, 6, 1, 7, 2], 4)  # resident 0 and the repeated 6 skipped; 3 slots only
+    assert copies == [SlotCopy(6, 2), SlotCopy(1, 3), SlotCopy(7, 4)] and not r.lent_free
+    assert not r.is_resident(6) and r.resident_mask(include_pending=True).reshape(-1)[[6, 1, 7]].all()
+    r.apply_pending()
+    assert [r.slot_of(p) for p in (6, 1, 7)] == [2, 3, 4] and r.n_resident == 5
+    epoch = r.epoch
+    assert r.close_loan() == 3 and r.epoch > epoch
+    assert r.n_resident == 2 and r.slot_pair.tolist() == [0, 5, -1, -1, -1] and not r.loan_open
+    assert r.close_loan() == 0  # closed already
+
+
+def test_closing_a_loan_drops_its_pending_copies_and_keeps_the_rounds():
+    r = Residency(1, 6, n_slots=2, n_lendable=2)
+    r.admit_in_rank_order(rank_from_counts(np.array([[5, 4, 0, 0, 0, 0]])))  # pairs 0, 1
+    r.open_loan()
+    r.lend([2, 3], 2)
+    r.apply_pending()
+    swaps = r.schedule_swaps([Swap(0, 4, 0, 3.0), Swap(0, 5, 2, 3.0)])  # one victim cached, one lent
+    loan = r.lend([1, 2], 2)  # the lent victim's slot went to its swap: no free loan slot
+    assert swaps == [SlotCopy(4, 0), SlotCopy(5, 2)] and loan == []
+    r.close_loan()
+    assert r.pending == [SlotCopy(4, 0)]  # the swap into the lent slot is dropped, the other stays
+    r.apply_pending()
+    assert r.resident_mask().reshape(-1).tolist() == [False, True, False, False, True, False]
+
+
+def test_swaps_that_no_longer_fit_the_placement_are_dropped():
+    """A round planned before a loan came or went: its victim may have left, its candidate arrived."""
+    r = Residency(1, 4, n_slots=2)
+    r.admit_in_rank_order(rank_from_counts(np.array([[5, 4, 0, 0]])))  # pairs 0, 1
+    # Swap(layer, candidate, victim, gain): victim 3 is not resident; candidate 0 is; the third swaps 1 for 2
+    copies = r.schedule_swaps([Swap(0, 2, 3, 3.0), Swap(0, 0, 1, 3.0), Swap(0, 2, 1, 3.0)])
+    assert copies == [SlotCopy(2, 1)]
+    assert r.schedule_swaps([Swap(0, 2, 0, 3.0)]) == []  # candidate 2 is on its way already

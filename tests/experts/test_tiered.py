@@ -228,3 +228,33 @@ def test_warm_up_runs_every_cpu_path_and_counts_nothing(tiny_next):
     assert tiers.metrics.counts == type(tiers.metrics.counts)()  # the load's warm-up left no counts
     assert tiers.warm_up() >= 0.0
     assert tiers.metrics.counts == type(tiers.metrics.counts)() and not tiers.heat.any()
+
+
+@pytest.mark.parametrize("adapt_every", [0, 1])
+def test_a_loan_of_ring_slots_serves_decode_and_leaves_before_the_next_prompt(tiny_next, monkeypatch,
+                                                                           adapt_every):
+    """The ring's slots lent to the decode (STRATA_RING_LOAN; a CPU primary gets a ring from
+    STRATA_RING_SLOTS): more hits, given back at the next prompt, and the same greedy tokens as every
+    other placement, over two requests (the second one reopens the loan), with and without rounds."""
+    hp = GGUFFile(tiny_next).hparams
+    n_pairs = hp.n_layer * hp.n_expert
+    monkeypatch.setenv("STRATA_RING_SLOTS", "8")
+    cfg = config(tiny_next, expert_cache=n_pairs // 3, adapt_every=adapt_every, adapt_swaps=8)
+    runs = {}
+    for loan in (True, False):
+        loaded, tiers = load_tiered_model(replace(cfg, ring_loan=loan), "cpu", progress=False)
+        assert tiers.residency.n_lendable == (8 if loan else 0) and tiers.cache.ring_slots == 8
+        first = greedy(loaded)
+        lent_then = int((tiers.residency.slot_pair[tiers.residency.n_slots:] >= 0).sum())
+        with torch.inference_mode():  # the next prompt gives the ring back before its experts run
+            loaded.model.forward(PROMPT[::-1], loaded.model.new_state())
+        lent_after_prompt = int((tiers.residency.slot_pair[tiers.residency.n_slots:] >= 0).sum())
+        second = greedy(loaded, prompt=PROMPT[3:])
+        tiers.finish()
+        runs[loan] = (first, second, lent_then, lent_after_prompt, tiers.metrics.counts)
+    no_cache, _ = load_tiered_model(config(tiny_next, expert_cache=0), "cpu", progress=False)
+    lent, plain = runs[True], runs[False]
+    assert lent[0] == plain[0] == greedy(no_cache) and lent[1] == plain[1]
+    assert lent[2] == 8 and lent[3] == 0 and plain[2] == 0  # full while decoding, empty after the prompt
+    assert lent[4].loaned >= 16  # both requests filled the loan
+    assert lent[4].slot_hits > plain[4].slot_hits

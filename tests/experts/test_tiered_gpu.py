@@ -216,6 +216,37 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     assert got["1", "sampled"] == got["0", "sampled"] != got["0"]  # drawn on the device: the host's draws
 
 
+@pytest.mark.parametrize("chain", ["0", "1"])
+def test_a_loan_of_ring_slots_gives_the_same_bits_over_two_requests_on_cuda(tiny_next_q4, chain, monkeypatch):
+    """STRATA_RING_LOAN with a 4-slot ring and the engine's decode defaults (token graphs, copies ahead, a
+    PCIe share; chained or not) and adaptive rounds: the decode borrows the ring (its copies on the swap
+    stream after the prompt's ring copies), gives it back at the next prompt, which streams through it
+    again: every logit of both requests equals the run without a loan, with more hits; a third request
+    through engine.generate (the chained decode where on) gives the same ids."""
+    from strata_ray.engine.generate import generate
+
+    for name in ("STRATA_TOKEN_GRAPH", "STRATA_DECODE_DEVICE_ATTENTION", "STRATA_DECODE_WARM",
+                 "STRATA_TOKEN_GRAPH_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STRATA_RING_SLOTS", "4")
+    monkeypatch.setenv("STRATA_DECODE_CHAIN", chain)
+    cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=10, adapt_every=1, adapt_swaps=8)
+    got = {}
+    for loan in (True, False):
+        loaded, tiers = load_tiered_model(replace(cfg, ring_loan=loan), "cuda", progress=False)
+        assert tiers.residency.n_lendable == (4 if loan else 0)
+        first = greedy_logits(loaded.model, PROMPT, DECODE)
+        lent = int((tiers.residency.slot_pair[10:] >= 0).sum())
+        second = greedy_logits(loaded.model, PROMPT[::-1], DECODE)
+        third = generate(loaded.model, PROMPT[5:], DECODE).token_ids  # chained where STRATA_DECODE_CHAIN=1
+        tiers.finish()
+        got[loan] = (first, second, lent, tiers.metrics.counts, third)
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert got[True][4] == got[False][4]
+    assert got[True][2] == 4 and got[False][2] == 0
+    assert got[True][3].loaned >= 8 and got[True][3].slot_hits > got[False][3].slot_hits
+
+
 def test_auto_cache_leaves_the_prompt_chunk_free(tiny_next_q4):
     """--expert-cache auto on CUDA keeps --vram-reserve-mib plus the prompt chunk's temporaries free."""
     from strata_ray.engine.prefill import chunk_bytes
