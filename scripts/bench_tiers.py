@@ -392,14 +392,15 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
-    # and STRATA_PCIE_SHARE and STRATA_DECODE_PREFETCH likewise
+    # and STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH and STRATA_RING_LOAN likewise
     variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
     pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
     raw = os.environ.get("STRATA_DECODE_PREFETCH")
     prefetch = int(raw) if raw else EngineConfig.decode_prefetch  # None: the decode's default
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
-                       kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch)
+                       kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch,
+                       ring_loan=os.environ.get("STRATA_RING_LOAN", "1") != "0")
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
@@ -478,6 +479,7 @@ def main() -> None:
         "card_gib": args.card_gib,
         "budget_mib": budget_mib,
         "slots": tiers.residency.n_slots,
+        "loan_slots": tiers.residency.n_lendable,  # the prompt ring's slots lent to the decode
         "pairs": hp.n_layer * hp.n_expert,
         "blob_bytes": blob,
         "fill": tiers.cache.fill_seconds,
