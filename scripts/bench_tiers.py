@@ -30,6 +30,7 @@ from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.experts.build import build_expert_backend
 from strata_ray.experts.layer_clock import LayerClock
+from strata_ray.experts.profile import ProfileError
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.forward import Model
@@ -149,11 +150,12 @@ def _layer_times(clock: LayerClock, depth: int, kind_of=None) -> dict:
 
 
 def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profile: bool = False,
+              prompt_seed: int = 0,
               temperature: float = 0.0,
               trace_prefill: bool = False, trace_decode: int = 0, trace_out: str | None = None,
               layer_times: bool = False, team_sizes: list[int] | None = None) -> dict:
     model = loaded.model
-    rng = np.random.default_rng(depth)
+    rng = np.random.default_rng([depth, prompt_seed] if prompt_seed else depth)  # 0: the prompts before
     prompt = rng.integers(10, loaded.hp.n_vocab - 10, depth).tolist()
     tiers.metrics.counts = type(tiers.metrics.counts)()
     clock = LayerClock(tiers.device) if layer_times else None
@@ -346,6 +348,13 @@ def main() -> None:
                     help="how the host thread waits for the device (the CUDA context's scheduling flag)")
     ap.add_argument("--chunk", type=int, default=1024, help="prompt chunk (each chunk streams every "
                     "non-resident expert once)")
+    ap.add_argument("--expert-profile", default=None, metavar="P.strp",
+                    help="fill the cache in this profile's order (the engine's --expert-profile)")
+    ap.add_argument("--save-expert-profile", default=None, metavar="P.strp",
+                    help="after the last depth, save the learned profile here (the engine's "
+                    "--expert-profile-save: resident pairs first, then heat)")
+    ap.add_argument("--prompt-seed", type=int, default=0,
+                    help="another random prompt at each depth (0: the one every run used before)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the timed decode draws seeded samples at this temperature (0: greedy)")
     args = ap.parse_args()
@@ -409,8 +418,13 @@ def main() -> None:
         if args.adapt_every < 0:
             raise SystemExit(f"error: --adapt-every must be >= 0, got {args.adapt_every}")
         cfg = dataclasses.replace(cfg, adapt_every=args.adapt_every)
+    if args.expert_profile is not None:
+        cfg = dataclasses.replace(cfg, expert_profile=args.expert_profile)
     t = time.perf_counter()
-    tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
+    try:
+        tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
+    except ProfileError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
         n = args.cpu_threads or tiers.pool.n_threads
         tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
@@ -443,6 +457,7 @@ def main() -> None:
     for depth in (int(d) for d in args.depths.split(",")):
         first = not results
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
+                      prompt_seed=args.prompt_seed,
                       temperature=args.temperature,
                       trace_prefill=args.trace_prefill == depth,
                       trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out,
@@ -478,6 +493,8 @@ def main() -> None:
         "layers": hp.n_layer,
         "card_gib": args.card_gib,
         "budget_mib": budget_mib,
+        "expert_profile": args.expert_profile,
+        "prompt_seed": args.prompt_seed,
         "slots": tiers.residency.n_slots,
         "loan_slots": tiers.residency.n_lendable,  # the prompt ring's slots lent to the decode
         "pairs": hp.n_layer * hp.n_expert,
@@ -485,6 +502,9 @@ def main() -> None:
         "fill": tiers.cache.fill_seconds,
         "results": results,
     }
+    if args.save_expert_profile:
+        tiers.save_profile(args.save_expert_profile)
+        print(f"learned profile saved to {args.save_expert_profile}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
