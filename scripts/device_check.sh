@@ -23,7 +23,8 @@
 #               TRACE_ENVS entry ("-" the defaults, else NAME=VALUE pairs joined by commas); TRACE_BY_LAYER
 #               names the op listed by layer (default _wait_body: the device's wait for the CPU rows)
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
-#               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG)
+#               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG; OURS_EXTRA: more flags of
+#               our bench, e.g. "--expert-profile /tmp/p80.strp")
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     team      decode at 8K on it, the CPU team at each TEAM_SIZES size, once per TEAM_SCHEDS host wait
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
@@ -227,7 +228,7 @@ for gib in ${TRACE_CARDS:-24}; do
     done
 done
 step ours 300 env MODEL="$M80" CONTEXTS="${OURS_CONTEXTS:-1024,8192}" GEN=32 REPEATS="${REPEATS:-1}" SETUPS="${OURS_SETUPS:-budget cpu-experts}" \
-    OURS_ARGS=--local OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours
+    OURS_ARGS="--local ${OURS_EXTRA:-}" OUT="$work/cmp${OURS_TAG:-}" bash scripts/compare_llamacpp.sh ours
 if [[ -n "${tests_pid:-}" ]]; then
     wait "$tests_pid"
     cat "$work/tests-step.txt"
