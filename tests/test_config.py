@@ -258,6 +258,11 @@ def test_decode_graphs_are_on_by_default_and_an_env_switch():
     assert config([], {"STRATA_DENSE_Q8": "0"}).dense_q8 is False
     assert config([]).cpu_dense_blocks is False
     assert config([], {"STRATA_CPU_DENSE_BLOCKS": "1"}).cpu_dense_blocks is True
+    assert config([]).ring_loan is True
+    assert config([], {"STRATA_RING_LOAN": "0"}).ring_loan is False
+    with pytest.raises(ConfigError) as e:
+        config([], {"STRATA_RING_LOAN": "no"})
+    assert str(e.value) == "STRATA_RING_LOAN: invalid value 'no' (allowed: 0 or 1)"
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_DECODE_GRAPHS": "off"})
     assert str(e.value) == "STRATA_DECODE_GRAPHS: invalid value 'off' (allowed: 0 or 1)"

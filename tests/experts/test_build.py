@@ -57,3 +57,17 @@ def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
         monkeypatch.setenv("STRATA_RING_SLOTS", bad)
         with pytest.raises(ValueError, match="STRATA_RING_SLOTS"):
             ring_slots(True, 1_769_472, 512)
+
+
+def test_the_ring_is_lent_where_the_cache_holds_some_experts_but_not_with_it_all():
+    from types import SimpleNamespace
+
+    from strata_ray.experts.build import loan_slots
+
+    hp = SimpleNamespace(n_layer=4, n_expert=16)  # 64 pairs
+    on, off = EngineConfig(model="m"), EngineConfig(model="m", ring_loan=False)
+    assert loan_slots(on, 10, 32, hp) == 32
+    assert loan_slots(off, 10, 32, hp) == 0
+    assert loan_slots(on, 0, 32, hp) == 0  # --expert-cache 0: every expert on the CPU, as asked
+    assert loan_slots(on, 32, 32, hp) == 0  # the two hold every pair: no all-resident switch
+    assert loan_slots(on, 31, 32, hp) == 32 and loan_slots(on, 10, 0, hp) == 0
