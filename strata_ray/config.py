@@ -275,7 +275,9 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
     "expert_profile": ("--expert-profile", "P", _path,
                        "STRP profile ranking (layer, expert) pairs; fills the caches hottest first"),
     "expert_profile_save": ("--expert-profile-save", "P", _path,
-                            "save the profile learned by the adaptive rounds to P (atomic write)"),
+                            "save the profile learned by the adaptive rounds to P (atomic write); the same P "
+                            "as --expert-profile resumes learning at each start (nothing at P yet: the "
+                            "default order)"),
     "adapt_every": ("--adapt-every", "N", int_range(0),
                     "windows between adaptive cache rounds; 0 = off (default 4)"),
     "adapt_swaps": ("--adapt-swaps", "N", int_range(0), "most expert swaps per adaptive round (default 96)"),

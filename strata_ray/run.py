@@ -195,11 +195,21 @@ def check_model_file(cfg):
 
 def check_profile_files(cfg, hp):
     """--expert-profile must be an STRP for this model's shape, --expert-profile-save must go to an
-    existing folder; both become absolute (the primary's working directory is not ours). Returns cfg."""
+    existing folder; both become absolute (the primary's working directory is not ours). Returns cfg.
+
+    The same path for both resumes learning across starts: each start fills the cache from what the last
+    one saved there, and where nothing is saved yet the first start fills it in the default order (one
+    line says so) instead of refusing a missing file."""
     from strata_ray.experts.profile import check_shape, read_profile
 
     paths = {}
-    if cfg.expert_profile is not None:
+    resume = (cfg.expert_profile is not None and cfg.expert_profile_save is not None
+              and os.path.abspath(cfg.expert_profile) == os.path.abspath(cfg.expert_profile_save))
+    if resume and not os.path.exists(cfg.expert_profile):
+        say(f"--expert-profile {cfg.expert_profile}: nothing saved there yet; the expert cache fills in the "
+            "default order and the learned profile is saved there")
+        paths["expert_profile"] = None
+    elif cfg.expert_profile is not None:
         paths["expert_profile"] = os.path.abspath(cfg.expert_profile)
         check_shape(read_profile(paths["expert_profile"]), hp)  # ProfileError: the one line
     if cfg.expert_profile_save is not None:

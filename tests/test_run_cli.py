@@ -189,3 +189,26 @@ def test_bad_flag_values(tiny_model, args, line):
     r = run_cli("--model", tiny_model, *args)
     assert (r.returncode, r.stderr, r.stdout) == (2, f"strata_ray: {line}\n", "")
 
+
+
+def test_the_same_profile_path_for_both_flags_resumes_learning(tiny_model, tmp_path, capsys):
+    """--expert-profile P --expert-profile-save P: the first start (nothing at P) fills the cache in the
+    default order and says so; later starts read what the last one saved. Another missing path is refused."""
+    from dataclasses import replace
+
+    from strata_ray.config import EngineConfig
+    from strata_ray.experts.profile import ProfileError, rank_from_counts, write_profile
+    from strata_ray.run import check_profile_files
+
+    hp = GGUFFile(tiny_model).hparams
+    p = tmp_path / "p.strp"
+    cfg = EngineConfig(model=tiny_model, expert_profile=str(p), expert_profile_save=str(p))
+    first = check_profile_files(cfg, hp)
+    assert first.expert_profile is None and first.expert_profile_save == str(p)
+    want = (f"strata_ray: --expert-profile {p}: nothing saved there yet; the expert cache fills in the "
+            "default order and the learned profile is saved there\n")
+    assert capsys.readouterr().err == want
+    write_profile(p, rank_from_counts(np.zeros((hp.n_layer, hp.n_expert), np.int64)))
+    assert check_profile_files(cfg, hp).expert_profile == str(p)
+    with pytest.raises(ProfileError):
+        check_profile_files(replace(cfg, expert_profile=str(tmp_path / "other.strp")), hp)
