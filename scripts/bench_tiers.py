@@ -401,7 +401,7 @@ def main() -> None:
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
     # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
-    # and STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH and STRATA_RING_LOAN likewise
+    # and STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH, STRATA_RING_LOAN and STRATA_LOAN_ORDER likewise
     variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
     pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
     raw = os.environ.get("STRATA_DECODE_PREFETCH")
@@ -409,7 +409,8 @@ def main() -> None:
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
                        kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch,
-                       ring_loan=os.environ.get("STRATA_RING_LOAN", "1") != "0")
+                       ring_loan=os.environ.get("STRATA_RING_LOAN", "1") != "0",
+                       loan_order=os.environ.get("STRATA_LOAN_ORDER") or EngineConfig.loan_order)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
@@ -497,6 +498,7 @@ def main() -> None:
         "prompt_seed": args.prompt_seed,
         "slots": tiers.residency.n_slots,
         "loan_slots": tiers.residency.n_lendable,  # the prompt ring's slots lent to the decode
+        "loan_order": tiers.loan_order,
         "pairs": hp.n_layer * hp.n_expert,
         "blob_bytes": blob,
         "fill": tiers.cache.fill_seconds,

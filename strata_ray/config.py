@@ -16,6 +16,8 @@ from typing import Any
 from strata_ray.kernels.contract import KERNEL_VARIANTS
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 
+LOAN_ORDERS = ("profile", "prompt")  # STRATA_LOAN_ORDER: which pairs the ring's loan takes first
+
 DEFAULT_MODEL_NAME = "strata-tiny-next"
 PREFILL_MAX = 8192
 PREFILL_ALIGN = 64  # GDN chunks are aligned to absolute positions, so prompt chunks are multiples of 64
@@ -126,6 +128,11 @@ class EngineConfig:
     # and given back before the next prompt chunk (experts/residency: a loan). 0: the ring idles in decode.
     # Same bits either way (placement only).
     ring_loan: bool = True
+    # STRATA_LOAN_ORDER (env only): which pairs the loan takes first. "profile" (default): the learned
+    # profile's order (heat of the decode windows since start, then the prior profile); "prompt": the last
+    # prompt's routing counts first (a prompt routes every layer thousands of times: the hot experts of this
+    # request), ties in the profile's order. Placement only: the same bits either way.
+    loan_order: str = LOAN_ORDERS[0]
     peer_env: PeerEnv = field(default_factory=PeerEnv)
 
     @property
@@ -411,6 +418,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
     if env.get("STRATA_RING_LOAN", "") != "":
         values["ring_loan"] = parse_value(_choice("0", "1"), env["STRATA_RING_LOAN"],
                                           "STRATA_RING_LOAN") == "1"
+    if env.get("STRATA_LOAN_ORDER", "") != "":
+        values["loan_order"] = parse_value(_choice(*LOAN_ORDERS), env["STRATA_LOAN_ORDER"],
+                                           "STRATA_LOAN_ORDER")
     if env.get("STRATA_PCIE_SHARE", "") != "":
         values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
     if env.get("STRATA_DECODE_PREFETCH", "") != "":

@@ -84,7 +84,8 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     return TieredExperts(store, cache, device, rounds=rounds, prior=profile,
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline,
-                         pcie_share=config.pcie_share, decode_prefetch=config.decode_prefetch)
+                         pcie_share=config.pcie_share, decode_prefetch=config.decode_prefetch,
+                         loan_order=config.loan_order)
 
 
 def loan_slots(config, n_slots: int, ring: int, hp) -> int:

@@ -126,6 +126,7 @@ class TieredExperts:
         decode_pipeline: bool = False,
         pcie_share: int = 0,
         decode_prefetch: int | None = None,
+        loan_order: str = "profile",
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
@@ -181,6 +182,10 @@ class TieredExperts:
         self.stream_all = os.environ.get("STRATA_STREAM_ALL", "1") != "0"
         self._loan_order: np.ndarray | None = None  # the open loan's candidates, hottest first
         self._loan_at = 0  # the next of them
+        self.loan_order = loan_order  # config.LOAN_ORDERS: "profile", or "prompt" (prompt_heat first)
+        # [L, X] the last prompt's routing counts (every chunk since the last decode forward)
+        self.prompt_heat = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)
+        self._decoding = True  # the last forward was a decode step (or none ran): a prompt starts afresh
         self.prefetch_deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
@@ -523,6 +528,7 @@ class TieredExperts:
         c = self.metrics.counts
         if not decode:
             c.prompt_entries += hits + misses
+            self.prompt_heat[layer] += np.bincount(ids_h, minlength=self.n_expert)
             return
         self._window[layer] += np.bincount(ids_h, minlength=self.n_expert)  # +1 per routed entry
         c.slot_hits += hits
@@ -553,7 +559,10 @@ class TieredExperts:
         self._prefetched = {}  # a prefetch is only used by the forward that made it
         decode = n_tok <= DECODE_MAX_TOKENS
         if not decode:
+            if self._decoding:  # a new prompt: its routing counts alone
+                self.prompt_heat[:] = 0
             self._close_loan()  # before this prompt's first ring copies
+        self._decoding = decode
         self.window_boundary(defer=defer, lend=decode)
         self._in_window = decode
 
@@ -609,13 +618,15 @@ class TieredExperts:
     # -- a loan of the ring's slots while decoding (residency.open_loan) -------------------------------
     def _lend_step(self) -> None:
         """The next LOAN_STEP of the hottest non-resident pairs (the learned profile's order: heat since
-        start, then the prior profile) into the loan's slots, as a boundary's copies; the loan opens at the
-        first step after a prompt."""
+        start, then the prior profile; with loan_order "prompt" the last prompt's routing counts first)
+        into the loan's slots, as a boundary's copies; the loan opens at the first step after a prompt."""
         res = self.residency
         if not res.loan_open:
             res.open_loan()
             self.cache.lend_ring()
             order = self.learned_profile().pair_ids()
+            if self.loan_order == "prompt":  # the prompt's hottest first, ties in the profile's order
+                order = order[np.argsort(-self.prompt_heat.reshape(-1)[order], kind="stable")]
             self._loan_order = order[~res.resident_mask(include_pending=True).reshape(-1)[order]]
             self._loan_at = 0
         if not res.lent_free or self._loan_at >= self._loan_order.size:

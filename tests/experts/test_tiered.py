@@ -258,3 +258,27 @@ def test_a_loan_of_ring_slots_serves_decode_and_leaves_before_the_next_prompt(ti
     assert lent[2] == 8 and lent[3] == 0 and plain[2] == 0  # full while decoding, empty after the prompt
     assert lent[4].loaned >= 16  # both requests filled the loan
     assert lent[4].slot_hits > plain[4].slot_hits
+
+
+def test_a_prompt_ordered_loan_takes_the_prompts_hottest_non_resident_pairs(tiny_next, monkeypatch):
+    """STRATA_LOAN_ORDER=prompt: the loan holds non-resident pairs the last prompt routed to at least as often
+    as to any non-resident pair left out; a new prompt's counts start from zero; the same greedy tokens."""
+    hp = GGUFFile(tiny_next).hparams
+    monkeypatch.setenv("STRATA_RING_SLOTS", "8")
+    cfg = config(tiny_next, expert_cache=hp.n_layer * hp.n_expert // 3, adapt_every=0)
+    tokens = {}
+    for order in ("profile", "prompt"):
+        loaded, tiers = load_tiered_model(replace(cfg, loan_order=order), "cpu", progress=False)
+        tokens[order] = greedy(loaded)
+        res = tiers.residency
+        lent = res.slot_pair[res.n_slots:]
+        heat = tiers.prompt_heat.reshape(-1).copy()
+        assert heat.sum() == len(PROMPT) * hp.n_expert_used * hp.n_layer  # every prompt entry, once
+        left_out = np.flatnonzero(res.res < 0)
+        if order == "prompt":
+            assert (lent >= 0).all() and heat[lent].min() >= heat[left_out].max()
+        with torch.inference_mode():  # a second prompt: its own counts
+            loaded.model.forward(PROMPT[:9], loaded.model.new_state())
+        assert tiers.prompt_heat.sum() == 9 * hp.n_expert_used * hp.n_layer
+        tiers.finish()
+    assert tokens["profile"] == tokens["prompt"]
