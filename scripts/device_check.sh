@@ -153,11 +153,12 @@ done
 # the GPU from the page-locked store over PCIe, the CPU pool computing the rest (STRATA_PCIE_SHARE); an entry
 # share:KiB also sets the staging copy's bytes a program (STRATA_STAGE_CHUNK_KIB, default 32), share:KiB:N the
 # experts a layer copies ahead of its routing (STRATA_DECODE_PREFETCH; unset: the engine's default)
-# (a suffix #ARG,ARG adds bench_tiers arguments, after any @ suffix: 400:32#--adapt-every=0)
+# (a suffix #ARG,ARG adds bench_tiers arguments, after any @ suffix: 400:32#--adapt-every=0,--depths=1024,8192)
 n_pcie=0
 for entry in ${PCIE_SHARES:-0 500 700 1000}; do
     envs=() extra=()
-    [[ $entry == *#* ]] && IFS=, read -r -a extra <<< "${entry#*#}"
+    # arguments split at the commas that start another one (",--"): --depths=1024,8192 stays one
+    if [[ $entry == *#* ]]; then args=${entry#*#}; IFS=$'\x1f' read -r -a extra <<< "${args//,--/$'\x1f'--}"; fi
     entry=${entry%%#*}
     [[ $entry == *@* ]] && IFS=, read -r -a envs <<< "${entry#*@}"
     IFS=: read -r ps ck pf ap <<< "${entry%%@*}"
