@@ -32,6 +32,7 @@ from strata_ray.experts.build import build_expert_backend
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.profile import ProfileError
 from strata_ray.kernels.cpu_pool import CpuPool
+from strata_ray.kernels.cpu_token_rows import PHASES, cycles_per_second
 from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
@@ -221,6 +222,10 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         print("CPU rows a layer by its CPU entries (the worker's own time; layers):",
               ", ".join(f"{m}: {us:.0f} us ({n})" for m, (us, n) in out["cpu_rows_us_by_entries"].items()),
               flush=True)
+        out["cpu_rows_phases_us_by_entries"] = by_entries.phase_summary()
+        for m, parts in out["cpu_rows_phases_us_by_entries"].items():
+            print(f"  {m} entries, the team's steps (us): "
+                  + ", ".join(f"{name} {u}" for name, u in parts.items()), flush=True)
     return out
 
 
@@ -242,6 +247,7 @@ class _RowsByEntries:
         k = 0 if self.worker is None else self.worker.k  # no worker: nothing is ever counted
         self.counts = np.zeros(k + 1, np.int64)
         self.cycles = np.zeros(k + 1, np.float64)
+        self.phases = None  # [K + 1, phases] the team's steps' cycles (CpuTokenRows.phase_cycles), summed
 
     def token(self) -> None:
         if self.worker is None or self.tiers.all_resident:
@@ -249,13 +255,25 @@ class _RowsByEntries:
         m = self.worker.n_miss
         self.counts += np.bincount(m, minlength=self.counts.size)
         self.cycles += np.bincount(m, weights=self.worker.busy, minlength=self.counts.size)
+        parts = self.worker.phase_cycles()  # [L, phases]
+        if self.phases is None:
+            self.phases = np.zeros((self.counts.size, parts.shape[1]), np.float64)
+        np.add.at(self.phases, m, parts)
 
     def summary(self) -> dict[int, tuple[float, int]]:
         """{CPU entries: (mean us a layer, layers)} for the entry counts seen."""
-        from strata_ray.kernels.cpu_token_rows import cycles_per_second
-
         rate = cycles_per_second() or 1.0
         return {int(m): (float(self.cycles[m] / self.counts[m] / rate * 1e6), int(self.counts[m]))
+                for m in np.flatnonzero(self.counts)}
+
+    def phase_summary(self) -> dict[int, dict[str, float]]:
+        """{CPU entries: {team step: mean us a layer}} (kernels/cpu_token_rows.PHASES) for the entry counts
+        seen with a team (the two-region form stamps nothing)."""
+        if self.phases is None or not self.phases.any():
+            return {}
+        rate = cycles_per_second() or 1.0
+        return {int(m): {name: round(float(u), 1) for name, u in
+                         zip(PHASES, self.phases[m] / self.counts[m] / rate * 1e6, strict=True)}
                 for m in np.flatnonzero(self.counts)}
 
 

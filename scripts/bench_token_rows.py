@@ -33,9 +33,9 @@ import numpy as np
 
 from strata_ray.kernels.contract import Q4_0
 from strata_ray.kernels.cpu_pool import CpuPool
-from strata_ray.kernels.cpu_token_rows import CpuTokenRows
+from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_cpu_token import reached
+from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER, reached
 from strata_ray.kernels.random_weights import random_layer
 
 E, N_FF, K = 2048, 512, 10
@@ -86,13 +86,17 @@ def main() -> None:
                 expert_ffn_cpu(xs[layer], np.zeros(miss.size, np.int64), miss, lay, pool=pool)
                 direct.append(time.perf_counter() - t)
 
-        waits, warmed = {}, {}
-        # two parallel regions a layer, then one region a token, then (with a mixer) that team warming
-        variants = [(False, False), (True, False)] + ([(True, True)] if args.mixer_us else [])
-        for team, warm in variants:
-            worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm)
+        waits, warmed, phases = {}, {}, {}
+        # two parallel regions a layer, then one region a token (its barriers a shared counter, then gathered
+        # arrival lines), then (with a mixer) that team warming
+        variants = [(False, False, GATHER), (True, False, COUNTER), (True, False, GATHER)] + (
+            [(True, True, GATHER)] if args.mixer_us else [])
+        for team, warm, barrier in variants:
+            key = (team, warm, barrier)
+            worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm,
+                                  barrier=barrier)
             b = worker.buf
-            waits[team, warm] = []
+            waits[key], phases[key] = [], []
             base = 1
             for token in range(args.tokens):
                 ids = route(token, misses)
@@ -113,23 +117,31 @@ def main() -> None:
                     b["routed"][0] = v
                     while not reached(b["rows_flag"], v):
                         pass
-                    waits[team, warm].append(time.perf_counter() - t)
+                    waits[key].append(time.perf_counter() - t)
                 thread.join()
                 base += 48
-            warmed[team, warm] = worker.n_warm.copy()
+                if token:  # the first token of each: warm-up
+                    phases[key].append(worker.phase_cycles())
+            warmed[key] = worker.n_warm.copy()
         skip = 48  # the first token of each: warm-up
         d = np.median(direct[skip:]) * 1e3
         mb = misses * blob_mb
         print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
         print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-        labels = {(False, False): "token worker, two regions a layer:",
-                  (True, False): "token worker, one team a token:   ",
-                  (True, True): f"the team warming ({args.mixer_us:g} us mixer):"}
+        labels = {(False, False, GATHER): "token worker, two regions a layer:  ",
+                  (True, False, COUNTER): "one team a token, counter barriers: ",
+                  (True, False, GATHER): "one team a token, gather barriers:  ",
+                  (True, True, GATHER): f"the team warming ({args.mixer_us:g} us mixer):"}
+        rate = cycles_per_second() or 1.0
         for key in waits:
             label = labels[key]
             w = np.median(waits[key][skip:]) * 1e3
             n = len(waits[key]) - skip
             print(f"  {label} {w:.3f} ms flag to flag, {mb / w:.1f} GB/s (median of {n})")
+            if key[0] and phases[key]:
+                us = np.median(np.concatenate(phases[key]), axis=0) / rate * 1e6
+                print("    member 0's steps, median us: "
+                      + ", ".join(f"{name} {u:.1f}" for name, u in zip(PHASES, us, strict=True)))
             if key[1]:
                 n_warm = warmed[key]
                 print(f"    read ahead: {int(n_warm[:, 0].sum())} entries, {int(n_warm[:, 1].sum())} used "

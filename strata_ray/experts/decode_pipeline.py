@@ -88,6 +88,7 @@ import torch
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, TokenOutputs
+from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER
 from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
@@ -101,6 +102,12 @@ TOKEN_GRAPH_PREFETCH = 2
 # whether the worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM unset) where a layer
 # copies experts ahead (its prediction is there)
 DECODE_WARM = False
+
+
+def team_barrier() -> int:
+    """STRATA_TEAM_BARRIER: the CPU team's barriers, "gather" (default) or "counter" (the form before session
+    28; kernels/expert_cpu_token, the same rows either way)."""
+    return COUNTER if os.environ.get("STRATA_TEAM_BARRIER", "") == "counter" else GATHER
 
 
 def decode_warm() -> bool:
@@ -184,7 +191,7 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
                      "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
                      "pred_staged": self._pred_staged_pin.numpy()},
-            n_staged=max(1, self.ahead), warm=self.warm)
+            n_staged=max(1, self.ahead), warm=self.warm, barrier=team_barrier())
         self.worker.shares[:] = self.shares
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
         self._beside = torch.cuda.Stream(dev)  # capture_all's `besides`, forked beside the layer's rows

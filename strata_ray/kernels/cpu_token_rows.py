@@ -18,7 +18,23 @@ from numba.typed import List
 
 from .contract import QK, ExpertLayer, KernelError, readonly_blocks
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
-from .expert_cpu_token import ABORT, cycles, token_rows, token_rows_team
+from .expert_cpu_token import (
+    ABORT,
+    ARRIVE_PITCH,
+    GATHER,
+    N_STAMPS,
+    ST_DOWN0,
+    ST_PLANNED,
+    ST_QUANT,
+    ST_ROWS,
+    ST_SEEN,
+    ST_UP,
+    ST_UP0,
+    SYNC_LEN,
+    cycles,
+    token_rows,
+    token_rows_team,
+)
 
 
 def team_layer_ok() -> bool:
@@ -37,6 +53,10 @@ def cycles_per_second(span_s: float = 0.01) -> float:
         pass
     dt, dc = time.perf_counter() - t0, cycles() - c0
     return dc / dt if dc > 0 else 0.0
+
+
+# CpuTokenRows.phase_cycles' columns
+PHASES = ("plan", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
 
 
 class TokenOutputs(NamedTuple):
@@ -64,7 +84,7 @@ class CpuTokenRows:
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False):
+                 warm: bool = False, barrier: int = GATHER):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -111,7 +131,13 @@ class CpuTokenRows:
         # the team form (one parallel region a token) needs every member running at once: OpenMP or
         # workqueue threads, not TBB tasks; team=False keeps two regions a layer (token_rows)
         self.team = team and self.n_threads > 1 and team_layer_ok()
-        self._sync = np.zeros(8, np.int64)  # the team's counters (expert_cpu_token.token_rows_team)
+        self._sync = np.zeros(SYNC_LEN, np.int64)  # the team's counters (expert_cpu_token.token_rows_team)
+        # the team's barrier form (expert_cpu_token.COUNTER / GATHER: the same rows) and the gather form's
+        # arrival lines, one a member of any team size numba allows (team_sizes sweeps change n_threads)
+        self.barrier = int(barrier)
+        self._arrive = np.zeros((max(1, numba.config.NUMBA_NUM_THREADS), ARRIVE_PITCH), np.int64)
+        # [L, N_STAMPS] member 0's cycles at each layer's steps, the last token's (phase_cycles)
+        self.stamps = np.zeros((self.n_layers, N_STAMPS), np.int64)
         self.warm = warm and self.team
         self.n_warm = np.zeros((self.n_layers, 2), np.int64)  # [L, 2] predicted CPU entries, of them routed
 
@@ -122,6 +148,17 @@ class CpuTokenRows:
             self._rate = cycles_per_second()
         busy = self.busy if busy is None else busy
         return float(busy.sum()) / self._rate if self._rate else 0.0
+
+    def phase_cycles(self) -> np.ndarray:
+        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 6]: plan
+        (routing seen -> plan published), gate/up (-> member 0's share done), gate/up wait (-> every share
+        done, the barrier left), requantization, down (-> member 0's share done), down wait (-> every row
+        in). Zeros for the two-region form and for layers no call reached."""
+        s = self.stamps
+        cols = (ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS)
+        parts = np.stack([s[:, b] - s[:, a] for a, b in zip(cols[:-1], cols[1:], strict=True)], axis=1)
+        parts[s[:, ST_ROWS] == 0] = 0
+        return parts
 
     def outputs(self) -> TokenOutputs:
         """Copies of the last call's outputs (the next call overwrites the arrays)."""
@@ -144,7 +181,8 @@ class CpuTokenRows:
                                 self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
                                 b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
                                 self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync, int(self.warm),
-                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm)
+                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm, self.barrier,
+                                self._arrive, self.stamps)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
                                   self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"],

@@ -332,10 +332,25 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
 # atomics) instead of region joins, and every member runs the same shares of the same kernels as
 # ffn_parallel: the same rows, bit for bit. The members spin between layers; the team lives one token.
 
-# sync int64 [8]: READY = layers planned (member 0 releases), ARRIVED = barrier arrivals, ABORT = the layer
-# a stop ended (-1: none), M = this layer's CPU entries; with warming: PRED = layers whose prediction member 0
-# has read (released whether or not one came), PM = the predicted CPU entries to warm (0: none)
+# sync int64 [SYNC_LEN]: READY = layers planned (member 0 releases), ARRIVED = barrier arrivals (the counter
+# form), ABORT = the layer a stop ended (-1: none), M = this layer's CPU entries; with warming: PRED = layers
+# whose prediction member 0 has read (released whether or not one came), PM = the predicted CPU entries to
+# warm (0: none); GO = the gather form's release (written by member 0 only), on a cache line of its own
 READY, ARRIVED, ABORT, M, PRED, PM = 0, 1, 2, 3, 4, 5
+GO, SYNC_LEN = 16, 32
+# arrive int64 [team, ARRIVE_PITCH]: member t's barrier arrivals at arrive[t, ARRIVE_AT], 128 bytes from the
+# next member's (each on a cache line only its member writes, whatever the array's alignment)
+ARRIVE_PITCH, ARRIVE_AT = 16, 8
+# stamps int64 [L, N_STAMPS]: member 0's cycles() at a layer's steps (busy's parts; CpuTokenRows.phase_us):
+# routing seen, plan published, its gate/up done, every gate/up done (barrier 1 left), h requantized, its down
+# done, every row in (the rows flag raised)
+ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, N_STAMPS = 0, 1, 2, 3, 4, 5, 6, 8
+# the team's barrier forms (token_rows_team's `form`): COUNTER, every member adds to one shared counter and
+# spins on it (14 cores' atomics on one cache line while the others spin on it); GATHER, each member stores
+# its arrival on a line of its own, member 0 gathers them and releases GO (the only write the spinners see),
+# every member requantizes h itself (no barrier between that and the down rows) and the last barrier of a
+# layer is a gather alone (the next layer's READY is the release)
+COUNTER, GATHER = 0, 1
 
 
 @njit(nogil=True, cache=True)
@@ -344,6 +359,30 @@ def _barrier(sync, target):
     _fetch_add(sync, ARRIVED, 1)
     while _load_acquire(sync, ARRIVED) < target:
         pass
+
+
+@njit(nogil=True, cache=True)
+def _gather(arrive, t, n_team, epoch):
+    """The gather form's arrival: member t > 0 stores epoch on its own line (a release: its rows are seen
+    first); member 0 spins until every member's line holds it (acquire: their rows are seen after)."""
+    if t:
+        _store_release(arrive[t], ARRIVE_AT, epoch)
+        return
+    for u in range(1, n_team):
+        while _load_acquire(arrive[u], ARRIVE_AT) < epoch:
+            pass
+
+
+@njit(nogil=True, cache=True)
+def _gather_go(sync, arrive, t, n_team, epoch):
+    """A whole barrier in the gather form: the members arrive, member 0 gathers and releases GO, the others
+    spin on GO (a line only member 0 writes)."""
+    _gather(arrive, t, n_team, epoch)
+    if t == 0:
+        _store_release(sync, GO, epoch)
+    else:
+        while _load_acquire(sync, GO) < epoch:
+            pass
 
 
 @njit(nogil=True, cache=True)
@@ -376,9 +415,15 @@ def _warm_hits(g_exp, m, p_exp, pm):
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows,
                  inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync, exp, ents,
                  g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids, pred_staged,
-                 n_warm, p_exp, p_inv, sink):
+                 n_warm, p_exp, p_inv, sink, form, arrive, stamps):
     n_layers = len(gates)
     n_embd = x_buf.shape[1]
+    n_ff = gates[0].shape[1]
+    if form == GATHER:  # h requantized by every member into its own buffers: no barrier before the down rows
+        k = hq.shape[0]
+        hq = np.empty((k, n_ff), np.int8)
+        hd = np.empty((k, n_ff // QK), np.float32)
+        hs = np.empty((k, n_ff // QK), np.int32)
     for layer in range(n_layers):
         v = np.uint32((base + layer) & 0xFFFFFFFF)
         gate, up, down = gates[layer], ups[layer], downs[layer]
@@ -412,9 +457,10 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                             n_pcie, n_ahead, exp, ents, g_start, g_exp, x_buf, x, xq, xd, xs)
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
-            busy[layer] = t0  # the start; the end is taken after the last barrier
+            stamps[layer, ST_SEEN] = t0
             sync[M] = m
             _store_release(sync, READY, layer + 1)
+            stamps[layer, ST_PLANNED] = _cycles()
         else:
             while _load_acquire(sync, READY) < layer + 1:
                 pass
@@ -423,37 +469,57 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
         # every barrier even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
         # nor its prediction (p_exp) while a member still reads this one's
         m = sync[M]
-        n_ff = gate.shape[1]
         # gate+up in ROWS-row units, then h's requantization as a phase of its own: a few experts' rows
         # split ~evenly over the team (32-row units with the requantization in them left members 25% idle)
         n_up = min(n_team, m * n_ff // ROWS)
         if t < n_up:
             gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
                                g_start[: m + 1], g_exp[:m], t, n_up, h)
-        _barrier(sync, n_team * (3 * layer + 1))
-        n_quant = min(n_team, m * n_ff // QK)
-        if t < n_quant:
-            quant_share(h, hq, hd, hs, ents[:m], t, n_quant)
-        _barrier(sync, n_team * (3 * layer + 2))
+        if t == 0:
+            stamps[layer, ST_UP0] = _cycles()
+        if form == GATHER:
+            _gather_go(sync, arrive, t, n_team, 2 * layer + 1)
+            if t == 0:
+                stamps[layer, ST_UP] = _cycles()
+            quant_share(h, hq, hd, hs, ents[:m], 0, 1)  # all of h, the same bits as the shared phase's
+        else:
+            _barrier(sync, n_team * (3 * layer + 1))
+            if t == 0:
+                stamps[layer, ST_UP] = _cycles()
+            n_quant = min(n_team, m * n_ff // QK)
+            if t < n_quant:
+                quant_share(h, hq, hd, hs, ents[:m], t, n_quant)
+            _barrier(sync, n_team * (3 * layer + 2))
+        if t == 0:
+            stamps[layer, ST_QUANT] = _cycles()
         n_down = min(n_team, m * n_embd // QK)
         if t < n_down:
             down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t, n_down,
                        rows)
-        _barrier(sync, n_team * (3 * layer + 3))
+        if t == 0:
+            stamps[layer, ST_DOWN0] = _cycles()
+        if form == GATHER:  # an arrived member goes on to the next layer's READY, which member 0 publishes
+            _gather(arrive, t, n_team, 2 * layer + 2)  # only after this gather
+        else:
+            _barrier(sync, n_team * (3 * layer + 3))
         if t == 0:  # every member's rows are in `rows` (the barrier's acquire): release them to the device
             _store_release(rows_flag, 0, v)
-            busy[layer] = _cycles() - busy[layer]
+            stamps[layer, ST_ROWS] = _cycles()
+            stamps[layer, N_STAMPS - 1] = m
+            busy[layer] = stamps[layer, ST_ROWS] - t0
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv,
                     routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
-                    warm, predicted, pred_ids, pred_staged, n_warm):
+                    warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
-    shares every layer's rows, whatever their size, which gives the same bits). sync int64 [8], the caller's
-    (the members' counters);
+    shares every layer's rows, whatever their size, which gives the same bits). sync int64 [SYNC_LEN], the
+    caller's (the members' counters); form: COUNTER or GATHER (the barriers; the same rows either way);
+    arrive int64 [>= n_team, ARRIVE_PITCH] (the gather form's arrivals); stamps int64 [L, N_STAMPS] receives
+    member 0's cycles() at each layer's steps (ST_*) and, last, the layer's CPU entries;
     the caller reads sync[ABORT] afterwards (-1, or the layer a stop ended): returned from here, it came back
     as the value stored before the region (numba 0.68).
 
@@ -469,6 +535,8 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     n_ff = gates[0].shape[1]
     sync[:] = 0
     sync[ABORT] = -1
+    arrive[:] = 0  # epochs restart at 1 every token
+    stamps[:] = 0
     exp = np.empty(k, np.int64)
     ents = np.empty(k, np.int64)
     g_start = np.empty(k + 1, np.int64)
@@ -490,5 +558,5 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
         _team_member(np.int64(t), n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf,
                      x_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
                      sync, exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted,
-                     pred_ids, pred_staged, n_warm, p_exp, p_inv, sink)
+                     pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps)
     return sink.sum()

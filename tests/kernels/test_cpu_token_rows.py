@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from strata_ray.kernels.contract import KernelError
-from strata_ray.kernels.cpu_token_rows import CpuTokenRows, cycles_per_second
+from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.decode_plan import decode_plan_pcie_reference
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_cpu_token import reached
+from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER, reached
 from tests.kernels.layers import N_EMBD, layer_for
 
 N_EXPERT = 37
@@ -115,16 +115,19 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team,shares,ahead", [
-    (1, True, False, 0, 0), (5, True, False, 0, 0), (5, False, False, 0, 0), (1, True, True, 0, 0),
-    (5, True, True, 0, 0), (5, True, True, (600, 0, 1000), 0), (5, False, False, (400, 1000, 1), 0),
-    (1, True, False, (600, 0, 600), 0), (5, True, True, (400, 0, 600), 2), (5, False, False, 0, 3),
-    (1, True, True, (1000, 400, 0), 1)])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, rng):
-    """team: one parallel region for the token (token_rows_team), its members meeting at counters. shares:
-    each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first ones.
-    ahead: experts the device copied ahead a layer (some routed misses, some not routed, some resident,
-    some -1): the worker skips the misses among them first."""
+@pytest.mark.parametrize("k,parallel,team,shares,ahead,barrier", [
+    (1, True, False, 0, 0, GATHER), (5, True, False, 0, 0, GATHER), (5, False, False, 0, 0, GATHER),
+    (1, True, True, 0, 0, GATHER), (5, True, True, 0, 0, GATHER), (5, True, True, (600, 0, 1000), 0, GATHER),
+    (5, False, False, (400, 1000, 1), 0, GATHER), (1, True, False, (600, 0, 600), 0, GATHER),
+    (5, True, True, (400, 0, 600), 2, GATHER), (5, False, False, 0, 3, GATHER),
+    (1, True, True, (1000, 400, 0), 1, GATHER), (1, True, True, 0, 0, COUNTER),
+    (5, True, True, (400, 0, 600), 2, COUNTER)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, barrier, rng):
+    """team: one parallel region for the token (token_rows_team), its members meeting at barriers of either
+    form (a shared counter, or gathered arrival lines). shares: each layer's permille of misses left to the
+    GPU (read over PCIe): the worker skips the first ones. ahead: experts the device copied ahead a layer
+    (some routed misses, some not routed, some resident, some -1): the worker skips the misses among them
+    first. The team's phase stamps add up to each layer's busy cycles."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
@@ -138,7 +141,7 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             staged[layer, 0] = ids[layer, -1]  # ... one of them routed
         staged[0, -1] = -1  # an empty slot
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
-                          team=team, n_staged=max(1, ahead))
+                          team=team, n_staged=max(1, ahead), barrier=barrier)
     assert worker.team == team
     worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
@@ -150,6 +153,13 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
     if cycles_per_second() > 0:  # x86: the layers' own time is counted, and is less than the call's
         assert (worker.busy > 0).all()
         assert 0 < worker.busy_seconds() < wall
+        phases = worker.phase_cycles()  # [L, len(PHASES)]
+        assert phases.shape == (len(layers), len(PHASES))
+        if team:
+            assert (phases >= 0).all() and np.array_equal(phases.sum(axis=1), worker.busy)
+            assert np.array_equal(worker.stamps[:, -1], worker.n_miss)
+        else:
+            assert not phases.any()
     for layer, lay in enumerate(layers):
         all_miss = np.flatnonzero(res[layer * N_EXPERT + ids[layer]] < 0)
         miss = _cpu_entries(worker, layer, ids[layer], None if staged is None else staged[layer])
@@ -202,8 +212,9 @@ def test_a_residency_snapshot_plans_the_token_and_outputs_are_copies(rng):
         worker.run(base, snap[:-1])
 
 
-@pytest.mark.parametrize("predict", ["routed", "wrong", "some"])
-def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, rng):
+@pytest.mark.parametrize("predict,barrier", [("routed", GATHER), ("wrong", GATHER), ("some", GATHER),
+                                             ("routed", COUNTER)])
+def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, barrier, rng):
     """warm: the team reads each layer's predicted CPU rows ahead. Whatever the prediction (the routing
     itself, another one with an id out of range in one layer, none in some layers), the rows, entries and
     ids are the cold team's; n_warm counts the predicted CPU entries and those the routing kept."""
@@ -224,7 +235,7 @@ def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, rng):
         preds[1] = -1  # no prediction for layer 1: its wait is the routing's alone
     runs = []
     for warm in (False, True):
-        worker = CpuTokenRows(layers, res, k, n_threads=2, n_staged=ahead, warm=warm)
+        worker = CpuTokenRows(layers, res, k, n_threads=2, n_staged=ahead, warm=warm, barrier=barrier)
         assert worker.team and worker.warm == warm
         worker.shares[:] = (400, 0, 600)
         base = 0xFFFFFFFE
