@@ -21,7 +21,8 @@
 #               in TRACE_CARDS (GiB, default "24"; 80 holds every expert); TRACE_TIMELINE=N also lists N
 #               layers of the middle token event by event (trace_summary.py --timeline); once per
 #               TRACE_ENVS entry ("-" the defaults, else NAME=VALUE pairs joined by commas); TRACE_BY_LAYER
-#               names the op listed by layer (default _wait_body: the device's wait for the CPU rows)
+#               names the op listed by layer (default _wait_body: the device's wait for the CPU rows);
+#               TRACE_ARGS adds bench_tiers arguments (e.g. "--expert-profile /tmp/p80.strp --prompt-seed 1")
 #     ours      compare_llamacpp.sh's our half on it (CONTEXTS=OURS_CONTEXTS, default 1024,8192, GEN=32 REPEATS=1, --local;
 #               OURS_SETUPS, default "budget cpu-experts"; results in cmp$OURS_TAG; OURS_EXTRA: more flags of
 #               our bench, e.g. "--expert-profile /tmp/p80.strp")
@@ -221,8 +222,10 @@ for gib in ${TRACE_CARDS:-24}; do
         envs=()
         [[ $te == - ]] || IFS=, read -r -a envs <<< "$te"
         tag="$gib-${te//[=,]/_}"
+        # shellcheck disable=SC2086
         step trace 120 env GOMP_SPINCOUNT="${TRACE_SPIN:-300000}" "${envs[@]}" "${decode[@]}" --card-gib "$gib" \
-            --trace-decode 3 --trace-out "$work/decode-trace-$tag.json" --json-out "$work/trace-$tag.json"
+            --trace-decode 3 --trace-out "$work/decode-trace-$tag.json" --json-out "$work/trace-$tag.json" \
+            ${TRACE_ARGS:-}
         step trace 60 python scripts/trace_summary.py "$work/decode-trace-$tag.json" --tokens 3 \
             --timeline "${TRACE_TIMELINE:-0}" --by-layer "${TRACE_BY_LAYER:-_wait_body}"
         rm -f "$work/decode-trace-$tag.json"  # tens of MB: the summary is what comes back
