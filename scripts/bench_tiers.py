@@ -106,18 +106,15 @@ def _trace_decode(model, tok: int, state, n_tokens: int, trace_out: str | None, 
     return _profiled(f"decode of {n_tokens} tokens", steps, row_limit=25, trace_out=trace_out)
 
 
-def _decode(model, tok: int, state, n_tokens: int, sampler: Sampler, each=None) -> int:
+def _decode(model, tok: int, state, n_tokens: int, sampler: Sampler) -> int:
     """n_tokens decode steps after `tok` drawn by `sampler` (greedy at temperature 0): chained where the
-    decode graphs chain (the worker's per-layer counts are the next token's by then: `each` is not called),
-    else one token at a time, calling each() after every token; returns the last token."""
+    decode graphs chain, else one token at a time; returns the last token."""
     graphs = model.decode_graphs
     if getattr(graphs, "chain", False):  # STRATA_DECODE_CHAIN=1; sampled: the draws made on the device
         choose = sampler.choose_into if sampler.params.temperature > 0 else None
         return list(decode_chain(graphs, tok, state, n_tokens, choose))[-1]
     for _ in range(n_tokens):
         tok = sampler.sample(model.forward([tok], state)[-1])
-        if each is not None:
-            each()
     return tok
 
 
@@ -183,17 +180,18 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        by_entries = _RowsByEntries(model, tiers)
         rows = getattr(model.decode_graphs, "rows", None) if model.decode_graphs is not None else None
         gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
         idle0 = getattr(rows, "device_idle", 0.0)
         sampler = Sampler(SamplingParams(temperature=temperature, seed=0))  # 0: greedy
-        tok = _decode(model, tok, state, n_decode, sampler, each=by_entries.token)
-        decode_s = time.perf_counter() - t0
-        # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the caller
-        # until the next token_begin, token_begin, the launches
-        gap = (np.array(getattr(rows, "gap_parts", [0.0] * 4)) - gap0) * 1e3 / max(1, n_decode)
-        idle = (getattr(rows, "device_idle", 0.0) - idle0) * 1e3 / max(1, n_decode)
+        with _RowsByEntries(model, tiers) as by_entries:
+            tok = _decode(model, tok, state, n_decode, sampler)
+            decode_s = time.perf_counter() - t0
+            # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the
+            # caller until the next token_begin, token_begin, the launches
+            gap = (np.array(getattr(rows, "gap_parts", [0.0] * 4)) - gap0) * 1e3 / max(1, n_decode)
+            idle = (getattr(rows, "device_idle", 0.0) - idle0) * 1e3 / max(1, n_decode)
+            tiers.finish()  # the last tokens joined inside: their outputs counted
         if prof:
             prof.disable()
             print(f"decode profile at depth {depth} ({n_decode} tokens), by own time:", flush=True)
@@ -237,28 +235,33 @@ def _pipelined_worker(model):
 
 
 class _RowsByEntries:
-    """The pipelined decode's CPU rows a layer by how many CPU entries the layer had: the worker's busy cycles
-    and entry counts, read after each token (it keeps the last token's), summed by entry count. Separates
-    the rows' fixed cost a layer from their cost an entry in the engine itself (bench_token_rows.py measures
-    them without the GPU's PCIe reads beside them)."""
+    """The pipelined decode's CPU rows a layer by how many CPU entries the layer had: the worker's busy
+    cycles, its team's steps and entry counts of every joined token (PipelinedDecodeRows.on_worker_outputs,
+    chained or not), summed by entry count. Separates the rows' fixed cost a layer from their cost an entry
+    in the engine itself (bench_token_rows.py measures them without the GPU's PCIe reads beside them)."""
 
     def __init__(self, model, tiers):
         self.worker, self.tiers = _pipelined_worker(model), tiers
         k = 0 if self.worker is None else self.worker.k  # no worker: nothing is ever counted
         self.counts = np.zeros(k + 1, np.int64)
         self.cycles = np.zeros(k + 1, np.float64)
-        self.phases = None  # [K + 1, phases] the team's steps' cycles (CpuTokenRows.phase_cycles), summed
+        self.phases = np.zeros((k + 1, len(PHASES)), np.float64)  # the team's steps' cycles, summed
+        self.rows = model.decode_graphs.rows if self.worker is not None else None
 
-    def token(self) -> None:
-        if self.worker is None or self.tiers.all_resident:
-            return
-        m = self.worker.n_miss
+    def __enter__(self) -> _RowsByEntries:
+        if self.rows is not None:
+            self.rows.on_worker_outputs = self.token
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.rows is not None:
+            self.rows.on_worker_outputs = None
+
+    def token(self, out) -> None:
+        m = out.n_miss
         self.counts += np.bincount(m, minlength=self.counts.size)
-        self.cycles += np.bincount(m, weights=self.worker.busy, minlength=self.counts.size)
-        parts = self.worker.phase_cycles()  # [L, phases]
-        if self.phases is None:
-            self.phases = np.zeros((self.counts.size, parts.shape[1]), np.float64)
-        np.add.at(self.phases, m, parts)
+        self.cycles += np.bincount(m, weights=out.busy, minlength=self.counts.size)
+        np.add.at(self.phases, m, out.phases)
 
     def summary(self) -> dict[int, tuple[float, int]]:
         """{CPU entries: (mean us a layer, layers)} for the entry counts seen."""
@@ -269,7 +272,7 @@ class _RowsByEntries:
     def phase_summary(self) -> dict[int, dict[str, float]]:
         """{CPU entries: {team step: mean us a layer}} (kernels/cpu_token_rows.PHASES) for the entry counts
         seen with a team (the two-region form stamps nothing)."""
-        if self.phases is None or not self.phases.any():
+        if not self.phases.any():
             return {}
         rate = cycles_per_second() or 1.0
         return {int(m): {name: round(float(u), 1) for name, u in

@@ -193,6 +193,8 @@ class PipelinedDecodeRows:
                      "pred_staged": self._pred_staged_pin.numpy()},
             n_staged=max(1, self.ahead), warm=self.warm, barrier=team_barrier())
         self.worker.shares[:] = self.shares
+        # called with each joined token's worker outputs (a benchmark's per-layer accounting; None: nothing)
+        self.on_worker_outputs: Callable[[TokenOutputs], None] | None = None
         self._fork = torch.cuda.Stream(dev)  # the PCIe tiles' stream (captured as a fork of each layer graph)
         self._beside = torch.cuda.Stream(dev)  # capture_all's `besides`, forked beside the layer's rows
         self._base_dev = torch.zeros(1, dtype=torch.int64, device=dev)  # [1] this token's flag base
@@ -643,6 +645,8 @@ class PipelinedDecodeRows:
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
         counts.cpu_seconds += self.worker.busy_seconds(out.busy)
+        if self.on_worker_outputs is not None:
+            self.on_worker_outputs(out)
         for layer in range(tiers.n_layers):
             m, p = int(out.n_miss[layer]), int(out.n_pcie[layer])
             host = token.host if layer == 0 else 0.0

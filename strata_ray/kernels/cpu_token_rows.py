@@ -68,6 +68,7 @@ class TokenOutputs(NamedTuple):
     n_ahead: np.ndarray  # [L, 2] misses copied ahead, experts copied
     busy: np.ndarray  # [L] cycles from a layer's routing to its rows flag
     n_warm: np.ndarray  # [L, 2] predicted CPU entries, of them routed
+    phases: np.ndarray  # [L, len(PHASES)] the team's steps' cycles (phase_cycles)
 
 
 class CpuTokenRows:
@@ -163,7 +164,7 @@ class CpuTokenRows:
     def outputs(self) -> TokenOutputs:
         """Copies of the last call's outputs (the next call overwrites the arrays)."""
         return TokenOutputs(self.seen_ids.copy(), self.n_miss.copy(), self.n_pcie.copy(), self.n_ahead.copy(),
-                            self.busy.copy(), self.n_warm.copy())
+                            self.busy.copy(), self.n_warm.copy(), self.phase_cycles())
 
     def run(self, base: int, res: np.ndarray | None = None) -> int:
         """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
