@@ -35,7 +35,7 @@ from strata_ray.kernels.contract import Q4_0
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER, reached
+from strata_ray.kernels.expert_cpu_token import COUNTER, DYNAMIC, GATHER, reached
 from strata_ray.kernels.random_weights import random_layer
 
 E, N_FF, K = 2048, 512, 10
@@ -88,13 +88,14 @@ def main() -> None:
 
         waits, warmed, phases = {}, {}, {}
         # two parallel regions a layer, then one region a token (its barriers a shared counter, then gathered
-        # arrival lines), then (with a mixer) that team warming
-        variants = [(False, False, GATHER), (True, False, COUNTER), (True, False, GATHER)] + (
-            [(True, True, GATHER)] if args.mixer_us else [])
-        for team, warm, barrier in variants:
-            key = (team, warm, barrier)
+        # arrival lines, with fixed shares and then units taken from a counter), then (with a mixer) that team
+        # warming
+        variants = [(False, False, DYNAMIC), (True, False, COUNTER), (True, False, GATHER),
+                    (True, False, DYNAMIC)] + ([(True, True, DYNAMIC)] if args.mixer_us else [])
+        for team, warm, form in variants:
+            key = (team, warm, form)
             worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm,
-                                  barrier=barrier)
+                                  form=form)
             b = worker.buf
             waits[key], phases[key] = [], []
             base = 1
@@ -128,10 +129,11 @@ def main() -> None:
         mb = misses * blob_mb
         print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
         print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-        labels = {(False, False, GATHER): "token worker, two regions a layer:  ",
+        labels = {(False, False, DYNAMIC): "token worker, two regions a layer:  ",
                   (True, False, COUNTER): "one team a token, counter barriers: ",
                   (True, False, GATHER): "one team a token, gather barriers:  ",
-                  (True, True, GATHER): f"the team warming ({args.mixer_us:g} us mixer):"}
+                  (True, False, DYNAMIC): "one team a token, units by counter: ",
+                  (True, True, DYNAMIC): f"the team warming ({args.mixer_us:g} us mixer):"}
         rate = cycles_per_second() or 1.0
         for key in waits:
             label = labels[key]

@@ -88,7 +88,7 @@ import torch
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.contract import ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, TokenOutputs
-from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER
+from strata_ray.kernels.expert_cpu_token import COUNTER, DYNAMIC, GATHER
 from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
@@ -104,10 +104,15 @@ TOKEN_GRAPH_PREFETCH = 2
 DECODE_WARM = False
 
 
-def team_barrier() -> int:
-    """STRATA_TEAM_BARRIER: the CPU team's barriers, "gather" (default) or "counter" (the form before session
-    28; kernels/expert_cpu_token, the same rows either way)."""
-    return COUNTER if os.environ.get("STRATA_TEAM_BARRIER", "") == "counter" else GATHER
+TEAM_FORMS = {"counter": COUNTER, "gather": GATHER, "dynamic": DYNAMIC}
+
+
+def team_form() -> int:
+    """STRATA_TEAM_FORM: how the CPU team's members meet and share a layer's rows (kernels/expert_cpu_token,
+    the same rows in every form): "dynamic" (default: gathered barriers, units taken from a counter),
+    "gather" (gathered barriers, fixed shares) or "counter" (one shared barrier counter, fixed shares: the
+    form before session 28)."""
+    return TEAM_FORMS[os.environ.get("STRATA_TEAM_FORM", "") or "dynamic"]
 
 
 def decode_warm() -> bool:
@@ -191,7 +196,7 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
                      "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
                      "pred_staged": self._pred_staged_pin.numpy()},
-            n_staged=max(1, self.ahead), warm=self.warm, barrier=team_barrier())
+            n_staged=max(1, self.ahead), warm=self.warm, form=team_form())
         self.worker.shares[:] = self.shares
         # called with each joined token's worker outputs (a benchmark's per-layer accounting; None: nothing)
         self.on_worker_outputs: Callable[[TokenOutputs], None] | None = None

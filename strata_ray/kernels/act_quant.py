@@ -37,13 +37,37 @@ def rint_small(v):
 
 
 @njit(inline="always", nogil=True, cache=True)
+def _amax8(x, o, c):
+    """The largest |x[o + c + 8 j]| for j < 4 (0 when none is above 0): one of block_amax's 8 chains."""
+    m = f32(0.0)
+    for j in range(QK // 8):
+        a = abs(x[o + c + 8 * j])
+        if a > m:
+            m = a
+    return m
+
+
+@njit(inline="always", nogil=True, cache=True)
+def block_amax(x, o):
+    """max |x[o:o+32]| (0 for a block of zeros): 8 independent chains of 4 compares, then 3 rounds of pairs,
+    instead of one chain of 32 (a maxss's latency each: ~4 us of an H200 host's 2048-value quantization).
+    The same value as one chain: the maximum of exact values is exact in any order (and a NaN, which
+    `a > m` never takes, never enters either form)."""
+    m0, m1, m2, m3 = _amax8(x, o, 0), _amax8(x, o, 1), _amax8(x, o, 2), _amax8(x, o, 3)
+    m4, m5, m6, m7 = _amax8(x, o, 4), _amax8(x, o, 5), _amax8(x, o, 6), _amax8(x, o, 7)
+    m0 = m4 if m4 > m0 else m0
+    m1 = m5 if m5 > m1 else m1
+    m2 = m6 if m6 > m2 else m2
+    m3 = m7 if m7 > m3 else m3
+    m0 = m2 if m2 > m0 else m0
+    m1 = m3 if m3 > m1 else m1
+    return m1 if m1 > m0 else m0
+
+
+@njit(inline="always", nogil=True, cache=True)
 def quantize_block(x, o, q, d_out, s_out, b):
     """Quantize x[o:o+32] (f32) into q[o:o+32] (int8), d_out[b], s_out[b]."""
-    amax = f32(0.0)
-    for i in range(QK):
-        a = abs(x[o + i])
-        if a > amax:
-            amax = a
+    amax = block_amax(x, o)
     if amax < TINY:
         for i in range(QK):
             q[o + i] = 0

@@ -21,7 +21,7 @@ from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import (
     ABORT,
     ARRIVE_PITCH,
-    GATHER,
+    DYNAMIC,
     N_STAMPS,
     ST_DOWN0,
     ST_PLANNED,
@@ -85,7 +85,7 @@ class CpuTokenRows:
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False, barrier: int = GATHER):
+                 warm: bool = False, form: int = DYNAMIC):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -133,9 +133,9 @@ class CpuTokenRows:
         # workqueue threads, not TBB tasks; team=False keeps two regions a layer (token_rows)
         self.team = team and self.n_threads > 1 and team_layer_ok()
         self._sync = np.zeros(SYNC_LEN, np.int64)  # the team's counters (expert_cpu_token.token_rows_team)
-        # the team's barrier form (expert_cpu_token.COUNTER / GATHER: the same rows) and the gather form's
+        # the team's form (expert_cpu_token.COUNTER / GATHER / DYNAMIC: the same rows) and the gather forms'
         # arrival lines, one a member of any team size numba allows (team_sizes sweeps change n_threads)
-        self.barrier = int(barrier)
+        self.form = int(form)
         self._arrive = np.zeros((max(1, numba.config.NUMBA_NUM_THREADS), ARRIVE_PITCH), np.int64)
         # [L, N_STAMPS] member 0's cycles at each layer's steps, the last token's (phase_cycles)
         self.stamps = np.zeros((self.n_layers, N_STAMPS), np.int64)
@@ -182,7 +182,7 @@ class CpuTokenRows:
                                 self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
                                 b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
                                 self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync, int(self.warm),
-                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm, self.barrier,
+                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm, self.form,
                                 self._arrive, self.stamps)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,

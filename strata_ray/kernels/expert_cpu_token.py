@@ -337,7 +337,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
 # whose prediction member 0 has read (released whether or not one came), PM = the predicted CPU entries to
 # warm (0: none); GO = the gather form's release (written by member 0 only), on a cache line of its own
 READY, ARRIVED, ABORT, M, PRED, PM = 0, 1, 2, 3, 4, 5
-GO, SYNC_LEN = 16, 32
+GO, NEXT_UP, NEXT_DOWN, SYNC_LEN = 16, 32, 48, 64
 # arrive int64 [team, ARRIVE_PITCH]: member t's barrier arrivals at arrive[t, ARRIVE_AT], 128 bytes from the
 # next member's (each on a cache line only its member writes, whatever the array's alignment)
 ARRIVE_PITCH, ARRIVE_AT = 16, 8
@@ -349,8 +349,12 @@ ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, N_STAMPS = 0, 1
 # spins on it (14 cores' atomics on one cache line while the others spin on it); GATHER, each member stores
 # its arrival on a line of its own, member 0 gathers them and releases GO (the only write the spinners see),
 # every member requantizes h itself (no barrier between that and the down rows) and the last barrier of a
-# layer is a gather alone (the next layer's READY is the release)
-COUNTER, GATHER = 0, 1
+# layer is a gather alone (the next layer's READY is the release); DYNAMIC, the gather form whose members
+# take the gate/up and down units one at a time from a shared counter instead of fixed shares: a member a
+# few us late (the OS ran something on its core, its first loads slower) takes fewer units instead of
+# holding the barrier (the engine's layers with one CPU entry waited 8-25 us a layer at the gate/up barrier
+# with fixed shares, session 28). Which member computes a unit does not change its rows: the same bits.
+COUNTER, GATHER, DYNAMIC = 0, 1, 2
 
 
 @njit(nogil=True, cache=True)
@@ -419,7 +423,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
     n_layers = len(gates)
     n_embd = x_buf.shape[1]
     n_ff = gates[0].shape[1]
-    if form == GATHER:  # h requantized by every member into its own buffers: no barrier before the down rows
+    if form != COUNTER:  # h requantized by every member into its own buffers: no barrier before the down rows
         k = hq.shape[0]
         hq = np.empty((k, n_ff), np.int8)
         hd = np.empty((k, n_ff // QK), np.float32)
@@ -459,6 +463,10 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             stamps[layer, ST_SEEN] = t0
             sync[M] = m
+            # every member passed the last layer's final gather (its down units all taken): the counters
+            # restart, released with READY
+            sync[NEXT_UP] = 0
+            sync[NEXT_DOWN] = 0
             _store_release(sync, READY, layer + 1)
             stamps[layer, ST_PLANNED] = _cycles()
         else:
@@ -471,13 +479,21 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
         m = sync[M]
         # gate+up in ROWS-row units, then h's requantization as a phase of its own: a few experts' rows
         # split ~evenly over the team (32-row units with the requantization in them left members 25% idle)
-        n_up = min(n_team, m * n_ff // ROWS)
-        if t < n_up:
-            gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
-                               g_start[: m + 1], g_exp[:m], t, n_up, h)
+        if form == DYNAMIC:  # unit u of n is share u of n shares: gate_up_rows_share computes exactly it
+            n_up = m * n_ff // ROWS
+            u = _fetch_add(sync, NEXT_UP, 1)
+            while u < n_up:
+                gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m],
+                                   ents[:m], g_start[: m + 1], g_exp[:m], u, n_up, h)
+                u = _fetch_add(sync, NEXT_UP, 1)
+        else:
+            n_up = min(n_team, m * n_ff // ROWS)
+            if t < n_up:
+                gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m],
+                                   ents[:m], g_start[: m + 1], g_exp[:m], t, n_up, h)
         if t == 0:
             stamps[layer, ST_UP0] = _cycles()
-        if form == GATHER:
+        if form != COUNTER:
             _gather_go(sync, arrive, t, n_team, 2 * layer + 1)
             if t == 0:
                 stamps[layer, ST_UP] = _cycles()
@@ -492,13 +508,21 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             _barrier(sync, n_team * (3 * layer + 2))
         if t == 0:
             stamps[layer, ST_QUANT] = _cycles()
-        n_down = min(n_team, m * n_embd // QK)
-        if t < n_down:
-            down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t, n_down,
-                       rows)
+        if form == DYNAMIC:
+            n_down = m * n_embd // QK
+            u = _fetch_add(sync, NEXT_DOWN, 1)
+            while u < n_down:
+                down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], u,
+                           n_down, rows)
+                u = _fetch_add(sync, NEXT_DOWN, 1)
+        else:
+            n_down = min(n_team, m * n_embd // QK)
+            if t < n_down:
+                down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t,
+                           n_down, rows)
         if t == 0:
             stamps[layer, ST_DOWN0] = _cycles()
-        if form == GATHER:  # an arrived member goes on to the next layer's READY, which member 0 publishes
+        if form != COUNTER:  # an arrived member goes on to the next layer's READY, which member 0 publishes
             _gather(arrive, t, n_team, 2 * layer + 2)  # only after this gather
         else:
             _barrier(sync, n_team * (3 * layer + 3))
@@ -517,7 +541,7 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
     shares every layer's rows, whatever their size, which gives the same bits). sync int64 [SYNC_LEN], the
-    caller's (the members' counters); form: COUNTER or GATHER (the barriers; the same rows either way);
+    caller's (the members' counters); form: COUNTER, GATHER or DYNAMIC (the same rows in every form);
     arrive int64 [>= n_team, ARRIVE_PITCH] (the gather form's arrivals); stamps int64 [L, N_STAMPS] receives
     member 0's cycles() at each layer's steps (ST_*) and, last, the layer's CPU entries;
     the caller reads sync[ABORT] afterwards (-1, or the layer a stop ended): returned from here, it came back

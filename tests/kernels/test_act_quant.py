@@ -30,6 +30,23 @@ def test_numba_matches_spec_bitwise(rng):
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+def test_the_block_max_found_at_every_position(rng):
+    """act_quant.block_amax keeps 8 running maxima (positions i, i + 8, ...) and folds them in pairs: the
+    block's largest |x| at each of its 32 positions, of either sign, beside values just below it, -0.0 and
+    subnormals, gives the spec's scale and codes."""
+    x = rng.uniform(-1.0, 1.0, (64, 32)).astype(np.float32)
+    x[:, 5] = -0.0
+    x[:, 6] = np.float32(1e-40)  # subnormal
+    for i in range(64):
+        pos, sign = i % 32, 1.0 if i < 32 else -1.0
+        x[i, pos] = sign * 3.0
+        x[i, (pos + 8) % 32] = np.nextafter(np.float32(3.0), np.float32(0.0))  # one ulp below, another chain
+    x = x.reshape(8, 256)
+    for got, want in zip(quantize_act_sums(x), act_quant_ref(x), strict=True):
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert np.all(quantize_act_sums(x)[1] == np.float32(3.0) / np.float32(127.0))
+
+
 def test_quantization_properties(rng):
     x = _activations(rng)
     q, d, s = act_quant_ref(x)

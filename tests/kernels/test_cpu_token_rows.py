@@ -14,7 +14,7 @@ from strata_ray.kernels.contract import KernelError
 from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.decode_plan import decode_plan_pcie_reference
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
-from strata_ray.kernels.expert_cpu_token import COUNTER, GATHER, reached
+from strata_ray.kernels.expert_cpu_token import COUNTER, DYNAMIC, GATHER, reached
 from tests.kernels.layers import N_EMBD, layer_for
 
 N_EXPERT = 37
@@ -115,19 +115,21 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team,shares,ahead,barrier", [
-    (1, True, False, 0, 0, GATHER), (5, True, False, 0, 0, GATHER), (5, False, False, 0, 0, GATHER),
-    (1, True, True, 0, 0, GATHER), (5, True, True, 0, 0, GATHER), (5, True, True, (600, 0, 1000), 0, GATHER),
-    (5, False, False, (400, 1000, 1), 0, GATHER), (1, True, False, (600, 0, 600), 0, GATHER),
-    (5, True, True, (400, 0, 600), 2, GATHER), (5, False, False, 0, 3, GATHER),
-    (1, True, True, (1000, 400, 0), 1, GATHER), (1, True, True, 0, 0, COUNTER),
-    (5, True, True, (400, 0, 600), 2, COUNTER)])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, barrier, rng):
-    """team: one parallel region for the token (token_rows_team), its members meeting at barriers of either
-    form (a shared counter, or gathered arrival lines). shares: each layer's permille of misses left to the
-    GPU (read over PCIe): the worker skips the first ones. ahead: experts the device copied ahead a layer
-    (some routed misses, some not routed, some resident, some -1): the worker skips the misses among them
-    first. The team's phase stamps add up to each layer's busy cycles."""
+@pytest.mark.parametrize("k,parallel,team,shares,ahead,form", [
+    (1, True, False, 0, 0, DYNAMIC), (5, True, False, 0, 0, DYNAMIC), (5, False, False, 0, 0, DYNAMIC),
+    (1, True, True, 0, 0, DYNAMIC), (5, True, True, 0, 0, DYNAMIC),
+    (5, True, True, (600, 0, 1000), 0, DYNAMIC), (5, False, False, (400, 1000, 1), 0, DYNAMIC),
+    (1, True, False, (600, 0, 600), 0, DYNAMIC), (5, True, True, (400, 0, 600), 2, DYNAMIC),
+    (5, False, False, 0, 3, DYNAMIC), (1, True, True, (1000, 400, 0), 1, DYNAMIC),
+    (1, True, True, 0, 0, COUNTER), (5, True, True, (400, 0, 600), 2, COUNTER), (1, True, True, 0, 0, GATHER),
+    (5, True, True, (400, 0, 600), 2, GATHER)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, form, rng):
+    """team: one parallel region for the token (token_rows_team), its members meeting at barriers of any
+    form (a shared counter; gathered arrival lines with fixed shares or units taken from a counter).
+    shares: each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first
+    ones. ahead: experts the device copied ahead a layer (some routed misses, some not routed, some
+    resident, some -1): the worker skips the misses among them first. The team's phase stamps add up to
+    each layer's busy cycles."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
@@ -141,7 +143,7 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             staged[layer, 0] = ids[layer, -1]  # ... one of them routed
         staged[0, -1] = -1  # an empty slot
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
-                          team=team, n_staged=max(1, ahead), barrier=barrier)
+                          team=team, n_staged=max(1, ahead), form=form)
     assert worker.team == team
     worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
@@ -212,9 +214,9 @@ def test_a_residency_snapshot_plans_the_token_and_outputs_are_copies(rng):
         worker.run(base, snap[:-1])
 
 
-@pytest.mark.parametrize("predict,barrier", [("routed", GATHER), ("wrong", GATHER), ("some", GATHER),
-                                             ("routed", COUNTER)])
-def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, barrier, rng):
+@pytest.mark.parametrize("predict,form", [("routed", DYNAMIC), ("wrong", DYNAMIC), ("some", DYNAMIC),
+                                          ("routed", COUNTER), ("routed", GATHER)])
+def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, form, rng):
     """warm: the team reads each layer's predicted CPU rows ahead. Whatever the prediction (the routing
     itself, another one with an id out of range in one layer, none in some layers), the rows, entries and
     ids are the cold team's; n_warm counts the predicted CPU entries and those the routing kept."""
@@ -235,7 +237,7 @@ def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, barrier
         preds[1] = -1  # no prediction for layer 1: its wait is the routing's alone
     runs = []
     for warm in (False, True):
-        worker = CpuTokenRows(layers, res, k, n_threads=2, n_staged=ahead, warm=warm, barrier=barrier)
+        worker = CpuTokenRows(layers, res, k, n_threads=2, n_staged=ahead, warm=warm, form=form)
         assert worker.team and worker.warm == warm
         worker.shares[:] = (400, 0, 600)
         base = 0xFFFFFFFE
