@@ -450,7 +450,7 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # the one before; default on where the token graphs run), model/decode_graph;
 # STRATA_AHEAD_PROGRAMS / STRATA_SHARE_PROGRAMS: the programs of the decode's copies ahead / of its PCIe
 # share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
-# ahead, experts/decode_pipeline; STRATA_TEAM_FORM: the decode worker's team form, dynamic, gather or counter,
+# ahead, experts/decode_pipeline; STRATA_TEAM_FORM: the decode worker's team form, gather, dynamic or counter,
 # experts/decode_pipeline)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
@@ -470,7 +470,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_TOKEN_GRAPH_LAYERS": int_range(0, 1 << 16),
     "STRATA_DECODE_CHAIN": _choice("0", "1"),
     "STRATA_DECODE_WARM": _choice("0", "1"),
-    "STRATA_TEAM_FORM": _choice("dynamic", "gather", "counter"),
+    "STRATA_TEAM_FORM": _choice("gather", "dynamic", "counter"),
 }
 
 

@@ -109,10 +109,11 @@ TEAM_FORMS = {"counter": COUNTER, "gather": GATHER, "dynamic": DYNAMIC}
 
 def team_form() -> int:
     """STRATA_TEAM_FORM: how the CPU team's members meet and share a layer's rows (kernels/expert_cpu_token,
-    the same rows in every form): "dynamic" (default: gathered barriers, units taken from a counter),
-    "gather" (gathered barriers, fixed shares) or "counter" (one shared barrier counter, fixed shares: the
-    form before session 28)."""
-    return TEAM_FORMS[os.environ.get("STRATA_TEAM_FORM", "") or "dynamic"]
+    the same rows in every form): "gather" (default: gathered barriers, fixed shares), "dynamic" (gathered
+    barriers, units taken from a counter: slower at 3 entries a layer in session 28, its scattered units
+    stream worse than a member's contiguous share) or "counter" (one shared barrier counter, fixed shares:
+    the form before session 28)."""
+    return TEAM_FORMS[os.environ.get("STRATA_TEAM_FORM", "") or "gather"]
 
 
 def decode_warm() -> bool:

@@ -21,7 +21,7 @@ from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import (
     ABORT,
     ARRIVE_PITCH,
-    DYNAMIC,
+    GATHER,
     N_STAMPS,
     ST_DOWN0,
     ST_PLANNED,
@@ -85,7 +85,7 @@ class CpuTokenRows:
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False, form: int = DYNAMIC):
+                 warm: bool = False, form: int = GATHER):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
