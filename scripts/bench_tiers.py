@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from strata_ray.config import EngineConfig
+from strata_ray.config import ConfigError, EngineConfig, build_arg_parser, config_from_args
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.experts.build import build_expert_backend
@@ -308,6 +308,16 @@ def _team_sweep(model, tiers, tok: int, state, n_decode: int, sizes: list[int]) 
     return out
 
 
+def _env_config() -> EngineConfig:
+    """The engine's reading of the STRATA_* environment (config.config_from_args with no flags): a value the
+    engine would refuse ends the run with its one line, where a loose reading here once took anything but
+    "0" for on."""
+    try:
+        return config_from_args(build_arg_parser().parse_args([]), os.environ)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def _set_sched(kind: str) -> None:
     """The primary context's scheduling flag (cuDevicePrimaryCtxSetFlags), before torch makes the context:
     spin (the host thread spins while it waits for the device), yield, or blocking (it sleeps)."""
@@ -421,17 +431,14 @@ def main() -> None:
         used = total - free
     budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
     print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
-    # STRATA_KERNEL_VARIANT as the engine reads it (config.config): EngineConfig alone ignores the environment
-    # and STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH, STRATA_RING_LOAN and STRATA_LOAN_ORDER likewise
-    variant = os.environ.get("STRATA_KERNEL_VARIANT") or EngineConfig.kernel_variant
-    pcie_share = int(os.environ.get("STRATA_PCIE_SHARE") or EngineConfig.pcie_share)
-    raw = os.environ.get("STRATA_DECODE_PREFETCH")
-    prefetch = int(raw) if raw else EngineConfig.decode_prefetch  # None: the decode's default
+    # STRATA_KERNEL_VARIANT, STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH, STRATA_RING_LOAN and STRATA_LOAN_ORDER
+    # as the engine reads them (EngineConfig alone ignores the environment)
+    env = _env_config()
     cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
                        prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
-                       kernel_variant=variant, pcie_share=pcie_share, decode_prefetch=prefetch,
-                       ring_loan=os.environ.get("STRATA_RING_LOAN", "1") != "0",
-                       loan_order=os.environ.get("STRATA_LOAN_ORDER") or EngineConfig.loan_order)
+                       kernel_variant=env.kernel_variant, pcie_share=env.pcie_share,
+                       decode_prefetch=env.decode_prefetch, ring_loan=env.ring_loan,
+                       loan_order=env.loan_order)
     if args.decode_cpu_thread is not None:
         cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
     if args.decode_pipeline is not None:
