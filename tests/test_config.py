@@ -265,8 +265,8 @@ def test_decode_graphs_are_on_by_default_and_an_env_switch():
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_RING_LOAN": "no"})
     assert str(e.value) == "STRATA_RING_LOAN: invalid value 'no' (allowed: 0 or 1)"
-    assert config([]).loan_order == "profile"
-    assert config([], {"STRATA_LOAN_ORDER": "prompt"}).loan_order == "prompt"
+    assert config([]).loan_order == "prompt"
+    assert config([], {"STRATA_LOAN_ORDER": "profile"}).loan_order == "profile"
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_LOAN_ORDER": "heat"})
     assert str(e.value) == "STRATA_LOAN_ORDER: invalid value 'heat' (allowed: profile or prompt)"
