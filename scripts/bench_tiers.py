@@ -32,7 +32,7 @@ from strata_ray.experts.build import build_expert_backend
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.profile import ProfileError
 from strata_ray.kernels.cpu_pool import CpuPool
-from strata_ray.kernels.cpu_token_rows import PHASES, cycles_per_second
+from strata_ray.kernels.cpu_token_rows import PHASES, cycles_per_second, phases_of
 from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.forward import Model
 from strata_ray.model.gguf_file import GGUFFile
@@ -261,7 +261,7 @@ class _RowsByEntries:
         m = out.n_miss
         self.counts += np.bincount(m, minlength=self.counts.size)
         self.cycles += np.bincount(m, weights=out.busy, minlength=self.counts.size)
-        np.add.at(self.phases, m, out.phases)
+        np.add.at(self.phases, m, phases_of(out.stamps))
 
     def summary(self) -> dict[int, tuple[float, int]]:
         """{CPU entries: (mean us a layer, layers)} for the entry counts seen."""

@@ -57,6 +57,16 @@ def cycles_per_second(span_s: float = 0.01) -> float:
 
 # CpuTokenRows.phase_cycles' columns
 PHASES = ("plan", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
+_STEPS = np.array([ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])  # the stamps PHASES span
+
+
+def phases_of(stamps: np.ndarray) -> np.ndarray:
+    """Cycles int64 [L, len(PHASES)] between member 0's stamps int64 [L, N_STAMPS] (CpuTokenRows.stamps, or a
+    token's TokenOutputs.stamps); zeros where a layer has no rows stamp (the two-region form, a layer not
+    reached). Off the worker's thread: a token's outputs only copy the stamps."""
+    parts = np.diff(stamps[:, _STEPS], axis=1)
+    parts[stamps[:, ST_ROWS] == 0] = 0
+    return parts
 
 
 class TokenOutputs(NamedTuple):
@@ -68,7 +78,7 @@ class TokenOutputs(NamedTuple):
     n_ahead: np.ndarray  # [L, 2] misses copied ahead, experts copied
     busy: np.ndarray  # [L] cycles from a layer's routing to its rows flag
     n_warm: np.ndarray  # [L, 2] predicted CPU entries, of them routed
-    phases: np.ndarray  # [L, len(PHASES)] the team's steps' cycles (phase_cycles)
+    stamps: np.ndarray  # [L, N_STAMPS] member 0's cycles at each step (phases_of: the steps' cycles)
 
 
 class CpuTokenRows:
@@ -155,16 +165,12 @@ class CpuTokenRows:
         (routing seen -> plan published), gate/up (-> member 0's share done), gate/up wait (-> every share
         done, the barrier left), requantization, down (-> member 0's share done), down wait (-> every row
         in). Zeros for the two-region form and for layers no call reached."""
-        s = self.stamps
-        cols = (ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS)
-        parts = np.stack([s[:, b] - s[:, a] for a, b in zip(cols[:-1], cols[1:], strict=True)], axis=1)
-        parts[s[:, ST_ROWS] == 0] = 0
-        return parts
+        return phases_of(self.stamps)
 
     def outputs(self) -> TokenOutputs:
         """Copies of the last call's outputs (the next call overwrites the arrays)."""
         return TokenOutputs(self.seen_ids.copy(), self.n_miss.copy(), self.n_pcie.copy(), self.n_ahead.copy(),
-                            self.busy.copy(), self.n_warm.copy(), self.phase_cycles())
+                            self.busy.copy(), self.n_warm.copy(), self.stamps.copy())
 
     def run(self, base: int, res: np.ndarray | None = None) -> int:
         """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
