@@ -24,6 +24,7 @@ from .expert_cpu_token import (
     GATHER,
     N_STAMPS,
     ST_DOWN0,
+    ST_ENTRIES,
     ST_PLANNED,
     ST_QUANT,
     ST_ROWS,
@@ -55,9 +56,10 @@ def cycles_per_second(span_s: float = 0.01) -> float:
     return dc / dt if dc > 0 else 0.0
 
 
-# CpuTokenRows.phase_cycles' columns
-PHASES = ("plan", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
-_STEPS = np.array([ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])  # the stamps PHASES span
+# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x taken and quantized (and the plan
+# published), then the rows
+PHASES = ("plan", "take_x", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
+_STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])  # the stamps
 
 
 def phases_of(stamps: np.ndarray) -> np.ndarray:
@@ -161,10 +163,11 @@ class CpuTokenRows:
         return float(busy.sum()) / self._rate if self._rate else 0.0
 
     def phase_cycles(self) -> np.ndarray:
-        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 6]: plan
-        (routing seen -> plan published), gate/up (-> member 0's share done), gate/up wait (-> every share
-        done, the barrier left), requantization, down (-> member 0's share done), down wait (-> every row
-        in). Zeros for the two-region form and for layers no call reached."""
+        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 7]: plan
+        (routing seen -> its CPU entries known), take_x (-> x quantized, the plan published), gate/up (->
+        member 0's share done), gate/up wait (-> every share done, the barrier left), requantization, down
+        (-> member 0's share done), down wait (-> every row in). Zeros for the two-region form and for
+        layers no call reached."""
         return phases_of(self.stamps)
 
     def outputs(self) -> TokenOutputs:

@@ -173,13 +173,12 @@ def _cpu_entries(layer, ids, res, n_expert, share, staged, exp, inv):
 
 
 @njit(nogil=True, cache=True)
-def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
-                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
+def _plan_entries(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
+                  ents, g_start, g_exp):
     """A layer's CPU entries from the device's routing (_cpu_entries): each entry's row in `rows` into inv
     [K] (0 when resident or computed by the GPU), the misses grouped by expert into ents / g_start / g_exp
-    (one token: its experts are distinct, one entry a group, in expert order) and x quantized into xq / xd /
-    xs when there are any. n_ahead [L, 2] receives (staged misses, staged experts). Returns M, the CPU's
-    entries."""
+    (one token: its experts are distinct, one entry a group, in expert order). n_ahead [L, 2] receives
+    (staged misses, staged experts). Returns M, the CPU's entries."""
     for j in range(ids_buf.shape[0]):
         seen_ids[layer, j] = ids_buf[j]
     m, ahead, n_all = _cpu_entries(layer, ids_buf, res, n_expert, share, staged, exp, inv)
@@ -197,8 +196,24 @@ def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_m
             g_start[i] = i
             g_exp[i] = exp[order[i]]
         g_start[m] = m
-        x[0, :] = x_buf[0, :]
-        quantize_rows_into(x, xq, xd, xs)
+    return m
+
+
+@njit(nogil=True, cache=True)
+def _take_x(x_buf, x, xq, xd, xs):
+    """The layer's input x_buf [1, E] (the device's copy) into x, quantized into xq / xd / xs."""
+    x[0, :] = x_buf[0, :]
+    quantize_rows_into(x, xq, xd, xs)
+
+
+@njit(nogil=True, cache=True)
+def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
+                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
+    """_plan_entries, then x taken and quantized (_take_x) when the CPU has entries. Returns M."""
+    m = _plan_entries(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead,
+                      exp, ents, g_start, g_exp)
+    if m:
+        _take_x(x_buf, x, xq, xd, xs)
     return m
 
 
@@ -341,10 +356,12 @@ GO, NEXT_UP, NEXT_DOWN, SYNC_LEN = 16, 32, 48, 64
 # arrive int64 [team, ARRIVE_PITCH]: member t's barrier arrivals at arrive[t, ARRIVE_AT], 128 bytes from the
 # next member's (each on a cache line only its member writes, whatever the array's alignment)
 ARRIVE_PITCH, ARRIVE_AT = 16, 8
-# stamps int64 [L, N_STAMPS]: member 0's cycles() at a layer's steps (busy's parts; CpuTokenRows.phase_us):
-# routing seen, plan published, its gate/up done, every gate/up done (barrier 1 left), h requantized, its down
-# done, every row in (the rows flag raised)
-ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, N_STAMPS = 0, 1, 2, 3, 4, 5, 6, 8
+# stamps int64 [L, N_STAMPS]: member 0's cycles() at a layer's steps (busy's parts;
+# CpuTokenRows.phase_cycles): routing seen, plan published, its gate/up done, every gate/up done (barrier 1
+# left), h requantized, its down done, every row in (the rows flag raised), the entries planned (before x is
+# taken); the last, the layer's CPU entries
+ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, ST_ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7
+N_STAMPS = 9
 # the team's barrier forms (token_rows_team's `form`): COUNTER, every member adds to one shared counter and
 # spins on it (14 cores' atomics on one cache line while the others spin on it); GATHER, each member stores
 # its arrival on a line of its own, member 0 gathers them and releases GO (the only write the spinners see),
@@ -457,8 +474,11 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                 _store_release(sync, READY, layer + 1)
                 return
             t0 = _cycles()
-            m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss,
-                            n_pcie, n_ahead, exp, ents, g_start, g_exp, x_buf, x, xq, xd, xs)
+            m = _plan_entries(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss,
+                              n_pcie, n_ahead, exp, ents, g_start, g_exp)
+            stamps[layer, ST_ENTRIES] = _cycles()
+            if m:
+                _take_x(x_buf, x, xq, xd, xs)
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             stamps[layer, ST_SEEN] = t0
