@@ -406,6 +406,24 @@ def _gather_go(sync, arrive, t, n_team, epoch):
             pass
 
 
+@njit(inline="always", nogil=True, cache=True)
+def _first_share(sync, counter, form, t, n_team, n_units):
+    """(shares, member t's first): fixed shares, min(n_team, n_units) of them, member t's is t (none when
+    t >= shares); DYNAMIC, n_units shares of one unit each, the first taken from sync[counter]."""
+    if form == DYNAMIC:
+        return n_units, _fetch_add(sync, counter, 1)
+    return min(n_team, n_units), t
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _next_share(sync, counter, form, n_shares):
+    """The member's next share after one done: DYNAMIC, the next unit from sync[counter]; fixed shares, none
+    (n_shares: the loop ends)."""
+    if form == DYNAMIC:
+        return _fetch_add(sync, counter, 1)
+    return n_shares
+
+
 @njit(nogil=True, cache=True)
 def _wait_prediction(predicted, routed, value, stop):
     """Spin until the layer's prediction (predicted reaches value: 1) or its routing (routed does: 2) is
@@ -497,20 +515,15 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
         # every barrier even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
         # nor its prediction (p_exp) while a member still reads this one's
         m = sync[M]
-        # gate+up in ROWS-row units, then h's requantization as a phase of its own: a few experts' rows
-        # split ~evenly over the team (32-row units with the requantization in them left members 25% idle)
-        if form == DYNAMIC:  # unit u of n is share u of n shares: gate_up_rows_share computes exactly it
-            n_up = m * n_ff // ROWS
-            u = _fetch_add(sync, NEXT_UP, 1)
-            while u < n_up:
-                gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m],
-                                   ents[:m], g_start[: m + 1], g_exp[:m], u, n_up, h)
-                u = _fetch_add(sync, NEXT_UP, 1)
-        else:
-            n_up = min(n_team, m * n_ff // ROWS)
-            if t < n_up:
-                gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m],
-                                   ents[:m], g_start[: m + 1], g_exp[:m], t, n_up, h)
+        # gate+up in ROWS-row units, then h's requantization (a phase of its own in the counter form, each
+        # member's own in the gather forms): a few experts' rows split ~evenly over the team (32-row units
+        # with the requantization in them left members 25% idle). Fixed shares: member t takes share t of
+        # n_up, once; DYNAMIC: unit u of n_up units (share u of n_up shares: exactly that unit) as it comes
+        n_up, u = _first_share(sync, NEXT_UP, form, t, n_team, m * n_ff // ROWS)
+        while u < n_up:
+            gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
+                               g_start[: m + 1], g_exp[:m], u, n_up, h)
+            u = _next_share(sync, NEXT_UP, form, n_up)
         if t == 0:
             stamps[layer, ST_UP0] = _cycles()
         if form != COUNTER:
@@ -528,18 +541,11 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             _barrier(sync, n_team * (3 * layer + 2))
         if t == 0:
             stamps[layer, ST_QUANT] = _cycles()
-        if form == DYNAMIC:
-            n_down = m * n_embd // QK
-            u = _fetch_add(sync, NEXT_DOWN, 1)
-            while u < n_down:
-                down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], u,
-                           n_down, rows)
-                u = _fetch_add(sync, NEXT_DOWN, 1)
-        else:
-            n_down = min(n_team, m * n_embd // QK)
-            if t < n_down:
-                down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], t,
-                           n_down, rows)
+        n_down, u = _first_share(sync, NEXT_DOWN, form, t, n_team, m * n_embd // QK)
+        while u < n_down:
+            down_share(down, wtypes[layer, 2], hq, hd, hs, ents[:m], g_start[: m + 1], g_exp[:m], u, n_down,
+                       rows)
+            u = _next_share(sync, NEXT_DOWN, form, n_down)
         if t == 0:
             stamps[layer, ST_DOWN0] = _cycles()
         if form != COUNTER:  # an arrived member goes on to the next layer's READY, which member 0 publishes

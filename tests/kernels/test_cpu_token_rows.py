@@ -116,13 +116,13 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
 
 
 @pytest.mark.parametrize("k,parallel,team,shares,ahead,form", [
-    (1, True, False, 0, 0, DYNAMIC), (5, True, False, 0, 0, DYNAMIC), (5, False, False, 0, 0, DYNAMIC),
-    (1, True, True, 0, 0, DYNAMIC), (5, True, True, 0, 0, DYNAMIC),
-    (5, True, True, (600, 0, 1000), 0, DYNAMIC), (5, False, False, (400, 1000, 1), 0, DYNAMIC),
-    (1, True, False, (600, 0, 600), 0, DYNAMIC), (5, True, True, (400, 0, 600), 2, DYNAMIC),
-    (5, False, False, 0, 3, DYNAMIC), (1, True, True, (1000, 400, 0), 1, DYNAMIC),
-    (1, True, True, 0, 0, COUNTER), (5, True, True, (400, 0, 600), 2, COUNTER), (1, True, True, 0, 0, GATHER),
-    (5, True, True, (400, 0, 600), 2, GATHER)])
+    (1, True, False, 0, 0, GATHER), (5, True, False, 0, 0, GATHER), (5, False, False, 0, 0, GATHER),
+    (1, True, True, 0, 0, GATHER), (5, True, True, 0, 0, GATHER),
+    (5, True, True, (600, 0, 1000), 0, GATHER), (5, False, False, (400, 1000, 1), 0, GATHER),
+    (1, True, False, (600, 0, 600), 0, GATHER), (5, True, True, (400, 0, 600), 2, GATHER),
+    (5, False, False, 0, 3, GATHER), (1, True, True, (1000, 400, 0), 1, GATHER),
+    (1, True, True, 0, 0, COUNTER), (5, True, True, (400, 0, 600), 2, COUNTER),
+    (1, True, True, 0, 0, DYNAMIC), (5, True, True, (400, 0, 600), 2, DYNAMIC)])
 def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, form, rng):
     """team: one parallel region for the token (token_rows_team), its members meeting at barriers of any
     form (a shared counter; gathered arrival lines with fixed shares or units taken from a counter).
@@ -214,8 +214,8 @@ def test_a_residency_snapshot_plans_the_token_and_outputs_are_copies(rng):
         worker.run(base, snap[:-1])
 
 
-@pytest.mark.parametrize("predict,form", [("routed", DYNAMIC), ("wrong", DYNAMIC), ("some", DYNAMIC),
-                                          ("routed", COUNTER), ("routed", GATHER)])
+@pytest.mark.parametrize("predict,form", [("routed", GATHER), ("wrong", GATHER), ("some", GATHER),
+                                          ("routed", COUNTER), ("routed", DYNAMIC)])
 def test_warming_ahead_keeps_the_rows_and_counts_the_prediction(predict, form, rng):
     """warm: the team reads each layer's predicted CPU rows ahead. Whatever the prediction (the routing
     itself, another one with an id out of range in one layer, none in some layers), the rows, entries and
