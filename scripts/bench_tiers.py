@@ -184,7 +184,7 @@ def run_depth(loaded, tiers, depth: int, n_decode: int, chunk: int = 1024, profi
         gap0 = np.array(getattr(rows, "gap_parts", [0.0] * 4))
         idle0 = getattr(rows, "device_idle", 0.0)
         sampler = Sampler(SamplingParams(temperature=temperature, seed=0))  # 0: greedy
-        with _RowsByEntries(model, tiers) as by_entries:
+        with _RowsByEntries(model) as by_entries:
             tok = _decode(model, tok, state, n_decode, sampler)
             decode_s = time.perf_counter() - t0
             # the pipelined decode's gap between tokens, by part (ms a token): finish after the join, the
@@ -240,13 +240,13 @@ class _RowsByEntries:
     chained or not), summed by entry count. Separates the rows' fixed cost a layer from their cost an entry
     in the engine itself (bench_token_rows.py measures them without the GPU's PCIe reads beside them)."""
 
-    def __init__(self, model, tiers):
-        self.worker, self.tiers = _pipelined_worker(model), tiers
-        k = 0 if self.worker is None else self.worker.k  # no worker: nothing is ever counted
+    def __init__(self, model):
+        worker = _pipelined_worker(model)
+        self.rows = None if worker is None else model.decode_graphs.rows  # None: nothing is ever counted
+        k = 0 if worker is None else worker.k
         self.counts = np.zeros(k + 1, np.int64)
         self.cycles = np.zeros(k + 1, np.float64)
         self.phases = np.zeros((k + 1, len(PHASES)), np.float64)  # the team's steps' cycles, summed
-        self.rows = model.decode_graphs.rows if self.worker is not None else None
 
     def __enter__(self) -> _RowsByEntries:
         if self.rows is not None:

@@ -90,8 +90,8 @@ def main() -> None:
         # two parallel regions a layer, then one region a token (its barriers a shared counter, then gathered
         # arrival lines, with fixed shares and then units taken from a counter), then (with a mixer) that team
         # warming
-        variants = [(False, False, DYNAMIC), (True, False, COUNTER), (True, False, GATHER),
-                    (True, False, DYNAMIC)] + ([(True, True, DYNAMIC)] if args.mixer_us else [])
+        variants = [(False, False, GATHER), (True, False, COUNTER), (True, False, GATHER),
+                    (True, False, DYNAMIC)] + ([(True, True, GATHER)] if args.mixer_us else [])
         for team, warm, form in variants:
             key = (team, warm, form)
             worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm,
@@ -129,11 +129,11 @@ def main() -> None:
         mb = misses * blob_mb
         print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
         print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-        labels = {(False, False, DYNAMIC): "token worker, two regions a layer:  ",
+        labels = {(False, False, GATHER): "token worker, two regions a layer:  ",
                   (True, False, COUNTER): "one team a token, counter barriers: ",
                   (True, False, GATHER): "one team a token, gather barriers:  ",
                   (True, False, DYNAMIC): "one team a token, units by counter: ",
-                  (True, True, DYNAMIC): f"the team warming ({args.mixer_us:g} us mixer):"}
+                  (True, True, GATHER): f"the team warming ({args.mixer_us:g} us mixer):"}
         rate = cycles_per_second() or 1.0
         for key in waits:
             label = labels[key]
