@@ -115,12 +115,15 @@ def test_a_dying_actor_is_reported_in_one_line(cluster):
         "try:\n"
         "    ray.get(Doomed.remote().die.remote())\n"
         "except Exception as e:\n"
-        f"    print(json.dumps(describe_failure(e, {PRIMARY_NAME!r})))\n"
+        f"    print('RESULT', json.dumps(describe_failure(e, {PRIMARY_NAME!r})), flush=True)\n"
     )
     env = {**client_env(address), **auth_env()}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    message, exit_code = json.loads(r.stdout.strip().splitlines()[-1])
+    # the raylet's own notice of the death may reach stdout before or after ours: take the marked line
+    result = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(result) == 1, r.stdout
+    message, exit_code = json.loads(result[0].removeprefix("RESULT "))
     assert exit_code == 1 and "\n" not in message
     assert message.startswith(f"{PRIMARY_NAME} died: its worker process exited ("), message
 
