@@ -113,7 +113,7 @@ def main() -> None:
                         while time.perf_counter() - t < args.mixer_us * 1e-6:
                             pass
                     b["ids"][:] = ids[layer]
-                    b["x"][:] = xs[layer]
+                    worker.put_x(xs[layer])
                     t = time.perf_counter()
                     b["routed"][0] = v
                     while not reached(b["rows_flag"], v):

@@ -86,13 +86,13 @@ import numpy as np
 import torch
 
 from strata_ray.experts.slot_cache import blob_views
-from strata_ray.kernels.contract import ExpertLayer
+from strata_ray.kernels.contract import QK, ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, TokenOutputs
 from strata_ray.kernels.expert_cpu_token import COUNTER, DYNAMIC, GATHER
 from strata_ray.kernels.flag_wait import wait_flag
 from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
-from strata_ray.kernels.publish import publish
+from strata_ray.kernels.publish import ActCodes, publish
 from strata_ray.kernels.stream_flags import HostFlag
 
 # experts a layer copies ahead of its routing by default in the token graphs: on the H200 at 8K, 24 GiB card
@@ -137,7 +137,15 @@ class PipelinedDecodeRows:
         self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
         self._ident = torch.arange(k, dtype=torch.int32, device=dev)  # [K] the down launches' rows
         self._ids_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K] written by the device
-        self._x_pin = torch.zeros((1, n_embd), dtype=torch.float32, pin_memory=True)  # [1, E]
+        # the layer input's codes (contract step 1), quantized by publish: for the worker (page-locked) and
+        # for the device's own rows (static: the layer graphs read them)
+        nb = n_embd // QK
+        self._codes_pin = ActCodes(torch.zeros((1, n_embd), dtype=torch.int8, pin_memory=True),
+                                   torch.zeros((1, nb), dtype=torch.float32, pin_memory=True),
+                                   torch.zeros((1, nb), dtype=torch.int32, pin_memory=True))
+        self._codes = ActCodes(torch.zeros((1, n_embd), dtype=torch.int8, device=dev),
+                               torch.zeros((1, nb), dtype=torch.float32, device=dev),
+                               torch.zeros((1, nb), dtype=torch.int32, device=dev))
         self._rows_pin = torch.zeros((k, n_embd), dtype=torch.float32, pin_memory=True)  # [K, E] the worker's
         self._inv_pin = torch.zeros(k, dtype=torch.int32, pin_memory=True)  # [K]
         self.routed, self.rows_flag = HostFlag(dev), HostFlag(dev)
@@ -192,7 +200,9 @@ class PipelinedDecodeRows:
         self._ahead_begun: set[int] = set()
         self.worker = CpuTokenRows(
             layers, tiers.residency.res, k, tiers.pool.n_threads,
-            buffers={"ids": self._ids_pin.numpy(), "x": self._x_pin.numpy(), "rows": self._rows_pin.numpy(),
+            buffers={"ids": self._ids_pin.numpy(), "xq": self._codes_pin.q.numpy(),
+                     "xd": self._codes_pin.d.numpy(), "xs": self._codes_pin.s.numpy(),
+                     "rows": self._rows_pin.numpy(),
                      "inv": self._inv_pin.numpy(), "routed": self.routed.host,
                      "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
                      "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
@@ -288,12 +298,14 @@ class PipelinedDecodeRows:
 
     def _ahead_tiles(self, layer: int, x: torch.Tensor) -> None:
         """What a layer's ahead-tiles graph holds: the rows of the routed misses copied ahead, from their
-        staging slots, over the layer plan's static tensors (its ahead_start marks them)."""
+        staging slots, over the layer plan's static tensors (its ahead_start marks them), and the codes the
+        layer's publish wrote (the tiles run after the layer graph, and before the next layer's publish)."""
         from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 
         order, _, _, _, _, pslot, astart = self._plan_out
         expert_ffn_gpu(x, self.tok, pslot, self._stage[layer][2], mode="decode", out=self.gpu_rows,
-                       variant=self.tiers.kernel_variant, plan=(order, pslot, astart), ident=self._ident)
+                       variant=self.tiers.kernel_variant, plan=(order, pslot, astart), act=self._codes,
+                       ident=self._ident)
 
     def _capture_ahead(self, xs: list[torch.Tensor], predicts: list[Callable[[], torch.Tensor]],
                        capture: bool = True) -> None:
@@ -368,7 +380,7 @@ class PipelinedDecodeRows:
         with a PCIe share also the rows of the misses it reads from the host store. One token's tiles hold
         one entry each, so the plan is one launch (kernels/decode_plan.py)."""
         from strata_ray.kernels.decode_plan import decode_plan, decode_plan_pcie
-        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, quantize_act_gpu, tile_entries
+        from strata_ray.kernels.expert_gpu import expert_ffn_gpu, tile_entries
 
         tiers = self.tiers
         view = tiers.cache.layer_view(layer)
@@ -377,7 +389,7 @@ class PipelinedDecodeRows:
         base, share = layer * tiers.n_expert, self.shares[layer]
         device_misses = layer in self._stage  # a share, or experts copied ahead
         main = torch.cuda.current_stream(tiers.device)
-        act = quantize_act_gpu(x)  # [1, E] codes, scales, sums: once for both tiers' launches
+        act = self._codes  # [1, E] codes, scales, sums (publish quantized x): both tiers' launches read them
         if device_misses:
             staged = self._ahead_expert if self.ahead else None
             _, order, slot, starts, hslot, hstarts, pslot, _ = decode_plan_pcie(
@@ -406,15 +418,15 @@ class PipelinedDecodeRows:
 
     def _layer_graph(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                      beside: Callable[[], None] | None) -> None:
-        """What a layer's graph holds: the routing handed to the worker (kernels/publish: ids and x into the
-        page-locked buffers, then routed := base + layer), `beside` on a forked stream, the device's rows
-        (resident tiles, PCIe share), the join."""
+        """What a layer's graph holds: the routing handed to the worker (kernels/publish: ids and x's codes
+        into the page-locked buffers, the codes for the device's rows too, then routed := base + layer),
+        `beside` on a forked stream, the device's rows (resident tiles, PCIe share), the join."""
         tiers, main = self.tiers, torch.cuda.current_stream(self.tiers.device)
         staged = None
         if self.ahead:  # the worker reads each layer's list: -1s where the layer copied none
             staged = self._ahead_expert if layer in self._stage else self._no_ahead
-        publish(ids.view(-1), x, self._ids_pin, self._ids_all, self._x_pin, self.routed.tensor,
-                self._base_dev, layer, staged, self._staged_pin if staged is not None else None)
+        publish(ids.view(-1), x, self._ids_pin, self._ids_all, self._codes_pin, self.routed.tensor,
+                self._base_dev, layer, staged, self._staged_pin if staged is not None else None, self._codes)
         if beside is not None:
             self._beside.wait_stream(main)
             with torch.cuda.stream(self._beside):

@@ -2,9 +2,9 @@
 one nogil numba call). It holds the layers as numba lists, the shared buffers and flags, and checks what
 the kernel cannot: quantized layers of one width, a residency table of the right size.
 
-The device side that writes `ids`/`x` and the `routed` flag and waits on the `rows` flag is the next
-decode change (docs/DEVICE-NOTES.md); tests/kernels/test_cpu_token_rows.py drives it from a thread that
-plays the device's part with the same buffers.
+The device side (experts/decode_pipeline.py) writes `ids` and x's codes (kernels/publish) and the `routed`
+flag and waits on the `rows` flag; tests/kernels/test_cpu_token_rows.py drives it from a thread that plays
+the device's part with the same buffers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
+from .act_quant import quantize_rows_into
 from .contract import QK, ExpertLayer, KernelError, readonly_blocks
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import (
@@ -56,7 +57,7 @@ def cycles_per_second(span_s: float = 0.01) -> float:
     return dc / dt if dc > 0 else 0.0
 
 
-# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x taken and quantized (and the plan
+# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x's codes taken (and the plan
 # published), then the rows
 PHASES = ("plan", "take_x", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
 _STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])  # the stamps
@@ -87,8 +88,9 @@ class CpuTokenRows:
     """One decode token's CPU rows over `layers` (ExpertLayer per layer, quantized), given the host
     residency table `res` (int32 [L * X], -1 = not resident; read during the call, so change it only
     between tokens). Buffers (numpy; on CUDA views of pinned memory the device copies to and from):
-    ids int64 [K], x f32 [1, E], rows f32 [K, E], inv int32 [K], staged int64 [C] (the experts the device
-    copied ahead for the layer, -1: none; C = n_staged); flags uint32 [1]: routed, rows, stop.
+    ids int64 [K], x's codes (contract step 1: xq int8 [1, E], xd f32 [1, E/32], xs int32 [1, E/32]; put_x on
+    the CPU, kernels/publish on the device), rows f32 [K, E], inv int32 [K], staged int64 [C] (the experts the
+    device copied ahead for the layer, -1: none; C = n_staged); flags uint32 [1]: routed, rows, stop.
     warm: before each layer's routing the team also waits for its prediction (flag `predicted`, then
     pred_ids int64 [K] and pred_staged int64 [C]: the routing predicted from the layer's input, the experts
     copied ahead for it) and reads the predicted CPU rows' weights into its cores' caches meanwhile
@@ -118,7 +120,9 @@ class CpuTokenRows:
                                             for m in ("gate", "up", "down"))
         self.wtypes = np.array([[lay.gate_type, lay.up_type, lay.down_type] for lay in layers], np.int64)
         self.blob_bytes = max(lay.gate[0].nbytes + lay.up[0].nbytes + lay.down[0].nbytes for lay in layers)
-        want = {"ids": ((k,), np.int64), "x": ((1, n_embd), np.float32), "rows": ((k, n_embd), np.float32),
+        nb = n_embd // QK
+        want = {"ids": ((k,), np.int64), "xq": ((1, n_embd), np.int8), "xd": ((1, nb), np.float32),
+                "xs": ((1, nb), np.int32), "rows": ((k, n_embd), np.float32),
                 "inv": ((k,), np.int32), "routed": ((1,), np.uint32), "rows_flag": ((1,), np.uint32),
                 "stop": ((1,), np.uint32), "staged": ((max(1, n_staged),), np.int64),
                 "predicted": ((1,), np.uint32), "pred_ids": ((k,), np.int64),
@@ -164,7 +168,7 @@ class CpuTokenRows:
 
     def phase_cycles(self) -> np.ndarray:
         """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 7]: plan
-        (routing seen -> its CPU entries known), take_x (-> x quantized, the plan published), gate/up (->
+        (routing seen -> its CPU entries known), take_x (-> x's codes copied, the plan published), gate/up (->
         member 0's share done), gate/up wait (-> every share done, the barrier left), requantization, down
         (-> member 0's share done), down wait (-> every row in). Zeros for the two-region form and for
         layers no call reached."""
@@ -174,6 +178,13 @@ class CpuTokenRows:
         """Copies of the last call's outputs (the next call overwrites the arrays)."""
         return TokenOutputs(self.seen_ids.copy(), self.n_miss.copy(), self.n_pcie.copy(), self.n_ahead.copy(),
                             self.busy.copy(), self.n_warm.copy(), self.stamps.copy())
+
+    def put_x(self, x: np.ndarray) -> None:
+        """The device's part on the CPU (tests, benchmarks): the layer's input x f32 [1, E] quantized into
+        the shared codes buffers, as kernels/publish writes them (the same bits: the contract)."""
+        b = self.buf
+        x = np.ascontiguousarray(x, np.float32).reshape(1, self.n_embd)
+        quantize_rows_into(x, b["xq"], b["xd"], b["xs"])
 
     def run(self, base: int, res: np.ndarray | None = None) -> int:
         """Serve one token: layer l waits for routed >= base + l, then raises rows_flag to it. Blocks (the
@@ -188,17 +199,17 @@ class CpuTokenRows:
         with numba_threads(self.n_threads):  # the pool size; each layer narrows it to its shares
             if self.team:
                 token_rows_team(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
-                                self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"], b["routed"],
-                                b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads, self.seen_ids,
-                                self.n_miss, self.n_pcie, self.n_ahead, self.busy, self._sync, int(self.warm),
-                                b["predicted"], b["pred_ids"], b["pred_staged"], self.n_warm, self.form,
-                                self._arrive, self.stamps)
+                                self.shares, b["staged"], b["ids"], b["xq"], b["xd"], b["xs"], b["rows"],
+                                b["inv"], b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"],
+                                self.n_threads, self.seen_ids, self.n_miss, self.n_pcie, self.n_ahead,
+                                self.busy, self._sync, int(self.warm), b["predicted"], b["pred_ids"],
+                                b["pred_staged"], self.n_warm, self.form, self._arrive, self.stamps)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
-                                  self.shares, b["staged"], b["ids"], b["x"], b["rows"], b["inv"],
-                                  b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"], self.n_threads,
-                                  self.single_thread_bytes, self.blob_bytes, self.seen_ids, self.n_miss,
-                                  self.n_pcie, self.n_ahead, self.busy))
+                                  self.shares, b["staged"], b["ids"], b["xq"], b["xd"], b["xs"], b["rows"],
+                                  b["inv"], b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"],
+                                  self.n_threads, self.single_thread_bytes, self.blob_bytes, self.seen_ids,
+                                  self.n_miss, self.n_pcie, self.n_ahead, self.busy))
 
     def stop(self) -> None:
         """End the call's current wait (the device will not raise `routed` again: an error, a shutdown)."""

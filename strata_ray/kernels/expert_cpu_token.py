@@ -5,8 +5,9 @@ pool call's prologue, and with a helper thread the handoffs under the GIL (~0.3 
 more than the overlap it bought: docs/BENCHMARKS.md, session 5). Here one call, made once a token from one
 thread, serves all layers:
 
-    for layer l:  wait until the `routed` flag reaches v_l (the device wrote ids [K] and x [1, E] into the
-                  host buffers first: its flag write is fenced after its copies)
+    for layer l:  wait until the `routed` flag reaches v_l (the device wrote ids [K] and x's int8 codes
+                  [1, E] with their scales and sums into the host buffers first: its flag write is fenced
+                  after them)
                   -> the layer's entries that are not resident (the host residency table)
                   -> their rows into `rows` [M, E] and each entry's row index into `inv` [K]
                   -> the `rows` flag := v_l (by ffn_parallel after its last row, or here when M = 0)
@@ -30,7 +31,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .act_quant import quantize_rows_into
 from .block_dots import ROWS
 from .contract import QK, pcie_entries
 from .expert_cpu_kernels import (
@@ -200,20 +200,22 @@ def _plan_entries(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n
 
 
 @njit(nogil=True, cache=True)
-def _take_x(x_buf, x, xq, xd, xs):
-    """The layer's input x_buf [1, E] (the device's copy) into x, quantized into xq / xd / xs."""
-    x[0, :] = x_buf[0, :]
-    quantize_rows_into(x, xq, xd, xs)
+def _take_x(xq_buf, xd_buf, xs_buf, xq, xd, xs):
+    """The layer's input codes (the device quantized x: kernels/publish) copied out of the shared buffers:
+    xq_buf int8 [1, E], xd_buf f32 [1, E/32], xs_buf int32 [1, E/32] into xq / xd / xs."""
+    xq[0, :] = xq_buf[0, :]
+    xd[0, :] = xd_buf[0, :]
+    xs[0, :] = xs_buf[0, :]
 
 
 @njit(nogil=True, cache=True)
 def _plan_layer(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead, exp,
-                ents, g_start, g_exp, x_buf, x, xq, xd, xs):
-    """_plan_entries, then x taken and quantized (_take_x) when the CPU has entries. Returns M."""
+                ents, g_start, g_exp, xq_buf, xd_buf, xs_buf, xq, xd, xs):
+    """_plan_entries, then x's codes taken (_take_x) when the CPU has entries. Returns M."""
     m = _plan_entries(layer, ids_buf, res, n_expert, share, staged, seen_ids, inv, n_miss, n_pcie, n_ahead,
                       exp, ents, g_start, g_exp)
     if m:
-        _take_x(x_buf, x, xq, xd, xs)
+        _take_x(xq_buf, xd_buf, xs_buf, xq, xd, xs)
     return m
 
 
@@ -273,32 +275,31 @@ def warm_share(gate, up, down, g_exp, t, n_team, routed, value):
 
 
 @njit(nogil=True, cache=True)
-def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv, routed,
-               rows_flag, base, stop, n_threads, single_thread_bytes, blob_bytes, seen_ids, n_miss, n_pcie,
-               n_ahead, busy):
+def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf, xs_buf,
+               rows, inv, routed, rows_flag, base, stop, n_threads, single_thread_bytes, blob_bytes, seen_ids,
+               n_miss, n_pcie, n_ahead, busy):
     """One token's CPU rows, layer after layer (module docstring).
 
-    gates, ups, downs: typed lists of uint8 [X, rows, row_bytes], one per layer; wtypes int64 [L, 3];
-    res int32 [L * X] slot or -1; shares int64 [L]: each layer's permille of misses the GPU reads over
-    PCIe (0: none; _plan_layer); staged int64 [C]: the experts the device copied ahead for this layer (-1:
-    none); ids_buf int64 [K], x_buf f32 [1, E]: the device's copies of this layer's
-    routing; rows f32 [K, E] (the first M rows written), inv int32 [K]: entry k's row, 0 for resident
-    and PCIe entries; routed, rows_flag, stop uint32 [1]; v_l = base + l (mod 2^32). seen_ids int64 [L, K],
-    n_miss and n_pcie int64 [L] receive each layer's ids, CPU entries and the GPU's misses (the caller's
-    window accounting), n_ahead int64 [L, 2] the staged misses and experts; busy int64 [L]
-    the cycles() from seeing the layer's routing to raising its rows flag (the CPU rows' own time, the
-    waits on the device left out).
+    gates, ups, downs: typed lists of uint8 [X, rows, row_bytes], one per layer; wtypes int64 [L, 3]; res
+    int32 [L * X] slot or -1; shares int64 [L]: each layer's permille of misses the GPU reads over PCIe (0:
+    none; _plan_layer); staged int64 [C]: the experts the device copied ahead for this layer (-1: none);
+    ids_buf int64 [K], xq_buf int8 [1, E], xd_buf f32 [1, E/32], xs_buf int32 [1, E/32]: the device's copies
+    of this layer's routing and of its input's codes (contract step 1); rows f32 [K, E] (the first M rows
+    written), inv int32 [K]: entry k's row, 0 for resident and PCIe entries; routed, rows_flag, stop uint32
+    [1]; v_l = base + l (mod 2^32). seen_ids int64 [L, K], n_miss and n_pcie int64 [L] receive each layer's
+    ids, CPU entries and the GPU's misses (the caller's window accounting), n_ahead int64 [L, 2] the staged
+    misses and experts; busy int64 [L] the cycles() from seeing the layer's routing to raising its rows flag
+    (the CPU rows' own time, the waits on the device left out).
     Returns -1, or the layer whose wait `stop` ended."""
     n_layers = len(gates)
     k = ids_buf.shape[0]
-    n_embd = x_buf.shape[1]
+    n_embd = xq_buf.shape[1]
     nb = n_embd // QK
     exp = np.empty(k, np.int64)
     ents_k = np.empty(k, np.int64)
     g_start_k = np.empty(k + 1, np.int64)
     g_exp_k = np.empty(k, np.int64)
     tok = np.zeros(k, np.int64)  # one token: every entry reads activation row 0
-    x = np.empty((1, n_embd), np.float32)
     xq = np.empty((1, n_embd), np.int8)
     xd = np.empty((1, nb), np.float32)
     xs = np.empty((1, nb), np.int32)
@@ -308,7 +309,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
             return layer
         t0 = _cycles()
         m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss, n_pcie,
-                        n_ahead, exp, ents_k, g_start_k, g_exp_k, x_buf, x, xq, xd, xs)
+                        n_ahead, exp, ents_k, g_start_k, g_exp_k, xq_buf, xd_buf, xs_buf, xq, xd, xs)
         if m == 0:
             rows_flag[0] = v
             busy[layer] = _cycles() - t0
@@ -451,12 +452,12 @@ def _warm_hits(g_exp, m, p_exp, pm):
 
 
 @njit(nogil=True, cache=True)
-def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows,
-                 inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy, sync, exp, ents,
-                 g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids, pred_staged,
-                 n_warm, p_exp, p_inv, sink, form, arrive, stamps):
+def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf,
+                 xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
+                 sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids,
+                 pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps):
     n_layers = len(gates)
-    n_embd = x_buf.shape[1]
+    n_embd = xq_buf.shape[1]
     n_ff = gates[0].shape[1]
     if form != COUNTER:  # h requantized by every member into its own buffers: no barrier before the down rows
         k = hq.shape[0]
@@ -486,7 +487,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             pm = sync[PM]
             if pm:
                 sink[t] += warm_share(gate, up, down, p_exp[:pm], t, n_team, routed, v)
-        if t == 0:  # the planner: wait for the device, classify, quantize x, publish
+        if t == 0:  # the planner: wait for the device, classify, take x's codes, publish
             if not wait_flag(routed, v, stop):
                 sync[ABORT] = layer
                 _store_release(sync, READY, layer + 1)
@@ -496,7 +497,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                               n_pcie, n_ahead, exp, ents, g_start, g_exp)
             stamps[layer, ST_ENTRIES] = _cycles()
             if m:
-                _take_x(x_buf, x, xq, xd, xs)
+                _take_x(xq_buf, xd_buf, xs_buf, xq, xd, xs)
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             stamps[layer, ST_SEEN] = t0
@@ -560,9 +561,9 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, x_buf, rows, inv,
-                    routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy, sync,
-                    warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps):
+def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf, xs_buf,
+                    rows, inv, routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy,
+                    sync, warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
@@ -580,7 +581,7 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     are computed from the real routing as always. n_warm int64 [L, 2] receives each layer's (predicted CPU
     entries, CPU entries among them)."""
     k = ids_buf.shape[0]
-    n_embd = x_buf.shape[1]
+    n_embd = xq_buf.shape[1]
     nb = n_embd // QK
     n_ff = gates[0].shape[1]
     sync[:] = 0
@@ -591,7 +592,6 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     ents = np.empty(k, np.int64)
     g_start = np.empty(k + 1, np.int64)
     g_exp = np.empty(k, np.int64)
-    x = np.empty((1, n_embd), np.float32)
     xq = np.empty((1, n_embd), np.int8)
     xd = np.empty((1, nb), np.float32)
     xs = np.empty((1, nb), np.int32)
@@ -606,7 +606,7 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     n_warm[:] = 0
     for t in prange(n_team):  # np.int64(t): one compile of _team_member (ffn_parallel says why)
         _team_member(np.int64(t), n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf,
-                     x_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
-                     sync, exp, ents, g_start, g_exp, x, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted,
-                     pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps)
+                     xq_buf, xd_buf, xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss,
+                     n_pcie, n_ahead, busy, sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok,
+                     warm, predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps)
     return sink.sum()

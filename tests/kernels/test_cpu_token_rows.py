@@ -1,5 +1,6 @@
 """CpuTokenRows: a decode token's CPU rows over every layer in one numba call, driven here by a thread that
-plays the device's part (writes ids and x, raises `routed`, waits for `rows_flag`) with the same buffers."""
+plays the device's part (writes ids and x's codes, raises `routed`, waits for `rows_flag`) with the same
+buffers."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
             b["predicted"][0] = (base + layer) & 0xFFFFFFFF
             _wait_counted(worker, layer, preds[layer], None if staged is None else staged[layer])
         b["ids"][:] = ids[layer]
-        b["x"][:] = xs[layer]
+        worker.put_x(xs[layer])
         if staged is not None:
             b["staged"][:] = staged[layer]
         v = (base + layer) & 0xFFFFFFFF
@@ -196,7 +197,7 @@ def test_a_residency_snapshot_plans_the_token_and_outputs_are_copies(rng):
     try:
         for layer in range(len(layers)):
             b["ids"][:] = ids[layer]
-            b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+            worker.put_x(rng.standard_normal((1, N_EMBD)).astype(np.float32))
             b["routed"][0] = base + layer
             _wait(b["rows_flag"], base + layer)
         thread.join(60)
@@ -299,7 +300,7 @@ def test_stop_ends_a_wait_and_says_where(n_threads, rng):
 
     def layer_0_only():  # layer 1's routing never comes
         b["ids"][:] = [3, 4]
-        b["x"][:] = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+        worker.put_x(rng.standard_normal((1, N_EMBD)).astype(np.float32))
         b["routed"][0] = 7
         _wait(b["rows_flag"], 7)
         worker.stop()  # the worker now waits for layer 1: this ends that wait
