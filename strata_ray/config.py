@@ -473,6 +473,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_DECODE_CHAIN": _choice("0", "1"),
     "STRATA_DECODE_WARM": _choice("0", "1"),
     "STRATA_TEAM_FORM": _choice("gather", "dynamic", "counter"),
+    "STRATA_DOWN_PREFETCH": _choice("0", "1"),
 }
 
 

@@ -116,6 +116,12 @@ def team_form() -> int:
     return TEAM_FORMS[os.environ.get("STRATA_TEAM_FORM", "") or "gather"]
 
 
+def down_prefetch() -> bool:
+    """STRATA_DOWN_PREFETCH: "1" (default) the CPU team's members prefetch their down units after their
+    gate/up shares, "0" off (config refuses other values)."""
+    return os.environ.get("STRATA_DOWN_PREFETCH", "") != "0"
+
+
 def decode_warm() -> bool:
     """STRATA_DECODE_WARM: "1" on, "0" off, unset DECODE_WARM (config refuses other values)."""
     v = os.environ.get("STRATA_DECODE_WARM", "")
@@ -207,7 +213,7 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
                      "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
                      "pred_staged": self._pred_staged_pin.numpy()},
-            n_staged=max(1, self.ahead), warm=self.warm, form=team_form())
+            n_staged=max(1, self.ahead), warm=self.warm, form=team_form(), prefetch=down_prefetch())
         self.worker.shares[:] = self.shares
         # called with each joined token's worker outputs (a benchmark's per-layer accounting; None: nothing)
         self.on_worker_outputs: Callable[[TokenOutputs], None] | None = None

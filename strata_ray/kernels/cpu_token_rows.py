@@ -30,6 +30,7 @@ from .expert_cpu_token import (
     ST_QUANT,
     ST_ROWS,
     ST_SEEN,
+    ST_TAKEN,
     ST_UP,
     ST_UP0,
     SYNC_LEN,
@@ -57,10 +58,10 @@ def cycles_per_second(span_s: float = 0.01) -> float:
     return dc / dt if dc > 0 else 0.0
 
 
-# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x's codes taken (and the plan
-# published), then the rows
-PHASES = ("plan", "take_x", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
-_STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])  # the stamps
+# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x's codes taken, the plan published
+# (the team's counters and READY), then the rows
+PHASES = ("plan", "take_x", "publish", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
+_STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_TAKEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])
 
 
 def phases_of(stamps: np.ndarray) -> np.ndarray:
@@ -94,12 +95,13 @@ class CpuTokenRows:
     warm: before each layer's routing the team also waits for its prediction (flag `predicted`, then
     pred_ids int64 [K] and pred_staged int64 [C]: the routing predicted from the layer's input, the experts
     copied ahead for it) and reads the predicted CPU rows' weights into its cores' caches meanwhile
-    (expert_cpu_token.warm_share); the team form only."""
+    (expert_cpu_token.warm_share); the team form only. prefetch: with fixed shares each member prefetches
+    its down units once its gate/up share is done (expert_cpu_token.prefetch_down_share; the same rows)."""
 
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False, form: int = GATHER):
+                 warm: bool = False, form: int = GATHER, prefetch: bool = True):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -152,6 +154,7 @@ class CpuTokenRows:
         # the team's form (expert_cpu_token.COUNTER / GATHER / DYNAMIC: the same rows) and the gather forms'
         # arrival lines, one a member of any team size numba allows (team_sizes sweeps change n_threads)
         self.form = int(form)
+        self.prefetch = bool(prefetch)  # each member's down units prefetched after its gate/up (fixed shares)
         self._arrive = np.zeros((max(1, numba.config.NUMBA_NUM_THREADS), ARRIVE_PITCH), np.int64)
         # [L, N_STAMPS] member 0's cycles at each layer's steps, the last token's (phase_cycles)
         self.stamps = np.zeros((self.n_layers, N_STAMPS), np.int64)
@@ -167,11 +170,11 @@ class CpuTokenRows:
         return float(busy.sum()) / self._rate if self._rate else 0.0
 
     def phase_cycles(self) -> np.ndarray:
-        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 7]: plan
-        (routing seen -> its CPU entries known), take_x (-> x's codes copied, the plan published), gate/up (->
-        member 0's share done), gate/up wait (-> every share done, the barrier left), requantization, down
-        (-> member 0's share done), down wait (-> every row in). Zeros for the two-region form and for
-        layers no call reached."""
+        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 8]: plan
+        (routing seen -> its CPU entries known), take_x (-> x's codes copied), publish (-> the plan published
+        to the team), gate/up (-> member 0's share done), gate/up wait (-> every share done, the barrier
+        left; member 0's down prefetch in it), requantization, down (-> member 0's share done), down wait
+        (-> every row in). Zeros for the two-region form and for layers no call reached."""
         return phases_of(self.stamps)
 
     def outputs(self) -> TokenOutputs:
@@ -203,7 +206,8 @@ class CpuTokenRows:
                                 b["inv"], b["routed"], b["rows_flag"], base & 0xFFFFFFFF, b["stop"],
                                 self.n_threads, self.seen_ids, self.n_miss, self.n_pcie, self.n_ahead,
                                 self.busy, self._sync, int(self.warm), b["predicted"], b["pred_ids"],
-                                b["pred_staged"], self.n_warm, self.form, self._arrive, self.stamps)
+                                b["pred_staged"], self.n_warm, self.form, self._arrive, self.stamps,
+                                int(self.prefetch))
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
                                   self.shares, b["staged"], b["ids"], b["xq"], b["xd"], b["xs"], b["rows"],

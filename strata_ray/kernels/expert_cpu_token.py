@@ -87,6 +87,27 @@ def _fetch_add(typingctx, arr, idx, val):
     return sig, codegen
 
 
+@intrinsic
+def _prefetch_l2(typingctx, arr, offset):
+    """A hint: the cache line at byte `offset` of C-contiguous arr's data towards L2 (llvm.prefetch, read,
+    locality 2: prefetcht1 on x86). Never faults, changes no value; offset must lie inside arr."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C"):
+        raise TypeError(f"_prefetch_l2 takes a C-contiguous array, got {arr}")
+    sig = types.void(arr, offset)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.gep(builder.bitcast(ary.data, i8p), [args[1]])
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        i32 = ir.IntType(32)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _HAS_TSC = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -243,6 +264,29 @@ def _touch(w, e, r0, r1):
     return s
 
 
+@njit(inline="always", nogil=True, cache=True)
+def down_tile_bytes(down, g_exp, k):
+    """Byte range [start, stop) in down uint8 [X, n_embd, RB] (C-contiguous) of down_share's unit k: the QK
+    rows of tile k % tiles of expert g_exp[k // tiles] (contiguous: an expert's rows are)."""
+    tiles = down.shape[1] // QK
+    g, tile = k // tiles, k % tiles
+    start = (g_exp[g] * down.shape[1] + tile * QK) * down.shape[2]
+    return start, start + QK * down.shape[2]
+
+
+@njit(nogil=True, cache=True)
+def prefetch_down_share(down, g_exp, t, n_down):
+    """Member t's share of the down rows (the units down_share(..., t, n_down, ...) reads) prefetched towards
+    its L2, one hint a cache line: issued once its gate/up share is done, so the lines arrive while the
+    slower members finish theirs (the host's memory is then mostly idle) instead of on the down rows' own
+    path. Only the time moves: the rows read the same bytes."""
+    k0, k1 = _share(g_exp.shape[0] * (down.shape[1] // QK), t, n_down)
+    for k in range(k0, k1):
+        start, stop = down_tile_bytes(down, g_exp, k)
+        for off in range(start, stop, 64):
+            _prefetch_l2(down, off)
+
+
 @njit(nogil=True, cache=True)
 def warm_share(gate, up, down, g_exp, t, n_team, routed, value):
     """Member t's bytes of the rows the experts g_exp (sorted) will need, read ahead: the gate and up tiles
@@ -360,9 +404,10 @@ ARRIVE_PITCH, ARRIVE_AT = 16, 8
 # stamps int64 [L, N_STAMPS]: member 0's cycles() at a layer's steps (busy's parts;
 # CpuTokenRows.phase_cycles): routing seen, plan published, its gate/up done, every gate/up done (barrier 1
 # left), h requantized, its down done, every row in (the rows flag raised), the entries planned (before x is
-# taken); the last, the layer's CPU entries
-ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, ST_ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7
-N_STAMPS = 9
+# taken), x's codes taken (before the plan's publication in sync); the last, the layer's CPU entries
+ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS = 0, 1, 2, 3, 4, 5, 6
+ST_ENTRIES, ST_TAKEN = 7, 8
+N_STAMPS = 10
 # the team's barrier forms (token_rows_team's `form`): COUNTER, every member adds to one shared counter and
 # spins on it (14 cores' atomics on one cache line while the others spin on it); GATHER, each member stores
 # its arrival on a line of its own, member 0 gathers them and releases GO (the only write the spinners see),
@@ -455,7 +500,7 @@ def _warm_hits(g_exp, m, p_exp, pm):
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf,
                  xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
                  sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids,
-                 pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps):
+                 pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps, prefetch):
     n_layers = len(gates)
     n_embd = xq_buf.shape[1]
     n_ff = gates[0].shape[1]
@@ -498,6 +543,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             stamps[layer, ST_ENTRIES] = _cycles()
             if m:
                 _take_x(xq_buf, xd_buf, xs_buf, xq, xd, xs)
+            stamps[layer, ST_TAKEN] = _cycles()
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             stamps[layer, ST_SEEN] = t0
@@ -527,6 +573,9 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             u = _next_share(sync, NEXT_UP, form, n_up)
         if t == 0:
             stamps[layer, ST_UP0] = _cycles()
+        n_down = min(n_team, m * n_embd // QK)
+        if prefetch and form != DYNAMIC and t < n_down:  # fixed shares: this member's down units are known
+            prefetch_down_share(down, g_exp[:m], t, n_down)
         if form != COUNTER:
             _gather_go(sync, arrive, t, n_team, 2 * layer + 1)
             if t == 0:
@@ -563,7 +612,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
 @njit(parallel=True, nogil=True, cache=True)
 def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf, xs_buf,
                     rows, inv, routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy,
-                    sync, warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps):
+                    sync, warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps, prefetch):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
@@ -579,7 +628,10 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     layer's input and the experts the device copies ahead for it. Each member then reads ahead its share of
     the predicted CPU rows' weights (warm_share), until the routing comes. Only the time moves: the rows
     are computed from the real routing as always. n_warm int64 [L, 2] receives each layer's (predicted CPU
-    entries, CPU entries among them)."""
+    entries, CPU entries among them).
+
+    prefetch (0 / 1): with fixed shares, each member prefetches its down units once its gate/up share is done
+    (prefetch_down_share; member 0's hints count in its gate/up wait). Only the time moves."""
     k = ids_buf.shape[0]
     n_embd = xq_buf.shape[1]
     nb = n_embd // QK
@@ -608,5 +660,6 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
         _team_member(np.int64(t), n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf,
                      xq_buf, xd_buf, xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss,
                      n_pcie, n_ahead, busy, sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok,
-                     warm, predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps)
+                     warm, predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps,
+                     prefetch)
     return sink.sum()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata_ray.kernels.contract import KernelError
+from strata_ray.kernels.contract import KernelError, readonly_blocks
 from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.decode_plan import decode_plan_pcie_reference
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
@@ -116,21 +116,25 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team,shares,ahead,form", [
-    (1, True, False, 0, 0, GATHER), (5, True, False, 0, 0, GATHER), (5, False, False, 0, 0, GATHER),
-    (1, True, True, 0, 0, GATHER), (5, True, True, 0, 0, GATHER),
-    (5, True, True, (600, 0, 1000), 0, GATHER), (5, False, False, (400, 1000, 1), 0, GATHER),
-    (1, True, False, (600, 0, 600), 0, GATHER), (5, True, True, (400, 0, 600), 2, GATHER),
-    (5, False, False, 0, 3, GATHER), (1, True, True, (1000, 400, 0), 1, GATHER),
-    (1, True, True, 0, 0, COUNTER), (5, True, True, (400, 0, 600), 2, COUNTER),
-    (1, True, True, 0, 0, DYNAMIC), (5, True, True, (400, 0, 600), 2, DYNAMIC)])
-def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, form, rng):
+@pytest.mark.parametrize("k,parallel,team,shares,ahead,form,prefetch", [
+    (1, True, False, 0, 0, GATHER, True), (5, True, False, 0, 0, GATHER, True),
+    (5, False, False, 0, 0, GATHER, True), (1, True, True, 0, 0, GATHER, True),
+    (5, True, True, 0, 0, GATHER, True), (5, True, True, (600, 0, 1000), 0, GATHER, True),
+    (5, False, False, (400, 1000, 1), 0, GATHER, True), (1, True, False, (600, 0, 600), 0, GATHER, True),
+    (5, True, True, (400, 0, 600), 2, GATHER, True), (5, False, False, 0, 3, GATHER, True),
+    (1, True, True, (1000, 400, 0), 1, GATHER, True), (1, True, True, 0, 0, COUNTER, True),
+    (5, True, True, (400, 0, 600), 2, COUNTER, True), (1, True, True, 0, 0, DYNAMIC, True),
+    (5, True, True, (400, 0, 600), 2, DYNAMIC, True), (5, True, True, (400, 0, 600), 2, GATHER, False),
+    (1, True, True, 0, 0, COUNTER, False)])
+def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, form, prefetch,
+                                                        rng):
     """team: one parallel region for the token (token_rows_team), its members meeting at barriers of any
     form (a shared counter; gathered arrival lines with fixed shares or units taken from a counter).
     shares: each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first
     ones. ahead: experts the device copied ahead a layer (some routed misses, some not routed, some
-    resident, some -1): the worker skips the misses among them first. The team's phase stamps add up to
-    each layer's busy cycles."""
+    resident, some -1): the worker skips the misses among them first. prefetch: the members' down units
+    prefetched after their gate/up shares, or not (the same rows). The team's phase stamps add up to each
+    layer's busy cycles."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
@@ -144,7 +148,7 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             staged[layer, 0] = ids[layer, -1]  # ... one of them routed
         staged[0, -1] = -1  # an empty slot
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
-                          team=team, n_staged=max(1, ahead), form=form)
+                          team=team, n_staged=max(1, ahead), form=form, prefetch=prefetch)
     assert worker.team == team
     worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
@@ -326,3 +330,28 @@ def test_bad_layers_and_buffers_are_one_line_errors():
         CpuTokenRows([lay], res[:-1], 2, 1)
     with pytest.raises(KernelError, match="buffer rows must be"):
         CpuTokenRows([lay], res, 2, 1, buffers={"rows": np.zeros((3, N_EMBD), np.float32)})
+
+
+@pytest.mark.parametrize("m,n_down", [(1, 1), (1, 15), (3, 14), (2, 5)])
+def test_the_down_prefetch_covers_each_members_down_units(m, n_down):
+    """The units a member prefetches once its gate/up share is done (prefetch_down_share) are the bytes
+    down_share reads for it: the members' ranges tile the m experts' down matrices exactly, and the hints
+    change nothing (the bytes, and the rows, elsewhere)."""
+    from strata_ray.kernels.expert_cpu_kernels import _share
+    from strata_ray.kernels.expert_cpu_token import down_tile_bytes, prefetch_down_share
+
+    down = readonly_blocks(layer_for("Q4_0", N_EXPERT).down)  # uint8 [X, n_embd, RB], as the worker holds it
+    g_exp = np.sort(np.random.default_rng(m).choice(N_EXPERT, m, replace=False)).astype(np.int64)
+    tiles = down.shape[1] // 32
+    seen = np.zeros(down.size, np.int64)
+    for t in range(n_down):
+        k0, k1 = _share(m * tiles, t, n_down)
+        for k in range(k0, k1):
+            start, stop = down_tile_bytes(down, g_exp, k)
+            seen[start:stop] += 1
+        prefetch_down_share(down, g_exp, np.int64(t), np.int64(n_down))
+    per_expert = down[0].size
+    want = np.zeros(down.size, np.int64)
+    for e in g_exp:
+        want[e * per_expert:(e + 1) * per_expert] = 1
+    assert np.array_equal(seen, want)
