@@ -75,6 +75,7 @@ token's ids are then copied out at its end, before the next token's publish over
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
@@ -117,9 +118,22 @@ def team_form() -> int:
 
 
 def down_prefetch() -> bool:
-    """STRATA_DOWN_PREFETCH: "1" (default) the CPU team's members prefetch their down units after their
-    gate/up shares, "0" off (config refuses other values)."""
-    return os.environ.get("STRATA_DOWN_PREFETCH", "") != "0"
+    """STRATA_DOWN_PREFETCH: "1" the CPU team's members prefetch their down units after their gate/up
+    shares, "0" or unset off (config refuses other values): on the H200 the down share got faster and the
+    gate/up wait longer by as much (session 29, two interleaved pairs at two placements: no change)."""
+    return os.environ.get("STRATA_DOWN_PREFETCH", "") == "1"
+
+
+def pinned_block(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zeroed tensors of the given (shape, dtype) as views of one page-locked block, each at a 64-byte
+    boundary (a cache line of its own)."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // 64) * 64
+    block = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return [block[o:o + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, specs, strict=True)]
 
 
 def decode_warm() -> bool:
@@ -142,13 +156,14 @@ class PipelinedDecodeRows:
         self.inv = torch.zeros(k, dtype=torch.int32, device=dev)  # [K] a miss's row in cpu_rows (worker)
         self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
         self._ident = torch.arange(k, dtype=torch.int32, device=dev)  # [K] the down launches' rows
-        self._ids_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K] written by the device
-        # the layer input's codes (contract step 1), quantized by publish: for the worker (page-locked) and
-        # for the device's own rows (static: the layer graphs read them)
+        # the routing the device hands the worker each layer: ids [K] and the layer input's codes (contract
+        # step 1, quantized by publish), in one page-locked block (one page at 2048 values: the worker reads
+        # them every layer after the weights of the last have gone through its caches and TLB)
         nb = n_embd // QK
-        self._codes_pin = ActCodes(torch.zeros((1, n_embd), dtype=torch.int8, pin_memory=True),
-                                   torch.zeros((1, nb), dtype=torch.float32, pin_memory=True),
-                                   torch.zeros((1, nb), dtype=torch.int32, pin_memory=True))
+        self._ids_pin, *codes = pinned_block([((k,), torch.int64), ((1, n_embd), torch.int8),
+                                              ((1, nb), torch.float32), ((1, nb), torch.int32)])
+        self._codes_pin = ActCodes(*codes)
+        # the device's own copy of the codes, for its rows (static: the layer graphs read them)
         self._codes = ActCodes(torch.zeros((1, n_embd), dtype=torch.int8, device=dev),
                                torch.zeros((1, nb), dtype=torch.float32, device=dev),
                                torch.zeros((1, nb), dtype=torch.int32, device=dev))

@@ -101,7 +101,7 @@ class CpuTokenRows:
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False, form: int = GATHER, prefetch: bool = True):
+                 warm: bool = False, form: int = GATHER, prefetch: bool = False):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -171,7 +171,8 @@ class CpuTokenRows:
 
     def phase_cycles(self) -> np.ndarray:
         """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 8]: plan
-        (routing seen -> its CPU entries known), take_x (-> x's codes copied), publish (-> the plan published
+        (routing seen -> its CPU entries known), take_x (-> x's codes copied: none in the team, whose
+        members read them where the device wrote them), publish (-> the plan published
         to the team), gate/up (-> member 0's share done), gate/up wait (-> every share done, the barrier
         left; member 0's down prefetch in it), requantization, down (-> member 0's share done), down wait
         (-> every row in). Zeros for the two-region form and for layers no call reached."""

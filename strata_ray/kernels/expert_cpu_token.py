@@ -499,8 +499,8 @@ def _warm_hits(g_exp, m, p_exp, pm):
 @njit(nogil=True, cache=True)
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf,
                  xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
-                 sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok, warm, predicted, pred_ids,
-                 pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps, prefetch):
+                 sync, exp, ents, g_start, g_exp, h, hq, hd, hs, tok, warm, predicted, pred_ids, pred_staged,
+                 n_warm, p_exp, p_inv, sink, form, arrive, stamps, prefetch):
     n_layers = len(gates)
     n_embd = xq_buf.shape[1]
     n_ff = gates[0].shape[1]
@@ -541,8 +541,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             m = _plan_entries(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss,
                               n_pcie, n_ahead, exp, ents, g_start, g_exp)
             stamps[layer, ST_ENTRIES] = _cycles()
-            if m:
-                _take_x(xq_buf, xd_buf, xs_buf, xq, xd, xs)
+            # x's codes stay where the device wrote them: every member reads them there (the device writes the
+            # next layer's only after this layer's rows flag); a copy here cost member 0 time on the path
             stamps[layer, ST_TAKEN] = _cycles()
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
@@ -568,8 +568,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
         # n_up, once; DYNAMIC: unit u of n_up units (share u of n_up shares: exactly that unit) as it comes
         n_up, u = _first_share(sync, NEXT_UP, form, t, n_team, m * n_ff // ROWS)
         while u < n_up:
-            gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq, xd, xs, tok[:m], ents[:m],
-                               g_start[: m + 1], g_exp[:m], u, n_up, h)
+            gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq_buf, xd_buf, xs_buf, tok[:m],
+                               ents[:m], g_start[: m + 1], g_exp[:m], u, n_up, h)
             u = _next_share(sync, NEXT_UP, form, n_up)
         if t == 0:
             stamps[layer, ST_UP0] = _cycles()
@@ -633,8 +633,6 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     prefetch (0 / 1): with fixed shares, each member prefetches its down units once its gate/up share is done
     (prefetch_down_share; member 0's hints count in its gate/up wait). Only the time moves."""
     k = ids_buf.shape[0]
-    n_embd = xq_buf.shape[1]
-    nb = n_embd // QK
     n_ff = gates[0].shape[1]
     sync[:] = 0
     sync[ABORT] = -1
@@ -644,9 +642,6 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     ents = np.empty(k, np.int64)
     g_start = np.empty(k + 1, np.int64)
     g_exp = np.empty(k, np.int64)
-    xq = np.empty((1, n_embd), np.int8)
-    xd = np.empty((1, nb), np.float32)
-    xs = np.empty((1, nb), np.int32)
     h = np.empty((k, n_ff), np.float32)
     hq = np.empty((k, n_ff), np.int8)
     hd = np.empty((k, n_ff // QK), np.float32)
@@ -659,7 +654,7 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     for t in prange(n_team):  # np.int64(t): one compile of _team_member (ffn_parallel says why)
         _team_member(np.int64(t), n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf,
                      xq_buf, xd_buf, xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss,
-                     n_pcie, n_ahead, busy, sync, exp, ents, g_start, g_exp, xq, xd, xs, h, hq, hd, hs, tok,
-                     warm, predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps,
+                     n_pcie, n_ahead, busy, sync, exp, ents, g_start, g_exp, h, hq, hd, hs, tok, warm,
+                     predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps,
                      prefetch)
     return sink.sum()

@@ -15,6 +15,8 @@ from strata_ray.experts.decode_pipeline import (
     TOKEN_GRAPH_PREFETCH,
     _staging_plan,
     decode_warm,
+    down_prefetch,
+    pinned_block,
     token_graph_and_ahead,
 )
 from strata_ray.experts.host_store import BlobLayout
@@ -101,3 +103,25 @@ def test_token_graph_and_copies_ahead_defaults(partial, env, prefetch, want):
 def test_warming_follows_its_switch(env, want, monkeypatch):
     monkeypatch.setenv("STRATA_DECODE_WARM", env)
     assert decode_warm() is want
+
+
+def test_the_routing_buffers_share_one_block_a_line_each():
+    """pinned_block: the ids and codes the device hands the worker, zeroed views of one block (one page at
+    the engine's sizes), each on a 64-byte boundary, none overlapping."""
+    specs = [((10,), torch.int64), ((1, 2048), torch.int8), ((1, 64), torch.float32), ((1, 7), torch.int32)]
+    views = pinned_block(specs)
+    base = views[0].data_ptr()
+    ends = 0
+    for v, (shape, dtype) in zip(views, specs, strict=True):
+        assert v.shape == shape and v.dtype == dtype and v.is_contiguous() and not v.any()
+        assert (v.data_ptr() - base) % 64 == 0 and v.data_ptr() - base >= ends
+        ends = v.data_ptr() - base + v.numel() * v.element_size()
+    assert ends <= 4096  # ids and codes of a 2048-wide model: one page
+    views[1].fill_(-1)
+    assert not views[0].any() and not views[2].any()
+
+
+@pytest.mark.parametrize("env,want", [("", False), ("0", False), ("1", True)])
+def test_down_prefetch_is_an_env_switch_off_by_default(monkeypatch, env, want):
+    monkeypatch.setenv("STRATA_DOWN_PREFETCH", env)
+    assert down_prefetch() == want
