@@ -157,8 +157,10 @@ class PipelinedDecodeRows:
         self.tok = torch.zeros(k, dtype=torch.int32, device=dev)  # every entry is token 0
         self._ident = torch.arange(k, dtype=torch.int32, device=dev)  # [K] the down launches' rows
         # the routing the device hands the worker each layer: ids [K] and the layer input's codes (contract
-        # step 1, quantized by publish), in one page-locked block (one page at 2048 values: the worker reads
-        # them every layer after the weights of the last have gone through its caches and TLB)
+        # step 1, quantized by publish), in one page-locked block (one page at 2048 values: member 0's copy of
+        # three separately allocated buffers cost ~5.5 us a layer whatever their size, session 29, a page walk
+        # each being the guess; the members now read the codes in place, and the block's own share of the
+        # gain was not measured apart)
         nb = n_embd // QK
         self._ids_pin, *codes = pinned_block([((k,), torch.int64), ((1, n_embd), torch.int8),
                                               ((1, nb), torch.float32), ((1, nb), torch.int32)])

@@ -278,8 +278,9 @@ def down_tile_bytes(down, g_exp, k):
 def prefetch_down_share(down, g_exp, t, n_down):
     """Member t's share of the down rows (the units down_share(..., t, n_down, ...) reads) prefetched towards
     its L2, one hint a cache line: issued once its gate/up share is done, so the lines arrive while the
-    slower members finish theirs (the host's memory is then mostly idle) instead of on the down rows' own
-    path. Only the time moves: the rows read the same bytes."""
+    slower members finish theirs instead of on the down rows' own path. Only the time moves: the rows read
+    the same bytes. On the H200 the down share got faster and the gate/up wait longer by as much (the last
+    gate/up members' reads share the host's memory with the hints): off by default (session 29)."""
     k0, k1 = _share(g_exp.shape[0] * (down.shape[1] // QK), t, n_down)
     for k in range(k0, k1):
         start, stop = down_tile_bytes(down, g_exp, k)
