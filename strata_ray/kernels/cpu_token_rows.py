@@ -30,7 +30,6 @@ from .expert_cpu_token import (
     ST_QUANT,
     ST_ROWS,
     ST_SEEN,
-    ST_TAKEN,
     ST_UP,
     ST_UP0,
     SYNC_LEN,
@@ -58,10 +57,10 @@ def cycles_per_second(span_s: float = 0.01) -> float:
     return dc / dt if dc > 0 else 0.0
 
 
-# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, then x's codes taken, the plan published
-# (the team's counters and READY), then the rows
-PHASES = ("plan", "take_x", "publish", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
-_STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_TAKEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])
+# CpuTokenRows.phase_cycles' columns: member 0's plan as its entries, the plan published (the team's counters
+# and READY; the members read x's codes in place), then the rows
+PHASES = ("plan", "publish", "gate_up", "gate_up_wait", "requant", "down", "down_wait")
+_STEPS = np.array([ST_SEEN, ST_ENTRIES, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS])
 
 
 def phases_of(stamps: np.ndarray) -> np.ndarray:
@@ -170,12 +169,11 @@ class CpuTokenRows:
         return float(busy.sum()) / self._rate if self._rate else 0.0
 
     def phase_cycles(self) -> np.ndarray:
-        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 8]: plan
-        (routing seen -> its CPU entries known), take_x (-> x's codes copied: none in the team, whose
-        members read them where the device wrote them), publish (-> the plan published
-        to the team), gate/up (-> member 0's share done), gate/up wait (-> every share done, the barrier
-        left; member 0's down prefetch in it), requantization, down (-> member 0's share done), down wait
-        (-> every row in). Zeros for the two-region form and for layers no call reached."""
+        """The last team call's CPU-row time of each layer in parts (PHASES), cycles int64 [L, 7]: plan
+        (routing seen -> its CPU entries known), publish (-> the plan published to the team), gate/up (->
+        member 0's share done), gate/up wait (-> every share done, the barrier left; member 0's down
+        prefetch in it), requantization, down (-> member 0's share done), down wait (-> every row in).
+        Zeros for the two-region form and for layers no call reached."""
         return phases_of(self.stamps)
 
     def outputs(self) -> TokenOutputs:

@@ -404,11 +404,10 @@ GO, NEXT_UP, NEXT_DOWN, SYNC_LEN = 16, 32, 48, 64
 ARRIVE_PITCH, ARRIVE_AT = 16, 8
 # stamps int64 [L, N_STAMPS]: member 0's cycles() at a layer's steps (busy's parts;
 # CpuTokenRows.phase_cycles): routing seen, plan published, its gate/up done, every gate/up done (barrier 1
-# left), h requantized, its down done, every row in (the rows flag raised), the entries planned (before x is
-# taken), x's codes taken (before the plan's publication in sync); the last, the layer's CPU entries
-ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS = 0, 1, 2, 3, 4, 5, 6
-ST_ENTRIES, ST_TAKEN = 7, 8
-N_STAMPS = 10
+# left), h requantized, its down done, every row in (the rows flag raised), the entries planned (before the
+# plan's publication in sync); the last, the layer's CPU entries
+ST_SEEN, ST_PLANNED, ST_UP0, ST_UP, ST_QUANT, ST_DOWN0, ST_ROWS, ST_ENTRIES = 0, 1, 2, 3, 4, 5, 6, 7
+N_STAMPS = 9
 # the team's barrier forms (token_rows_team's `form`): COUNTER, every member adds to one shared counter and
 # spins on it (14 cores' atomics on one cache line while the others spin on it); GATHER, each member stores
 # its arrival on a line of its own, member 0 gathers them and releases GO (the only write the spinners see),
@@ -543,8 +542,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                               n_pcie, n_ahead, exp, ents, g_start, g_exp)
             stamps[layer, ST_ENTRIES] = _cycles()
             # x's codes stay where the device wrote them: every member reads them there (the device writes the
-            # next layer's only after this layer's rows flag); a copy here cost member 0 time on the path
-            stamps[layer, ST_TAKEN] = _cycles()
+            # next layer's only after this layer's rows flag); a copy here cost member 0 ~5.5 us (session 29)
             if warm:
                 n_warm[layer, 1] = _warm_hits(g_exp, m, p_exp, sync[PM])
             stamps[layer, ST_SEEN] = t0
