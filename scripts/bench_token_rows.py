@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import Q4_0
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
@@ -88,14 +89,17 @@ def main() -> None:
 
         waits, warmed, phases = {}, {}, {}
         # two parallel regions a layer, then one region a token (its barriers a shared counter, then gathered
-        # arrival lines, with fixed shares and then units taken from a counter), then (with a mixer) that team
-        # warming
-        variants = [(False, False, GATHER), (True, False, COUNTER), (True, False, GATHER),
-                    (True, False, DYNAMIC)] + ([(True, True, GATHER)] if args.mixer_us else [])
-        for team, warm, form in variants:
-            key = (team, warm, form)
+        # arrival lines, with fixed shares in half-tile and whole-tile gate/up units and then units taken from
+        # a counter), then (with a mixer) that team warming
+        variants = [(False, False, GATHER, HALF_ROWS), (True, False, COUNTER, HALF_ROWS),
+                    (True, False, GATHER, HALF_ROWS), (True, False, GATHER, ROWS),
+                    (True, False, DYNAMIC, HALF_ROWS)]
+        if args.mixer_us:
+            variants.append((True, True, GATHER, HALF_ROWS))
+        for key in variants:
+            team, warm, form, unit_rows = key
             worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm,
-                                  form=form)
+                                  form=form, unit_rows=unit_rows)
             b = worker.buf
             waits[key], phases[key] = [], []
             base = 1
@@ -129,11 +133,12 @@ def main() -> None:
         mb = misses * blob_mb
         print(f"{args.threads} threads, {misses} CPU entries a layer ({mb:.1f} MB of experts):")
         print(f"  expert_ffn_cpu call per layer:          {d:.3f} ms (median of {len(direct) - skip})")
-        labels = {(False, False, GATHER): "token worker, two regions a layer:  ",
-                  (True, False, COUNTER): "one team a token, counter barriers: ",
-                  (True, False, GATHER): "one team a token, gather barriers:  ",
-                  (True, False, DYNAMIC): "one team a token, units by counter: ",
-                  (True, True, GATHER): f"the team warming ({args.mixer_us:g} us mixer):"}
+        labels = {(False, False, GATHER, HALF_ROWS): "token worker, two regions a layer:  ",
+                  (True, False, COUNTER, HALF_ROWS): "one team a token, counter barriers: ",
+                  (True, False, GATHER, HALF_ROWS): "one team a token, gather barriers:  ",
+                  (True, False, GATHER, ROWS): "the same, whole-tile gate/up units: ",
+                  (True, False, DYNAMIC, HALF_ROWS): "one team a token, units by counter: ",
+                  (True, True, GATHER, HALF_ROWS): f"the team warming ({args.mixer_us:g} us mixer):"}
         rate = cycles_per_second() or 1.0
         for key in waits:
             label = labels[key]

@@ -453,7 +453,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_AHEAD_PROGRAMS / STRATA_SHARE_PROGRAMS: the programs of the decode's copies ahead / of its PCIe
 # share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
 # ahead, experts/decode_pipeline; STRATA_TEAM_FORM: the decode worker's team form, gather, dynamic or counter,
-# experts/decode_pipeline)
+# experts/decode_pipeline; STRATA_DOWN_PREFETCH: the team's down units prefetched, experts/decode_pipeline;
+# STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -474,6 +475,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_DECODE_WARM": _choice("0", "1"),
     "STRATA_TEAM_FORM": _choice("gather", "dynamic", "counter"),
     "STRATA_DOWN_PREFETCH": _choice("0", "1"),
+    "STRATA_TEAM_UNITS": _choice("half", "whole"),
 }
 
 

@@ -238,10 +238,11 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_DECODE_WARM", "yes", "0 or 1"),
     ("STRATA_TEAM_FORM", "barrier", "gather or dynamic or counter"),
     ("STRATA_DOWN_PREFETCH", "on", "0 or 1"),
+    ("STRATA_TEAM_UNITS", "8", "half or whole"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee",
-            "STRATA_TEAM_FORM": "counter"}.get(name, "1")
+            "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole"}.get(name, "1")
     config([], {name: good})  # good values pass
     with pytest.raises(ConfigError) as e:
         config([], {name: value})

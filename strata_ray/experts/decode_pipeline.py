@@ -87,6 +87,7 @@ import numpy as np
 import torch
 
 from strata_ray.experts.slot_cache import blob_views
+from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import QK, ExpertLayer
 from strata_ray.kernels.cpu_token_rows import CpuTokenRows, TokenOutputs
 from strata_ray.kernels.expert_cpu_token import COUNTER, DYNAMIC, GATHER
@@ -122,6 +123,13 @@ def down_prefetch() -> bool:
     shares, "0" or unset off (config refuses other values): on the H200 the down share got faster and the
     gate/up wait longer by as much (session 29, two interleaved pairs at two placements: no change)."""
     return os.environ.get("STRATA_DOWN_PREFETCH", "") == "1"
+
+
+def team_unit_rows() -> int:
+    """STRATA_TEAM_UNITS: the weight rows of a CPU team member's gate/up unit: "half" (default) HALF_ROWS,
+    "whole" ROWS (the unit before session 30: at one CPU entry, 32 units over 15 members gave two members a
+    unit more than member 0; the same rows either way)."""
+    return ROWS if os.environ.get("STRATA_TEAM_UNITS", "") == "whole" else HALF_ROWS
 
 
 def pinned_block(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -230,7 +238,8 @@ class PipelinedDecodeRows:
                      "rows_flag": self.rows_flag.host, "staged": self._staged_pin.numpy(),
                      "predicted": self.predicted.host, "pred_ids": self._pred_pin.numpy(),
                      "pred_staged": self._pred_staged_pin.numpy()},
-            n_staged=max(1, self.ahead), warm=self.warm, form=team_form(), prefetch=down_prefetch())
+            n_staged=max(1, self.ahead), warm=self.warm, form=team_form(), prefetch=down_prefetch(),
+            unit_rows=team_unit_rows())
         self.worker.shares[:] = self.shares
         # called with each joined token's worker outputs (a benchmark's per-layer accounting; None: nothing)
         self.on_worker_outputs: Callable[[TokenOutputs], None] | None = None

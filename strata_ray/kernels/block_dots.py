@@ -30,6 +30,7 @@ _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.
 GROUP = 8  # blocks per group (one K-quant super-block)
 ROWS = 16  # weight rows per tile
 ROWS_PER_SUM = 8  # rows whose block terms are transposed and summed together (fewer live registers)
+HALF_ROWS = ROWS_PER_SUM  # weight rows per half tile (half_dots)
 TOKENS = 4  # activation rows per tile call at most (they share the unpacked weight codes)
 
 
@@ -454,11 +455,14 @@ def _tile_terms(builder, spec, grps, row, ad_vecs):
     return terms
 
 
-def tile_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM):
-    """f(w, r0, g, aq, ad, asum, arow, j0, count): for the ROWS weight rows w[r0 + i] (w uint8 [R, RB])
-    and the count (1..TOKENS) activation rows arow[j0 + t] (aq int8 [N, nb*32], ad f32 [N, nb], asum
-    int32 [N, nb]), add the contract's terms t_b of blocks b = g*n .. g*n + n - 1, in that order, into
-    acc[j0 + t, i] (acc f32 [M, ROWS]). The tokens share the row's weight codes and scales."""
+def tile_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM, rows: int = ROWS):
+    """f(w, r0, g, aq, ad, asum, arow, j0, count): for the `rows` (ROWS, or HALF_ROWS) weight rows w[r0 + i]
+    (w uint8 [R, RB]) and the count (1..TOKENS) activation rows arow[j0 + t] (aq int8 [N, nb*32], ad f32
+    [N, nb], asum int32 [N, nb]), add the contract's terms t_b of blocks b = g*n .. g*n + n - 1, in that
+    order, into acc[j0 + t, i] (acc f32 [M, rows]). The tokens share the row's weight codes and scales. A
+    row's terms are the same operations in either width: the same bits."""
+    if rows % ROWS_PER_SUM or not 0 < rows <= ROWS:
+        raise ValueError(f"a tile is a multiple of {ROWS_PER_SUM} rows up to {ROWS}, not {rows}")
     spec = _TYPES[wtype]
     gbytes = spec[3] // (GROUP // n)
 
@@ -475,10 +479,10 @@ def tile_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM):
             row0 = ptr(0, w_v, [r0_v, builder.mul(g_v, ir.Constant(_I64, gbytes))])
             w_ary = context.make_array(sig.args[0])(context, builder, w_v)
             stride = cgutils.unpack_tuple(builder, w_ary.strides, 2)[0]
-            if n == GROUP:  # the same share of the next tile's bytes (rows r0 + 16.., contiguous) to L2
+            if n == GROUP:  # the same share of the next tile's bytes (rows r0 + rows.., contiguous) to L2
                 # (unconditionally: a branch on the first token chunk cost Q4_K 1-token calls ~8%)
-                _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, ROWS))]),
-                          builder.mul(g_v, ir.Constant(_I64, (ROWS - 1) * gbytes)), ROWS * gbytes)
+                _prefetch(builder, builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, rows))]),
+                          builder.mul(g_v, ir.Constant(_I64, (rows - 1) * gbytes)), rows * gbytes)
             arow_ary = context.make_array(sig.args[6])(context, builder, arow_v)
             done = builder.append_basic_block("tile_done")
             switch = builder.switch(count_v, done)
@@ -497,10 +501,10 @@ def tile_dots_intrinsic(wtype: int, n: int = GROUP, form: str = DOT_FORM):
                     grps.append(_Group(builder, aq_ptr, n, form, asum=asum_vec, ad=ad_vec))
                     js.append(j)
                     ad_vecs.append(ad_vec)
-                for half in range(0, ROWS, ROWS_PER_SUM):
-                    rows = [builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
+                for half in range(0, rows, ROWS_PER_SUM):
+                    ptrs = [builder.gep(row0, [builder.mul(stride, ir.Constant(_I64, i))])
                             for i in range(half, half + ROWS_PER_SUM)]
-                    terms = [_tile_terms(builder, spec, grps, row, ad_vecs) for row in rows]  # [row][token]
+                    terms = [_tile_terms(builder, spec, grps, row, ad_vecs) for row in ptrs]  # [row][token]
                     for t, j in enumerate(js):
                         dst = ptr(9, acc_v, [j, ir.Constant(_I64, half)])
                         dst = builder.bitcast(dst, _vec(_F32, ROWS_PER_SUM).as_pointer())
@@ -522,3 +526,6 @@ tile_dots = {t: tile_dots_intrinsic(t) for t in _TYPES}
 # One block, for rows whose block count is not a multiple of 8 (Q8_0 / Q4_0 only).
 row_dot1 = {t: row_dots_intrinsic(t, 1) for t in (Q8_0, Q4_0)}
 tile_dot1 = {t: tile_dots_intrinsic(t, 1) for t in (Q8_0, Q4_0)}
+# Half tiles: the CPU team's gate/up units (blocks.tile_sums_half), so a layer's few experts split more evenly
+half_dots = {t: tile_dots_intrinsic(t, rows=HALF_ROWS) for t in _TYPES}
+half_dot1 = {t: tile_dots_intrinsic(t, 1, rows=HALF_ROWS) for t in (Q8_0, Q4_0)}

@@ -1,10 +1,11 @@
 """numba block readers for GGUF weight rows: exact integer block dots, block scales, and the tile sums.
 
 tile_sums gives the contract dots of 16 weight rows with several activation rows (the expert kernels' hot
-path: block_dots.tile_dots, scale terms and ordered sums in vector form). row_ints gives the contract's
-I (sub-block scales applied) of every block of one row; row_scales the blocks' (d, dmin, m): block b
-contributes float(I)*(d*ad) - float(m*s)*(dmin*ad) (the min term for Q4_K); these two serve tests and
-tools. numba has no float16 arrays, so fp16 scales are decoded from their bits (exactly).
+path: block_dots.tile_dots, scale terms and ordered sums in vector form), tile_sums_half those of 8.
+row_ints gives the contract's I (sub-block scales applied) of every block of one row; row_scales the
+blocks' (d, dmin, m): block b contributes float(I)*(d*ad) - float(m*s)*(dmin*ad) (the min term for Q4_K);
+these two serve tests and tools. numba has no float16 arrays, so fp16 scales are decoded from their bits
+(exactly).
 """
 
 from __future__ import annotations
@@ -14,7 +15,19 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .block_dots import GROUP, ROWS, TOKENS, half_bits_to_f32, row_dot1, row_dots, tile_dot1, tile_dots
+from .block_dots import (
+    GROUP,
+    HALF_ROWS,
+    ROWS,
+    TOKENS,
+    half_bits_to_f32,
+    half_dot1,
+    half_dots,
+    row_dot1,
+    row_dots,
+    tile_dot1,
+    tile_dots,
+)
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0
 
 f32 = np.float32
@@ -24,6 +37,8 @@ _row_q8_0, _row_q4_0, _row_q4_k, _row_q6_k = (row_dots[t] for t in (Q8_0, Q4_0, 
 _row1_q8_0, _row1_q4_0 = row_dot1[Q8_0], row_dot1[Q4_0]
 _tile_q8_0, _tile_q4_0, _tile_q4_k, _tile_q6_k = (tile_dots[t] for t in (Q8_0, Q4_0, Q4_K, Q6_K))
 _tile1_q8_0, _tile1_q4_0 = tile_dot1[Q8_0], tile_dot1[Q4_0]
+_half_q8_0, _half_q4_0, _half_q4_k, _half_q6_k = (half_dots[t] for t in (Q8_0, Q4_0, Q4_K, Q6_K))
+_half1_q8_0, _half1_q4_0 = half_dot1[Q8_0], half_dot1[Q4_0]
 
 
 @intrinsic
@@ -122,6 +137,37 @@ def tile_sums(w, r0, ggml_type, aq, ad, asum, arow, acc):
                 _tile1_q8_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
             else:
                 _tile1_q4_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def tile_sums_half(w, r0, ggml_type, aq, ad, asum, arow, acc):
+    """tile_sums over HALF_ROWS weight rows (acc f32 [M, HALF_ROWS]): each row's sums are the same
+    operations as in a whole tile, so the same bits. The CPU team's gate/up units (a layer's one expert
+    splits into 64 of them instead of 32, so no member holds more than half a whole tile above the rest)."""
+    nb = ad.shape[1]
+    n_groups = nb // GROUP
+    n = arow.shape[0]
+    for j in range(n):
+        for i in range(HALF_ROWS):
+            acc[j, i] = f32(0.0)
+    for g in range(n_groups):
+        for j0 in range(0, n, TOKENS):
+            count = min(TOKENS, n - j0)
+            if ggml_type == Q8_0:
+                _half_q8_0(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            elif ggml_type == Q4_0:
+                _half_q4_0(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            elif ggml_type == Q4_K:
+                _half_q4_k(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+            else:  # Q6_K
+                _half_q6_k(w, r0, g, aq, ad, asum, arow, j0, count, acc)
+    for b in range(n_groups * GROUP, nb):
+        for j0 in range(0, n, TOKENS):
+            count = min(TOKENS, n - j0)
+            if ggml_type == Q8_0:
+                _half1_q8_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
+            else:
+                _half1_q4_0(w, r0, b, aq, ad, asum, arow, j0, count, acc)
 
 
 @njit(inline="always", nogil=True, cache=True)

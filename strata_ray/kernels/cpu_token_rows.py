@@ -17,6 +17,7 @@ import numpy as np
 from numba.typed import List
 
 from .act_quant import quantize_rows_into
+from .block_dots import HALF_ROWS, ROWS
 from .contract import QK, ExpertLayer, KernelError, readonly_blocks
 from .cpu_pool import SINGLE_THREAD_BYTES, numba_threads
 from .expert_cpu_token import (
@@ -95,12 +96,13 @@ class CpuTokenRows:
     pred_ids int64 [K] and pred_staged int64 [C]: the routing predicted from the layer's input, the experts
     copied ahead for it) and reads the predicted CPU rows' weights into its cores' caches meanwhile
     (expert_cpu_token.warm_share); the team form only. prefetch: with fixed shares each member prefetches
-    its down units once its gate/up share is done (expert_cpu_token.prefetch_down_share; the same rows)."""
+    its down units once its gate/up share is done (expert_cpu_token.prefetch_down_share; the same rows).
+    unit_rows: the weight rows of a team member's gate/up unit, HALF_ROWS or ROWS (the same rows)."""
 
     def __init__(self, layers: list[ExpertLayer], res: np.ndarray, k: int, n_threads: int,
                  buffers: dict[str, np.ndarray] | None = None,
                  single_thread_bytes: int = SINGLE_THREAD_BYTES, team: bool = True, n_staged: int = 1,
-                 warm: bool = False, form: int = GATHER, prefetch: bool = False):
+                 warm: bool = False, form: int = GATHER, prefetch: bool = False, unit_rows: int = HALF_ROWS):
         if not layers:
             raise KernelError("no expert layers")
         n_embd, n_expert = layers[0].n_embd, layers[0].gate.shape[0]
@@ -154,6 +156,9 @@ class CpuTokenRows:
         # arrival lines, one a member of any team size numba allows (team_sizes sweeps change n_threads)
         self.form = int(form)
         self.prefetch = bool(prefetch)  # each member's down units prefetched after its gate/up (fixed shares)
+        if unit_rows not in (HALF_ROWS, ROWS):
+            raise KernelError(f"a gate/up unit is {HALF_ROWS} or {ROWS} weight rows, not {unit_rows}")
+        self.unit_rows = int(unit_rows)  # weight rows of a member's gate/up unit (the same rows either way)
         self._arrive = np.zeros((max(1, numba.config.NUMBA_NUM_THREADS), ARRIVE_PITCH), np.int64)
         # [L, N_STAMPS] member 0's cycles at each layer's steps, the last token's (phase_cycles)
         self.stamps = np.zeros((self.n_layers, N_STAMPS), np.int64)
@@ -206,7 +211,7 @@ class CpuTokenRows:
                                 self.n_threads, self.seen_ids, self.n_miss, self.n_pcie, self.n_ahead,
                                 self.busy, self._sync, int(self.warm), b["predicted"], b["pred_ids"],
                                 b["pred_staged"], self.n_warm, self.form, self._arrive, self.stamps,
-                                int(self.prefetch))
+                                int(self.prefetch), self.unit_rows)
                 return int(self._sync[ABORT])
             return int(token_rows(self.gates, self.ups, self.downs, self.wtypes, res, self.n_expert,
                                   self.shares, b["staged"], b["ids"], b["xq"], b["xd"], b["xs"], b["rows"],

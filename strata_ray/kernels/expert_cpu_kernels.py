@@ -11,8 +11,8 @@ import numpy as np
 from numba import njit, prange
 
 from .act_quant import quantize_block, swiglu
-from .block_dots import ROWS
-from .blocks import tile_sums
+from .block_dots import HALF_ROWS, ROWS
+from .blocks import tile_sums, tile_sums_half
 from .contract import QK
 
 f32 = np.float32
@@ -67,19 +67,38 @@ def gate_up_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_ex
 
 
 @njit(nogil=True, cache=True)
-def gate_up_rows_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_threads, h):
-    """gate_up_share's h without its requantization, over (group, ROWS-row tile) units: half its unit,
-    so n_threads members split a few experts' rows more evenly (3 experts, 15 members: at most 7 units
-    of 6.4 on average, against 4 of 3.2). quant_share then requantizes h: the same values, the same bits."""
+def gate_up_rows_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start, g_exp, t, n_threads,
+                       unit_rows, h):
+    """gate_up_share's h without its requantization, over (group, unit_rows-row tile) units: HALF_ROWS (a
+    quarter of its unit) or ROWS (a half), so n_threads members split a few experts' rows evenly. One expert
+    over 15 members in half tiles: 64 units, at most 5 a member against 4 for member 0, where whole tiles
+    (32) gave two members 3 against member 0's 2, a whole tile (~11 us on the H200 host) that member 0
+    waited at the barrier (session 29). quant_share then requantizes h: the same values, the same bits."""
     n_ff = gate.shape[1]
-    tiles = n_ff // ROWS
-    g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
     arow = np.empty(ents.shape[0], np.int64)
+    if unit_rows == ROWS:
+        g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
+        tiles = n_ff // ROWS
+        k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
+        for k in range(k0, k1):
+            g, r0 = k // tiles, (k % tiles) * ROWS
+            _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ents[g_start[g]:g_start[g + 1]], g_exp[g],
+                         r0, arow, g_acc, u_acc, h)
+        return
+    g_acc, u_acc = np.empty((ents.shape[0], HALF_ROWS), f32), np.empty((ents.shape[0], HALF_ROWS), f32)
+    tiles = n_ff // HALF_ROWS
     k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
     for k in range(k0, k1):
-        g, r0 = k // tiles, (k % tiles) * ROWS
-        _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ents[g_start[g]:g_start[g + 1]], g_exp[g], r0,
-                     arow, g_acc, u_acc, h)
+        g, r0 = k // tiles, (k % tiles) * HALF_ROWS
+        ent = ents[g_start[g]:g_start[g + 1]]
+        n = ent.shape[0]
+        for j in range(n):
+            arow[j] = tok[ent[j]]
+        tile_sums_half(gate[g_exp[g]], r0, gtype, aq, ad, asum, arow[:n], g_acc)
+        tile_sums_half(up[g_exp[g]], r0, utype, aq, ad, asum, arow[:n], u_acc)
+        for j in range(n):
+            for i in range(HALF_ROWS):
+                h[ent[j], r0 + i] = swiglu(g_acc[j, i], u_acc[j, i])
 
 
 @njit(nogil=True, cache=True)

@@ -31,7 +31,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .block_dots import ROWS
 from .contract import QK, pcie_entries
 from .expert_cpu_kernels import (
     _share,
@@ -274,6 +273,19 @@ def down_tile_bytes(down, g_exp, k):
     return start, start + QK * down.shape[2]
 
 
+@njit(inline="always", nogil=True, cache=True)
+def prefetch_rows(h, ents):
+    """h f32 [K, n_ff]'s rows ents (C-contiguous) towards this core's L2, every cache line's hint at once.
+    The gate/up members wrote them, so each line sits in another core's cache, and quant_share's reads met
+    those misses a block or two at a time (a member's requantization of one entry's 512 values took ~3 us on
+    the H200 host: ~32 transfers nearly in series); with the hints in flight together they overlap."""
+    row_bytes = h.shape[1] * 4
+    for j in range(ents.shape[0]):
+        base = ents[j] * row_bytes
+        for off in range(0, row_bytes, 64):
+            _prefetch_l2(h, base + off)
+
+
 @njit(nogil=True, cache=True)
 def prefetch_down_share(down, g_exp, t, n_down):
     """Member t's share of the down rows (the units down_share(..., t, n_down, ...) reads) prefetched towards
@@ -289,24 +301,25 @@ def prefetch_down_share(down, g_exp, t, n_down):
 
 
 @njit(nogil=True, cache=True)
-def warm_share(gate, up, down, g_exp, t, n_team, routed, value):
+def warm_share(gate, up, down, g_exp, t, n_team, routed, value, unit_rows):
     """Member t's bytes of the rows the experts g_exp (sorted) will need, read ahead: the gate and up tiles
     gate_up_rows_share gives member t, then the down tiles down_share gives it, so each member's share of
     the rows sits in its own core's cache when the layer's routing comes (the layer's mixer runs on the
     device meanwhile, the host's memory idle). Stops once `routed` reaches `value`: from then on the rows
-    themselves are on the critical path. Returns the bytes' sum."""
+    themselves are on the critical path. unit_rows: the team's gate/up unit (gate_up_rows_share). Returns the
+    bytes' sum."""
     m = g_exp.shape[0]
     n_ff, n_embd = gate.shape[1], down.shape[1]
     s = 0
-    n_up = min(n_team, m * n_ff // ROWS)
+    n_up = min(n_team, m * n_ff // unit_rows)
     if t < n_up:
-        tiles = n_ff // ROWS
+        tiles = n_ff // unit_rows
         k0, k1 = _share(m * tiles, t, n_up)
         for k in range(k0, k1):
             if reached(routed, value):
                 return s
-            g, r0 = k // tiles, (k % tiles) * ROWS
-            s += _touch(gate, g_exp[g], r0, r0 + ROWS) + _touch(up, g_exp[g], r0, r0 + ROWS)
+            g, r0 = k // tiles, (k % tiles) * unit_rows
+            s += _touch(gate, g_exp[g], r0, r0 + unit_rows) + _touch(up, g_exp[g], r0, r0 + unit_rows)
     n_down = min(n_team, m * n_embd // QK)
     if t < n_down:
         tiles = n_embd // QK
@@ -500,7 +513,7 @@ def _warm_hits(g_exp, m, p_exp, pm):
 def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf,
                  xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss, n_pcie, n_ahead, busy,
                  sync, exp, ents, g_start, g_exp, h, hq, hd, hs, tok, warm, predicted, pred_ids, pred_staged,
-                 n_warm, p_exp, p_inv, sink, form, arrive, stamps, prefetch):
+                 n_warm, p_exp, p_inv, sink, form, arrive, stamps, prefetch, unit_rows):
     n_layers = len(gates)
     n_embd = xq_buf.shape[1]
     n_ff = gates[0].shape[1]
@@ -531,7 +544,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
                     pass
             pm = sync[PM]
             if pm:
-                sink[t] += warm_share(gate, up, down, p_exp[:pm], t, n_team, routed, v)
+                sink[t] += warm_share(gate, up, down, p_exp[:pm], t, n_team, routed, v, unit_rows)
         if t == 0:  # the planner: wait for the device, classify, take x's codes, publish
             if not wait_flag(routed, v, stop):
                 sync[ABORT] = layer
@@ -561,14 +574,16 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
         # every barrier even when m = 0: member 0 must not publish the next layer's plan (sync[M], exp, x)
         # nor its prediction (p_exp) while a member still reads this one's
         m = sync[M]
-        # gate+up in ROWS-row units, then h's requantization (a phase of its own in the counter form, each
-        # member's own in the gather forms): a few experts' rows split ~evenly over the team (32-row units
-        # with the requantization in them left members 25% idle). Fixed shares: member t takes share t of
-        # n_up, once; DYNAMIC: unit u of n_up units (share u of n_up shares: exactly that unit) as it comes
-        n_up, u = _first_share(sync, NEXT_UP, form, t, n_team, m * n_ff // ROWS)
+        # gate+up in unit_rows-row units (HALF_ROWS by default), then h's requantization (a phase of its
+        # own in the counter form, each member's own in the gather forms): a few experts' rows split evenly
+        # over the team (32-row units with the requantization in them left members 25% idle, 16-row units
+        # member 0 a whole unit behind the last at one entry, gate_up_rows_share says why). Fixed shares:
+        # member t takes share t of n_up, once; DYNAMIC: unit u of n_up units (share u of n_up shares:
+        # exactly that unit) as it comes
+        n_up, u = _first_share(sync, NEXT_UP, form, t, n_team, m * n_ff // unit_rows)
         while u < n_up:
             gate_up_rows_share(gate, wtypes[layer, 0], up, wtypes[layer, 1], xq_buf, xd_buf, xs_buf, tok[:m],
-                               ents[:m], g_start[: m + 1], g_exp[:m], u, n_up, h)
+                               ents[:m], g_start[: m + 1], g_exp[:m], u, n_up, unit_rows, h)
             u = _next_share(sync, NEXT_UP, form, n_up)
         if t == 0:
             stamps[layer, ST_UP0] = _cycles()
@@ -579,6 +594,7 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
             _gather_go(sync, arrive, t, n_team, 2 * layer + 1)
             if t == 0:
                 stamps[layer, ST_UP] = _cycles()
+            prefetch_rows(h, ents[:m])
             quant_share(h, hq, hd, hs, ents[:m], 0, 1)  # all of h, the same bits as the shared phase's
         else:
             _barrier(sync, n_team * (3 * layer + 1))
@@ -611,7 +627,8 @@ def _team_member(t, n_team, gates, ups, downs, wtypes, res, n_expert, shares, st
 @njit(parallel=True, nogil=True, cache=True)
 def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf, xq_buf, xd_buf, xs_buf,
                     rows, inv, routed, rows_flag, base, stop, n_team, seen_ids, n_miss, n_pcie, n_ahead, busy,
-                    sync, warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps, prefetch):
+                    sync, warm, predicted, pred_ids, pred_staged, n_warm, form, arrive, stamps, prefetch,
+                    unit_rows):
     """token_rows with one parallel region for the token: n_team members (the caller's numba thread count,
     every member running at once: an OpenMP or workqueue layer, never TBB, whose tasks may not) serve
     every layer; the same arguments and results as token_rows (its single-thread cut-off aside: the team
@@ -630,7 +647,10 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
     entries, CPU entries among them).
 
     prefetch (0 / 1): with fixed shares, each member prefetches its down units once its gate/up share is done
-    (prefetch_down_share; member 0's hints count in its gate/up wait). Only the time moves."""
+    (prefetch_down_share; member 0's hints count in its gate/up wait). Only the time moves.
+
+    unit_rows (HALF_ROWS / ROWS): the weight rows of a gate/up unit (gate_up_rows_share). Only the split
+    moves: the same rows."""
     k = ids_buf.shape[0]
     n_ff = gates[0].shape[1]
     sync[:] = 0
@@ -655,5 +675,5 @@ def token_rows_team(gates, ups, downs, wtypes, res, n_expert, shares, staged, id
                      xq_buf, xd_buf, xs_buf, rows, inv, routed, rows_flag, base, stop, seen_ids, n_miss,
                      n_pcie, n_ahead, busy, sync, exp, ents, g_start, g_exp, h, hq, hd, hs, tok, warm,
                      predicted, pred_ids, pred_staged, n_warm, p_exp, p_inv, sink, form, arrive, stamps,
-                     prefetch)
+                     prefetch, unit_rows)
     return sink.sum()

@@ -17,9 +17,11 @@ from strata_ray.experts.decode_pipeline import (
     decode_warm,
     down_prefetch,
     pinned_block,
+    team_unit_rows,
     token_graph_and_ahead,
 )
 from strata_ray.experts.host_store import BlobLayout
+from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.gather_copy import stage_experts
 from tests.kernels.layers import N_EMBD, layer_for
@@ -125,3 +127,9 @@ def test_the_routing_buffers_share_one_block_a_line_each():
 def test_down_prefetch_is_an_env_switch_off_by_default(monkeypatch, env, want):
     monkeypatch.setenv("STRATA_DOWN_PREFETCH", env)
     assert down_prefetch() == want
+
+
+@pytest.mark.parametrize("env,want", [("", HALF_ROWS), ("half", HALF_ROWS), ("whole", ROWS)])
+def test_team_units_are_half_tiles_unless_asked(monkeypatch, env, want):
+    monkeypatch.setenv("STRATA_TEAM_UNITS", env)
+    assert team_unit_rows() == want

@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 from numba import njit
 
-from strata_ray.kernels.block_dots import HAS_AVX2, HAS_VNNI, ROWS, row_dots_intrinsic
-from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales, tile_sums
+from strata_ray.kernels.block_dots import (
+    HALF_ROWS,
+    HAS_AVX2,
+    HAS_VNNI,
+    ROWS,
+    row_dots_intrinsic,
+    tile_dots_intrinsic,
+)
+from strata_ray.kernels.blocks import f16_to_f32, row_block_ints, row_scales, tile_sums, tile_sums_half
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0
 from strata_ray.kernels.random_weights import random_blocks
 from strata_ray.kernels.reference import dequantize_rows
@@ -137,6 +144,37 @@ def test_tile_sums_several_tokens_match_spec_bitwise(wtype, rng):
         got = _tile_many(rows, wtype, q, d, s, arow)
         assert np.array_equal(got[:count].view(np.uint32), want[arow].view(np.uint32)), (NAMES[wtype], count)
         assert np.isnan(got[count]).all()
+
+
+@njit
+def _half_many(w, r0, wtype, aq, ad, asum, arow):
+    acc = np.full((arow.shape[0] + 1, HALF_ROWS), np.float32(np.nan))
+    tile_sums_half(w, r0, wtype, aq, ad, asum, arow, acc)
+    return acc
+
+
+@pytest.mark.parametrize("wtype", [Q8_0, Q4_0, Q4_K, Q6_K])
+def test_half_tiles_are_the_whole_tiles_halves(wtype, rng):
+    """tile_sums_half (8 rows: the CPU team's gate/up units) at rows 0 and 8 == the whole tile's two halves,
+    bit for bit, for 1, 5 and 33 activation rows (chunks of 1..TOKENS, the one-block tail on Q8_0/Q4_0);
+    rows past the activations untouched."""
+    n = 320 if wtype in (Q8_0, Q4_0) else 512
+    rows = _edge_rows(rng, wtype, n)
+    x = rng.standard_normal((40, n)).astype(np.float32) * np.float32(3.0)
+    q, d, s = act_quant_ref(x)
+    for count in (1, 5, 33):
+        arow = rng.permutation(40)[:count].astype(np.int64)
+        whole = _tile_many(rows, wtype, q, d, s, arow)
+        for r0 in (0, HALF_ROWS):
+            got = _half_many(rows, r0, wtype, q, d, s, arow)
+            half = whole[:count, r0:r0 + HALF_ROWS]
+            assert np.array_equal(got[:count].view(np.uint32), half.view(np.uint32)), (wtype, count, r0)
+            assert np.isnan(got[count]).all()
+
+
+def test_a_tile_is_whole_sums_of_rows():
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        tile_dots_intrinsic(Q4_0, rows=12)
 
 
 @pytest.mark.parametrize("form", ["generic", "avx2", "vnni"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import KernelError, readonly_blocks
 from strata_ray.kernels.cpu_token_rows import PHASES, CpuTokenRows, cycles_per_second
 from strata_ray.kernels.decode_plan import decode_plan_pcie_reference
@@ -116,25 +117,36 @@ def _play_device(worker: CpuTokenRows, base: int, ids: np.ndarray, xs: np.ndarra
     return out
 
 
-@pytest.mark.parametrize("k,parallel,team,shares,ahead,form,prefetch", [
-    (1, True, False, 0, 0, GATHER, True), (5, True, False, 0, 0, GATHER, True),
-    (5, False, False, 0, 0, GATHER, True), (1, True, True, 0, 0, GATHER, True),
-    (5, True, True, 0, 0, GATHER, True), (5, True, True, (600, 0, 1000), 0, GATHER, True),
-    (5, False, False, (400, 1000, 1), 0, GATHER, True), (1, True, False, (600, 0, 600), 0, GATHER, True),
-    (5, True, True, (400, 0, 600), 2, GATHER, True), (5, False, False, 0, 3, GATHER, True),
-    (1, True, True, (1000, 400, 0), 1, GATHER, True), (1, True, True, 0, 0, COUNTER, True),
-    (5, True, True, (400, 0, 600), 2, COUNTER, True), (1, True, True, 0, 0, DYNAMIC, True),
-    (5, True, True, (400, 0, 600), 2, DYNAMIC, True), (5, True, True, (400, 0, 600), 2, GATHER, False),
-    (1, True, True, 0, 0, COUNTER, False)])
+@pytest.mark.parametrize("k,parallel,team,shares,ahead,form,prefetch,units", [
+    (1, True, False, 0, 0, GATHER, True, HALF_ROWS),
+    (5, True, False, 0, 0, GATHER, True, HALF_ROWS),
+    (5, False, False, 0, 0, GATHER, True, HALF_ROWS),
+    (1, True, True, 0, 0, GATHER, True, HALF_ROWS),
+    (5, True, True, 0, 0, GATHER, True, HALF_ROWS),
+    (5, True, True, (600, 0, 1000), 0, GATHER, True, HALF_ROWS),
+    (5, False, False, (400, 1000, 1), 0, GATHER, True, HALF_ROWS),
+    (1, True, False, (600, 0, 600), 0, GATHER, True, HALF_ROWS),
+    (5, True, True, (400, 0, 600), 2, GATHER, True, HALF_ROWS),
+    (5, False, False, 0, 3, GATHER, True, HALF_ROWS),
+    (1, True, True, (1000, 400, 0), 1, GATHER, True, HALF_ROWS),
+    (1, True, True, 0, 0, COUNTER, True, HALF_ROWS),
+    (5, True, True, (400, 0, 600), 2, COUNTER, True, HALF_ROWS),
+    (1, True, True, 0, 0, DYNAMIC, True, HALF_ROWS),
+    (5, True, True, (400, 0, 600), 2, DYNAMIC, True, HALF_ROWS),
+    (5, True, True, (400, 0, 600), 2, GATHER, False, HALF_ROWS),
+    (1, True, True, 0, 0, COUNTER, False, HALF_ROWS),
+    (5, True, True, (400, 0, 600), 2, GATHER, False, ROWS),
+    (1, True, True, 0, 0, DYNAMIC, False, ROWS),
+])
 def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, shares, ahead, form, prefetch,
-                                                        rng):
+                                                        units, rng):
     """team: one parallel region for the token (token_rows_team), its members meeting at barriers of any
     form (a shared counter; gathered arrival lines with fixed shares or units taken from a counter).
     shares: each layer's permille of misses left to the GPU (read over PCIe): the worker skips the first
     ones. ahead: experts the device copied ahead a layer (some routed misses, some not routed, some
     resident, some -1): the worker skips the misses among them first. prefetch: the members' down units
-    prefetched after their gate/up shares, or not (the same rows). The team's phase stamps add up to each
-    layer's busy cycles."""
+    prefetched after their gate/up shares, or not (the same rows). units: the rows of a member's gate/up unit
+    (half tiles, or whole ones: the same rows). The team's phase stamps add up to each layer's busy cycles."""
     layers = [layer_for(name, N_EXPERT) for name in LAYERS]
     res = np.full(len(layers) * N_EXPERT, -1, np.int32)
     res[rng.choice(res.size, res.size // 3, replace=False)] = 0  # a third resident (the slot number: any)
@@ -148,7 +160,7 @@ def test_rows_are_expert_ffn_cpu_rows_layer_after_layer(k, parallel, team, share
             staged[layer, 0] = ids[layer, -1]  # ... one of them routed
         staged[0, -1] = -1  # an empty slot
     worker = CpuTokenRows(layers, res, k, n_threads=2, single_thread_bytes=0 if parallel else 1 << 40,
-                          team=team, n_staged=max(1, ahead), form=form, prefetch=prefetch)
+                          team=team, n_staged=max(1, ahead), form=form, prefetch=prefetch, unit_rows=units)
     assert worker.team == team
     worker.shares[:] = shares
     base = 0xFFFFFFFE  # the 32-bit flag values wrap inside the token
@@ -286,11 +298,13 @@ def test_warm_share_reads_what_the_rows_shares_will(rng):
     # the worker's argument types (read-only weights, a uint32 flag value): no compile of another signature
     gate, up, down = (readonly_blocks(w) for w in (lay.gate, lay.up, lay.down))
     one = np.uint32(1)
-    for n_team in (1, 2, 5, 64):
-        got = [warm_share(gate, up, down, g_exp, t, n_team, routed, one) for t in range(n_team)]
-        assert sum(got) == want, n_team
+    for unit_rows in (HALF_ROWS, ROWS):
+        for n_team in (1, 2, 5, 64):
+            got = [warm_share(gate, up, down, g_exp, t, n_team, routed, one, unit_rows)
+                   for t in range(n_team)]
+            assert sum(got) == want, (unit_rows, n_team)
     routed[0] = 1
-    assert warm_share(gate, up, down, g_exp, 0, 2, routed, one) == 0
+    assert warm_share(gate, up, down, g_exp, 0, 2, routed, one, HALF_ROWS) == 0
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -330,6 +344,8 @@ def test_bad_layers_and_buffers_are_one_line_errors():
         CpuTokenRows([lay], res[:-1], 2, 1)
     with pytest.raises(KernelError, match="buffer rows must be"):
         CpuTokenRows([lay], res, 2, 1, buffers={"rows": np.zeros((3, N_EMBD), np.float32)})
+    with pytest.raises(KernelError, match="a gate/up unit is 8 or 16 weight rows, not 12"):
+        CpuTokenRows([lay], res, 2, 1, unit_rows=12)
 
 
 @pytest.mark.parametrize("m,n_down", [(1, 1), (1, 15), (3, 14), (2, 5)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_arrays, group_entries
@@ -149,3 +150,34 @@ def test_errors_are_one_line(rng):
     with pytest.raises(KernelError, match="type 99"):
         expert_ffn_cpu(x, np.array([0], np.int32), np.array([0], np.int32), bad)
     assert expert_ffn_cpu(x, np.zeros(0, np.int32), np.zeros(0, np.int32), layer).shape == (0, N_EMBD)
+
+
+@pytest.mark.parametrize("name", list(TYPE_SETS))
+@pytest.mark.parametrize("n_tokens", [1, 33])
+def test_team_gate_up_units_give_gate_up_shares_h(name, n_tokens, rng):
+    """gate_up_rows_share (the CPU team's gate/up) in half-tile and whole-tile units over 1, 15 and 64
+    members writes every value of h, and h is gate_up_share's to the bit: only the split moves."""
+    from strata_ray.kernels.act_quant import quantize_act_sums
+    from strata_ray.kernels.contract import readonly_blocks
+    from strata_ray.kernels.expert_cpu_kernels import gate_up_rows_share, gate_up_share
+
+    layer = layer_for(name)
+    x = rng.standard_normal((n_tokens, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, n_tokens, 0, 37, k=3)
+    tok, exp = tok.astype(np.int64), exp.astype(np.int64)
+    xq, xd, xs = quantize_act_sums(x)
+    ents, g_start, g_exp = group_arrays(exp)
+    gate, up = readonly_blocks(layer.gate), readonly_blocks(layer.up)
+    gtype, utype = int(layer.gate_type), int(layer.up_type)
+    m, n_ff = len(tok), layer.n_ff
+    want = np.full((m, n_ff), np.nan, np.float32)
+    hq, hd, hs = np.empty((m, n_ff), np.int8), np.empty((m, n_ff // 32), np.float32), np.empty(
+        (m, n_ff // 32), np.int32)
+    gate_up_share(gate, gtype, up, utype, xq, xd, xs, tok, ents, g_start, g_exp, 0, 1, want, hq, hd, hs)
+    for unit_rows in (HALF_ROWS, ROWS):
+        for n_team in (1, 15, 64):
+            h = np.full((m, n_ff), np.nan, np.float32)
+            for t in range(n_team):
+                gate_up_rows_share(gate, gtype, up, utype, xq, xd, xs, tok, ents, g_start, g_exp, t, n_team,
+                                   unit_rows, h)
+            assert _bits_equal(h, want), (unit_rows, n_team)
