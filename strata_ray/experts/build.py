@@ -35,7 +35,6 @@ RING_BYTES = 1 << 30
 # auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
 # of physical memory (the OS, the page cache of the dense weights, other processes)
 PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2
-PROFILE_SAVE_EVERY = 256  # windows between learned-profile saves while serving
 
 
 def _warm_gdn_step(hp, device) -> None:

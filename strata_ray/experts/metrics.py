@@ -1,7 +1,8 @@
 """Expert-tier counters: plain numbers always, mirrored to ray.util.metrics when running inside Ray.
 
 Decode windows only (prompt chunks are counted apart): hits per tier, CPU entries, swaps, and the host
-and CPU-pool time per generated token. Ray metrics are pushed every FLUSH_WINDOWS windows, not per layer.
+and CPU-pool time per generated token. Ray metrics are pushed every FLUSH_WINDOWS windows, not per layer,
+and at the end of each request (ExpertTiers.finish).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class TierCounts:
     def hit_rate(self) -> float:
         return self.slot_hits / self.entries if self.entries else 0.0
 
+    def tier_rates(self) -> dict[str, float]:
+        """The share of decode entries each tier computed: the cache slots, the CPU, the GPU over PCIe."""
+        n = self.entries
+        return {"cache": self.hit_rate, "cpu": self.cpu_entries / n if n else 0.0,
+                "pcie": self.pcie_entries / n if n else 0.0}
+
     def per_token_ms(self, seconds: float) -> float:
         return 1e3 * seconds / self.tokens if self.tokens else 0.0
 
@@ -72,8 +79,7 @@ class TierMetrics:
         return {
             **asdict(c),
             "hit_rate": c.hit_rate,
-            "tier_rates": {"cache": c.hit_rate, "cpu": c.cpu_entries / c.entries if c.entries else 0.0,
-                           "pcie": c.pcie_entries / c.entries if c.entries else 0.0},
+            "tier_rates": c.tier_rates(),
             "host_ms_per_token": c.per_token_ms(c.host_seconds),
             "cpu_ms_per_token": c.per_token_ms(c.cpu_seconds),
             "wait_ms_per_token": c.per_token_ms(c.wait_seconds),
@@ -125,6 +131,9 @@ class _RayTierMetrics:
         self.loaned = Counter("strata_expert_loaned",
                               description="pairs copied into the prompt ring's slots lent to the decode")
         self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
+        self.tier_rate = Gauge(
+            "strata_expert_tier_rate", tag_keys=("tier",),
+            description="share of decode entries each tier computed since start (cache, cpu, pcie)")
         self.host_ms = Gauge("strata_expert_host_ms_per_token", description="host time per decode token")
         self.cpu_ms = Gauge("strata_expert_cpu_ms_per_token", description="CPU-pool time per decode token")
         self.wait_ms = Gauge("strata_expert_wait_ms_per_token",
@@ -138,6 +147,8 @@ class _RayTierMetrics:
             if delta > 0:
                 getattr(self, name).inc(delta)
         self.hit_rate.set(now.hit_rate)
+        for tier, rate in now.tier_rates().items():
+            self.tier_rate.set(rate, tags={"tier": tier})
         self.host_ms.set(now.per_token_ms(now.host_seconds))
         self.cpu_ms.set(now.per_token_ms(now.cpu_seconds))
         self.wait_ms.set(now.per_token_ms(now.wait_seconds))

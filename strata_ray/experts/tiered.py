@@ -670,6 +670,7 @@ class TieredExperts:
             self._land()
             self._schedule(self.rounds.drain())
         self._land()
+        self.metrics.flush()  # the request's counts to Ray's metrics now: a short request flushes no window
 
     # -- the learned profile ---------------------------------------------------------------------------
     def learned_profile(self) -> Profile:

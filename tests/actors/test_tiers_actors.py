@@ -21,6 +21,7 @@ import sys
 import termios
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ import pytest
 from strata_ray.experts.profile import Profile, check_shape, read_profile, write_profile
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
-from tests.actors.ray_head import REPO, client_env, ray_head
+from tests.actors.ray_head import REPO, client_env, free_port, ray_head
 
 PROMPT_IDS = "5,17,101,42,250,7,64,3"
 MAX_TOKENS = 10
@@ -38,6 +39,9 @@ FILL_LINE = re.compile(
 )
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiers_actors")
@@ -45,7 +49,7 @@ def cluster(tmp_path_factory):
     def write_model():
         write_synth(model, arch="qwen3next", preset="tiny", progress=False)
 
-    with ray_head(tmp, while_starting=write_model) as address:
+    with ray_head(tmp, while_starting=write_model, metrics_port=METRICS_PORT) as address:
         yield address, str(model)
 
 
@@ -141,6 +145,50 @@ def test_json_reports_the_tiers(runs):
     assert 0 < partial["tier_rates"]["cache"] < 1 and partial["swaps"] == 0
     for name in ("cache 0", "all cached", "profile"):
         assert runs[name][1]["experts"]["coordinator"]["rounds"] == 0  # no rounds without a partial cache
+
+
+def _scrape(name: str, timeout: float = 30.0) -> list[tuple[dict, float]]:
+    """The node's Prometheus series of the Ray metric `name` (ray.util.metrics add the "ray_" prefix):
+    (labels, value) each; waits until at least one is there."""
+    pattern = re.compile(r"^ray_" + name + r"\{(.*)\} (\S+)$")
+    deadline = time.monotonic() + timeout
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+        series = [(dict(re.findall(r'(\w+)="([^"]*)"', m[1])), float(m[2]))
+                  for m in map(pattern.match, body.splitlines()) if m]
+        if series or time.monotonic() > deadline:
+            return series
+        time.sleep(0.5)
+
+
+def test_the_tiers_reach_rays_metrics(runs, cluster):
+    """Each run's primary pushes its tier counters to ray.util.metrics at the end of its request (10 tokens:
+    fewer than a flush's 16 windows), where the node's Prometheus endpoint serves them: a series a worker,
+    each run's counters equal to its JSON; and the share of each tier as a gauge tagged by tier (read just
+    after a run of its own: the node drops a dead worker's gauges after a while, not its counters)."""
+    cpu = [v for _, v in _scrape("strata_expert_cpu_entries_total")]
+    assert runs["cache 0"][1]["experts"]["cpu_entries"] in cpu, cpu
+    hits = [v for _, v in _scrape("strata_expert_slot_hits_total")]
+    assert runs["all cached"][1]["experts"]["slot_hits"] in hits, hits
+    swaps = [v for _, v in _scrape("strata_expert_swaps_total")]
+    assert runs["adaptive"][1]["experts"]["swaps"] in swaps, swaps
+    address, model = cluster
+    r = run_cli(address, "--model", model, "--device", "cpu", "--expert-cache", "0")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 30
+    while True:  # the fresh run's series: every entry on the CPU
+        rates = _scrape("strata_expert_tier_rate")
+        workers = {labels["WorkerId"] for labels, v in rates if labels["tier"] == "cpu" and v == 1.0}
+        if workers or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(workers) == 1, rates
+    worker = workers.pop()
+    mine = {labels["tier"]: v for labels, v in rates if labels["WorkerId"] == worker}
+    assert mine == {"cache": 0.0, "cpu": 1.0, "pcie": 0.0}
+    assert [v for labels, v in _scrape("strata_expert_hit_rate") if labels["WorkerId"] == worker] == [0.0]
+    host = [v for labels, v in _scrape("strata_expert_host_ms_per_token") if labels["WorkerId"] == worker]
+    assert len(host) == 1 and host[0] > 0
 
 
 def test_adaptive_rounds_run_in_the_coordinator_actor(runs):
