@@ -47,7 +47,8 @@ def main() -> None:
     lay = random_layer(rng, n_expert, E, N_FF, (Q4_0, Q4_0, Q4_0), from_floats=False)
     gate, up = readonly_blocks(lay.gate), readonly_blocks(lay.up)
     xq, xd, xs = quantize_act_sums(rng.standard_normal((1, E)).astype(np.float32))
-    print(f"one core, Q4_0, E {E}, n_ff {N_FF}; {n_expert} experts ({'from DRAM' if args.cold else 'cached'})")
+    where = "from DRAM" if args.cold else "cached"
+    print(f"one core, Q4_0, E {E}, n_ff {N_FF}; {n_expert} experts ({where})")
     for m in (int(v) for v in args.entries.split(",")):
         tok = np.zeros(m, np.int64)
         ents = np.arange(m, dtype=np.int64)
@@ -56,11 +57,11 @@ def main() -> None:
         per_row = {}
         for unit_rows in (ROWS, HALF_ROWS, ROWS, HALF_ROWS):  # twice each, interleaved: the second counts
             times = []
-            for r in range(args.reps):
+            for _ in range(args.reps):
                 g_exp = np.sort(rng.choice(n_expert, m, replace=False)).astype(np.int64)
                 t = time.perf_counter()
-                gate_up_rows_share(gate, Q4_0, up, Q4_0, xq, xd, xs, tok, ents, g_start, g_exp, 0, 1, unit_rows,
-                                   h)
+                gate_up_rows_share(gate, Q4_0, up, Q4_0, xq, xd, xs, tok, ents, g_start, g_exp, 0, 1,
+                                   unit_rows, h)
                 times.append(time.perf_counter() - t)
             per_row[unit_rows] = float(np.median(times)) / (m * N_FF) * 1e6  # us a gate+up row pair
         print(f"{m} CPU entries: us a gate+up row: whole tiles {per_row[ROWS]:.4f}, half tiles "

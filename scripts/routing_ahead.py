@@ -1,7 +1,8 @@
-"""How well a decode layer's routing is known ahead of time, on a real (trained) model: the evidence for copying
-experts ahead of the routing, and for doing so a layer earlier.
+"""How well a decode layer's routing is known ahead of time, on a real (trained) model: the evidence for
+copying experts ahead of the routing, and for doing so a layer earlier.
 
-    PYTHONPATH=. python scripts/routing_ahead.py [--model M.gguf] [--tokens 128] [--prompt-tokens 256] [--ahead 2]
+    PYTHONPATH=. python scripts/routing_ahead.py [--model M.gguf] [--tokens 128] [--prompt-tokens 256]
+        [--ahead 2]
 
 Greedy decode on the CPU (the reference forward, float experts); at each token and layer l it compares the
 layer's routed experts with three predictions, each the router of the layer predicted (its own norm) applied
