@@ -74,24 +74,17 @@ def gate_up_rows_share(gate, gtype, up, utype, aq, ad, asum, tok, ents, g_start,
     over 15 members in half tiles: 64 units, at most 5 a member against 4 for member 0, where whole tiles
     (32) gave two members 3 against member 0's 2, a whole tile (~11 us on the H200 host) that member 0
     waited at the barrier (session 29). quant_share then requantizes h: the same values, the same bits."""
-    n_ff = gate.shape[1]
+    tiles = gate.shape[1] // unit_rows
+    g_acc, u_acc = np.empty((ents.shape[0], unit_rows), f32), np.empty((ents.shape[0], unit_rows), f32)
     arow = np.empty(ents.shape[0], np.int64)
-    if unit_rows == ROWS:
-        g_acc, u_acc = np.empty((ents.shape[0], ROWS), f32), np.empty((ents.shape[0], ROWS), f32)
-        tiles = n_ff // ROWS
-        k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
-        for k in range(k0, k1):
-            g, r0 = k // tiles, (k % tiles) * ROWS
-            _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ents[g_start[g]:g_start[g + 1]], g_exp[g],
-                         r0, arow, g_acc, u_acc, h)
-        return
-    g_acc, u_acc = np.empty((ents.shape[0], HALF_ROWS), f32), np.empty((ents.shape[0], HALF_ROWS), f32)
-    tiles = n_ff // HALF_ROWS
     k0, k1 = _share(g_exp.shape[0] * tiles, t, n_threads)
     for k in range(k0, k1):
-        g, r0 = k // tiles, (k % tiles) * HALF_ROWS
+        g, r0 = k // tiles, (k % tiles) * unit_rows
         ent = ents[g_start[g]:g_start[g + 1]]
-        n = ent.shape[0]
+        if unit_rows == ROWS:
+            _swiglu_rows(gate, gtype, up, utype, aq, ad, asum, tok, ent, g_exp[g], r0, arow, g_acc, u_acc, h)
+            continue
+        n = ent.shape[0]  # a half tile: _swiglu_rows' steps over tile_sums_half
         for j in range(n):
             arow[j] = tok[ent[j]]
         tile_sums_half(gate[g_exp[g]], r0, gtype, aq, ad, asum, arow[:n], g_acc)
