@@ -119,6 +119,38 @@ def auto_pin_gib() -> float:
     return max(0.0, (available - leave) / 2**30)
 
 
+def precompile_in_background(device: str):
+    """On CUDA, start a process for each CPU kernel form numba's cache lacks (kernels/precompile.start), so
+    that on a fresh install they compile beside the load and each other instead of one after another in
+    this process (~5 minutes on the H200 host, most of it the decode worker's forms, which otherwise
+    compile in the decode graphs' stage). None where nothing is gained: not CUDA, fewer than two cold
+    forms, fewer than three cores (the load needs one), or STRATA_PRECOMPILE=0."""
+    if torch.device(device).type != "cuda" or os.environ.get("STRATA_PRECOMPILE", "1") == "0":
+        return None
+    from strata_ray.kernels import precompile
+    from strata_ray.kernels.cpu_pool import cpu_count
+
+    if cpu_count() < 3:
+        return None
+    n_threads = max(1, cpu_count() - 1)  # TieredExperts' pool on CUDA
+    cold = precompile.cold_forms(precompile.forms_for(n_threads))
+    if len(cold) < 2:
+        return None
+    log.info("compiling the CPU kernels' forms %s in %d processes beside the load", ", ".join(cold),
+             len(cold))
+    return precompile.start(cold, n_threads)
+
+
+def _join_precompile(background) -> None:
+    """Wait for precompile_in_background's processes; a failed one only means that form compiles here."""
+    if background is None:
+        return
+    steps = background.wait()
+    log.info("CPU kernels precompiled: %s", "; ".join(f"{s.label} {s.seconds:.1f} s" for s in steps))
+    for form, why in background.failed.items():
+        log.warning("the %s kernels' precompile process failed (%s); they compile in this process", form, why)
+
+
 def _decode_graphs(config, model, stage) -> None:
     """On CUDA, capture the one-token dense segments now (a second or so) rather than in the first request."""
     if model.device.type != "cuda" or not config.decode_graphs:
@@ -156,6 +188,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
         _decode_graphs(config, loaded.model, stage)
         return loaded, None
     stage("dense weights")
+    background = precompile_in_background(device)
     with torch.inference_mode():
         # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
         quantized = config.dense_q8 and torch.device(device).type == "cuda"
@@ -165,6 +198,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
                                      blocks=blocks)
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
     stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
+    _join_precompile(background)
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     _warm_gdn_step(file.hparams, device)
     stage("tokenizer")

@@ -1,17 +1,18 @@
 """kernels/precompile: every CPU kernel form compiles through the engine's own wrappers, once."""
 
+import os
 import subprocess
 import sys
 
 from strata_ray.kernels import expert_cpu_kernels, expert_cpu_token
 from strata_ray.kernels.cpu_token_rows import team_layer_ok
-from strata_ray.kernels.precompile import precompile
+from strata_ray.kernels.precompile import FORMS, cold_forms, forms_for, precompile, run_parallel
 
 
 def test_precompile_runs_every_form_and_each_kernel_has_one_signature():
     forms = [name for name, seconds in precompile(2)]
-    assert forms[:4] == ["expert rows, one thread, quantized", "expert rows, the pool, quantized",
-                         "expert rows, one thread, float", "expert rows, the pool, float"]
+    assert forms[:4] == ["expert rows, one thread, quantized", "expert rows, one thread, float",
+                         "expert rows, the pool, quantized", "expert rows, the pool, float"]
     assert forms[4:6] == ["decode worker, one thread a layer", "decode worker, a parallel region a layer"]
     assert ("decode worker, one team a token" in forms) == team_layer_ok()
     # one compiled signature each, in this whole test session too: every caller passes the same types
@@ -35,3 +36,61 @@ def test_the_command_prints_each_form_and_refuses_a_bad_flag():
     assert lines[0].startswith("expert rows, one thread, quantized: ") and lines[-1].startswith(
         "CPU kernels compiled (or loaded from the cache) in ")
     assert not any("team" in line for line in lines)  # one thread: no team form
+
+
+def _cold_in(cache_dir) -> str:
+    """cold_forms of every form, in a fresh process whose numba cache is the given (empty) folder."""
+    code = ("from strata_ray.kernels.precompile import FORMS, cold_forms; "
+            "print(','.join(cold_forms(FORMS)))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_cold_forms_reads_numbas_cache(tmp_path):
+    precompile(2)  # this session's cache now holds every form this host runs
+    assert cold_forms(forms_for(2)) == ()
+    assert _cold_in(tmp_path) == ",".join(FORMS)  # an empty cache: every form is cold, nothing compiled
+    assert not any(tmp_path.rglob("*.nbc"))
+
+
+def test_forms_compile_in_processes_of_their_own():
+    precompile(2)  # warm: each process loads its form from the cache (seconds), the same machinery
+    steps, failed = run_parallel(("worker", "rows-one"), 2, 2)
+    assert failed == {}
+    assert [s.label for s in steps] == [  # FORMS order, whichever process ended first
+        "expert rows, one thread, quantized", "expert rows, one thread, float",
+        "decode worker, one thread a layer", "decode worker, a parallel region a layer"]
+    assert all(s.seconds >= 0 for s in steps)
+    # a process that fails is reported with its last line, and the others' steps are kept
+    steps, failed = run_parallel(("rows-one", "team"), 1, 2)  # team with one thread: refused by its process
+    assert list(failed) == ["team"] and "needs --threads >= 2" in failed["team"]
+    assert [s.label for s in steps] == ["expert rows, one thread, quantized",
+                                        "expert rows, one thread, float"]
+
+
+def test_the_command_refuses_a_bad_form_or_job_count():
+    run = [sys.executable, "-m", "strata_ray.kernels.precompile"]
+    for flags, message in ((["--forms", "rows-one,bogus"], "--forms: unknown form 'bogus'"),
+                           (["--jobs", "0"], "--jobs must be at least 1"),
+                           (["--threads", "1", "--forms", "team"], "--forms team needs --threads >= 2")):
+        r = subprocess.run([*run, *flags], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and message in r.stderr.splitlines()[-1], (flags, r.stderr)
+
+
+def test_the_engine_precompiles_in_the_background_only_where_it_gains(monkeypatch):
+    from strata_ray.experts import build
+
+    assert build.precompile_in_background("cpu") is None  # the CPU engine compiles its one or two forms
+    precompile(2)
+    monkeypatch.setattr("strata_ray.kernels.cpu_pool.cpu_count", lambda: 16)
+    assert build.precompile_in_background("cuda") is None  # every form cached: nothing to start
+    # two forms the cache lacks (as numba would say on a fresh install): a process each, joined by the load
+    monkeypatch.setattr("strata_ray.kernels.precompile.cold_forms", lambda forms: ("rows-one", "worker"))
+    background = build.precompile_in_background("cuda")
+    assert sorted(background.procs) == ["rows-one", "worker"]
+    build._join_precompile(background)
+    assert background.failed == {} and all(p.returncode == 0 for p in background.procs.values())
+    monkeypatch.setenv("STRATA_PRECOMPILE", "0")
+    assert build.precompile_in_background("cuda") is None
