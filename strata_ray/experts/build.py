@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -141,10 +142,15 @@ def precompile_in_background(device: str):
     return precompile.start(cold, n_threads)
 
 
-def _join_precompile(background) -> None:
-    """Wait for precompile_in_background's processes; a failed one only means that form compiles here."""
+def _join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -> None:
+    """Wait for precompile_in_background's processes, the load stage counting the forms done; a failed one
+    only means that form compiles here."""
     if background is None:
         return
+    n = len(background.procs)
+    while (done := background.n_done()) < n:
+        stage(f"compiling kernels ({done} of {n} forms)")
+        time.sleep(poll_s)
     steps = background.wait()
     log.info("CPU kernels precompiled: %s", "; ".join(f"{s.label} {s.seconds:.1f} s" for s in steps))
     for form, why in background.failed.items():
@@ -198,7 +204,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
                                      blocks=blocks)
     tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
     stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
-    _join_precompile(background)
+    _join_precompile(background, stage)
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     _warm_gdn_step(file.hparams, device)
     stage("tokenizer")

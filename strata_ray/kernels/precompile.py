@@ -132,8 +132,12 @@ class Background:
         self.procs = procs
         self.failed: dict[str, str] = {}  # form -> the last line its process wrote to stderr
 
+    def n_done(self) -> int:
+        """How many of the processes have ended."""
+        return sum(p.poll() is not None for p in self.procs.values())
+
     def done(self) -> bool:
-        return all(p.poll() is not None for p in self.procs.values())
+        return self.n_done() == len(self.procs)
 
     def wait(self) -> list[Form]:
         """Each process's steps, in the order of `procs`. A process that failed is listed in `failed` (its
