@@ -195,16 +195,21 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
         return loaded, None
     stage("dense weights")
     background = precompile_in_background(device)
-    with torch.inference_mode():
-        # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
-        quantized = config.dense_q8 and torch.device(device).type == "cuda"
-        # on the CPU with cpu_dense_blocks: every quantized matrix as its blocks (kernels/dense_blocks)
-        blocks = config.cpu_dense_blocks and torch.device(device).type == "cpu"
-        weights = load_dense_weights(file, device=device, include_experts=False, quantized=quantized,
-                                     blocks=blocks)
-    tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
-    stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
-    _join_precompile(background, stage)
+    try:
+        with torch.inference_mode():
+            # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
+            quantized = config.dense_q8 and torch.device(device).type == "cuda"
+            # on the CPU with cpu_dense_blocks: every quantized matrix as its blocks (kernels/dense_blocks)
+            blocks = config.cpu_dense_blocks and torch.device(device).type == "cpu"
+            weights = load_dense_weights(file, device=device, include_experts=False, quantized=quantized,
+                                         blocks=blocks)
+        tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
+        stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
+        _join_precompile(background, stage)
+    except BaseException:  # a failed load leaves no compiler running behind it
+        if background is not None:
+            background.kill()
+        raise
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     _warm_gdn_step(file.hparams, device)
     stage("tokenizer")

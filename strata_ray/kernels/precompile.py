@@ -51,6 +51,9 @@ _FORM_KERNELS = {
 }
 
 
+PARENT_ENV = "STRATA_PRECOMPILE_PARENT"  # set by `start`: the pid its processes end with
+
+
 class Form(NamedTuple):
     label: str  # what the command prints
     seconds: float
@@ -139,6 +142,13 @@ class Background:
     def done(self) -> bool:
         return self.n_done() == len(self.procs)
 
+    def kill(self) -> None:
+        """End the processes still running (the caller failed: their forms are not waited for)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
     def wait(self) -> list[Form]:
         """Each process's steps, in the order of `procs`. A process that failed is listed in `failed` (its
         form then compiles in the caller on first use, as without a precompile). Never raises."""
@@ -164,10 +174,29 @@ def start(forms: tuple[str, ...], n_threads: int) -> Background:
         form: subprocess.Popen(
             [sys.executable, "-m", "strata_ray.kernels.precompile", "--threads", str(n_threads),
              "--jobs", "1", "--forms", form],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, PARENT_ENV: str(os.getpid())})
         for form in forms
     }
     return Background(procs)
+
+
+def _end_with_parent(parent: int) -> None:
+    """In a `start` process: on Linux, SIGTERM when the parent dies (a killed actor or driver), so no compile
+    outlives the run that asked for it; set here rather than between fork and exec (preexec_fn), which is
+    unsafe in a parent with threads. A parent gone before this line: exit now. Elsewhere nothing: those
+    processes exit when their compile ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        sys.exit(1)
 
 
 def run_parallel(forms: tuple[str, ...], n_threads: int, jobs: int) -> tuple[list[Form], dict[str, str]]:
@@ -205,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated forms to compile, of {', '.join(FORMS)} (default: every form "
                              "the thread count uses)")
     args = parser.parse_args(argv)
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        _end_with_parent(int(os.environ[PARENT_ENV]))
     if args.threads < 1:
         parser.error("--threads must be at least 1")
     jobs = (os.cpu_count() or 1) if args.jobs is None else args.jobs

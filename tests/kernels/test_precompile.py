@@ -3,10 +3,11 @@
 import os
 import subprocess
 import sys
+import time
 
 from strata_ray.kernels import expert_cpu_kernels, expert_cpu_token
 from strata_ray.kernels.cpu_token_rows import team_layer_ok
-from strata_ray.kernels.precompile import FORMS, cold_forms, forms_for, precompile, run_parallel
+from strata_ray.kernels.precompile import FORMS, cold_forms, forms_for, precompile, run_parallel, start
 
 
 def test_precompile_runs_every_form_and_each_kernel_has_one_signature():
@@ -97,3 +98,35 @@ def test_the_engine_precompiles_in_the_background_only_where_it_gains(monkeypatc
     assert background.failed == {} and all(p.returncode == 0 for p in background.procs.values())
     monkeypatch.setenv("STRATA_PRECOMPILE", "0")
     assert build.precompile_in_background("cuda") is None
+
+
+def test_a_killed_background_leaves_no_process():
+    background = start(("rows-one",), 1)
+    background.kill()  # a load that failed: nothing left compiling behind it
+    assert all(p.returncode is not None and p.returncode != 0 for p in background.procs.values())
+
+
+def test_the_processes_end_with_their_parent(tmp_path):
+    """A precompile process outliving its parent (a killed actor) ends too: SIGTERM on the parent's death.
+    Its cache is empty, so its compile alone would take half a minute or more."""
+    code = ("import sys, os; from strata_ray.kernels.precompile import start; "
+            "bg = start(('rows-one',), 1); print(bg.procs['rows-one'].pid, flush=True); "
+            "import time; time.sleep(float(sys.argv[1])); os._exit(0)")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    for delay in ("0", "4"):  # the parent gone before the child's guard, and after it
+        r = subprocess.run([sys.executable, "-c", code, delay], capture_output=True, text=True, timeout=120,
+                           env=env)
+        child = int(r.stdout.split()[0])
+        deadline = time.monotonic() + 15
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child), f"the precompile process {child} outlived its parent (delay {delay} s)"
+
+
+def _alive(pid: int) -> bool:
+    """A process that has not exited (a zombie has: its parent, reaped by init, is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
