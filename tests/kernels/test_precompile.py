@@ -130,3 +130,25 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_failed_load_kills_its_precompile(monkeypatch):
+    """The CUDA load on a host without CUDA fails at its dense weights, after starting the precompile: no
+    process is left compiling behind the error."""
+    import pytest
+    import torch
+
+    from strata_ray.config import EngineConfig
+    from strata_ray.experts import build
+    from strata_ray.kernels import precompile as pc
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a host where the CUDA load fails")
+    started = []
+    real_start = pc.start
+    monkeypatch.setattr(pc, "start", lambda forms, n: started.append(real_start(forms, n)) or started[-1])
+    monkeypatch.setattr("strata_ray.kernels.cpu_pool.cpu_count", lambda: 16)
+    monkeypatch.setattr(pc, "cold_forms", lambda forms: ("rows-one", "worker"))
+    with pytest.raises((RuntimeError, AssertionError)):
+        build.load_tiered_model(EngineConfig(), "cuda")
+    assert len(started) == 1 and all(p.returncode not in (None, 0) for p in started[0].procs.values())
