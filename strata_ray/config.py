@@ -454,7 +454,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # share's copy, kernels/gather_copy; STRATA_DECODE_WARM: the worker reads each layer's predicted CPU rows
 # ahead, experts/decode_pipeline; STRATA_TEAM_FORM: the decode worker's team form, gather, dynamic or counter,
 # experts/decode_pipeline; STRATA_DOWN_PREFETCH: the team's down units prefetched, experts/decode_pipeline;
-# STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline)
+# STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline;
+# STRATA_MMA_KQUANT_CTAS: the CTAs an SM the K-quant prompt rows' registers are capped for,
+# kernels/expert_mma_cuda)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -476,6 +478,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_TEAM_FORM": _choice("gather", "dynamic", "counter"),
     "STRATA_DOWN_PREFETCH": _choice("0", "1"),
     "STRATA_TEAM_UNITS": _choice("half", "whole"),
+    "STRATA_MMA_KQUANT_CTAS": int_range(1, 4),
 }
 
 

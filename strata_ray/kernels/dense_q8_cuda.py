@@ -261,11 +261,15 @@ def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
     return max(1, min(65536 // regs_a_warp // WARPS, 233472 // (shared_bytes + 1024), 64 // WARPS))
 
 
+def build_options(k: int, rpw: int, tt: int, scaled: bool = False, offset: bool = False) -> tuple[str, ...]:
+    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline)."""
+    return ("--fmad=false", f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}",
+            f"-DTT={tt}", f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}")
+
+
 @functools.cache
 def _kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
-    defines = (f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}", f"-DTT={tt}",
-               f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}")
-    return nvrtc.build(_SOURCE, "q8_gemv", ("--fmad=false", *defines), device)
+    return nvrtc.build(_SOURCE, "q8_gemv", build_options(k, rpw, tt, scaled, offset), device)
 
 
 def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):

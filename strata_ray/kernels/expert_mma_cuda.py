@@ -112,7 +112,15 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 #define W_BYTES (BN * WST)
 #define S_BYTES (A_BYTES + W_BYTES + 2 * BT * KB * 4)   // + the entries' block scales and code sums
 
-extern "C" __global__ void __launch_bounds__(128) expert_mma(
+// MIN_CTAS (STRATA_MMA_KQUANT_CTAS, K-quants only): CTAs an SM the registers are capped for; unset, the
+// compiler's choice (Q4_K / Q6_K: 244-255 registers, 2 CTAs an SM; scripts/cuda_resources.py)
+#ifdef MIN_CTAS
+#define MMA_BOUNDS __launch_bounds__(128, MIN_CTAS)
+#else
+#define MMA_BOUNDS __launch_bounds__(128)
+#endif
+
+extern "C" __global__ void MMA_BOUNDS expert_mma(
     const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
@@ -395,6 +403,23 @@ def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
     return geometry(k, wtype) is not None and r % BN == 0 and 1 <= bt <= BT
 
 
+def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1) -> tuple[str, ...]:
+    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); min_ctas > 1:
+    registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's)."""
+    cap = (f"-DMIN_CTAS={min_ctas}",) if min_ctas > 1 else ()
+    return ("--fmad=false", *defines(geo, two, wtype), *cap)
+
+
+def min_ctas(wtype: int) -> int:
+    """STRATA_MMA_KQUANT_CTAS (1-4, default 1: the compiler's choice) for Q4_K / Q6_K, else 1. The K-quant
+    forms take 244-255 registers, so an SM holds 2 of their CTAs (8 warps) against 4 for Q4_0 / Q8_0 (127
+    registers), and their prompt rows ran at 46-49 int8 TOP/s against Q4_0's 81 (session 18). Offline
+    (ptxas, session 31), 3 caps them at 168 registers with 4-12 bytes of spills; 4 spills ~470 bytes. An
+    A/B switch until the GPU has timed it; the bits do not depend on it (register allocation only)."""
+    raw = os.environ.get("STRATA_MMA_KQUANT_CTAS", "")
+    return int(raw) if raw and wtype in (Q4_K, Q6_K) else 1
+
+
 def defines(geo: Geometry, two: bool, wtype: int) -> tuple[str, ...]:
     """The kernel's -D options for that geometry and type."""
     return (f"-DNB={geo.nb}", f"-DKB={geo.kb}", f"-DBB={geo.bb}", f"-DSTAGE={geo.stage}", f"-DCPB={geo.cpb}",
@@ -403,9 +428,9 @@ def defines(geo: Geometry, two: bool, wtype: int) -> tuple[str, ...]:
 
 
 @functools.cache
-def _kernel(k: int, two: bool, device: int, wtype: int, kb: int):
+def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1):
     geo = _geometry(k, wtype, kb)
-    kern = nvrtc.build(_SOURCE, "expert_mma", ("--fmad=false", *defines(geo, two, wtype)), device)
+    kern = nvrtc.build(_SOURCE, "expert_mma", build_options(geo, two, wtype, ctas), device)
     import cupy
 
     with cupy.cuda.Device(device):
@@ -415,7 +440,7 @@ def _kernel(k: int, two: bool, device: int, wtype: int, kb: int):
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
-    key = (k, two, device, wtype, geometry(k, wtype).kb)
+    key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype))
     return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
                                "the Triton prompt tile takes their launches (the same bits)")
 

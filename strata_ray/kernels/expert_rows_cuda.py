@@ -433,13 +433,17 @@ def _lanes(nu: int) -> int:
     return min(32, nu & -nu)
 
 
-@functools.cache
-def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
+def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0) -> tuple[str, ...]:
+    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline)."""
     wpr, nb, g, wl, npl = geometry(k, wtype)
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
-    defines = (f"-DWPR={wpr}", f"-DNB={nb}", f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}",
-               f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
-    return nvrtc.build(_SOURCE, "expert_rows", ("--fmad=false", *defines), device)
+    return ("--fmad=false", f"-DWPR={wpr}", f"-DNB={nb}", f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}",
+            f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
+
+
+@functools.cache
+def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
+    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype), device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0):
