@@ -117,7 +117,7 @@ def ctas_an_sm(regs: int, threads: int, smem: int) -> tuple[int, str]:
     return bounds[limit], limit
 
 
-def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1):
+def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas: int = 1):
     """(kernel, what, source, name, options, threads, dynamic shared bytes) of each form the engine launches
     at Qwen3-Next-80B-A3B's shapes."""
     names = {v: k for k, v in TYPES.items()}
@@ -147,8 +147,8 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1):
             for n_tok in (1, 4):
                 rpw_g, tt = dense_q8_cuda.rows_a_group(n, k, SMS), dense_q8_cuda.tokens_a_cta(k, n_tok)
                 yield ("gemv", f"{n}x{k} tokens={n_tok}", dense_q8_cuda._SOURCE, "q8_gemv",
-                       dense_q8_cuda.build_options(k, rpw_g, tt), dense_q8_cuda.WARPS * 32,
-                       dense_q8_cuda.x_bytes(k) * tt)
+                       dense_q8_cuda.build_options(k, rpw_g, tt, min_ctas=gemv_ctas),
+                       dense_q8_cuda.WARPS * 32, dense_q8_cuda.x_bytes(k) * tt)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kquant-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="the K-quant prompt rows compiled for N CTAs an SM (STRATA_MMA_KQUANT_CTAS; "
                     "default 1: the compiler's choice)")
+    ap.add_argument("--gemv-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
+                    help="the dense GEMV compiled for N CTAs an SM (STRATA_GEMV_MIN_CTAS; default 1)")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"sm_\d+a?", args.arch):
         ap.error(f"--arch: invalid value {args.arch!r} (e.g. sm_90)")
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':5s} {'form':34s} {'regs':>4s} {'spill':>9s} {'smem':>7s} {'thr':>4s} "
           f"{'CTAs/SM':>7s} {'warps/SM':>8s}  bound")
     types = [TYPES[t] for t in args.types.split(",")]
-    for kernel, what, source, name, options, threads, dyn in forms(kernels, types, args.kquant_ctas):
+    for kernel, what, source, name, options, threads, dyn in forms(kernels, types, args.kquant_ctas,
+                                                                   args.gemv_ctas):
         res = comp.resources(source, name, options)
         smem = res["smem"] + dyn
         ctas, bound = ctas_an_sm(res["regs"], threads, smem)

@@ -456,7 +456,7 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # experts/decode_pipeline; STRATA_DOWN_PREFETCH: the team's down units prefetched, experts/decode_pipeline;
 # STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline;
 # STRATA_MMA_KQUANT_CTAS: the CTAs an SM the K-quant prompt rows' registers are capped for,
-# kernels/expert_mma_cuda)
+# kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -479,6 +479,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_DOWN_PREFETCH": _choice("0", "1"),
     "STRATA_TEAM_UNITS": _choice("half", "whole"),
     "STRATA_MMA_KQUANT_CTAS": int_range(1, 4),
+    "STRATA_GEMV_MIN_CTAS": int_range(1, 4),
 }
 
 

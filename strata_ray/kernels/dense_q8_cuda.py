@@ -111,7 +111,14 @@ __device__ __forceinline__ void load_group(Group& grp, const signed char* __rest
 
 // A CTA: token group tg (TT tokens, the fastest grid axis), its warps each a contiguous run of row groups
 // (balanced to within one), the next group's loads issued before the current one's arithmetic.
-extern "C" __global__ void __launch_bounds__(WARPS * 32) q8_gemv(
+// MIN_CTAS (STRATA_GEMV_MIN_CTAS): CTAs an SM the registers are capped for; unset, the compiler's choice
+// (a 4096-wide row at one token: 124 registers, 2 CTAs an SM; scripts/cuda_resources.py)
+#ifdef MIN_CTAS
+#define GEMV_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
+#else
+#define GEMV_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+extern "C" __global__ void GEMV_BOUNDS q8_gemv(
     const float* __restrict__ X, const signed char* __restrict__ QS, const unsigned short* __restrict__ D,
     const float* __restrict__ S, const float* __restrict__ B, float* __restrict__ OUT, int n_tok, int N,
     int n_tg)
@@ -261,22 +268,35 @@ def ctas_an_sm(num_regs: int, shared_bytes: int) -> int:
     return max(1, min(65536 // regs_a_warp // WARPS, 233472 // (shared_bytes + 1024), 64 // WARPS))
 
 
-def build_options(k: int, rpw: int, tt: int, scaled: bool = False, offset: bool = False) -> tuple[str, ...]:
-    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline)."""
+def build_options(k: int, rpw: int, tt: int, scaled: bool = False, offset: bool = False,
+                  min_ctas: int = 1) -> tuple[str, ...]:
+    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); min_ctas > 1:
+    registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's)."""
+    cap = (f"-DMIN_CTAS={min_ctas}",) if min_ctas > 1 else ()
     return ("--fmad=false", f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}",
-            f"-DTT={tt}", f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}")
+            f"-DTT={tt}", f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}", *cap)
+
+
+def min_ctas() -> int:
+    """STRATA_GEMV_MIN_CTAS (1-4, default 1: the compiler's choice). A 4096-wide row at one token takes 124
+    registers, 2 CTAs (16 warps) an SM, and that GEMV ran at 37% of the copy rate against 58.5% for the
+    12352 x 2048 one at 3 CTAs (session 14). Offline (ptxas, session 31), 3 caps it at 80 registers with
+    ~170 bytes of spills. An A/B switch until the GPU has timed it; the GEMV's bits do not depend on it."""
+    raw = os.environ.get("STRATA_GEMV_MIN_CTAS", "")
+    return int(raw) if raw else 1
 
 
 @functools.cache
-def _kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
-    return nvrtc.build(_SOURCE, "q8_gemv", build_options(k, rpw, tt, scaled, offset), device)
+def _kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False,
+            ctas: int = 1):
+    return nvrtc.build(_SOURCE, "q8_gemv", build_options(k, rpw, tt, scaled, offset, ctas), device)
 
 
 def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
     """The compiled kernel for width k, RPW rows a group and TT tokens a CTA on CUDA device `device` (scaled:
     float32 chunk scales, offset: and chunk offsets), or None where it cannot be built (the Triton GEMV or
     the dequantized linear then, after one warning)."""
-    key = (k, rpw, tt, device, scaled, offset)
+    key = (k, rpw, tt, device, scaled, offset, min_ctas())
     return nvrtc.build_or_none(("q8_gemv", *key), lambda: _kernel(*key), "dense GEMV",
                                "the Triton GEMV or the dequantized linear takes its launches")
 
@@ -287,9 +307,10 @@ def _sm_count(device: int) -> int:
 
 
 @functools.cache
-def _wave(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False) -> int:
+def _wave(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False,
+          ctas: int = 1) -> int:
     """CTAs of one wave of that kernel (its registers asked of the driver once)."""
-    kern = _kernel(k, rpw, tt, device, scaled, offset)
+    kern = _kernel(k, rpw, tt, device, scaled, offset, ctas)
     return ctas_an_sm(kern.num_regs, x_bytes(k, offset) * tt) * _sm_count(device)
 
 
@@ -314,7 +335,7 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     shared = x_bytes(k, has_b) * tt
     n_tg = -(-n_tok // tt)
     # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
-    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev, scaled, has_b) // n_tg))
+    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev, scaled, has_b, min_ctas()) // n_tg))
     null = np.uint64(0)
     half, s_ptr = (null, nvrtc.ptr(d)) if scaled else (nvrtc.ptr(d), null)
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), half, s_ptr, nvrtc.ptr(offset) if has_b else null, nvrtc.ptr(out),

@@ -201,3 +201,35 @@ def test_gpu_kernel_gives_the_twins_bits(n, k):
             assert launch_cuda_gemv(xg, w.qs, w.d, out)
             got = out.cpu().numpy()
             assert np.array_equal(got.view(np.int32), want.view(np.int32)), (t, xg.data_ptr() % 16)
+
+
+def test_the_register_cap_is_asked_for_only_where_set(monkeypatch):
+    """STRATA_GEMV_MIN_CTAS adds MIN_CTAS to the options; unset, the options (so the code) are as before."""
+    from strata_ray.kernels import dense_q8_cuda as dqc
+
+    monkeypatch.delenv("STRATA_GEMV_MIN_CTAS", raising=False)
+    assert dqc.min_ctas() == 1
+    assert not any(o.startswith("-DMIN_CTAS") for o in dqc.build_options(4096, 1, 1, min_ctas=dqc.min_ctas()))
+    monkeypatch.setenv("STRATA_GEMV_MIN_CTAS", "3")
+    assert dqc.min_ctas() == 3 and dqc.build_options(4096, 1, 1, min_ctas=3)[-1] == "-DMIN_CTAS=3"
+    assert "#ifdef MIN_CTAS" in dqc._SOURCE and "__launch_bounds__(WARPS * 32, MIN_CTAS)" in dqc._SOURCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(64, 4096), (2200, 2048), (1, 2048)])
+def test_gpu_kernel_with_capped_registers_gives_the_twins_bits(monkeypatch, n, k):
+    """Compiled for 3 CTAs an SM (STRATA_GEMV_MIN_CTAS=3: 80 registers, spills at 4096-wide rows): the same
+    bits as the numpy twin, so the same as without the cap."""
+    pytest.importorskip("cupy")
+    from strata_ray.kernels.dense_q8_cuda import launch_cuda_gemv
+
+    monkeypatch.setenv("STRATA_GEMV_MIN_CTAS", "3")
+    qs, d = _matrix(n, k)
+    w = Q8Weight(torch.from_numpy(qs), torch.from_numpy(d)).to("cuda")
+    rng = np.random.default_rng(n + k)
+    for t in (1, 3, 5):
+        x = rng.standard_normal((t, k)).astype(F32)
+        out = torch.full((t, n), float("nan"), device="cuda")
+        assert launch_cuda_gemv(torch.from_numpy(x).cuda(), w.qs, w.d, out)
+        assert np.array_equal(out.cpu().numpy().view(np.int32), gemv_reference(x, qs, d).view(np.int32)), t
