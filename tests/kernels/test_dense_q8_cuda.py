@@ -121,8 +121,8 @@ def test_launch_geometry(monkeypatch):
 
     launched = []
     monkeypatch.setattr(dqc, "_kernel",
-                        lambda k, rpw, tt, dev, scaled=False, offset=False: types.SimpleNamespace(
-                            num_regs=80, rpw=rpw, tt=tt, scaled=scaled, offset=offset))
+                        lambda k, rpw, tt, dev, scaled=False, offset=False, ctas=1: types.SimpleNamespace(
+                            num_regs=80, rpw=rpw, tt=tt, scaled=scaled, offset=offset, ctas=ctas))
     monkeypatch.setattr(dqc, "_sm_count", lambda dev: 132)
     monkeypatch.setattr(dqc, "_wave", dqc._wave.__wrapped__)
     monkeypatch.setattr(nvrtc, "device_index", lambda t: 0)
@@ -157,6 +157,13 @@ def test_launch_geometry(monkeypatch):
                              offset=torch.zeros(2, 4))
     assert not dqc.launch_cuda_gemv(torch.zeros(1, 48), torch.zeros(2, 48, dtype=torch.int8),
                                     torch.zeros(2, 1, dtype=torch.float16), torch.zeros(1, 2))  # K % 32
+    # STRATA_GEMV_MIN_CTAS reaches the kernel's build (and its wave, from that kernel's registers)
+    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0: launched.append(
+        kern.ctas))
+    monkeypatch.setenv("STRATA_GEMV_MIN_CTAS", "3")
+    dqc.launch_cuda_gemv(torch.zeros(1, 2048), torch.zeros(8, 2048, dtype=torch.int8),
+                         torch.zeros(8, 64, dtype=torch.float16), torch.zeros(1, 8))
+    assert launched.pop() == 3
 
 
 def test_the_switch(monkeypatch):
@@ -172,7 +179,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrt
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
         assert dqc.cuda_gemv_kernel(2048, 1, 1, 0) is None
-    assert tries == [(2048, 1, 1, 0, False, False)]
+    assert tries == [(2048, 1, 1, 0, False, False, 1)]  # the last: STRATA_GEMV_MIN_CTAS (unset: 1)
     assert [r.getMessage() for r in caplog.records] == [
         "the CUDA C dense GEMV could not be built (RuntimeError: nvrtc: error: invalid value for "
         "--gpu-architecture); the Triton GEMV or the dequantized linear takes its launches"]
