@@ -20,7 +20,7 @@ from strata_ray.experts.prefault import available_memory, physical_memory
 from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
-from strata_ray.experts.tiered import LocalRounds, TieredExperts
+from strata_ray.experts.tiered import LocalRounds, TieredExperts, cuda_pool_threads
 
 log = logging.getLogger("strata_ray.experts")
 
@@ -133,7 +133,7 @@ def precompile_in_background(device: str):
 
     if cpu_count() < 3:
         return None
-    n_threads = max(1, cpu_count() - 1)  # TieredExperts' pool on CUDA
+    n_threads = cuda_pool_threads()  # TieredExperts' pool on CUDA: its forms' thread count
     cold = precompile.cold_forms(precompile.forms_for(n_threads))
     if len(cold) < 2:
         return None

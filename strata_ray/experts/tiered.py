@@ -111,6 +111,12 @@ class CoordinatorRounds:
         return swaps
 
 
+
+def cuda_pool_threads() -> int:
+    """The CPU pool's threads on CUDA: every core but one, which the caller's thread keeps launching GPU work
+    on (a pool thread descheduled inside a parallel region would hold the others at its barrier)."""
+    return max(1, cpu_count() - 1)
+
 class TieredExperts:
     def __init__(
         self,
@@ -147,7 +153,7 @@ class TieredExperts:
         # no pool thread is descheduled inside a parallel region (the others would wait at its barrier).
         cuda = self.device.type == "cuda"
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
-        self.pool = pool or (CpuPool(max(1, cpu_count() - 1)) if cuda else default_pool())
+        self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)

@@ -272,9 +272,9 @@ def build_options(k: int, rpw: int, tt: int, scaled: bool = False, offset: bool 
                   min_ctas: int = 1) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); min_ctas > 1:
     registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's)."""
-    cap = (f"-DMIN_CTAS={min_ctas}",) if min_ctas > 1 else ()
     return ("--fmad=false", f"-DK={k}", f"-DCH={chunks_a_lane(k)}", f"-DRPW={rpw}", f"-DWARPS={WARPS}",
-            f"-DTT={tt}", f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}", *cap)
+            f"-DTT={tt}", f"-DSCALED={int(scaled)}", f"-DOFFSET={int(offset)}",
+            *nvrtc.min_ctas_option(min_ctas))
 
 
 def min_ctas() -> int:
@@ -292,11 +292,13 @@ def _kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset
     return nvrtc.build(_SOURCE, "q8_gemv", build_options(k, rpw, tt, scaled, offset, ctas), device)
 
 
-def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False):
+def cuda_gemv_kernel(k: int, rpw: int, tt: int, device: int, scaled: bool = False, offset: bool = False,
+                     ctas: int | None = None):
     """The compiled kernel for width k, RPW rows a group and TT tokens a CTA on CUDA device `device` (scaled:
-    float32 chunk scales, offset: and chunk offsets), or None where it cannot be built (the Triton GEMV or
-    the dequantized linear then, after one warning)."""
-    key = (k, rpw, tt, device, scaled, offset, min_ctas())
+    float32 chunk scales, offset: and chunk offsets; ctas: the CTAs an SM its registers are capped for,
+    default min_ctas()), or None where it cannot be built (the Triton GEMV or the dequantized linear then,
+    after one warning)."""
+    key = (k, rpw, tt, device, scaled, offset, min_ctas() if ctas is None else ctas)
     return nvrtc.build_or_none(("q8_gemv", *key), lambda: _kernel(*key), "dense GEMV",
                                "the Triton GEMV or the dequantized linear takes its launches")
 
@@ -329,13 +331,14 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
         return False
     dev = nvrtc.device_index(qs)
     rpw, tt = rows_a_group(n, k, _sm_count(dev)), tokens_a_cta(k, n_tok, has_b)
-    kern = cuda_gemv_kernel(k, rpw, tt, dev, scaled, has_b)
+    ctas = min_ctas()  # one read a launch: the kernel and its wave agree
+    kern = cuda_gemv_kernel(k, rpw, tt, dev, scaled, has_b, ctas)
     if kern is None:
         return False
     shared = x_bytes(k, has_b) * tt
     n_tg = -(-n_tok // tt)
     # one wave of CTAs (fewer for a small matrix: a warp a row group at least), shared by the token groups
-    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev, scaled, has_b, min_ctas()) // n_tg))
+    n_cta = max(1, min(-(-n // rpw) // WARPS, _wave(k, rpw, tt, dev, scaled, has_b, ctas) // n_tg))
     null = np.uint64(0)
     half, s_ptr = (null, nvrtc.ptr(d)) if scaled else (nvrtc.ptr(d), null)
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), half, s_ptr, nvrtc.ptr(offset) if has_b else null, nvrtc.ptr(out),

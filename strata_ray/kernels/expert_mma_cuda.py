@@ -406,8 +406,7 @@ def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
 def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); min_ctas > 1:
     registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's)."""
-    cap = (f"-DMIN_CTAS={min_ctas}",) if min_ctas > 1 else ()
-    return ("--fmad=false", *defines(geo, two, wtype), *cap)
+    return ("--fmad=false", *defines(geo, two, wtype), *nvrtc.min_ctas_option(min_ctas))
 
 
 def min_ctas(wtype: int) -> int:

@@ -39,6 +39,13 @@ def build(source: str, name: str, options: tuple[str, ...], device: int):
         return cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function(name)
 
 
+def min_ctas_option(n: int) -> tuple[str, ...]:
+    """The NVRTC option that caps a kernel's registers for n CTAs an SM (its source's
+    `__launch_bounds__(threads, MIN_CTAS)` under `#ifdef MIN_CTAS`); none for n = 1, so the kernel is
+    compiled exactly as without the cap (the compiler's choice)."""
+    return (f"-DMIN_CTAS={n}",) if n > 1 else ()
+
+
 def build_or_none(key: Hashable, builder: Callable[[], object], what: str, fallback: str):
     """builder(), or None after one warning where it raises (cupy's CompileException, CUDADriverError, a
     missing NVRTC library): `fallback` names what takes the launches then."""

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .contract import F16, Q4_0
-from .cpu_pool import CpuPool
+from .cpu_pool import CpuPool, cpu_count
 from .cpu_token_rows import CpuTokenRows, team_layer_ok
 from .expert_cpu import expert_ffn_cpu
 from .random_weights import random_layer
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         _end_with_parent(int(os.environ[PARENT_ENV]))
     if args.threads < 1:
         parser.error("--threads must be at least 1")
-    jobs = (os.cpu_count() or 1) if args.jobs is None else args.jobs
+    jobs = cpu_count() if args.jobs is None else args.jobs
     if jobs < 1:
         parser.error("--jobs must be at least 1")
     forms = forms_for(args.threads)
@@ -252,14 +252,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--forms team needs --threads >= 2 and numba's omp or workqueue threading layer")
     t = time.perf_counter()
     cold = cold_forms(forms) if jobs > 1 else ()
-    steps, failed = run_parallel(cold, args.threads, jobs) if len(cold) > 1 else ([], {})
-    rest = tuple(f for f in forms if f not in cold) if len(cold) > 1 else forms
+    cold = cold if len(cold) > 1 else ()  # a single cold form compiles here: no process to start
+    steps, failed = run_parallel(cold, args.threads, jobs) if cold else ([], {})
+    rest = tuple(f for f in forms if f not in cold)
     steps += precompile(args.threads, rest) if rest else []
     for step in steps:
         print(f"{step.label}: {step.seconds:.1f} s", flush=True)
     for form, why in failed.items():
         print(f"{form}: its precompile process failed: {why}", file=sys.stderr, flush=True)
-    where = f" ({len(cold)} processes)" if len(cold) > 1 else ""
+    where = f" ({len(cold)} processes)" if cold else ""
     print(f"CPU kernels compiled (or loaded from the cache) in {time.perf_counter() - t:.1f} s{where}",
           flush=True)
     return 1 if failed else 0
