@@ -192,9 +192,10 @@ def seed_value(s: str) -> int:
     return int_range(0, SEED_MAX)(s)
 
 
-def _auto_or(parse_int: Callable[[str], int], allowed: str) -> Callable[[str], int | None]:
+def _auto_or(parse_int: Callable[[str], int], allowed: str,
+             auto: tuple[str, ...] = ("auto",)) -> Callable[[str], int | None]:
     def parse(s: str) -> int | None:
-        if s == "auto":
+        if s in auto:
             return None
         try:
             return parse_int(s)
@@ -274,9 +275,11 @@ ENGINE_FLAGS: dict[str, tuple[str, str, Callable[[str], Any], str]] = {
               f"(default: the embedded {DEFAULT_MODEL_NAME})"),
     "device": ("--device", "cpu|cuda|auto", _choice("cpu", "cuda", "auto"),
                "where the primary runs (default auto: cuda when the cluster has a GPU, else cpu)"),
-    "expert_cache": ("--expert-cache", "N|auto", _auto_or(int_range(0), "'auto' or an integer >= 0"),
-                     "expert slots in the primary GPU's cache "
-                     "(default auto: free VRAM minus --vram-reserve-mib)"),
+    # -1 as auto: the reference engine's spelling, which its users' scripts carry
+    "expert_cache": ("--expert-cache", "N|auto",
+                     _auto_or(int_range(0), "'auto', -1 (auto) or an integer >= 0", auto=("auto", "-1")),
+                     "expert slots in the primary GPU's cache; 0 = none, every expert on the CPU "
+                     "(default auto, also -1: free VRAM minus --vram-reserve-mib)"),
     "vram_budget_mib": ("--vram-budget-mib", "M", int_range(1),
                         "pretend the primary GPU has M MiB, to emulate a smaller card (default: off)"),
     "vram_reserve_mib": ("--vram-reserve-mib", "M", int_range(0),
@@ -507,3 +510,15 @@ def check_peer_device_visible(cfg: EngineConfig, n_visible: int) -> None:
     """Refusal 4: run where the peer's GPU should be (the driver of a local cluster, and the primary)."""
     if cfg.peer_active and cfg.peer_device >= n_visible:
         raise ConfigError(refuse_peer_not_visible(cfg.peer_device, n_visible))
+
+
+def check_save_path(path: str, flag: str) -> None:
+    """A file path the run can write later (checked now, so a long run does not fail at its end): its folder
+    exists and is writable, and the path itself is not a folder. ConfigError (one line) otherwise."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag}: folder not found: {folder}")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag}: {path} is a folder; give a file path")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag}: {path} is not writable")

@@ -19,6 +19,7 @@ from strata_ray.config import (
     ConfigError,
     build_arg_parser,
     check_peer_device_visible,
+    check_save_path,
     config_from_args,
     float_range,
     int_range,
@@ -186,38 +187,57 @@ def check_peer_visible_here(cfg) -> None:
 def check_model_file(cfg):
     """Open the GGUF in the driver so a bad file fails in a second, before any Ray work. Returns the
     absolute path (None = the embedded default, resolved again where the primary runs) and the HParams."""
+    from strata_ray.experts.host_store import experts_block_quantized
     from strata_ray.model.gguf_file import GGUFFile
     from strata_ray.model.loader import resolve_model_path
 
-    hp = GGUFFile(resolve_model_path(cfg.model)).hparams  # ModelFormatError with the one-line reason
+    file = GGUFFile(resolve_model_path(cfg.model))
+    hp = file.hparams  # ModelFormatError with the one-line reason
+    given = (("--expert-cache", cfg.expert_cache), ("--vram-budget-mib", cfg.vram_budget_mib),
+             ("--expert-profile", cfg.expert_profile), ("--expert-profile-save", cfg.expert_profile_save))
+    unused = [flag for flag, value in given if value is not None]
+    if unused and not experts_block_quantized(file):
+        say(f"{os.path.basename(file.path)}: its routed experts are not all Q8_0 / Q4_0 / Q4_K / Q6_K, so "
+            f"they load with the dense weights and have no tiers: {', '.join(unused)} "
+            + ("has" if len(unused) == 1 else "have") + " no effect")
     return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
 
 
 def check_profile_files(cfg, hp):
-    """--expert-profile must be an STRP for this model's shape, --expert-profile-save must go to an
-    existing folder; both become absolute (the primary's working directory is not ours). Returns cfg.
+    """--expert-profile must be an STRP for this model's shape, --expert-profile-save a file path in a folder
+    we can write; both become absolute (the primary's working directory is not ours). Returns cfg.
 
-    The same path for both resumes learning across starts: each start fills the cache from what the last
-    one saved there, and where nothing is saved yet the first start fills it in the default order (one
-    line says so) instead of refusing a missing file."""
-    from strata_ray.experts.profile import check_shape, read_profile
+    A learned profile already at --expert-profile-save fills the cache instead of --expert-profile (as the
+    reference engine does: a restart resumes from what the last start learned), when it fits this model;
+    one line says so. One that does not fit is left to be overwritten (one line), unless --expert-profile
+    names the same file, which is then refused. The same path for both where nothing is saved yet: the
+    first start fills the cache in the default order (one line) instead of refusing a missing file."""
+    from strata_ray.experts.profile import ProfileError, check_shape, read_profile
 
-    paths = {}
-    resume = (cfg.expert_profile is not None and cfg.expert_profile_save is not None
-              and os.path.abspath(cfg.expert_profile) == os.path.abspath(cfg.expert_profile_save))
-    if resume and not os.path.exists(cfg.expert_profile):
-        say(f"--expert-profile {cfg.expert_profile}: nothing saved there yet; the expert cache fills in the "
-            "default order and the learned profile is saved there")
-        paths["expert_profile"] = None
-    elif cfg.expert_profile is not None:
-        paths["expert_profile"] = os.path.abspath(cfg.expert_profile)
-        check_shape(read_profile(paths["expert_profile"]), hp)  # ProfileError: the one line
-    if cfg.expert_profile_save is not None:
-        paths["expert_profile_save"] = os.path.abspath(cfg.expert_profile_save)
-        folder = os.path.dirname(paths["expert_profile_save"])
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--expert-profile-save: folder not found: {folder}")
-    return replace(cfg, **paths)
+    fill = None if cfg.expert_profile is None else os.path.abspath(cfg.expert_profile)
+    save = None if cfg.expert_profile_save is None else os.path.abspath(cfg.expert_profile_save)
+    if fill is not None and fill != save:
+        check_shape(read_profile(fill), hp)  # ProfileError: the one line (a bad flag, even if unused)
+    if save is not None:
+        check_save_path(save, "--expert-profile-save")
+        if os.path.exists(save):
+            try:
+                check_shape(read_profile(save), hp)
+            except ProfileError as e:
+                if fill == save:
+                    raise
+                say(f"--expert-profile-save: {e}; not used to fill the cache (it is overwritten)")
+            else:
+                if fill != save:
+                    instead = "" if fill is None else f" instead of --expert-profile {cfg.expert_profile}"
+                    say(f"--expert-profile-save {cfg.expert_profile_save}: the expert cache fills from the "
+                        f"profile an earlier start learned there{instead}")
+                return replace(cfg, expert_profile=save, expert_profile_save=save)
+        elif fill == save:
+            say(f"--expert-profile {cfg.expert_profile}: nothing saved there yet; the expert cache fills in "
+                "the default order and the learned profile is saved there")
+            return replace(cfg, expert_profile=None, expert_profile_save=save)
+    return replace(cfg, expert_profile=fill, expert_profile_save=save)
 
 
 def generate_main(argv: Sequence[str]) -> int:
@@ -264,7 +284,9 @@ def generate_main(argv: Sequence[str]) -> int:
         keep = keep_asked
         summary = stream_generation(dep, request, as_json=ns.json)
         say(summary.summary_line())
-        return 0
+        for line in summary.warnings:  # after the text and the summary: nothing generated is lost
+            say(line)
+        return 1 if summary.warnings else 0
     except KeyboardInterrupt:
         if dep is not None and not dep.created:
             dep.primary.stop.remote()  # kept actors live on: end only our generation
@@ -374,6 +396,8 @@ def summary_json(s, adaptive: dict | None = None) -> dict:
         doc["experts"] = {**s.expert_stats, **({"coordinator": adaptive} if adaptive is not None else {})}
     if s.top_logprobs is not None:
         doc["logprobs"] = [_top_entries(t) for t in s.top_logprobs]
+    if s.warnings:
+        doc["warnings"] = list(s.warnings)
     return doc
 
 

@@ -77,6 +77,8 @@ def test_every_flag_parses_from_cli_and_env(profile, tmp_path):
         from_cli = getattr(config([flag, raw]), name)
         from_env = getattr(config([], {env_name(name): raw}), name)
         assert from_cli == from_env, name
+    assert config(["--expert-cache", "-1"]).expert_cache is None  # the reference engine's auto
+    assert config(["--expert-cache", "0"]).expert_cache == 0
     cfg = config(["--layer-split", "2,3", "--peer-reserve-mib", "50", "--adapt-decay", "1"])
     assert cfg.layer_split == (2, 3) and cfg.adapt_decay == 1.0
     assert cfg.peer_reserve_effective_mib == 128  # the floor
@@ -91,7 +93,8 @@ def test_every_flag_parses_from_cli_and_env(profile, tmp_path):
          "--prefill: invalid value '100' (allowed: 'auto' or a multiple of 64 from 64 to 8192)"),
         (["--prefill", "16384"],
          "--prefill: invalid value '16384' (allowed: 'auto' or a multiple of 64 from 64 to 8192)"),
-        (["--expert-cache", "-1"], "--expert-cache: invalid value '-1' (allowed: 'auto' or an integer >= 0)"),
+        (["--expert-cache", "-2"],
+         "--expert-cache: invalid value '-2' (allowed: 'auto', -1 (auto) or an integer >= 0)"),
         (["--adapt-decay", "0"], "--adapt-decay: invalid value '0' (allowed: a number > 0 and <= 1)"),
         (["--peer-device", "0"],
          "--peer-device: invalid value '0' "

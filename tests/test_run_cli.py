@@ -210,5 +210,43 @@ def test_the_same_profile_path_for_both_flags_resumes_learning(tiny_model, tmp_p
     assert capsys.readouterr().err == want
     write_profile(p, rank_from_counts(np.zeros((hp.n_layer, hp.n_expert), np.int64)))
     assert check_profile_files(cfg, hp).expert_profile == str(p)
+    assert capsys.readouterr().err == ""
     with pytest.raises(ProfileError):
         check_profile_files(replace(cfg, expert_profile=str(tmp_path / "other.strp")), hp)
+
+
+def test_a_learned_profile_at_the_save_path_fills_the_cache_instead(tiny_model, tmp_path, capsys):
+    """As the reference engine: what an earlier start saved at --expert-profile-save fills the cache instead
+    of --expert-profile (one line), when it fits the model; one that does not is left to be overwritten."""
+    from strata_ray.config import EngineConfig
+    from strata_ray.experts.profile import rank_from_counts, write_profile
+    from strata_ray.run import check_profile_files
+
+    hp = GGUFFile(tiny_model).hparams
+    given, saved = tmp_path / "given.strp", tmp_path / "saved.strp"
+    write_profile(given, rank_from_counts(np.zeros((hp.n_layer, hp.n_expert), np.int64)))
+    cfg = EngineConfig(model=tiny_model, expert_profile=str(given), expert_profile_save=str(saved))
+    assert check_profile_files(cfg, hp).expert_profile == str(given)  # nothing saved yet
+    assert capsys.readouterr().err == ""
+    write_profile(saved, rank_from_counts(np.ones((hp.n_layer, hp.n_expert), np.int64)))
+    assert check_profile_files(cfg, hp).expert_profile == str(saved)
+    assert capsys.readouterr().err == (
+        f"strata_ray: --expert-profile-save {saved}: the expert cache fills from the profile an earlier "
+        f"start learned there instead of --expert-profile {given}\n")
+    write_profile(saved, rank_from_counts(np.ones((hp.n_layer + 1, hp.n_expert), np.int64)))
+    assert check_profile_files(cfg, hp).expert_profile == str(given)
+    err = capsys.readouterr().err
+    assert err.startswith(f"strata_ray: --expert-profile-save: expert profile {saved} ") and err.endswith(
+        "; not used to fill the cache (it is overwritten)\n") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("where", ["folder", "missing"])
+def test_a_save_path_that_cannot_be_written_is_refused_at_start(tiny_model, tmp_path, where):
+    """--expert-profile-save naming a folder, or a file in a missing folder: one line before Ray starts, not
+    a failed request after the text was generated."""
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / "folder" if where == "folder" else tmp_path / "nodir" / "p.strp"
+    r = run_cli("--model", tiny_model, "--expert-profile-save", str(path), "--max-tokens", "1")
+    want = (f"{path} is a folder; give a file path" if where == "folder"
+            else f"folder not found: {path.parent}")
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"strata_ray: --expert-profile-save: {want}\n")

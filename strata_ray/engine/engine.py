@@ -8,6 +8,7 @@ messages per second instead of one per token.
 from __future__ import annotations
 
 import inspect
+import logging
 import queue
 import threading
 import time
@@ -19,8 +20,10 @@ from strata_ray.config import ConfigError, EngineConfig, check_peer_device_visib
 from strata_ray.engine.progress import LoadProgress, local_progress
 from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import SamplingParams
+from strata_ray.experts.profile import ProfileError
 
 FLUSH_SECONDS = 0.02
+log = logging.getLogger("strata_ray.engine")
 
 
 class FeatureNotAvailable(ConfigError):
@@ -63,6 +66,7 @@ class GenerationSummary(TokenRates):
     top_logprobs: list | None = None
     experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
     expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
+    warnings: tuple[str, ...] = ()  # what the request asked and could not do, a line each (a profile save)
 
 
     def summary_line(self) -> str:
@@ -191,10 +195,15 @@ class Engine:
         )
         token_ids = tuple(int(t) for t in result.token_ids)
         experts = expert_stats = None
+        warnings: tuple[str, ...] = ()
         if self.tiers is not None:
             self.tiers.finish()
             if self.config.expert_profile_save is not None:
-                self.tiers.save_profile(self.config.expert_profile_save)  # atomic; after every request
+                try:  # atomic; after every request
+                    self.tiers.save_profile(self.config.expert_profile_save)
+                except ProfileError as e:  # a full disk, a folder gone: the request's tokens are not lost
+                    log.warning("%s", e)
+                    warnings = (f"--expert-profile-save: {e}",)
             experts = self.tiers.summary_line()
             expert_stats = self.tiers.metrics.summary()
         return GenerationSummary(
@@ -206,6 +215,7 @@ class Engine:
             top_logprobs=result.top_logprobs if request.logprobs else None,
             experts=experts,
             expert_stats=expert_stats,
+            warnings=warnings,
         )
 
     def text_of(self, token_ids) -> str:

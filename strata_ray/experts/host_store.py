@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata_ray.experts.host_arena import HostBlock
+from strata_ray.experts.host_arena import HostArenaError, HostBlock
 from strata_ray.experts.prefault import prefault
 from strata_ray.kernels.contract import QUANT_TYPES, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import cpu_count
@@ -102,6 +102,7 @@ class HostStore:
         if not self.layers:
             raise ModelFormatError("the model has no routed-expert tensors (ffn_*_exps)")
         self.pinned_bytes = 0  # page-locked (CUDA) bytes of the arena
+        self.pin_error: str | None = None  # why pinning stopped early (the OS refused), or None
         self.arena_bytes = 0  # bytes of layers moved out of the file map (move_to_arena)
         self._blocks: dict[int, HostBlock] = {}  # layer -> its anonymous (page-locked on CUDA) memory
         if torch.cuda.is_available():
@@ -223,7 +224,13 @@ class HostStore:
                 for job in jobs:
                     job.result()
                 if register:
-                    block.register()
+                    try:
+                        block.register()
+                    except HostArenaError as e:  # "pinned where the OS allows": the rest stays mapped
+                        self.pin_error = str(e)
+                        log.warning("host store: %s; layers %d-%d stay in the file map, unpinned (their "
+                                    "copies go through staging buffers)", e, b, max(self.layers))
+                        break
                 self._blocks[b] = block
                 self.layers[b] = ExpertLayer(*views, lay.gate_type, lay.up_type, lay.down_type)
                 self.arena_bytes += size

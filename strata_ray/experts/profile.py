@@ -50,6 +50,18 @@ class Profile:
         """[n_ranked] int64 pair ids (layer * n_expert + expert), hottest first."""
         return pair_ids(self.ranked, self.n_expert)
 
+    def completed(self) -> Profile:
+        """Every pair: the ranked ones first, then the others in the unranked order rank_from_counts appends
+        (expert-then-layer). A profile that ranks fewer pairs than a cache holds (older tools wrote 8,000)
+        then fills the whole cache instead of leaving slots that no round would ever fill."""
+        if self.n_ranked == self.n_layers * self.n_expert:
+            return self
+        fill = _fill_order(self.n_layers, self.n_expert)
+        ranked = self.pair_ids()
+        rest = fill[~np.isin(fill, ranked)]
+        return Profile(self.n_layers, self.n_expert, pairs_of(np.concatenate([ranked, rest]), self.n_expert),
+                       path=self.path)
+
     def rank_table(self) -> np.ndarray:
         """[n_layers, n_expert] int32: each pair's rank, -1 where unranked."""
         table = np.full(self.n_layers * self.n_expert, -1, dtype=np.int32)

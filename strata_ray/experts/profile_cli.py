@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from strata_ray.config import OneLineArgumentParser
+from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path
 from strata_ray.experts.profile import Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
@@ -111,9 +111,7 @@ def profile_text(loaded, text: str, max_tokens: int | None, chunk: int, context:
 def profile_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        out_dir = os.path.dirname(os.path.abspath(args.output))
-        if not os.path.isdir(out_dir):  # fail before the long run, not after it
-            raise ProfileCliError(f"output {args.output}: directory {out_dir} does not exist")
+        check_save_path(os.path.abspath(args.output), "-o")  # fail before the long run, not after it
         text = read_corpus(args.corpus)
         _check_device(args.device)
         from strata_ray.model.loader import load_model  # heavy import only once the flags are good
@@ -121,7 +119,7 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model(args.model, device=args.device)
         profile, counts, n_tokens = profile_text(loaded, text, args.max_tokens, args.chunk, args.context)
         write_profile(args.output, profile)
-    except (ProfileCliError, ProfileError, ModelFormatError) as e:
+    except (ProfileCliError, ProfileError, ModelFormatError, ConfigError) as e:
         print(f"strata_ray profile: {e}", file=sys.stderr)
         return 2
     print(

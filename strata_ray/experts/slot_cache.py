@@ -318,7 +318,7 @@ class SlotCache:
         log line (also logged). progress: a (done, total) callback, or True for a tqdm bar when stderr
         is a terminal (never in a log file), False for none."""
         res = self.residency
-        order = profile if profile is not None else default_order(res.n_layers, res.n_expert)
+        order = profile.completed() if profile is not None else default_order(res.n_layers, res.n_expert)
         t0 = time.perf_counter()
         copies = res.admit_in_rank_order(order)
         report, bar = _fill_reporter(progress, len(copies))
@@ -338,6 +338,8 @@ class SlotCache:
         mb = len(copies) * self.blob / 1e6
         rate = mb / self.fill_seconds if self.fill_seconds > 0 else 0.0
         source = "the profile" if profile is not None else "the default order"
+        if profile is not None and len(copies) > profile.n_ranked:  # a short profile, completed
+            source += f" ({profile.n_ranked} ranked pairs, then the default order)"
         line = (
             f"pre-filled {len(copies)} of {self.n_slots} slots from {source} in {self.fill_seconds:.2f} s "
             f"({rate:.0f} MB/s)" + ("; slot 0 verified" if verified else "")

@@ -11,16 +11,20 @@ from strata_ray.model.loader import load_model
 from tests.model import hf_reference as ref
 
 
-def test_float_experts_load_without_tiers(tmp_path):
+def float_experts_file(path):
+    """A tiny qwen3moe from transformers with every tensor F32 (so float experts: no tiers)."""
     hf_model = ref.tiny_qwen3moe(seed=1)
     hp = ref.hparams_of(hf_model)
-    path = tmp_path / "float.gguf"
     mw = ModelWriter(path, hp, byte_level_tokenizer_spec().padded(hp.n_vocab))
     for name, t in ref.gguf_weights(hf_model).items():
         a = t.numpy()
         mw.add(name, a.shape, gguf.GGMLQuantizationType.F32, lambda a=a: a)
     mw.write()
+    return path
 
+
+def test_float_experts_load_without_tiers(tmp_path):
+    path = float_experts_file(tmp_path / "float.gguf")
     loaded, tiers = load_tiered_model(EngineConfig(model=str(path), device="cpu"), "cpu")
     assert tiers is None
     assert loaded.path == path and loaded.file.path == path
@@ -71,3 +75,16 @@ def test_the_ring_is_lent_where_the_cache_holds_some_experts_but_not_with_it_all
     assert loan_slots(on, 0, 32, hp) == 0  # --expert-cache 0: every expert on the CPU, as asked
     assert loan_slots(on, 32, 32, hp) == 0  # the two hold every pair: no all-resident switch
     assert loan_slots(on, 31, 32, hp) == 32 and loan_slots(on, 10, 0, hp) == 0
+
+
+def test_tier_flags_on_float_experts_are_named_as_unused(tmp_path, capsys):
+    """run / serve check the file before Ray starts: tier flags on a model without tiers get one line."""
+    from strata_ray.run import check_model_file
+
+    path = str(float_experts_file(tmp_path / "float.gguf"))
+    check_model_file(EngineConfig(model=path))
+    assert capsys.readouterr().err == ""
+    check_model_file(EngineConfig(model=path, expert_cache=4, expert_profile_save=str(tmp_path / "p.strp")))
+    assert capsys.readouterr().err == (
+        "strata_ray: float.gguf: its routed experts are not all Q8_0 / Q4_0 / Q4_K / Q6_K, so they load with "
+        "the dense weights and have no tiers: --expert-cache, --expert-profile-save have no effect\n")

@@ -66,6 +66,34 @@ def test_arena_holds_the_same_bytes_outside_the_file_map(tiny):
     assert store.arena_bytes == 0
 
 
+def test_a_refused_page_lock_leaves_the_layers_in_the_file_map(tiny, monkeypatch, caplog):
+    """"Pinned where the OS allows": when cudaHostRegister refuses a layer (injected here: this host has no
+    CUDA), that layer and the later ones stay views of the file map, one line says so, and the load goes on
+    with the same bytes and rows."""
+    from strata_ray.experts.host_arena import HostArenaError, HostBlock
+    from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+
+    def refuse(block):
+        block.close()  # as the real failure does before raising
+        raise HostArenaError("could not page-lock 0.0 GiB of host memory (cudaHostRegister error 2; lower "
+                             "STRATA_ARENA_PIN_GIB)")
+
+    monkeypatch.setattr(HostBlock, "register", refuse)
+    store, plain = HostStore(tiny, pin_gib=0), HostStore(tiny, pin_gib=0)
+    with caplog.at_level("WARNING", logger="strata_ray.experts"):
+        store.move_to_arena(100.0, register=True)
+    assert store.arena_bytes == store.pinned_bytes == 0 and "cudaHostRegister error 2" in store.pin_error
+    assert [r.getMessage() for r in caplog.records] == [
+        f"host store: {store.pin_error}; layers 0-{max(store.layers)} stay in the file map, unpinned (their "
+        "copies go through staging buffers)"]
+    assert all(np.shares_memory(store.layer(b).gate, plain.layer(b).gate) for b in store.layers)
+    x = np.random.default_rng(1).standard_normal((1, store.layer(0).n_embd)).astype(np.float32)
+    for b in store.layers:
+        assert store.pinned_addresses(b) is None and store.blob_bytes(b, 2) == plain.blob_bytes(b, 2)
+        assert np.array_equal(expert_ffn_cpu(x, np.array([0]), np.array([2]), store.layer(b)),
+                              expert_ffn_cpu(x, np.array([0]), np.array([2]), plain.layer(b)))
+
+
 @pytest.mark.parametrize("float_part", ["gate", "up", "down"])
 def test_float_expert_tensor_is_refused_by_name(tmp_path, float_part):
     hp = preset_hparams("qwen3moe", "tiny")

@@ -28,7 +28,17 @@ def test_empty_corpus(tmp_path, capsys):
 def test_output_directory_missing(tmp_path, capsys):
     (tmp_path / "c.txt").write_text(CORPUS)
     rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "nodir" / "p.strp")])
-    assert rc == 2 and "does not exist" in one_line_error(capsys)
+    assert rc == 2 and "folder not found" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("output", ["folder", ""])
+def test_output_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys, monkeypatch, output):
+    """-o naming a folder (or empty: the working folder) fails at once, not after routing the whole corpus
+    (the corpus is missing here too: the output is checked first)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    rc = profile_main(["--corpus", str(tmp_path / "absent.txt"), "-o", output])
+    assert rc == 2 and "is a folder; give a file path" in one_line_error(capsys)
 
 
 def test_bad_flag_is_one_line(tmp_path, capsys):

@@ -57,6 +57,24 @@ def test_fill_follows_the_profile_and_slots_hold_the_exact_bytes(store):
     assert not cache.residency.is_resident(0)  # (0, 0) ranked fifth: no slot left
 
 
+def test_a_short_profile_fills_the_rest_in_the_default_order(store):
+    """A profile ranking fewer pairs than the cache holds: its pairs first, then the default order (the
+    unranked tail rank_from_counts writes); rounds only swap, so an empty slot would stay empty."""
+    hp = store.hp
+    ranked = np.array([(3, 7), (0, 0)])
+    cache = new_cache(store, 5)
+    line = cache.fill(Profile(hp.n_layer, hp.n_expert, ranked), progress=False)
+    want_line = "pre-filled 5 of 5 slots from the profile (2 ranked pairs, then the default order) "
+    assert line.startswith(want_line)
+    want = [(3, 7), (0, 0), (1, 0), (2, 0), (3, 0)]  # (0, 0) is not admitted twice
+    for slot, (layer, e) in enumerate(want):
+        assert cache.residency.slot_of(layer * hp.n_expert + e) == slot
+        assert cache.storage[slot].numpy().tobytes() == store.blob_bytes(layer, e)
+    completed = Profile(hp.n_layer, hp.n_expert, ranked).completed()
+    n_pairs = hp.n_layer * hp.n_expert
+    assert completed.n_ranked == n_pairs and len(set(completed.pair_ids())) == n_pairs
+
+
 def test_default_order_is_expert_then_layer(store):
     hp = store.hp
     order = default_order(hp.n_layer, hp.n_expert).ranked

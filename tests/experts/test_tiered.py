@@ -222,6 +222,25 @@ def test_engine_generate_reports_tiers_and_saves_the_learned_profile(tiny_next, 
     assert read_profile(save).n_layers == GGUFFile(tiny_next).hparams.n_layer
 
 
+def test_a_profile_save_that_fails_keeps_the_request(tiny_next, tmp_path):
+    """The save's folder gone after the start: the request still returns its tokens, with one line saying
+    the profile was not written (the run's exit status and the JSON carry it)."""
+    from strata_ray.engine.engine import GenerationRequest
+
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    engine = Engine(config(tiny_next, expert_cache=12, expert_profile_save=str(folder / "p.strp")))
+    request = GenerationRequest(prompt_ids=tuple(PROMPT), max_tokens=6)
+    first = engine.generate(request)
+    assert first.warnings == () and (folder / "p.strp").exists()
+    (folder / "p.strp").unlink()
+    folder.rmdir()
+    second = engine.generate(request)
+    assert second.token_ids == first.token_ids and len(second.token_ids) == 6
+    assert second.warnings == (f"--expert-profile-save: expert profile {folder / 'p.strp'}: cannot write "
+                               "(No such file or directory)",)
+
+
 def test_warm_up_runs_every_cpu_path_and_counts_nothing(tiny_next):
     """Load compiles the kernels (warm_up); it must not show up in the decode metrics or the rounds."""
     _, tiers = load_tiered_model(config(tiny_next, expert_cache=10), "cpu", progress=False)
