@@ -52,7 +52,7 @@ def block_amax(x, o):
     """max |x[o:o+32]| (0 for a block of zeros): 8 independent chains of 4 compares, then 3 rounds of pairs,
     instead of one chain of 32 (a maxss's latency each: ~4 us of an H200 host's 2048-value quantization).
     The same value as one chain: the maximum of exact values is exact in any order (and a NaN, which
-    `a > m` never takes, never enters either form)."""
+    `a > m` never takes, never enters either form: quantize_block finds it another way)."""
     m0, m1, m2, m3 = _amax8(x, o, 0), _amax8(x, o, 1), _amax8(x, o, 2), _amax8(x, o, 3)
     m4, m5, m6, m7 = _amax8(x, o, 4), _amax8(x, o, 5), _amax8(x, o, 6), _amax8(x, o, 7)
     m0 = m4 if m4 > m0 else m0
@@ -65,21 +65,45 @@ def block_amax(x, o):
 
 
 @njit(inline="always", nogil=True, cache=True)
+def _poison_block(q, o, d_out, s_out, b):
+    """A block holding a NaN or an infinity (contract step 1): q = 0, d = NaN, s = 0."""
+    for i in range(QK):
+        q[o + i] = 0
+    d_out[b] = np.float32(np.nan)
+    s_out[b] = 0
+
+
+@njit(inline="always", nogil=True, cache=True)
 def quantize_block(x, o, q, d_out, s_out, b):
-    """Quantize x[o:o+32] (f32) into q[o:o+32] (int8), d_out[b], s_out[b]."""
+    """Quantize x[o:o+32] (f32) into q[o:o+32] (int8), d_out[b], s_out[b].
+
+    Non-finite values cost nothing on the common path: an infinity makes amax infinite, so d too, and its
+    own x / d is NaN; a NaN's x / d is NaN. Either shows as a NaN quotient in the loop that quantizes
+    (selected to 0 before the int conversion, whose NaN result is undefined). Only a zero block (amax <
+    TINY: block_amax skips NaN) scans for a NaN."""
     amax = block_amax(x, o)
     if amax < TINY:
         for i in range(QK):
+            if x[o + i] != x[o + i]:
+                _poison_block(q, o, d_out, s_out, b)
+                return
             q[o + i] = 0
         d_out[b] = f32(0.0)
         s_out[b] = 0
         return
     d = amax / Q_MAX
     s = np.int32(0)
+    poisoned = False
     for i in range(QK):
-        v = np.int32(rint_small(x[o + i] / d))
+        r = rint_small(x[o + i] / d)
+        nan = r != r
+        poisoned |= nan
+        v = np.int32(f32(0.0) if nan else r)
         q[o + i] = v
         s += v
+    if poisoned:
+        _poison_block(q, o, d_out, s_out, b)
+        return
     d_out[b] = d
     s_out[b] = s
 

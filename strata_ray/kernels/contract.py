@@ -13,7 +13,10 @@ reassociation, no split-K, no atomics. Integer sums are exact, so their order is
        d    = amax / 127            (fp32 division, correctly rounded)
        q[i] = rint(x[i] / d)        (fp32 division, then round-half-even; |q| <= 127)
        s    = sum_i q[i]            (int32, exact; used by the K-quant min term)
-   Inputs are finite (the model never feeds NaN/Inf into experts). The TINY rule keeps every
+   A block holding a NaN or an infinity (a broken model's x, or h = silu(g) * u overflowing under
+   extreme weights) is a poisoned block: d = NaN, q[i] = 0, s = 0. Every dot that reads it is then
+   NaN (float(I) * (wd * NaN)), so its rows are NaN on every device, never finite and different per
+   device (checked before the TINY rule: NaN and infinities are not < TINY). The TINY rule keeps every
    scale and product of the contract out of the subnormal range (d >= 2^-67, weight scale x d >=
    2^-91, partial sums 0 or >= 2^-114), so flush-to-zero settings cannot change a bit.
    rint(v) is computed as (v + RINT_MAGIC) - RINT_MAGIC with RINT_MAGIC = 1.5 * 2^23 (two rounded
@@ -49,7 +52,7 @@ reassociation, no split-K, no atomics. Integer sums are exact, so their order is
        n  = rint(x * LOG2E)
        r  = (x - n * LN2_HI) - n * LN2_LO         (each product rounded, then each difference)
        p  = ((((((P6 * r + P5) * r + P4) * r + P3) * r + P2) * r + P1) * r + P0)   (Horner, mul then add)
-       fexp = p * 2^n                 (2^n built from its exponent bits; exact, n in [-126, 127])
+       fexp = p * 2^n                 (2^n built from its exponent bits; exact, n in [-124, 127])
 
 Float expert weights (F32/F16/BF16): no activation quantization; per 32-block
 t_b = sum_i w[i]*x[i] (fp32, i increasing on CPU; a fixed tree on GPU), acc = acc + t_b; silu as

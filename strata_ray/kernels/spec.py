@@ -46,9 +46,10 @@ def act_quant_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if n % QK:
         raise KernelError(f"activation width {n} is not a multiple of {QK}")
     xb = x.reshape(n_rows, n // QK, QK)  # [N, nb, 32]
-    amax = np.abs(xb).max(axis=2)  # [N, nb]
+    finite = np.isfinite(xb).all(axis=2)  # [N, nb]; a block with a NaN or an infinity is poisoned
+    amax = np.where(finite, np.abs(np.where(np.isfinite(xb), xb, f32(0))).max(axis=2), f32(0))  # [N, nb]
     live = amax >= TINY
-    d = np.where(live, amax / Q_MAX, f32(0)).astype(f32)
+    d = np.where(finite, np.where(live, amax / Q_MAX, f32(0)), f32(np.nan)).astype(f32)
     safe_d = np.where(live, d, f32(1))
     q = rint_ref(xb / safe_d[:, :, None])
     q = np.where(live[:, :, None], q, f32(0)).astype(np.int8)
@@ -65,8 +66,10 @@ def fexp_ref(x: np.ndarray) -> np.ndarray:
     for c in EXP_POLY[5::-1]:
         p = p * r
         p = p + c
-    # 2^n from exponent bits: n in [-124, 127] here, so the result stays normal.
-    two_n = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(f32)
+    # 2^n from exponent bits: n in [-124, 127] here, so the result stays normal (a NaN input's n casts to
+    # some integer: its p is NaN, and so is the result)
+    with np.errstate(invalid="ignore"):
+        two_n = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(f32)
     return (p * two_n).astype(f32)
 
 

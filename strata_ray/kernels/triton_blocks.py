@@ -16,6 +16,8 @@ from . import contract as c
 TINY = tl.constexpr(float(c.TINY))
 RINT_MAGIC = tl.constexpr(float(c.RINT_MAGIC))
 Q_MAX = tl.constexpr(float(c.Q_MAX))
+F32_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite float32: |x| <= it is "finite"
+NAN_BITS = tl.constexpr(0x7FC00000)  # a quiet NaN's bits (a poisoned block's scale)
 EXP_LO = tl.constexpr(float(c.EXP_LO))
 EXP_HI = tl.constexpr(float(c.EXP_HI))
 LOG2E = tl.constexpr(float(c.LOG2E))
@@ -71,10 +73,14 @@ def swiglu(g, u):
 
 @triton.jit
 def quant_blocks(x):
-    """x f32 [B, 32] -> (q int8 [B, 32], d f32 [B], s int32 [B]) per contract step 1."""
-    amax = tl.max(tl.abs(x), axis=1)
-    live = amax >= TINY
+    """x f32 [B, 32] -> (q int8 [B, 32], d f32 [B], s int32 [B]) per contract step 1 (a block holding a NaN
+    or an infinity: q = 0, d = NaN, s = 0)."""
+    ax = tl.abs(x)
+    finite = tl.min((ax <= F32_MAX).to(tl.int32), axis=1) == 1  # [B]; False for NaN and infinities
+    amax = tl.max(tl.where(ax <= F32_MAX, ax, 0.0), axis=1)
+    live = (amax >= TINY) & finite
     d = tl.where(live, tl.math.div_rn(amax, tl.full(amax.shape, Q_MAX, tl.float32)), 0.0)
+    d = tl.where(finite, d, tl.full(d.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True))
     safe = tl.where(live, d, 1.0)
     v = rint_small(tl.math.div_rn(x, safe[:, None] + tl.zeros_like(x)))
     qi = tl.where(live[:, None], v, 0.0).to(tl.int32)

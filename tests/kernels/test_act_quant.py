@@ -89,3 +89,39 @@ def test_fexp_close_to_math_exp():
     # Clamped outside the range, finite and positive everywhere.
     edge = fexp_ref(np.array([-1e4, -100, 100, 1e4], np.float32))
     assert np.all(np.isfinite(edge)) and np.all(edge > 0)
+
+
+def test_poisoned_blocks_are_the_same_everywhere(rng):
+    """A block holding a NaN or an infinity: q = 0, d = NaN, s = 0 (contract step 1), numba == spec, beside
+    untouched finite blocks; a NaN among zeros (which the block max skips) and among tiny values too."""
+    x = rng.standard_normal((6, 96)).astype(np.float32)
+    x[0, 3] = np.nan
+    x[1, 40] = np.inf
+    x[2, 95] = -np.inf
+    x[3, :32] = 0.0
+    x[3, 17] = np.nan  # a NaN among zeros
+    x[4, 32:64] = 1e-25  # below TINY, a zero block but for the NaN
+    x[4, 33] = np.nan
+    finite = act_quant_ref(np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+    got, want = quantize_act_sums(x), act_quant_ref(x)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8))
+    q, d, s = want
+    poisoned = [(0, 0), (1, 1), (2, 2), (3, 0), (4, 1)]
+    for r, b in poisoned:
+        assert np.isnan(d[r, b]) and s[r, b] == 0 and not q[r, 32 * b : 32 * b + 32].any()
+    keep = np.ones(d.shape, bool)
+    keep[tuple(zip(*poisoned, strict=True))] = False
+    assert np.array_equal(d[keep], finite[1][keep]) and np.array_equal(s[keep], finite[2][keep])
+
+
+def test_the_quotient_is_a_division_not_a_reciprocal_product():
+    """x / d, correctly rounded: here x / d is 56.5 exactly (a tie: 56) while x * (1 / d) is 56.500004
+    (57). A quantizer that multiplied by the reciprocal would differ in this code."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = np.array(0x401468C0, np.uint32).view(np.float32)  # amax
+    x[0, 1] = np.array(0x3F840C93, np.uint32).view(np.float32)
+    d = x[0, 0] / np.float32(127)
+    assert x[0, 1] / d == np.float32(56.5) and rint_ref(x[0, 1] * (np.float32(1) / d)) == 57
+    for q, _, _ in (quantize_act_sums(x), act_quant_ref(x)):
+        assert q[0, 1] == 56 and q[0, 0] == 127

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
-from strata_ray.kernels.contract import Q8_0, ExpertLayer, KernelError
+from strata_ray.kernels.contract import Q4_0, Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_arrays, group_entries
 from strata_ray.kernels.reference import expert_ffn_ref
@@ -181,3 +181,43 @@ def test_team_gate_up_units_give_gate_up_shares_h(name, n_tokens, rng):
                 gate_up_rows_share(gate, gtype, up, utype, xq, xd, xs, tok, ents, g_start, g_exp, t, n_team,
                                    unit_rows, h)
             assert _bits_equal(h, want), (unit_rows, n_team)
+
+
+# Widths off the 256 of the shared layers: Q8_0 / Q4_0 rows of 3 and 5 blocks (a tail past the 8-block
+# chunks), K-quant rows of 2 and 3 super-blocks.
+AWKWARD = {"Q8_0": (96, 160), "Q4_0": (160, 96), "Q8_0+Q4_0": (224, 288), "Q4_K": (512, 768),
+           "Q6_K": (768, 512), "Q4_K+Q6_K": (512, 256)}
+
+
+@pytest.mark.parametrize("name", list(AWKWARD))
+@pytest.mark.parametrize("n_entries,n_expert", [(1, 1), (1, 37), (33, 37), (222, 1)])
+def test_awkward_widths_match_the_spec_in_every_driver(name, n_entries, n_expert, rng):
+    from strata_ray.kernels.random_weights import random_layer
+
+    n_embd, n_ff = AWKWARD[name]
+    types = TYPE_SETS[name]
+    layer = random_layer(np.random.default_rng(n_embd + n_ff), 37, n_embd, n_ff, types,
+                         from_floats=types[0] in (Q8_0, Q4_0))
+    x = rng.standard_normal((50, n_embd)).astype(np.float32)
+    tok, exp = entries(rng, 50, n_entries, n_expert)
+    want = expert_ffn_spec(x, tok, exp, layer)
+    for pool in (CpuPool(1), CpuPool(3, numba_parallel=True), CpuPool(2, numba_parallel=False)):
+        with pool:
+            assert _bits_equal(expert_ffn_cpu(x, tok, exp, layer, pool=pool), want), pool.n_threads
+
+
+@pytest.mark.parametrize("name", list(TYPE_SETS))
+def test_a_nan_in_x_gives_nan_rows_for_its_token_only(name, rng):
+    """A NaN (or an infinity) in a token's x poisons its blocks (contract step 1): every row of that token
+    is NaN on every driver, as in the spec; the other tokens' rows keep their bits."""
+    layer = layer_for(name)
+    x = rng.standard_normal((4, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, 4, 0, 37, k=3)
+    clean = expert_ffn_spec(x, tok, exp, layer)
+    x[1, 100], x[2, 5] = np.nan, -np.inf
+    want = expert_ffn_spec(x, tok, exp, layer)
+    bad = np.isin(tok, [1, 2])
+    assert np.isnan(want[bad]).all() and _bits_equal(want[~bad], clean[~bad])
+    for pool in (CpuPool(1), CpuPool(2, numba_parallel=True)):
+        with pool:
+            assert _bits_equal(expert_ffn_cpu(x, tok, exp, layer, pool=pool), want)

@@ -23,6 +23,19 @@ torch = pytest.importorskip("torch")
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer  # noqa: E402
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu  # noqa: E402
 from strata_ray.kernels.random_weights import random_layer  # noqa: E402
+from strata_ray.kernels.triton_blocks import quant_blocks, tl, triton  # noqa: E402
+
+
+@triton.jit
+def _quant_kernel(X, Q, D, S, B: tl.constexpr):
+    """quant_blocks over B blocks of X (f32 [B, 32]) -> Q int8 [B, 32], D f32 [B], S int32 [B]."""
+    rows, cols = tl.arange(0, B), tl.arange(0, 32)
+    offs = rows[:, None] * 32 + cols[None, :]
+    q, d, s = quant_blocks(tl.load(X + offs))
+    tl.store(Q + offs, q)
+    tl.store(D + rows, d)
+    tl.store(S + rows, s)
+
 
 N_EXPERT = 3
 TYPES = {"Q8_0": (Q8_0,) * 3, "Q4_0": (Q4_0,) * 3, "Q4_K": (Q4_K,) * 3, "Q6_K": (Q6_K,) * 3,
@@ -90,3 +103,23 @@ def test_unknown_variant_is_one_line_error():
     with pytest.raises(KernelError, match="unknown expert kernel variant 'fast'"):
         expert_ffn_gpu(torch.zeros(1, 256), torch.zeros(1, dtype=torch.int32),
                        torch.zeros(1, dtype=torch.int32), layer, variant="fast")
+
+
+def test_quant_blocks_equals_the_spec_with_poisoned_blocks():
+    """triton_blocks.quant_blocks (every GPU quantization: x in publish, h in the rows' tails) against the
+    spec on finite blocks and on blocks holding a NaN or an infinity (q = 0, d = NaN, s = 0), including a
+    NaN among zeros, which the block's max alone does not see."""
+    from strata_ray.kernels.spec import act_quant_ref
+
+    x = np.random.default_rng(3).standard_normal((8, 32)).astype(np.float32)
+    x[1, 7], x[2, 0], x[3, 31] = np.nan, np.inf, -np.inf
+    x[4] = 0.0
+    x[4, 9] = np.nan  # a NaN among zeros
+    x[5] = 0.0  # a zero block
+    want = act_quant_ref(x.reshape(1, -1))
+    q, d, s = torch.empty(8, 32, dtype=torch.int8), torch.empty(8), torch.empty(8, dtype=torch.int32)
+    _quant_kernel[(1,)](torch.from_numpy(x), q, d, s, B=8)
+    assert np.array_equal(q.numpy().reshape(1, -1), want[0])
+    assert np.array_equal(d.numpy().view(np.int32), want[1].reshape(-1).view(np.int32))
+    assert np.array_equal(s.numpy(), want[2].reshape(-1))
+    assert np.isnan(want[1][0, 1:5]).all() and want[1][0, 5] == 0 and (want[2][0, 1:6] == 0).all()
