@@ -494,8 +494,13 @@ def _check_combinations(cfg: EngineConfig) -> None:
             raise ConfigError(REFUSE_PEER_WITH_HELPER_CACHES)
         if cfg.expert_profile is None or cfg.expert_cache == 0 or cfg.device == "cpu":
             raise ConfigError(REFUSE_PEER_WITHOUT_CACHE)
-    if cfg.expert_profile is not None and not os.path.isfile(cfg.expert_profile):
-        raise ConfigError(f"--expert-profile: file not found: {cfg.expert_profile}")
+    resume = (cfg.expert_profile is not None and cfg.expert_profile_save is not None
+              and os.path.abspath(cfg.expert_profile) == os.path.abspath(cfg.expert_profile_save))
+    if cfg.expert_profile is not None and not resume:  # resume: nothing there yet is a first start
+        if os.path.isdir(cfg.expert_profile):
+            raise ConfigError(f"--expert-profile: {cfg.expert_profile} is a folder, not an STRP file")
+        if not os.path.isfile(cfg.expert_profile):
+            raise ConfigError(f"--expert-profile: file not found: {cfg.expert_profile}")
 
 
 def _with_peer_env(cfg: EngineConfig, env: Mapping[str, str]) -> EngineConfig:

@@ -113,6 +113,17 @@ def test_bad_values_name_flag_value_and_allowed(argv, line):
     assert str(e.value) == line
 
 
+def test_the_same_missing_profile_for_both_flags_is_a_first_start(tmp_path):
+    """--expert-profile P --expert-profile-save P with nothing at P yet: accepted (the first start of a
+    resumed learning, run.check_profile_files says so); P missing without the save flag, or a folder: refused."""
+    p = str(tmp_path / "p.strp")
+    assert config(["--expert-profile", p, "--expert-profile-save", p]).expert_profile == p
+    with pytest.raises(ConfigError, match="file not found"):
+        config(["--expert-profile", p, "--expert-profile-save", str(tmp_path / "other.strp")])
+    with pytest.raises(ConfigError, match="is a folder, not an STRP file"):
+        config(["--expert-profile", str(tmp_path)])
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_SPEC": "9"})

@@ -250,3 +250,17 @@ def test_a_save_path_that_cannot_be_written_is_refused_at_start(tiny_model, tmp_
     want = (f"{path} is a folder; give a file path" if where == "folder"
             else f"folder not found: {path.parent}")
     assert (r.returncode, r.stdout, r.stderr) == (2, "", f"strata_ray: --expert-profile-save: {want}\n")
+
+
+def test_resuming_learning_from_the_command_line(tiny_model, tmp_path):
+    """The README's resume: the same P for both flags, nothing at P yet. The first run fills in the default
+    order (one line) and saves P; the second fills from it without a word about it."""
+    p = tmp_path / "learned.strp"
+    args = ("--model", tiny_model, "--expert-profile", str(p), "--expert-profile-save", str(p),
+            "--expert-cache", "8", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--address", "local")
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    assert f"--expert-profile {p}: nothing saved there yet" in first.stderr and p.is_file()
+    second = run_cli(*args)
+    assert second.returncode == 0 and "nothing saved there yet" not in second.stderr
+    assert "pre-filled 8 of 8 slots from the profile" in second.stderr
