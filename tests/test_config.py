@@ -115,7 +115,8 @@ def test_bad_values_name_flag_value_and_allowed(argv, line):
 
 def test_the_same_missing_profile_for_both_flags_is_a_first_start(tmp_path):
     """--expert-profile P --expert-profile-save P with nothing at P yet: accepted (the first start of a
-    resumed learning, run.check_profile_files says so); P missing without the save flag, or a folder: refused."""
+    resumed learning, run.check_profile_files says so); P missing without the save flag, or a folder:
+    refused."""
     p = str(tmp_path / "p.strp")
     assert config(["--expert-profile", p, "--expert-profile-save", p]).expert_profile == p
     with pytest.raises(ConfigError, match="file not found"):

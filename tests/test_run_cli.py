@@ -264,3 +264,21 @@ def test_resuming_learning_from_the_command_line(tiny_model, tmp_path):
     second = run_cli(*args)
     assert second.returncode == 0 and "nothing saved there yet" not in second.stderr
     assert "pre-filled 8 of 8 slots from the profile" in second.stderr
+
+
+def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
+    """ray.init retries an unanswered HOST:PORT for minutes; run probes it first: one line, exit 2. A
+    malformed address is one line too."""
+    import socket
+
+    with socket.socket() as s:  # a port just freed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_cli("--model", tiny_model, "--address", f"127.0.0.1:{port}", "-p", "hi", "--max-tokens", "1",
+                timeout=60)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+        f"strata_ray: cannot connect to the Ray cluster at 127.0.0.1:{port} (Connection refused; is `ray "
+        "start --head` running there?)\n")
+    r = run_cli("--model", tiny_model, "--address", "foo", "-p", "hi", "--max-tokens", "1", timeout=60)
+    assert (r.returncode, r.stderr) == (
+        2, "strata_ray: --address foo: expected HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or 'local'\n")

@@ -56,6 +56,8 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
     import ray
 
     if target:
+        if target != "auto":
+            check_reachable(target)
         try:
             ray.init(address=target, namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
         except ConnectionError:
@@ -69,6 +71,25 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
         return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
     except ConnectionError:  # no cluster on this machine
         return _start_local(dashboard, quiet, verbose)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT that nothing answers fails here in seconds: ray.init retries such an address for minutes
+    (printing the GCS client's warnings), never reaching its ConnectionError. LaunchError, one line."""
+    import socket
+
+    if "://" in address:  # ray://, a Ray Client server: ray.init reports those itself
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"--address {address}: expected HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or 'local'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        reason = f"no answer within {timeout:.0f} s" if isinstance(e, TimeoutError) else (
+            e.strerror or str(e))
+        raise LaunchError(f"cannot connect to the Ray cluster at {address} ({reason}; is `ray start --head` "
+                          "running there?)") from None
 
 
 def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySession:
