@@ -21,6 +21,7 @@ from strata_ray.bench.targets import open_target, say
 from strata_ray.config import (
     ConfigError,
     build_arg_parser,
+    check_save_path,
     config_from_args,
     float_range,
     int_range,
@@ -173,6 +174,10 @@ def bench_main(argv: Sequence[str]) -> int:
     ns = build_parser(command).parse_args(rest)
     try:  # everything the user can get wrong fails here, before a model loads or Ray starts
         cfg = config_from_args(ns, os.environ)
+        for flag in ("--json-out", "--plot", "--save"):
+            path = getattr(ns, flag[2:].replace("-", "_"), None)
+            if path:  # a file written after the whole run: refused now, not then
+                check_save_path(os.path.abspath(path), flag)
         if command == "run":
             job = BenchJob(parse_plan(ns), parse_sampling(ns))
             if ns.plot:

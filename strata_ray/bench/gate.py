@@ -10,9 +10,9 @@ server that returns no ids is compared by text. The verdict line is `GATE: PASS`
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
+from strata_ray.atomic_file import write_atomic
 from strata_ray.bench.measure import Runner
 from strata_ray.bench.prompts import Prompt, PromptBuilder
 
@@ -69,11 +69,7 @@ def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutp
         **meta,
         "outputs": [o.record() for o in outputs],
     }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, ensure_ascii=False, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)  # atomic: a failed run never leaves half a reference
+    write_atomic(path, json.dumps(doc, ensure_ascii=False, indent=1) + "\n")  # never half a reference
 
 
 def load(path: str, kind: str) -> dict:

@@ -16,6 +16,8 @@ import platform
 import subprocess
 import sys
 
+from strata_ray.atomic_file import write_atomic
+
 REPORT_FORMAT = 1
 
 
@@ -133,11 +135,7 @@ def build_report(kind: str, mode: str, results: dict, *, plan: dict, config, mod
 
 
 def write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
 # ---- table -----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from strata_ray.atomic_file import write_atomic
 from strata_ray.experts.pairs import pair_ids, pairs_of
 
 MAGIC = b"STRP"
@@ -132,17 +133,9 @@ def read_profile(path: str | os.PathLike) -> Profile:
 
 def write_profile(path: str | os.PathLike, profile: Profile) -> None:
     """Write atomically: `<path>.tmp`, fsync, then rename, so a reader never sees half a file."""
-    path = os.fspath(path)
-    tmp = path + ".tmp"
     try:
-        with open(tmp, "wb") as f:
-            f.write(encode_profile(profile))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, encode_profile(profile))
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise ProfileError(f"expert profile {path}: cannot write ({e.strerror or e})") from None
 
 

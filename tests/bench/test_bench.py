@@ -98,8 +98,33 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     assert code == 2 and "file not found" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("command, flag", [("run", "--json-out"), ("run", "--plot"), ("gate", "--save")])
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(model_path, tmp_path, capsys, command,
+                                                                    flag):
+    """The JSON, the plot and a gate reference are written after the whole run: a missing folder or a
+    folder as the path is refused at once (before the model loads), and no .tmp file is left behind."""
+    (tmp_path / "adir").mkdir()
+    head = [] if command == "run" else [command]
+    for path, want in ((tmp_path / "nodir" / "r.json", f"folder not found: {tmp_path / 'nodir'}"),
+                       (tmp_path / "adir", f"{tmp_path / 'adir'} is a folder; give a file path")):
+        code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, str(path))
+        assert (code, err) == (2, f"strata_ray bench: {flag}: {want}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
+    from strata_ray.atomic_file import write_atomic
+
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_atomic(tmp_path / "adir", "{}")
+    write_atomic(tmp_path / "r.json", "{}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "r.json"]
+    assert (tmp_path / "r.json").read_text() == "{}\n"
+
+
 @pytest.mark.parametrize("flag, line", [
-    ("--contexts", "--contexts: invalid value '' (allowed: token counts such as 8192 or 8k (k = 1024))"),
+    ("--contexts", "--contexts: invalid value ' (allowed: token counts such as 8192 or 8k (k = 1024))"),
     ("--repeats", "--repeats: invalid value '' (allowed: an integer >= 1)"),
 ])
 def test_an_empty_contexts_or_repeats_is_refused_not_the_default(model_path, capsys, flag, line):
