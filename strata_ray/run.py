@@ -144,6 +144,8 @@ def build_request(ns, values: dict):
     values = dict(values, sampling=SamplingParams(**values["sampling"]))
     if "prompt_ids" not in values:
         values.update(prompt=read_prompt(ns), chat=ns.chat)
+        if values["prompt"] == "" and not ns.chat:  # the primary would refuse it, after Ray and the load
+            raise ConfigError("the prompt is empty")
     return GenerationRequest(**values)
 
 
@@ -159,7 +161,10 @@ def read_prompt(ns) -> str:
         except UnicodeDecodeError:
             raise ConfigError(f"--prompt-file: {ns.prompt_file} is not UTF-8 text") from None
     if sys.stdin is not None and not sys.stdin.isatty():
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        except UnicodeDecodeError:
+            raise ConfigError("the prompt on stdin is not UTF-8 text") from None
         if text:
             return text
     say(f"no prompt given (--prompt, --prompt-file or stdin); using {DEFAULT_PROMPT!r}")

@@ -181,6 +181,7 @@ def test_unknown_architecture(tmp_path):
          "argument --prompt-ids: not allowed with argument --prompt/-p (see --help)"),
         (["--prompt-ids", "1,2", "--chat"],
          "--chat cannot be combined with --prompt-ids (token ids are used as given)"),
+        (["--prompt", ""], "the prompt is empty"),
         (["--prompt", "a", "--logprobs", "3"],
          "--logprobs needs --json (the log-probabilities are printed in the JSON object)"),
     ],
@@ -282,3 +283,10 @@ def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
     r = run_cli("--model", tiny_model, "--address", "foo", "-p", "hi", "--max-tokens", "1", timeout=60)
     assert (r.returncode, r.stderr) == (
         2, "strata_ray: --address foo: expected HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or 'local'\n")
+
+
+def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model], input=b"\xff\xfe\x80abc",
+                       capture_output=True, env=env, cwd=REPO, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (2, b"", b"strata_ray: the prompt on stdin is not UTF-8 text\n")
