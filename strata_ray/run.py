@@ -162,7 +162,8 @@ def read_prompt(ns) -> str:
             raise ConfigError(f"--prompt-file: {ns.prompt_file} is not UTF-8 text") from None
     if sys.stdin is not None and not sys.stdin.isatty():
         try:
-            text = sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+            stdin = getattr(sys.stdin, "buffer", None)  # bytes, so a bad encoding is ours to report
+            text = stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
         except UnicodeDecodeError:
             raise ConfigError("the prompt on stdin is not UTF-8 text") from None
         if text:

@@ -287,6 +287,7 @@ def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
 
 def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model], input=b"\xff\xfe\x80abc",
-                       capture_output=True, env=env, cwd=REPO, timeout=60)
-    assert (r.returncode, r.stdout, r.stderr) == (2, b"", b"strata_ray: the prompt on stdin is not UTF-8 text\n")
+    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model],
+                       input=b"\xff\xfe\x80abc", capture_output=True, env=env, cwd=REPO, timeout=60)
+    want = b"strata_ray: the prompt on stdin is not UTF-8 text\n"
+    assert (r.returncode, r.stdout, r.stderr) == (2, b"", want)

@@ -91,6 +91,8 @@ def _check_device(name: str) -> None:
         device = torch.device(name)
     except RuntimeError:
         raise ProfileCliError(f"--device {name}: not a torch device") from None
+    if device.type not in ("cpu", "cuda"):  # the engine's devices; torch knows more (mps, xpu, meta)
+        raise ProfileCliError(f"--device {name}: the profile runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ProfileCliError(f"--device {name}: CUDA is not available")
 

@@ -242,6 +242,8 @@ def write_synth(
     path = Path(path)
     if not path.parent.is_dir():
         raise SynthError(f"output directory {path.parent} does not exist")
+    if path.exists() and not path.is_file():
+        raise SynthError(f"-o {path}: exists and is not a regular file")
     mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}",
                       dense_type=T[dense_type])
     free = shutil.disk_usage(path.parent).free
@@ -262,9 +264,21 @@ class _OneLineParser(argparse.ArgumentParser):
         raise SynthError(message)
 
 
+def _seed(s: str) -> int:
+    """numpy's generators take seeds >= 0: a negative one is a bad flag, not a traceback."""
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: an integer >= 0)")
+    return v
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
-        prog="strata_ray synth", description="Write a random-weight GGUF model at a preset shape."
+        prog="python -m strata_ray.run synth",
+        description="Write a random-weight GGUF model at a preset shape.",
     )
     p.add_argument("--arch", choices=ARCHS, help="qwen3next or qwen3moe (implied by 30b-a3b / 80b-a3b)")
     p.add_argument(
@@ -278,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dense-type", default="Q8_0", choices=DENSE_TYPES,
                    help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
                         "projection stay Q8_0, rows not a multiple of 256 fall back to Q8_0)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed >= 0 (same seed, same file)")
     p.add_argument("-o", "--output", required=True, help="output .gguf path")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -307,6 +321,9 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the writer removed its .part file on the way out
+        print("strata_ray synth: interrupted", file=sys.stderr)
+        return 130
     except (OSError, GGUFWriteError) as e:
         print(f"strata_ray synth: cannot write {e}", file=sys.stderr)
         return 1

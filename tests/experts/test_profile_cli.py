@@ -41,6 +41,15 @@ def test_output_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys, mon
     assert rc == 2 and "is a folder; give a file path" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("device", ["mps", "meta"])
+def test_a_torch_device_the_engine_does_not_run_on_is_one_line(tmp_path, capsys, device):
+    (tmp_path / "c.txt").write_text(CORPUS)
+    rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "p.strp"), "--device",
+                       device])
+    want = f"strata_ray profile: --device {device}: the profile runs on cpu or cuda\n"
+    assert rc == 2 and one_line_error(capsys) == want
+
+
 def test_bad_flag_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         profile_main(["--corpus", "c.txt", "-o", "p.strp", "--chunk", "0"])

@@ -229,6 +229,9 @@ def test_dense_type(tmp_path):
         ),
         (["--arch", "qwen3next", "--preset", "tiny"], "required"),
         (["--arch", "qwen3next", "--preset", "tiny", "-o", "/no/such/dir/x.gguf"], "does not exist"),
+        (["--arch", "qwen3next", "--preset", "tiny", "--seed", "-1", "-o", "x.gguf"],
+         "--seed: invalid value '-1' (allowed: an integer >= 0)"),
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", "."], "-o .: exists and is not a regular file"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
@@ -251,3 +254,26 @@ def test_cli_success_and_implied_arch(tmp_path, capsys):
         preset_hparams("qwen3moe", "80b-a3b")
     assert preset_hparams(None, "80b-a3b").arch == "qwen3next"
     assert preset_hparams(None, "30b-a3b").arch == "qwen3moe"
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_file(tmp_path):
+    """SIGINT while the writer streams: exit 130, one line, neither the model nor its .part left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "big.gguf"
+    proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "synth", "--arch", "qwen3next",
+                             "--preset", "80b-a3b", "--layers", "4", "--no-progress", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    deadline = time.monotonic() + 120
+    while not any(tmp_path.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the stream
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (130, "strata_ray synth: interrupted\n")
+    assert list(tmp_path.iterdir()) == []
