@@ -387,6 +387,36 @@ def parse_value(parse: Callable[[str], Any], raw: str, label: str) -> Any:
         raise ConfigError(f"{label}: invalid value {raw!r} (allowed: {e})") from None
 
 
+def _on(s: str) -> bool:
+    """A 0 / 1 switch as a bool."""
+    return _choice("0", "1")(s) == "1"
+
+
+def _ring_slots(s: str) -> int:
+    """STRATA_RING_SLOTS: an even count >= 2 (the ring's two halves alternate across layers)."""
+    v = int_range(2)(s)
+    if v % 2:
+        raise ValueError("an even count >= 2")
+    return v
+
+
+# EngineConfig fields set by a STRATA_* variable alone (no flag): variable -> (field, parse)
+ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "STRATA_ARENA_PIN_GIB": ("arena_pin_gib", float_range(0.0, 1e6)),
+    "STRATA_KERNEL_VARIANT": ("kernel_variant", _choice(*KERNEL_VARIANTS)),
+    "STRATA_DECODE_GRAPHS": ("decode_graphs", _on),
+    "STRATA_RING_OVERLAP": ("ring_overlap", _on),
+    "STRATA_DECODE_CPU_THREAD": ("decode_cpu_thread", _on),
+    "STRATA_DENSE_Q8": ("dense_q8", _on),
+    "STRATA_CPU_DENSE_BLOCKS": ("cpu_dense_blocks", _on),
+    "STRATA_DECODE_PIPELINE": ("decode_pipeline", _on),
+    "STRATA_RING_LOAN": ("ring_loan", _on),
+    "STRATA_LOAN_ORDER": ("loan_order", _choice(*LOAN_ORDERS)),
+    "STRATA_PCIE_SHARE": ("pcie_share", int_range(0, 1000)),
+    "STRATA_DECODE_PREFETCH": ("decode_prefetch", int_range(0, 8)),
+}
+
+
 def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> EngineConfig:
     """Merge defaults < STRATA_* env < CLI and validate. Raises ConfigError with one line."""
     env = os.environ if env is None else env
@@ -397,40 +427,9 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
             values[name] = parse_value(parse, str(raw_cli), flag)
         elif env.get(env_name(name), "") != "":
             values[name] = parse_value(parse, env[env_name(name)], env_name(name))
-    if env.get("STRATA_ARENA_PIN_GIB", "") != "":
-        values["arena_pin_gib"] = parse_value(float_range(0.0, 1e6), env["STRATA_ARENA_PIN_GIB"],
-                                              "STRATA_ARENA_PIN_GIB")
-    if env.get("STRATA_KERNEL_VARIANT", "") != "":
-        values["kernel_variant"] = parse_value(_choice(*KERNEL_VARIANTS),
-                                               env["STRATA_KERNEL_VARIANT"], "STRATA_KERNEL_VARIANT")
-    if env.get("STRATA_DECODE_GRAPHS", "") != "":
-        values["decode_graphs"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_GRAPHS"],
-                                              "STRATA_DECODE_GRAPHS") == "1"
-    if env.get("STRATA_RING_OVERLAP", "") != "":
-        values["ring_overlap"] = parse_value(_choice("0", "1"), env["STRATA_RING_OVERLAP"],
-                                             "STRATA_RING_OVERLAP") == "1"
-    if env.get("STRATA_DECODE_CPU_THREAD", "") != "":
-        values["decode_cpu_thread"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_CPU_THREAD"],
-                                                  "STRATA_DECODE_CPU_THREAD") == "1"
-    if env.get("STRATA_DENSE_Q8", "") != "":
-        values["dense_q8"] = parse_value(_choice("0", "1"), env["STRATA_DENSE_Q8"], "STRATA_DENSE_Q8") == "1"
-    if env.get("STRATA_CPU_DENSE_BLOCKS", "") != "":
-        values["cpu_dense_blocks"] = parse_value(_choice("0", "1"), env["STRATA_CPU_DENSE_BLOCKS"],
-                                                 "STRATA_CPU_DENSE_BLOCKS") == "1"
-    if env.get("STRATA_DECODE_PIPELINE", "") != "":
-        values["decode_pipeline"] = parse_value(_choice("0", "1"), env["STRATA_DECODE_PIPELINE"],
-                                                "STRATA_DECODE_PIPELINE") == "1"
-    if env.get("STRATA_RING_LOAN", "") != "":
-        values["ring_loan"] = parse_value(_choice("0", "1"), env["STRATA_RING_LOAN"],
-                                          "STRATA_RING_LOAN") == "1"
-    if env.get("STRATA_LOAN_ORDER", "") != "":
-        values["loan_order"] = parse_value(_choice(*LOAN_ORDERS), env["STRATA_LOAN_ORDER"],
-                                           "STRATA_LOAN_ORDER")
-    if env.get("STRATA_PCIE_SHARE", "") != "":
-        values["pcie_share"] = parse_value(int_range(0, 1000), env["STRATA_PCIE_SHARE"], "STRATA_PCIE_SHARE")
-    if env.get("STRATA_DECODE_PREFETCH", "") != "":
-        values["decode_prefetch"] = parse_value(int_range(0, 8), env["STRATA_DECODE_PREFETCH"],
-                                                "STRATA_DECODE_PREFETCH")
+    for name, (field_name, parse) in ENV_FIELDS.items():
+        if env.get(name, "") != "":
+            values[field_name] = parse_value(parse, env[name], name)
     for name, parse in READ_WHERE_USED.items():  # switches the kernels read themselves: refused here first
         if env.get(name, "") != "":
             parse_value(parse, env[name], name)
@@ -483,7 +482,17 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_TEAM_UNITS": _choice("half", "whole"),
     "STRATA_MMA_KQUANT_CTAS": int_range(1, 4),
     "STRATA_GEMV_MIN_CTAS": int_range(1, 4),
+    "STRATA_PRECOMPILE": _choice("0", "1"),
+    "STRATA_RING_SLOTS": _ring_slots,
 }
+# read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
+INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)
+
+
+def known_env_names() -> set[str]:
+    """Every STRATA_* variable the engine reads (serve.json's env refuses the others: a typo)."""
+    return ({env_name(name) for name in ENGINE_FLAGS} | set(ENV_FIELDS) | set(PEER_ENV_SWITCHES)
+            | set(READ_WHERE_USED) | set(INTERNAL_ENV))
 
 
 def _check_combinations(cfg: EngineConfig) -> None:

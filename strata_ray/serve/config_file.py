@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_ray.config import ConfigError, EngineConfig, add_engine_args, config_from_args
+from strata_ray.config import ConfigError, EngineConfig, add_engine_args, config_from_args, known_env_names
 from strata_ray.config import OneLineArgumentParser as _OneLineParser
 
 PROG = "python -m strata_ray.run serve"
@@ -100,6 +100,9 @@ def _parse_env(value: Any) -> dict[str, str]:
     bad = [k for k in value if not k.startswith("STRATA_")]
     if bad:
         raise ServeConfigError(f"env: only STRATA_* switches are allowed here, got {bad[0]}")
+    unknown = sorted(set(value) - known_env_names())
+    if unknown:  # a typo would otherwise leave the switch silently off
+        raise ServeConfigError(f"env: {unknown[0]} is not a switch strata_ray reads (README: the switches)")
     return {k: _env_value(k, v) for k, v in value.items()}
 
 
