@@ -262,6 +262,8 @@ def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> 
             sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")
         sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
         return 0
+    if target.tokenizer is not None:  # ids another model wrote: refused before the run, not at the verdict
+        gate.check_vocab(job.reference, target.tokenizer.n_vocab, ns.against)
     prompts = gate.saved_prompts(job.reference, builder)
     with progress_bar(len(prompts), command) as bar:
         outputs = gate.run_prompts(target.runner, prompts, gen, sampling, tick=lambda _n: bar.update(1))

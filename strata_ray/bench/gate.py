@@ -92,6 +92,15 @@ def load(path: str, kind: str) -> dict:
     return doc
 
 
+def check_vocab(doc: dict, n_vocab: int, path: str) -> None:
+    """The reference's token ids must be this model's: GateFileError (one line) for one outside it."""
+    for o in doc["outputs"]:
+        bad = [t for t in o.get("token_ids") or () if not 0 <= t < n_vocab]
+        if bad:
+            raise GateFileError(f"--against: {path}: {o['name']} holds token id {bad[0]}, outside this "
+                                f"model's vocabulary of {n_vocab} (a reference made with another model?)")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

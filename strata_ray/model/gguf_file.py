@@ -148,8 +148,11 @@ class _Cursor:
 
 def _map(path: Path) -> mmap.mmap:
     """Map the whole file copy-on-write; raises ModelFormatError for missing / non-GGUF files."""
-    if not path.is_file():
+    if not path.exists():
         raise ModelFormatError(f"model file not found: {path}")
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not a regular file"
+        raise ModelFormatError(f"model file {path} is {what}; give a .gguf file")
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise ModelFormatError(f"not a GGUF file: {path}")

@@ -203,6 +203,18 @@ def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_pat
                    "make one with --save\n")
 
 
+def test_a_reference_with_ids_outside_the_vocabulary_is_refused_before_the_run(model_path, tmp_path, capsys):
+    """Checked once the model (its vocabulary) is loaded, before any prompt runs."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4,
+                               "outputs": [{**GOOD_OUTPUT, "token_ids": [1, 99999]}]}))
+    code, out, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", str(ref))
+    last = err.splitlines()[-1]
+    assert (code, out) == (2, "") and last.startswith(
+        f"strata_ray bench: --against: {ref}: chat holds token id 99999, outside this model's vocabulary of ")
+    assert last.endswith(" (a reference made with another model?)")
+
+
 def test_longgate_refuses_a_gate_reference(model_path, tmp_path, capsys):
     ref = tmp_path / "ref.json"
     ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": []}))

@@ -197,6 +197,15 @@ def test_error_missing_file(tmp_path):
     assert str(e.value) == f"model file not found: {tmp_path / 'nope.gguf'}"
 
 
+@pytest.mark.parametrize("path, what", [("folder", "a folder"), ("/dev/null", "not a regular file")])
+def test_error_a_path_that_is_not_a_file(tmp_path, path, what):
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / path
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile(path)
+    assert str(e.value) == f"model file {path} is {what}; give a .gguf file"
+
+
 @pytest.mark.parametrize("content", [b"", b"GG", b"PK\x03\x04 this is a zip", b'{"json": 1}'])
 def test_error_not_gguf(tmp_path, content):
     p = tmp_path / "x.gguf"
