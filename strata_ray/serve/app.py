@@ -204,6 +204,23 @@ def model_name(path: str | None) -> str:
     return DEFAULT_MODEL_NAME if path is None else Path(path).name.removesuffix(".gguf")
 
 
+def check_listen(host: str, port: int) -> None:
+    """Bind host:port for a moment, so an address in use (or not this machine's) fails before Ray starts and
+    the model loads, with the reason (Ray Serve's own failure comes minutes later and says neither)."""
+    import socket
+
+    from strata_ray.config import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no clash
+            s.bind(address)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
 def serve_main(argv) -> int:
     from dataclasses import replace
 
@@ -218,6 +235,7 @@ def serve_main(argv) -> int:
         model_path, hp = check_model_file(plan.engine)
         engine_cfg = check_profile_files(replace(plan.engine, model=model_path), hp)
         check_supported(engine_cfg)
+        check_listen(plan.serve.host, plan.serve.port)
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     os.environ.update(plan.env)  # CUDA_VISIBLE_DEVICES in PCI bus order, STRATA_* switches

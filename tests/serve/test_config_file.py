@@ -176,3 +176,24 @@ def test_serve_checks_the_profile_files_before_starting_like_run(tmp_path, case)
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert (done.returncode, done.stderr) == (2, f"strata_ray: {line}\n")
+
+
+@pytest.mark.parametrize("case", ["in use", "no such host"])
+def test_serve_refuses_an_address_it_cannot_listen_on_before_starting(tmp_path, case):
+    """A port another process holds, or a host name that does not resolve: one line with the reason, before
+    Ray starts (Ray Serve failed minutes later, saying neither)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        host = "127.0.0.1" if case == "in use" else "no-such-host.invalid"  # .invalid never resolves
+        done = subprocess.run([sys.executable, "-m", "strata_ray.run", "serve", "--address", "local",
+                               "--host", host, "--port", str(port)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    if case == "in use":
+        assert done.stderr == f"strata_ray: cannot listen on {host}:{port} (Address already in use)\n"
+    else:
+        assert done.stderr.startswith(f"strata_ray: cannot listen on {host}:{port} (")
