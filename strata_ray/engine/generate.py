@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -82,8 +82,12 @@ def generate(
     with torch.inference_mode():
         t0 = time.perf_counter()
         state = model.new_state()
-        for start in range(0, len(prompt), prefill_chunk):
-            logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
+        # a prompt of a few tokens runs the decode's small-batch path: the tiers count it as a prompt all
+        # the same (their windows, hit rates and adaptive usage are the decode's)
+        prompt_forwards = getattr(getattr(model, "experts", None), "prompt_forwards", nullcontext)
+        with prompt_forwards():
+            for start in range(0, len(prompt), prefill_chunk):
+                logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
         last = logits[-1].float()  # [V] where the model ran: the sampler draws there
         if last.device.type == "cuda":
             torch.cuda.synchronize(last.device)  # the prompt's time ends when its logits are there

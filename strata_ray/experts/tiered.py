@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -192,6 +193,7 @@ class TieredExperts:
         # [L, X] the last prompt's routing counts (every chunk since the last decode forward)
         self.prompt_heat = np.zeros((self.n_layers, self.n_expert), dtype=np.int64)
         self._decoding = True  # the last forward was a decode step (or none ran): a prompt starts afresh
+        self.in_prompt = False  # inside prompt_forwards(): even a forward of a few tokens is a prompt's
         self.prefetch_deep = os.environ.get("STRATA_PREFETCH_LAYERS", "2") == "2"
 
     def use_coordinator(self, coordinator, send_every: int) -> None:
@@ -245,7 +247,7 @@ class TieredExperts:
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
             t1 = time.perf_counter()
             cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool_for(ids_h))
-            if decode:
+            if decode and not self.in_prompt:
                 self.metrics.counts.cpu_seconds += time.perf_counter() - t1
             out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
             if trunk:
@@ -280,7 +282,7 @@ class TieredExperts:
             else:
                 rows[torch.from_numpy(miss)] = torch.from_numpy(cpu_rows)
             host += time.perf_counter() - t2
-            if decode:
+            if decode and not self.in_prompt:
                 self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
         out = self._combine(rows.view(n_tok, k, -1), weights.float())
         if trunk:
@@ -532,7 +534,7 @@ class TieredExperts:
     ) -> None:
         """misses: entries the CPU pool computed; pcie: misses the GPU computed from the host store."""
         c = self.metrics.counts
-        if not decode:
+        if not decode or self.in_prompt:
             c.prompt_entries += hits + misses
             self.prompt_heat[layer] += np.bincount(ids_h, minlength=self.n_expert)
             return
@@ -557,13 +559,24 @@ class TieredExperts:
         return DecodeRows(self, n_embd, k, capture)
 
     # -- windows and adaptive rounds ------------------------------------------------------------------
+    @contextmanager
+    def prompt_forwards(self):
+        """The forwards inside are a prompt's, whatever their size: a prompt of <= DECODE_MAX_TOKENS tokens
+        runs the decode's kernels but opens no decode window, and its entries count as prompt entries (not
+        in the hit rates, the adaptive usage or the host time per token). generate() wraps its prompt."""
+        self.in_prompt = True
+        try:
+            yield
+        finally:
+            self.in_prompt = False
+
     def start_forward(self, n_tok: int, defer: bool = False) -> None:
         """Layer 0 of a forward: close the previous window; a forward of <= DECODE_MAX_TOKENS opens one.
         defer (the pipelined decode, before it launches the token): the closed window's accounting, the
         round it may plan and the copies of the round applied here wait for after_launch(), which the
         caller runs once the token is launched, beside its device work."""
         self._prefetched = {}  # a prefetch is only used by the forward that made it
-        decode = n_tok <= DECODE_MAX_TOKENS
+        decode = n_tok <= DECODE_MAX_TOKENS and not self.in_prompt
         if not decode:
             if self._decoding:  # a new prompt: its routing counts alone
                 self.prompt_heat[:] = 0

@@ -301,3 +301,22 @@ def test_a_prompt_ordered_loan_takes_the_prompts_hottest_non_resident_pairs(tiny
         assert tiers.prompt_heat.sum() == 9 * hp.n_expert_used * hp.n_layer
         tiers.finish()
     assert tokens["profile"] == tokens["prompt"]
+
+
+@pytest.mark.parametrize("prompt_len", [3, 10])
+def test_a_short_prompt_counts_as_a_prompt_not_a_decode_window(tiny_next, prompt_len):
+    """A prompt of <= DECODE_MAX_TOKENS tokens runs the decode's kernels, but its entries are prompt entries:
+    the windows, tokens, hit counts and adaptive usage are the decode's alone, as for a long prompt."""
+    from strata_ray.engine.generate import generate
+    from strata_ray.engine.sampling import SamplingParams
+
+    cfg = config(tiny_next, expert_cache=12, adapt_every=0)
+    loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
+    hp = loaded.hp
+    result = generate(loaded.model, PROMPT[:prompt_len], DECODE, SamplingParams(), stop_ids=())
+    c = tiers.metrics.counts
+    decoded = len(result.token_ids) - 1  # the last token is sampled, never run through the model
+    assert c.prompt_entries == prompt_len * hp.n_expert_used * hp.n_layer
+    assert c.tokens == c.windows == decoded
+    assert c.slot_hits + c.cpu_entries == decoded * hp.n_expert_used * hp.n_layer
+    assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt
