@@ -124,7 +124,7 @@ def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
 
 
 @pytest.mark.parametrize("flag, line", [
-    ("--contexts", "--contexts: invalid value ' (allowed: token counts such as 8192 or 8k (k = 1024))"),
+    ("--contexts", "--contexts: invalid value '' (allowed: token counts such as 8192 or 8k (k = 1024))"),
     ("--repeats", "--repeats: invalid value '' (allowed: an integer >= 1)"),
 ])
 def test_an_empty_contexts_or_repeats_is_refused_not_the_default(model_path, capsys, flag, line):
