@@ -576,14 +576,15 @@ class TieredExperts:
         round it may plan and the copies of the round applied here wait for after_launch(), which the
         caller runs once the token is launched, beside its device work."""
         self._prefetched = {}  # a prefetch is only used by the forward that made it
-        decode = n_tok <= DECODE_MAX_TOKENS and not self.in_prompt
+        decode = n_tok <= DECODE_MAX_TOKENS  # the decode's kernels and loan, for a short prompt too
+        prompt = not decode or self.in_prompt
+        if prompt and self._decoding:  # a new prompt: its routing counts alone
+            self.prompt_heat[:] = 0
         if not decode:
-            if self._decoding:  # a new prompt: its routing counts alone
-                self.prompt_heat[:] = 0
             self._close_loan()  # before this prompt's first ring copies
-        self._decoding = decode
+        self._decoding = not prompt
         self.window_boundary(defer=defer, lend=decode)
-        self._in_window = decode
+        self._in_window = not prompt
 
     def window_boundary(self, defer: bool = False, lend: bool = False) -> None:
         """Close the previous window: land the swaps in flight, apply the round planned after the last
