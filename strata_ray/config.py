@@ -339,10 +339,15 @@ def env_name(field_name: str) -> str:
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse that ends a bad command line with one line and exit code 2 instead of usage + message."""
+    """argparse that ends a bad command line with one line and exit code 2 instead of usage + message.
+    error_prefix: what the command's other errors start with (`strata_ray bench`, `strata_ray profile`)."""
+
+    def __init__(self, *args, error_prefix: str = "strata_ray", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.error_prefix = error_prefix
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        self.exit(2, f"strata_ray: {message} (see --help)\n")
+        self.exit(2, f"{self.error_prefix}: {message} (see --help)\n")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -367,10 +372,11 @@ def _show(v: object) -> str:
 
 
 def build_arg_parser(
-    prog: str = "python -m strata_ray.run", description: str | None = None
+    prog: str = "python -m strata_ray.run", description: str | None = None, error_prefix: str = "strata_ray"
 ) -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog=prog,
+        error_prefix=error_prefix,
         description=description
         or "Run a Mixture-of-Experts GGUF model on Ray. Without --model it runs the embedded "
         f"{DEFAULT_MODEL_NAME}, a small Qwen3-Next with MTP trained on Python's documentation.",

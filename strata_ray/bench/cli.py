@@ -44,7 +44,7 @@ def build_parser(command: str):
         size = "chat, code (~4K tokens) and math" if command == "gate" else "one ~20K-token"
         description = (f"exactness gate: {size} greedy prompt(s), output token ids compared exactly; "
                        "prints GATE: PASS or GATE: FAIL and exits 1 on a failure")
-    parser = build_arg_parser(prog, description)
+    parser = build_arg_parser(prog, description, error_prefix="strata_ray bench")  # as fail() writes
     target = parser.add_argument_group("target (default: the engine's Ray actors, as `run` uses them)")
     where = target.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the Engine in this process, without Ray")

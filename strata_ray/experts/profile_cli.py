@@ -30,6 +30,7 @@ class ProfileCliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(
         prog="python -m strata_ray.run profile",
+        error_prefix="strata_ray profile",  # as profile_main's other errors
         description="Record expert routing on a text and write an STRP expert profile (hottest pairs first).",
     )
     p.add_argument("--model", metavar="PATH", default=None, help="GGUF model (default: the embedded model)")
@@ -55,10 +56,12 @@ def _positive(s: str) -> int:
 
 def read_corpus(path: str) -> str:
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ProfileCliError(f"corpus {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # a binary file would route its replacement characters, not text
+        raise ProfileCliError(f"corpus {path} is not UTF-8 text (byte {e.start})") from None
     if not text.strip():
         raise ProfileCliError(f"corpus {path} is empty")
     return text

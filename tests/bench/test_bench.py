@@ -88,6 +88,15 @@ def test_plot_without_matplotlib_is_one_line_before_running(model_path, tmp_path
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("head", [[], ["gate", "--against", "r.json"]])
+def test_a_bad_command_line_speaks_as_bench(capsys, head):
+    """argparse's own errors carry the prefix of bench's other errors."""
+    with pytest.raises(SystemExit) as e:
+        bench_main([*head, "--bogus"])
+    assert (e.value.code, capsys.readouterr().err) == (
+        2, "strata_ray bench: unrecognized arguments: --bogus (see --help)\n")
+
+
 def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     code, _, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "8x")
     assert code == 2 and "--contexts" in err and err.count("\n") == 1

@@ -25,6 +25,13 @@ def test_empty_corpus(tmp_path, capsys):
     assert rc == 2 and "is empty" in one_line_error(capsys)
 
 
+def test_a_corpus_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    (tmp_path / "bin.txt").write_bytes(b"text \xff\xfe more")
+    rc = profile_main(["--corpus", str(tmp_path / "bin.txt"), "-o", str(tmp_path / "p.strp")])
+    want = f"strata_ray profile: corpus {tmp_path / 'bin.txt'} is not UTF-8 text (byte 5)\n"
+    assert rc == 2 and one_line_error(capsys) == want and not (tmp_path / "p.strp").exists()
+
+
 def test_output_directory_missing(tmp_path, capsys):
     (tmp_path / "c.txt").write_text(CORPUS)
     rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "nodir" / "p.strp")])
@@ -48,6 +55,12 @@ def test_a_torch_device_the_engine_does_not_run_on_is_one_line(tmp_path, capsys,
                        device])
     want = f"strata_ray profile: --device {device}: the profile runs on cpu or cuda\n"
     assert rc == 2 and one_line_error(capsys) == want
+
+
+def test_a_bad_command_line_speaks_as_profile(capsys):
+    with pytest.raises(SystemExit) as e:
+        profile_main(["--bogus"])
+    assert e.value.code == 2 and one_line_error(capsys).startswith("strata_ray profile: ")
 
 
 def test_bad_flag_is_one_line(tmp_path, capsys):
