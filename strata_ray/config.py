@@ -398,12 +398,12 @@ def _on(s: str) -> bool:
     return _choice("0", "1")(s) == "1"
 
 
-def _ring_slots(s: str) -> int:
-    """STRATA_RING_SLOTS: an even count >= 2 (the ring's two halves alternate across layers)."""
-    v = int_range(2)(s)
-    if v % 2:
+def ring_slots_value(s: str) -> int:
+    """STRATA_RING_SLOTS: an even count >= 2, digits only (the ring's two halves alternate across layers).
+    experts/build reads it with this same parser."""
+    if not s.isdigit() or int(s) < 2 or int(s) % 2:
         raise ValueError("an even count >= 2")
-    return v
+    return int(s)
 
 
 # EngineConfig fields set by a STRATA_* variable alone (no flag): variable -> (field, parse)
@@ -489,7 +489,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_MMA_KQUANT_CTAS": int_range(1, 4),
     "STRATA_GEMV_MIN_CTAS": int_range(1, 4),
     "STRATA_PRECOMPILE": _choice("0", "1"),
-    "STRATA_RING_SLOTS": _ring_slots,
+    "STRATA_RING_SLOTS": ring_slots_value,
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

@@ -281,8 +281,9 @@ def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
         f"strata_ray: cannot connect to the Ray cluster at 127.0.0.1:{port} (Connection refused; is `ray "
         "start --head` running there?)\n")
     r = run_cli("--model", tiny_model, "--address", "foo", "-p", "hi", "--max-tokens", "1", timeout=60)
-    assert (r.returncode, r.stderr) == (
-        2, "strata_ray: --address foo: expected HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or 'local'\n")
+    want = ("strata_ray: Ray address 'foo' (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
+            "10.0.0.5:6379), 'auto' or 'local'\n")
+    assert (r.returncode, r.stderr) == (2, want)
 
 
 def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
@@ -291,3 +292,13 @@ def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
                        input=b"\xff\xfe\x80abc", capture_output=True, env=env, cwd=REPO, timeout=60)
     want = b"strata_ray: the prompt on stdin is not UTF-8 text\n"
     assert (r.returncode, r.stdout, r.stderr) == (2, b"", want)
+
+
+def test_ray_address_local_in_the_environment_starts_a_local_instance(tiny_model):
+    """RAY_ADDRESS=local means what --address local means (not an address to probe)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "RAY_ADDRESS": "local"}
+    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model, "--prompt-ids", "1,2",
+                        "--max-tokens", "1"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("strata_ray: started a local Ray instance")

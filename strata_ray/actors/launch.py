@@ -47,10 +47,10 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
     address: None = RAY_ADDRESS if set (must answer), else a cluster running on this machine, else a new
     local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail."""
     quiet = logging.INFO if verbose else logging.ERROR
-    if address == "local":
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target == "local":
         os.environ.pop("RAY_ADDRESS", None)  # ray.init() would otherwise attach to it
         return _start_local(dashboard, quiet, verbose)
-    target = address or os.environ.get("RAY_ADDRESS")
     if target and target != "auto":
         _use_token_auth_if_available()  # before `import ray`: Ray reads the mode when it loads
     import ray
@@ -82,7 +82,8 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"--address {address}: expected HOST:PORT (e.g. 10.0.0.5:6379), 'auto' or 'local'")
+        raise LaunchError(f"Ray address {address!r} (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
+                          "10.0.0.5:6379), 'auto' or 'local'")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:

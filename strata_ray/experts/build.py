@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from strata_ray.config import parse_value, ring_slots_value
 from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
@@ -70,7 +71,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
     store = HostStore(loaded_file, pin_gib=pin_gib)
     # a CPU primary streams no prompt through a ring; STRATA_RING_SLOTS still gives it one, for a loan
     # alone (the tests' view of the CUDA decode's loan)
-    cuda_ring = device.type == "cuda" or os.environ.get("STRATA_RING_SLOTS") is not None
+    cuda_ring = device.type == "cuda" or bool(os.environ.get("STRATA_RING_SLOTS"))
     ring = ring_slots(config.ring_overlap, store.max_blob, hp.n_expert) if cuda_ring else 0
     n_slots = cache_slots(config, store, device, ring_slots=ring)
     residency = Residency(hp.n_layer, hp.n_expert, n_slots, n_lendable=loan_slots(config, n_slots, ring, hp))
@@ -99,15 +100,13 @@ def loan_slots(config, n_slots: int, ring: int, hp) -> int:
 def ring_slots(overlap: bool, blob_bytes: int, n_expert: int) -> int:
     """The prompt ring's slots on CUDA: RING_SLOTS without overlap, else an even count from RING_BYTES (see
     there); STRATA_RING_SLOTS sets another even count (a benchmark knob)."""
-    raw = os.environ.get("STRATA_RING_SLOTS")
-    if raw is None:
+    raw = os.environ.get("STRATA_RING_SLOTS", "")
+    if not raw:  # unset or empty, as config reads it
         if not overlap:
             return RING_SLOTS
         fit = min(RING_SLOTS_OVERLAP, RING_BYTES // max(1, blob_bytes), 2 * n_expert)
         return max(RING_SLOTS_OVERLAP_MIN, fit - fit % 2)
-    if not raw.isdigit() or int(raw) < 2 or int(raw) % 2:
-        raise ValueError(f"STRATA_RING_SLOTS must be an even count of at least 2, got {raw!r}")
-    return int(raw)
+    return parse_value(ring_slots_value, raw, "STRATA_RING_SLOTS")  # config refused a bad one already
 
 
 def auto_pin_gib() -> float:

@@ -205,8 +205,9 @@ def model_name(path: str | None) -> str:
 
 
 def check_listen(host: str, port: int) -> None:
-    """Bind host:port for a moment, so an address in use (or not this machine's) fails before Ray starts and
-    the model loads, with the reason (Ray Serve's own failure comes minutes later and says neither)."""
+    """Bind host:port for a moment, so an address in use (or not this machine's) fails before the model
+    loads, with the reason (Ray Serve's own failure comes minutes later and says neither). Only where this run
+    started Ray: on an attached cluster Ray Serve's proxy may already listen there, and reusing it is fine."""
     import socket
 
     from strata_ray.config import ConfigError
@@ -235,7 +236,6 @@ def serve_main(argv) -> int:
         model_path, hp = check_model_file(plan.engine)
         engine_cfg = check_profile_files(replace(plan.engine, model=model_path), hp)
         check_supported(engine_cfg)
-        check_listen(plan.serve.host, plan.serve.port)
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     os.environ.update(plan.env)  # CUDA_VISIBLE_DEVICES in PCI bus order, STRATA_* switches
@@ -245,6 +245,8 @@ def serve_main(argv) -> int:
     session = None
     try:
         session = launch.connect(plan.address, False, plan.verbose)
+        if session.started:  # our own Ray Serve will listen here; an attached cluster's may already be
+            check_listen(plan.serve.host, plan.serve.port)
         if not plan.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         engine_cfg = replace(engine_cfg, device=launch.cluster_device(engine_cfg))

@@ -57,10 +57,17 @@ def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
     assert ring_slots(True, 4096, 8) == 32  # a tiny model: two halves of its 8 experts, at least 32
     monkeypatch.setenv("STRATA_RING_SLOTS", "6")
     assert ring_slots(True, 1_769_472, 512) == 6
-    for bad in ("7", "0", "x"):
+    from strata_ray.config import ConfigError, config_from_args
+    from strata_ray.run import build_generate_parser
+
+    for bad in ("7", "0", "x", "+4", " 4", "1_0"):  # refused by config before Ray starts, and here alike
         monkeypatch.setenv("STRATA_RING_SLOTS", bad)
-        with pytest.raises(ValueError, match="STRATA_RING_SLOTS"):
+        with pytest.raises(ConfigError, match="STRATA_RING_SLOTS"):
             ring_slots(True, 1_769_472, 512)
+        with pytest.raises(ConfigError, match="STRATA_RING_SLOTS"):
+            config_from_args(build_generate_parser().parse_args([]), {"STRATA_RING_SLOTS": bad})
+    monkeypatch.setenv("STRATA_RING_SLOTS", "")  # empty: unset, as config reads it
+    assert ring_slots(True, 1 << 30, 512) == 32
 
 
 def test_the_ring_is_lent_where_the_cache_holds_some_experts_but_not_with_it_all():
