@@ -178,6 +178,11 @@ def bench_main(argv: Sequence[str]) -> int:
             path = getattr(ns, flag[2:].replace("-", "_"), None)
             if path:  # a file written after the whole run: refused now, not then
                 check_save_path(os.path.abspath(path), flag)
+        if not ns.url and (cfg.expert_profile or cfg.expert_profile_save):  # as `run` and `serve` read them
+            from strata_ray.run import check_model_file, check_profile_files
+
+            model_path, hp = check_model_file(cfg)
+            cfg = check_profile_files(replace(cfg, model=model_path), hp)
         if command == "run":
             job = BenchJob(parse_plan(ns), parse_sampling(ns))
             if ns.plot:
@@ -263,7 +268,8 @@ def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> 
         sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
         return 0
     if target.tokenizer is not None:  # ids another model wrote: refused before the run, not at the verdict
-        gate.check_vocab(job.reference, target.tokenizer.n_vocab, ns.against)
+        n_vocab = target.file.hparams.n_vocab if target.file is not None else target.tokenizer.n_vocab
+        gate.check_vocab(job.reference, n_vocab, ns.against)
     prompts = gate.saved_prompts(job.reference, builder)
     with progress_bar(len(prompts), command) as bar:
         outputs = gate.run_prompts(target.runner, prompts, gen, sampling, tick=lambda _n: bar.update(1))

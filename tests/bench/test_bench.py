@@ -97,6 +97,19 @@ def test_a_bad_command_line_speaks_as_bench(capsys, head):
         2, "strata_ray bench: unrecognized arguments: --bogus (see --help)\n")
 
 
+def test_bench_reads_the_profile_flags_as_run_does(model_path, tmp_path, capsys):
+    """The same missing P for --expert-profile and --expert-profile-save: a first start (one line), and the
+    learned profile is saved there; a folder as the save path is one line before the model loads."""
+    p = tmp_path / "p.strp"
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "160", "--repeats", "1",
+                           "--expert-profile", str(p), "--expert-profile-save", str(p), *FAST)
+    assert code == 0, err
+    assert f"--expert-profile {p}: nothing saved there yet" in err and p.is_file()
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--expert-profile-save", str(tmp_path))
+    assert (code, err) == (2, f"strata_ray bench: --expert-profile-save: {tmp_path} is a folder; give a file "
+                              "path\n")
+
+
 def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     code, _, err = run_cli(capsys, "--local", "--model", model_path, "--contexts", "8x")
     assert code == 2 and "--contexts" in err and err.count("\n") == 1
