@@ -351,6 +351,8 @@ def load_model_remote(dep, reused: bool, verbose: bool = False) -> dict:
     say(f"model already loaded: {what}" if reused else f"loaded {what} in {time.monotonic() - started:.1f} s")
     if info.get("expert_cache") and not reused and not verbose:
         say(info["expert_cache"])
+    if info.get("pin_error") and not reused:
+        say(f"host store: {info['pin_error']}; the other expert layers stay unpinned (slower copies)")
     return info
 
 

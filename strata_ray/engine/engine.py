@@ -140,6 +140,8 @@ class Engine:
             "has_mtp": hp.has_mtp,
             "device": self.device,
             "expert_cache": self._fill_line(),
+            # why the host store stopped page-locking (the OS refused), or None: the driver says it
+            "pin_error": self.tiers.store.pin_error if self.tiers is not None else None,
         }
 
     def _fill_line(self) -> str | None:

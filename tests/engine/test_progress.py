@@ -38,6 +38,7 @@ def test_engine_reports_stages_and_the_fill(config):
     final = {"stage": "tokenizer", "fill_done": SLOTS, "fill_total": SLOTS, "done": True}
     assert progress.snapshot() == final
     assert engine.info()["expert_cache"].startswith(f"pre-filled {SLOTS} of {SLOTS} slots from the default")
+    assert engine.info()["pin_error"] is None  # no CUDA here: nothing was page-locked, nothing refused
 
 
 def test_no_bars_when_stderr_is_not_a_terminal(config, monkeypatch):
