@@ -142,6 +142,13 @@ class EngineConfig:
         return self.peer_device >= 0
 
     @property
+    def resumes_profile(self) -> bool:
+        """--expert-profile and --expert-profile-save name one file: each start resumes what the last one
+        learned there (nothing there yet: a first start, not a missing file)."""
+        return (self.expert_profile is not None and self.expert_profile_save is not None
+                and os.path.abspath(self.expert_profile) == os.path.abspath(self.expert_profile_save))
+
+    @property
     def peer_reserve_effective_mib(self) -> int:
         return max(self.peer_reserve_mib, PEER_RESERVE_FLOOR_MIB)
 
@@ -509,9 +516,7 @@ def _check_combinations(cfg: EngineConfig) -> None:
             raise ConfigError(REFUSE_PEER_WITH_HELPER_CACHES)
         if cfg.expert_profile is None or cfg.expert_cache == 0 or cfg.device == "cpu":
             raise ConfigError(REFUSE_PEER_WITHOUT_CACHE)
-    resume = (cfg.expert_profile is not None and cfg.expert_profile_save is not None
-              and os.path.abspath(cfg.expert_profile) == os.path.abspath(cfg.expert_profile_save))
-    if cfg.expert_profile is not None and not resume:  # resume: nothing there yet is a first start
+    if cfg.expert_profile is not None and not cfg.resumes_profile:  # resume: nothing there yet: first start
         if os.path.isdir(cfg.expert_profile):
             raise ConfigError(f"--expert-profile: {cfg.expert_profile} is a folder, not an STRP file")
         if not os.path.isfile(cfg.expert_profile):

@@ -222,7 +222,8 @@ def check_profile_files(cfg, hp):
 
     fill = None if cfg.expert_profile is None else os.path.abspath(cfg.expert_profile)
     save = None if cfg.expert_profile_save is None else os.path.abspath(cfg.expert_profile_save)
-    if fill is not None and fill != save:
+    resume = cfg.resumes_profile
+    if fill is not None and not resume:
         check_shape(read_profile(fill), hp)  # ProfileError: the one line (a bad flag, even if unused)
     if save is not None:
         check_save_path(save, "--expert-profile-save")
@@ -230,16 +231,16 @@ def check_profile_files(cfg, hp):
             try:
                 check_shape(read_profile(save), hp)
             except ProfileError as e:
-                if fill == save:
+                if resume:
                     raise
                 say(f"--expert-profile-save: {e}; not used to fill the cache (it is overwritten)")
             else:
-                if fill != save:
+                if not resume:
                     instead = "" if fill is None else f" instead of --expert-profile {cfg.expert_profile}"
                     say(f"--expert-profile-save {cfg.expert_profile_save}: the expert cache fills from the "
                         f"profile an earlier start learned there{instead}")
                 return replace(cfg, expert_profile=save, expert_profile_save=save)
-        elif fill == save:
+        elif resume:
             say(f"--expert-profile {cfg.expert_profile}: nothing saved there yet; the expert cache fills in "
                 "the default order and the learned profile is saved there")
             return replace(cfg, expert_profile=None, expert_profile_save=save)

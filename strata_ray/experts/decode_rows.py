@@ -169,9 +169,7 @@ class DecodeRows:
         """Join the last layer's CPU job: its time goes to the metrics, its error (if any) is raised."""
         job, self._job = self._job, None
         if job is not None:
-            seconds = job.result()
-            if not self.tiers.in_prompt:  # a one-token prompt's CPU time is not the decode's
-                self.tiers.metrics.counts.cpu_seconds += seconds
+            self.tiers.count_cpu_seconds(job.result())
 
     def step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
              beside: Callable[[], None] | None = None) -> None:
@@ -231,8 +229,7 @@ class DecodeRows:
             rows = expert_ffn_cpu(x_h, self._zero_tok[:m], exp, tiers.store.layer(layer),
                                   pool=tiers.pool_for(exp), out=self._rows_pin.numpy()[:m])
             t2 = time.perf_counter()
-            if not tiers.in_prompt:  # a one-token prompt's CPU time is not the decode's
-                tiers.metrics.counts.cpu_seconds += t2 - t1
+            tiers.count_cpu_seconds(t2 - t1)
             if self.cuda:
                 self.cpu_rows[:m].copy_(self._rows_pin[:m], non_blocking=True)
             else:

@@ -247,8 +247,8 @@ class TieredExperts:
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
             t1 = time.perf_counter()
             cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool_for(ids_h))
-            if decode and not self.in_prompt:
-                self.metrics.counts.cpu_seconds += time.perf_counter() - t1
+            if decode:
+                self.count_cpu_seconds(time.perf_counter() - t1)
             out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
             if trunk:
                 self.count_entries(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
@@ -282,8 +282,8 @@ class TieredExperts:
             else:
                 rows[torch.from_numpy(miss)] = torch.from_numpy(cpu_rows)
             host += time.perf_counter() - t2
-            if decode and not self.in_prompt:
-                self.metrics.counts.cpu_seconds += max(cpu_s, t2 - t1)
+            if decode:
+                self.count_cpu_seconds(max(cpu_s, t2 - t1))
         out = self._combine(rows.view(n_tok, k, -1), weights.float())
         if trunk:
             self.count_entries(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
@@ -559,6 +559,11 @@ class TieredExperts:
         return DecodeRows(self, n_embd, k, capture)
 
     # -- windows and adaptive rounds ------------------------------------------------------------------
+    def count_cpu_seconds(self, seconds: float) -> None:
+        """A decode forward's CPU-pool time, into the metrics: not a short prompt's (prompt_forwards)."""
+        if not self.in_prompt:
+            self.metrics.counts.cpu_seconds += seconds
+
     @contextmanager
     def prompt_forwards(self):
         """The forwards inside are a prompt's, whatever their size: a prompt of <= DECODE_MAX_TOKENS tokens

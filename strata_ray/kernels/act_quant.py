@@ -65,11 +65,11 @@ def block_amax(x, o):
 
 
 @njit(inline="always", nogil=True, cache=True)
-def _poison_block(q, o, d_out, s_out, b):
-    """A block holding a NaN or an infinity (contract step 1): q = 0, d = NaN, s = 0."""
+def _blank_block(q, o, d_out, s_out, b, d):
+    """q = 0, s = 0 and scale d: a zero block (d = 0) or a poisoned one (d = NaN), contract step 1."""
     for i in range(QK):
         q[o + i] = 0
-    d_out[b] = np.float32(np.nan)
+    d_out[b] = d
     s_out[b] = 0
 
 
@@ -77,19 +77,17 @@ def _poison_block(q, o, d_out, s_out, b):
 def quantize_block(x, o, q, d_out, s_out, b):
     """Quantize x[o:o+32] (f32) into q[o:o+32] (int8), d_out[b], s_out[b].
 
-    Non-finite values cost nothing on the common path: an infinity makes amax infinite, so d too, and its
-    own x / d is NaN; a NaN's x / d is NaN. Either shows as a NaN quotient in the loop that quantizes
-    (selected to 0 before the int conversion, whose NaN result is undefined). Only a zero block (amax <
-    TINY: block_amax skips NaN) scans for a NaN."""
+    Non-finite values are found in the loop that quantizes: an infinity makes amax infinite, so d too, and
+    its own x / d is NaN; a NaN's x / d is NaN. Either shows as a NaN quotient (selected to 0 before the int
+    conversion, whose NaN result is undefined). The compare and select cost ~0.1 ns a value: the loop no
+    longer vectorises as it did (BENCHMARKS, session 32). Only a zero block (amax < TINY: block_amax skips
+    NaN) scans for a NaN."""
     amax = block_amax(x, o)
     if amax < TINY:
+        poisoned = False
         for i in range(QK):
-            if x[o + i] != x[o + i]:
-                _poison_block(q, o, d_out, s_out, b)
-                return
-            q[o + i] = 0
-        d_out[b] = f32(0.0)
-        s_out[b] = 0
+            poisoned |= x[o + i] != x[o + i]
+        _blank_block(q, o, d_out, s_out, b, np.float32(np.nan) if poisoned else f32(0.0))
         return
     d = amax / Q_MAX
     s = np.int32(0)
@@ -102,7 +100,7 @@ def quantize_block(x, o, q, d_out, s_out, b):
         q[o + i] = v
         s += v
     if poisoned:
-        _poison_block(q, o, d_out, s_out, b)
+        _blank_block(q, o, d_out, s_out, b, np.float32(np.nan))
         return
     d_out[b] = d
     s_out[b] = s

@@ -265,14 +265,14 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _seed(s: str) -> int:
-    """numpy's generators take seeds >= 0: a negative one is a bad flag, not a traceback."""
+    """numpy's generators take seeds >= 0: a negative one is a bad flag, not a traceback (config.int_range's
+    check and wording, as an argparse type)."""
+    from strata_ray.config import int_range
+
     try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: an integer >= 0)")
-    return v
+        return int_range(0)(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: {e})") from None
 
 
 def _parser() -> argparse.ArgumentParser:
