@@ -34,6 +34,10 @@ def _buffers(k: int, e: int, layers: int, device: str, pin: bool):
     ids = torch.randint(0, 512, (1, k), generator=g).to(device)
     x = torch.randn(1, e, generator=g) * torch.rand(1, e, generator=g) * 4  # a spread of block scales
     x[0, :32] = 0.0  # a block of zeros: d = 0, codes 0
+    if e >= 224:  # poisoned blocks (the contract's step 1: q = 0, d = NaN, s = 0): a NaN, +inf, -inf,
+        x[0, 37], x[0, 64], x[0, 127] = float("nan"), float("inf"), float("-inf")
+        x[0, 128:160] = 0.0
+        x[0, 150] = float("nan")  # and a NaN among zeros, which the block's max alone does not see
     x = x.to(device)
 
     def host(*shape, dtype):
@@ -73,6 +77,9 @@ def _cases(device: str, pin: bool):
         q, d, s = quantize_act_sums(got[1].cpu().numpy())
         assert _same(w_codes, ActCodes(*(torch.from_numpy(v) for v in (q, d, s))))
         assert int(w_codes.d[0, 0]) == 0 and int(w_codes.s[0, 0]) == 0 and (w_codes.q[0, :32] == 0).all()
+        if e >= 224:
+            assert torch.isnan(w_codes.d[0, 1:5]).all() and (w_codes.s[0, 1:5] == 0).all()
+            assert (w_codes.q[0, 32:160] == 0).all()
         assert got[3][layer].tolist() == got[0].view(-1).tolist() and (got[3][layer - 1] == -1).all()
         assert int(got[5][0]) & 0xFFFFFFFF == (base + layer) & 0xFFFFFFFF  # the 32-bit wrap
         # the ids alone (a predicted routing: no x), with the staged list
