@@ -565,7 +565,7 @@ class PipelinedDecodeRows:
         self._resident_token = tiers.all_resident  # every entry a hit: the device alone
         if len(self._tokens) >= 2:  # the alternating snapshots (residency, ids) serve two tokens
             raise RuntimeError("the pipelined decode joins a token before it launches a third")
-        token = _LaunchedToken()
+        token = _LaunchedToken(decode=not tiers.in_prompt)  # a one-token prompt's, joined maybe after it
         if self._resident_token:
             self._tokens.append(token)
             if not token_graph:
@@ -681,7 +681,7 @@ class PipelinedDecodeRows:
             ids = token.ids.numpy()
             for layer in range(tiers.n_layers):
                 host = token.host if layer == 0 else 0.0
-                tiers.count_entries(layer, ids[layer].copy(), 1, k, 0, True, host)
+                tiers.count_entries(layer, ids[layer].copy(), 1, k, 0, token.decode, host)
             self._stamps[0] = time.perf_counter()
             self.gap_parts[0] += self._stamps[0] - self._finished_at
             return
@@ -694,13 +694,14 @@ class PipelinedDecodeRows:
         counts.wait_seconds += self._finished_at - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
-        counts.cpu_seconds += self.worker.busy_seconds(out.busy)
+        if token.decode:  # a one-token prompt's CPU time is not a decode token's
+            counts.cpu_seconds += self.worker.busy_seconds(out.busy)
         if self.on_worker_outputs is not None:
             self.on_worker_outputs(out)
         for layer in range(tiers.n_layers):
             m, p = int(out.n_miss[layer]), int(out.n_pcie[layer])
             host = token.host if layer == 0 else 0.0
-            tiers.count_entries(layer, out.seen_ids[layer], 1, k - m - p, m, True, host, pcie=p)
+            tiers.count_entries(layer, out.seen_ids[layer], 1, k - m - p, m, token.decode, host, pcie=p)
         if self.ahead:
             counts.ahead_entries += int(out.n_ahead[:, 0].sum())
             counts.ahead_copies += int(out.n_ahead[:, 1].sum())
@@ -733,12 +734,14 @@ class PipelinedDecodeRows:
 class _LaunchedToken:
     """A launched token until finish() joins it: its worker's job (a future of (stopped, TokenOutputs)), or
     for an all-resident token its ids' page-locked copy [L, K] and the event behind that copy; the host's
-    enqueue time (seconds)."""
+    enqueue time (seconds); decode: launched outside a prompt (TieredExperts.prompt_forwards), so its entries
+    count as a decode token's when it is joined, even after the prompt ended."""
 
     job: Future | None = None
     ids: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
     host: float = 0.0
+    decode: bool = True
 
 
 def _staging_plan(parts, layout, staging: torch.Tensor) -> tuple[torch.Tensor, int, ExpertLayer]:

@@ -568,9 +568,9 @@ class TieredExperts:
     def prompt_forwards(self):
         """The forwards inside are a prompt's, whatever their size: a prompt of <= DECODE_MAX_TOKENS tokens
         runs the decode's kernels but opens no decode window, and its entries count as prompt entries (not
-        in the hit rates, the adaptive usage or the host time per token). generate() wraps its prompt. Not
-        covered: a one-token prompt on the CUDA pipelined decode, whose entries are counted when the token is
-        joined, which may be after the prompt."""
+        in the hit rates, the adaptive usage or the host time per token). generate() wraps its prompt. A
+        one-token prompt on the CUDA pipelined decode is joined maybe after the prompt: its token keeps the
+        flag from its launch (decode_pipeline._LaunchedToken.decode)."""
         self.in_prompt = True
         try:
             yield
