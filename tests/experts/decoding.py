@@ -1,4 +1,4 @@
-"""Greedy decoding helper shared by the expert-tier tests."""
+"""Decoding helpers shared by the expert-tier tests (CPU and CUDA)."""
 
 import torch
 
@@ -13,3 +13,21 @@ def greedy_logits(model, prompt: list[int], n: int) -> torch.Tensor:
             logits = model.forward([int(logits[-1].argmax())], state)
             out.append(logits)
     return torch.cat(out).cpu()
+
+
+def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int) -> None:
+    """generate() on a prompt (of any size: a short one runs the decode's kernels), then the counts checked:
+    the prompt's entries are prompt entries (and prompt heat); the windows, tokens and hits are the
+    decode's alone."""
+    from strata_ray.engine.generate import generate
+    from strata_ray.engine.sampling import SamplingParams
+
+    hp = model.hp
+    result = generate(model, prompt, n, SamplingParams(), stop_ids=())
+    tiers.finish()
+    c = tiers.metrics.counts
+    decoded = len(result.token_ids) - 1  # the last token is sampled, never run through the model
+    assert c.prompt_entries == len(prompt) * hp.n_expert_used * hp.n_layer
+    assert c.tokens == c.windows == decoded
+    assert c.slot_hits + c.cpu_entries + c.pcie_entries == decoded * hp.n_expert_used * hp.n_layer
+    assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt

@@ -15,6 +15,7 @@ from strata_ray.experts.profile import Profile, ProfileError, read_profile, writ
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.moe import combine_rows
+from tests.experts.decoding import generate_and_check_prompt_counts
 
 PROMPT = [5, 17, 101, 42, 250, 7, 64, 3, 99, 180]
 DECODE = 8
@@ -307,16 +308,7 @@ def test_a_prompt_ordered_loan_takes_the_prompts_hottest_non_resident_pairs(tiny
 def test_a_short_prompt_counts_as_a_prompt_not_a_decode_window(tiny_next, prompt_len):
     """A prompt of <= DECODE_MAX_TOKENS tokens runs the decode's kernels, but its entries are prompt entries:
     the windows, tokens, hit counts and adaptive usage are the decode's alone, as for a long prompt."""
-    from strata_ray.engine.generate import generate
-    from strata_ray.engine.sampling import SamplingParams
-
     cfg = config(tiny_next, expert_cache=12, adapt_every=0)
     loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
-    hp = loaded.hp
-    result = generate(loaded.model, PROMPT[:prompt_len], DECODE, SamplingParams(), stop_ids=())
-    c = tiers.metrics.counts
-    decoded = len(result.token_ids) - 1  # the last token is sampled, never run through the model
-    assert c.prompt_entries == prompt_len * hp.n_expert_used * hp.n_layer
-    assert c.tokens == c.windows == decoded
-    assert c.slot_hits + c.cpu_entries == decoded * hp.n_expert_used * hp.n_layer
-    assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt
+    generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE)
+    assert tiers.metrics.counts.pcie_entries == 0  # a CPU primary: every miss is the CPU pool's

@@ -10,7 +10,7 @@ import torch
 
 from strata_ray.config import EngineConfig
 from strata_ray.experts.build import load_tiered_model
-from tests.experts.decoding import greedy_logits
+from tests.experts.decoding import generate_and_check_prompt_counts, greedy_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -277,18 +277,7 @@ def test_a_short_prompt_counts_as_a_prompt_on_cuda(tiny_next_q4, prompt_len, cac
     tokens runs the decode's graphs, and its entries are counted as prompt entries even when its token is
     joined after the prompt ended; the windows, tokens and hit counts are the decode's alone. With every
     expert resident (cache 32) there is no worker: the token's ids are copied out and counted the same way."""
-    from strata_ray.engine.generate import generate
-    from strata_ray.engine.sampling import SamplingParams
-
     monkeypatch.delenv("STRATA_DECODE_CHAIN", raising=False)
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=0)
     loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
-    hp = loaded.hp
-    result = generate(loaded.model, PROMPT[:prompt_len], DECODE, SamplingParams(), stop_ids=())
-    tiers.finish()
-    c = tiers.metrics.counts
-    decoded = len(result.token_ids) - 1  # the last token is sampled, never run through the model
-    assert c.prompt_entries == prompt_len * hp.n_expert_used * hp.n_layer
-    assert c.tokens == c.windows == decoded
-    assert c.slot_hits + c.cpu_entries + c.pcie_entries == decoded * hp.n_expert_used * hp.n_layer
-    assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt
+    generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE)
