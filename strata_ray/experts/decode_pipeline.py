@@ -694,8 +694,7 @@ class PipelinedDecodeRows:
         counts.wait_seconds += self._finished_at - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
-        if token.decode:  # a one-token prompt's CPU time is not a decode token's
-            counts.cpu_seconds += self.worker.busy_seconds(out.busy)
+        tiers.count_cpu_seconds(self.worker.busy_seconds(out.busy), token.decode)
         if self.on_worker_outputs is not None:
             self.on_worker_outputs(out)
         for layer in range(tiers.n_layers):

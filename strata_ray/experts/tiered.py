@@ -247,8 +247,7 @@ class TieredExperts:
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
             t1 = time.perf_counter()
             cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool_for(ids_h))
-            if decode:
-                self.count_cpu_seconds(time.perf_counter() - t1)
+            self.count_cpu_seconds(time.perf_counter() - t1, decode)
             out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
             if trunk:
                 self.count_entries(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
@@ -282,8 +281,7 @@ class TieredExperts:
             else:
                 rows[torch.from_numpy(miss)] = torch.from_numpy(cpu_rows)
             host += time.perf_counter() - t2
-            if decode:
-                self.count_cpu_seconds(max(cpu_s, t2 - t1))
+            self.count_cpu_seconds(max(cpu_s, t2 - t1), decode)
         out = self._combine(rows.view(n_tok, k, -1), weights.float())
         if trunk:
             self.count_entries(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
@@ -559,9 +557,10 @@ class TieredExperts:
         return DecodeRows(self, n_embd, k, capture)
 
     # -- windows and adaptive rounds ------------------------------------------------------------------
-    def count_cpu_seconds(self, seconds: float) -> None:
-        """A decode forward's CPU-pool time, into the metrics: not a short prompt's (prompt_forwards)."""
-        if not self.in_prompt:
+    def count_cpu_seconds(self, seconds: float, decode: bool = True) -> None:
+        """A decode forward's CPU-pool time, into the metrics: not a short prompt's (prompt_forwards), nor a
+        token's launched in one (decode False: the pipelined decode joins it later), as count_entries."""
+        if decode and not self.in_prompt:
             self.metrics.counts.cpu_seconds += seconds
 
     @contextmanager
