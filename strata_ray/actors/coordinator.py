@@ -2,7 +2,7 @@
 
 A plain class; launch.py runs it as the Ray actor `strata:coordinator`. The primary reports once per
 generation (never per token); with an adaptive expert cache it also plans the rounds from the counts the
-primary sends every few windows (`adapt_round`), off the primary's critical path, and counts them.
+primary sends at its round boundaries (`adapt_round`), off the primary's critical path, and counts them.
 """
 
 from __future__ import annotations
@@ -76,21 +76,24 @@ class Coordinator:
         c = self.config
         self._rounds = AdaptiveTier(n_layers, n_expert, c.adapt_every, c.adapt_swaps, c.adapt_decay)
 
-    def adapt_round(self, counts, windows: int, resident, busy: bool) -> list[tuple[int, int, int, float]]:
-        """Routed-entry counts [L, X] of the primary's last `windows` windows; when a round is due (every
-        adapt_every windows) plan it against `resident` [L, X] (swaps in flight counted). Returns the
-        swaps as (layer, candidate, victim, gain), best gain first."""
+    def adapt_round(self, due, resident, busy: bool) -> list[tuple[int, int, int, float]]:
+        """The rounds due since the primary's last message, oldest first, as the routed-entry counts [L, X]
+        of each one's adapt_every windows: each is run in turn against `resident` [L, X] (swaps in flight
+        counted), as the reference runs one round a boundary. A round after one that returned swaps is
+        skipped, as the reference skips a round while the last one's copies are pending (these have not
+        even started: the primary has not seen them), so at most one round a message returns swaps.
+        Returns them as (layer, candidate, victim, gain), best gain first."""
         tier = self._rounds
         if tier is None:
             return []
-        tier.record(counts)
-        self.adaptive.windows += windows
-        before, tier.windows = tier.windows, tier.windows + windows
-        if tier.windows // tier.adapt_every == before // tier.adapt_every:
-            return []
-        rnd = tier.run_round(resident, primary_busy=busy)
-        swaps = [] if rnd is None else rnd.primary
-        if rnd is not None:
+        swaps = []
+        for counts in due:
+            tier.record(counts)
+            self.adaptive.windows += tier.adapt_every
+            rnd = tier.run_round(resident, primary_busy=busy or bool(swaps))
+            if rnd is None:
+                continue
+            swaps = rnd.primary
             self.adaptive.rounds += 1
             self.adaptive.swaps += len(swaps)
             if self._metrics:

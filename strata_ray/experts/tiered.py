@@ -65,25 +65,48 @@ class LocalRounds:
         return []
 
 
+class DueCounts:
+    """Routed-entry counts cut at the rounds' boundaries: one [L, X] sum for each `every` windows. A round's
+    usage is then its own windows' counts however late its message goes (an answer still in flight, or one
+    whose swaps must reach the resident mask first), and a late coordinator still runs one round a
+    boundary."""
+
+    def __init__(self, n_layers: int, n_expert: int, every: int):
+        self.every = max(1, every)
+        self._open = np.zeros((n_layers, n_expert), dtype=np.int64)  # [L, X] since the last boundary
+        self._windows = 0
+        self._due: list[np.ndarray] = []  # [L, X] each, oldest first
+
+    def add(self, counts: np.ndarray) -> None:
+        """A closed window's counts [L, X]."""
+        self._open += counts
+        self._windows += 1
+        if self._windows % self.every == 0:
+            self._due.append(self._open)
+            self._open = np.zeros_like(self._open)
+
+    def take(self) -> list[np.ndarray]:
+        """The due rounds' counts not yet taken, oldest first; the windows past the last boundary stay."""
+        due, self._due = self._due, []
+        return due
+
+
 class CoordinatorRounds:
     """Adaptive rounds decided by the coordinator actor, off the critical path.
 
-    Counts accumulate here and go to `Coordinator.adapt_round` every `send_every` windows (one request
-    in flight at a time); the swaps it returns are applied at the first window boundary after they
-    arrive. Late answers only delay placement, never change output."""
+    Counts go to `Coordinator.adapt_round` at the rounds' boundaries, one [L, X] sum a round (`DueCounts`;
+    one request in flight at a time); the swaps it returns are applied at the first window boundary after
+    they arrive. Late answers only delay placement, never change output."""
 
     def __init__(self, coordinator, n_layers: int, n_expert: int, send_every: int):
         self.coordinator = coordinator
-        self.send_every = max(1, send_every)
-        self._counts = np.zeros((n_layers, n_expert), dtype=np.int64)
-        self._windows = 0
+        self._counts = DueCounts(n_layers, n_expert, send_every)
         self._inflight = None
 
     def window_done(self, counts: np.ndarray, resident: np.ndarray, busy: bool) -> list[Swap]:
         import ray
 
-        self._counts += counts
-        self._windows += 1
+        self._counts.add(counts)
         swaps: list[Swap] = []
         if self._inflight is not None:
             ready, _ = ray.wait([self._inflight], timeout=0)
@@ -93,10 +116,9 @@ class CoordinatorRounds:
             self._inflight = None
             if swaps:
                 return swaps  # the mask sent next must include them: send next window
-        if self._windows >= self.send_every:
-            self._inflight = self.coordinator.adapt_round.remote(self._counts, self._windows, resident, busy)
-            self._counts = np.zeros_like(self._counts)
-            self._windows = 0
+        due = self._counts.take()
+        if due:
+            self._inflight = self.coordinator.adapt_round.remote(due, resident, busy)
         return swaps
 
     def drain(self, timeout: float = 30.0) -> list[Swap]:

@@ -10,8 +10,10 @@ import torch
 from strata_ray.actors.coordinator import Coordinator
 from strata_ray.config import EngineConfig
 from strata_ray.engine.engine import Engine, unavailable_feature
+from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.build import build_expert_backend, load_tiered_model
 from strata_ray.experts.profile import Profile, ProfileError, read_profile, write_profile
+from strata_ray.experts.tiered import DueCounts
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.moe import combine_rows
@@ -199,12 +201,48 @@ def test_coordinator_plans_rounds_from_sent_counts():
     coord = Coordinator(EngineConfig(adapt_every=2, adapt_swaps=5))
     coord.configure_rounds(2, 4)
     resident = np.array([[True, True, False, False], [True, False, False, False]])
-    counts = np.array([[0, 1, 9, 0], [0, 0, 0, 1]])
-    assert coord.adapt_round(counts, 1, resident, False) == []  # 1 window of 2: not due
-    swaps = coord.adapt_round(counts, 1, resident, False)  # usage now [[0, 2, 18, 0], [0, 0, 0, 2]]
+    counts = np.array([[0, 2, 18, 0], [0, 0, 0, 2]])  # one round's two windows
+    swaps = coord.adapt_round([counts], resident, False)
     assert [s[:3] for s in swaps] == [(0, 2, 0), (1, 3, 0)]
-    assert coord.adapt_round(counts, 2, resident, True) == []  # primary still busy: round skipped
+    assert coord.adapt_round([counts], resident, True) == []  # primary still busy: round skipped
     assert coord.status()["adaptive"] == {"rounds": 1, "swaps": 2, "windows": 4}  # the skipped one uncounted
+
+
+def test_a_late_message_runs_each_due_round_on_its_own_counts():
+    """Two rounds in one message (the coordinator answered late): each round sees its own counts and decays
+    them, as an in-process AdaptiveTier run a round at a time; once one returns swaps the next is skipped
+    (their copies pending), without decaying."""
+    resident = np.array([[True, True, False, False]])
+    cold, hot = np.array([[1, 0, 1, 0]]), np.array([[0, 0, 0, 3]])  # hot: expert 3 reaches 2.0 + 1.5
+    local = AdaptiveTier(1, 4, adapt_every=1, max_swaps=4)
+    local_swaps = []
+    for counts in (cold, hot):
+        local.record(counts)
+        local_swaps = local.run_round(resident).primary
+    coord = Coordinator(EngineConfig(adapt_every=1, adapt_swaps=4))
+    coord.configure_rounds(1, 4)
+    swaps = coord.adapt_round([cold, hot], resident, False)
+    assert swaps == [(s.layer, s.candidate, s.victim, s.gain) for s in local_swaps] and swaps
+    assert coord._rounds.usage.tobytes() == local.usage.tobytes()  # both decayed twice
+    assert coord.status()["adaptive"] == {"rounds": 2, "swaps": len(swaps), "windows": 2}
+    before = coord._rounds.usage.copy()
+    again = coord.adapt_round([hot, cold], resident, False)  # the hot round's swaps: the cold one skipped
+    assert again == [(0, 3, 1, again[0][3])]
+    f32 = np.float32
+    expected = (before + hot.astype(f32)) * f32(0.7) + cold.astype(f32)
+    assert coord._rounds.usage.tobytes() == expected.tobytes()
+    assert coord.status()["adaptive"]["rounds"] == 3
+
+
+def test_due_counts_cut_the_windows_at_each_round():
+    due = DueCounts(1, 2, every=2)
+    for w in range(5):
+        due.add(np.array([[w, 1]]))
+        if w == 2:
+            assert [d.tolist() for d in due.take()] == [[[1, 2]]]  # windows 0-1
+    assert [d.tolist() for d in due.take()] == [[[5, 2]]]  # windows 2-3; window 4 waits for its boundary
+    due.add(np.array([[0, 7]]))
+    assert [d.tolist() for d in due.take()] == [[[4, 8]]]
 
 
 def test_engine_generate_reports_tiers_and_saves_the_learned_profile(tiny_next, tmp_path):
