@@ -677,7 +677,8 @@ class PipelinedDecodeRows:
                 raise RuntimeError("an all-resident token was joined before its last layer was enqueued")
             token.done.synchronize()  # its ids' copies landed
             self._finished_at = time.perf_counter()
-            counts.wait_seconds += self._finished_at - t
+            if token.decode:
+                counts.wait_seconds += self._finished_at - t
             ids = token.ids.numpy()
             for layer in range(tiers.n_layers):
                 host = token.host if layer == 0 else 0.0
@@ -691,7 +692,8 @@ class PipelinedDecodeRows:
             self._release_waits()
             raise
         self._finished_at = time.perf_counter()
-        counts.wait_seconds += self._finished_at - t
+        if token.decode:  # a prompt token's wait, copies ahead and warm reads are not the decode's
+            counts.wait_seconds += self._finished_at - t
         if stopped != -1:
             raise RuntimeError(f"the decode worker stopped at layer {stopped}")
         tiers.count_cpu_seconds(self.worker.busy_seconds(out.busy), token.decode)
@@ -701,10 +703,10 @@ class PipelinedDecodeRows:
             m, p = int(out.n_miss[layer]), int(out.n_pcie[layer])
             host = token.host if layer == 0 else 0.0
             tiers.count_entries(layer, out.seen_ids[layer], 1, k - m - p, m, token.decode, host, pcie=p)
-        if self.ahead:
+        if self.ahead and token.decode:
             counts.ahead_entries += int(out.n_ahead[:, 0].sum())
             counts.ahead_copies += int(out.n_ahead[:, 1].sum())
-        if self.warm:
+        if self.warm and token.decode:
             counts.warm_entries += int(out.n_warm[:, 0].sum())
             counts.warm_hits += int(out.n_warm[:, 1].sum())
         self._stamps[0] = time.perf_counter()

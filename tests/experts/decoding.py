@@ -17,8 +17,8 @@ def greedy_logits(model, prompt: list[int], n: int) -> torch.Tensor:
 
 def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int) -> None:
     """generate() on a prompt (of any size: a short one runs the decode's kernels), then the counts checked:
-    the prompt's entries are prompt entries (and prompt heat); the windows, tokens and hits are the
-    decode's alone."""
+    the prompt's entries are prompt entries (and prompt heat); the windows, tokens, hits and the pipelined
+    decode's copies ahead and warm reads are the decode's alone."""
     from strata_ray.engine.generate import generate
     from strata_ray.engine.sampling import SamplingParams
 
@@ -31,3 +31,5 @@ def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int) ->
     assert c.tokens == c.windows == decoded
     assert c.slot_hits + c.cpu_entries + c.pcie_entries == decoded * hp.n_expert_used * hp.n_layer
     assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt
+    # of the decode's own entries: those copied ahead are PCIe entries, the warm hits CPU entries
+    assert c.ahead_entries <= c.pcie_entries and c.warm_hits <= c.cpu_entries
