@@ -28,13 +28,17 @@ def _codes(e: int, device: str, pin: bool) -> ActCodes:
     return ActCodes(one(e, torch.int8), one(e // 32, torch.float32), one(e // 32, torch.int32))
 
 
+# an x of at least this many values holds poisoned blocks (a NaN, +inf, -inf, and a NaN among zeros)
+POISONED = 224
+
+
 def _buffers(k: int, e: int, layers: int, device: str, pin: bool):
     """ids [1, K], x [1, E] (device), ids_host [K], ids_all [L, K], codes_host (host), flag [1] (host)."""
     g = torch.Generator().manual_seed(k * e)
     ids = torch.randint(0, 512, (1, k), generator=g).to(device)
     x = torch.randn(1, e, generator=g) * torch.rand(1, e, generator=g) * 4  # a spread of block scales
     x[0, :32] = 0.0  # a block of zeros: d = 0, codes 0
-    if e >= 224:  # poisoned blocks (the contract's step 1: q = 0, d = NaN, s = 0): a NaN, +inf, -inf,
+    if e >= POISONED:  # poisoned blocks (the contract's step 1: q = 0, d = NaN, s = 0): a NaN, +inf, -inf,
         x[0, 37], x[0, 64], x[0, 127] = float("nan"), float("inf"), float("-inf")
         x[0, 128:160] = 0.0
         x[0, 150] = float("nan")  # and a NaN among zeros, which the block's max alone does not see
@@ -55,7 +59,7 @@ def _same(a: ActCodes, b: ActCodes) -> bool:
 
 
 def _cases(device: str, pin: bool):
-    for k, e, layer, base in [(1, 32, 0, 5), (10, 2048, 3, 7), (8, 224, 47, (1 << 32) - 20)]:
+    for k, e, layer, base in [(1, 32, 0, 5), (10, 2048, 3, 7), (8, POISONED, 47, (1 << 32) - 20)]:
         got = _buffers(k, e, 48, device, pin)
         want = _buffers(k, e, 48, "cpu", False)
         codes, w_codes = _codes(e, device, False), _codes(e, "cpu", False)
@@ -77,7 +81,7 @@ def _cases(device: str, pin: bool):
         q, d, s = quantize_act_sums(got[1].cpu().numpy())
         assert _same(w_codes, ActCodes(*(torch.from_numpy(v) for v in (q, d, s))))
         assert int(w_codes.d[0, 0]) == 0 and int(w_codes.s[0, 0]) == 0 and (w_codes.q[0, :32] == 0).all()
-        if e >= 224:
+        if e >= POISONED:
             assert torch.isnan(w_codes.d[0, 1:5]).all() and (w_codes.s[0, 1:5] == 0).all()
             assert (w_codes.q[0, 32:160] == 0).all()
         assert got[3][layer].tolist() == got[0].view(-1).tolist() and (got[3][layer - 1] == -1).all()
