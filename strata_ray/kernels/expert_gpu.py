@@ -243,16 +243,26 @@ def combine_rows_gpu(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_act_gpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x f32 [N, n] (cuda) -> (q int8 [N, n], d f32 [N, n/32], s int32 [N, n/32]); contract step 1."""
+def quantize_act_gpu(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x f32 [N, n] (cuda) -> (q int8 [N, n], d f32 [N, n/32], s int32 [N, n/32]); contract step 1.
+    out: those three, contiguous, to write into (tests poison them first)."""
     x = x.contiguous().float()
     n_rows, n = x.shape
     if n % QK:
         raise KernelError(f"activation width {n} is not a multiple of {QK}")
     nb = n // QK
-    q = torch.empty((n_rows, n), dtype=torch.int8, device=x.device)
-    d = torch.empty((n_rows, nb), dtype=torch.float32, device=x.device)
-    s = torch.empty((n_rows, nb), dtype=torch.int32, device=x.device)
+    if out is None:
+        q = torch.empty((n_rows, n), dtype=torch.int8, device=x.device)
+        d = torch.empty((n_rows, nb), dtype=torch.float32, device=x.device)
+        s = torch.empty((n_rows, nb), dtype=torch.int32, device=x.device)
+    else:
+        q, d, s = out
+        want = ((n_rows, n, torch.int8), (n_rows, nb, torch.float32), (n_rows, nb, torch.int32))
+        if any(t.shape != (r, c) or t.dtype != dt or not t.is_contiguous() or t.device != x.device
+               for t, (r, c, dt) in zip(out, want, strict=True)):
+            raise KernelError("quantize_act_gpu: out must be contiguous int8 [N, n], f32 and int32 [N, n/32] "
+                              "on x's device")
     if n_rows:
         bb = min(64, triton.next_power_of_2(nb))
         _act_quant_kernel[(n_rows, triton.cdiv(nb, bb))](x, q, d, s, nb, BB=bb, num_warps=4, **_OPTS)

@@ -1,4 +1,6 @@
-"""Activation quantization and the fixed exp: numba == numpy spec bit for bit; fexp ~ math.exp."""
+"""Activation quantization and the fixed exp: numba == numpy spec bit for bit; fexp ~ math.exp. The GPU
+quantizer (expert_gpu.quantize_act_gpu, Triton) == the spec bit for bit too: under Triton's CPU interpreter in
+CI, compiled on a CUDA machine (-m gpu)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 from strata_ray.kernels.act_quant import fexp_array, quantize_act, quantize_act_sums
 from strata_ray.kernels.contract import TINY, KernelError
 from strata_ray.kernels.spec import act_quant_ref, fexp_ref, rint_ref
+from tests.kernels.triton_interpret import interpret
 
 
 def _activations(rng, n_rows=64, n=512):
@@ -125,3 +128,57 @@ def test_the_quotient_is_a_division_not_a_reciprocal_product():
     assert x[0, 1] / d == np.float32(56.5) and rint_ref(x[0, 1] * (np.float32(1) / d)) == 57
     for q, _, _ in (quantize_act_sums(x), act_quant_ref(x)):
         assert q[0, 1] == 56 and q[0, 0] == 127
+
+
+def _gpu_quantizer_matches_the_spec(device: str) -> None:
+    """quantize_act_gpu at widths of 1, 3 and 65 blocks (its programs take up to 64 blocks: a masked tail in
+    the 3-block and the 65-block rows' last program), over zero, tiny, exactly-TINY, tie and poisoned blocks
+    (a NaN, +-inf, a NaN among zeros): every element written (outputs poisoned first), the spec's bits."""
+    import torch
+
+    from strata_ray.kernels.expert_gpu import quantize_act_gpu
+
+    rng = np.random.default_rng(11)
+    for n in (32, 96, 2080):
+        x = _activations(rng, n_rows=9, n=max(n, 64))[:, :n].copy()
+        x[5, n - 7] = np.nan  # the last block of each row below is poisoned
+        x[6, n - 1] = np.inf
+        x[7, n - 32 :] = 0.0
+        x[7, n - 3] = np.nan
+        x[8, 0] = -np.inf
+        nb = n // 32
+        out = (torch.full((9, n), -3, dtype=torch.int8, device=device),
+               torch.full((9, nb), 12345.0, dtype=torch.float32, device=device),
+               torch.full((9, nb), -99, dtype=torch.int32, device=device))
+        got = quantize_act_gpu(torch.from_numpy(x).to(device), out=out)
+        assert all(g is o for g, o in zip(got, out, strict=True))
+        for g, w in zip(got, act_quant_ref(x), strict=True):
+            assert np.array_equal(g.cpu().numpy().view(np.uint8), w.view(np.uint8)), n
+        assert np.isnan(got[1][5:8, nb - 1].cpu().numpy()).all() and np.isnan(got[1][8, 0].cpu().numpy())
+
+
+@interpret
+def test_the_gpu_quantizer_gives_the_specs_bits_interpreted():
+    _gpu_quantizer_matches_the_spec("cpu")
+
+
+@pytest.mark.gpu
+def test_the_gpu_quantizer_gives_the_specs_bits_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _gpu_quantizer_matches_the_spec("cuda")
+
+
+def test_the_gpu_quantizer_refuses_a_wrong_out():
+    import torch
+
+    from strata_ray.kernels.expert_gpu import quantize_act_gpu
+
+    x = torch.zeros((2, 64))
+    good = (torch.empty((2, 64), dtype=torch.int8), torch.empty((2, 2)),
+            torch.empty((2, 2), dtype=torch.int32))
+    for bad in ((good[0], good[1].double(), good[2]), (good[0][:1], good[1], good[2]),
+                (good[0], torch.empty((2, 4))[:, ::2], good[2])):
+        with pytest.raises(KernelError, match="out must be contiguous"):
+            quantize_act_gpu(x, out=bad)
