@@ -191,6 +191,9 @@ class TieredExperts:
         self._closed: np.ndarray | None = None
         self._planned: list[Swap] = []
         self._copies: tuple[list, object] | None = None
+        # a round's swaps in flight (they land at the next boundary): the rounds skip while they are, as the
+        # reference skips a round while the last one's copies are pending; a loan's copies do not count
+        self._round_in_flight = False
         # The one thread besides the caller that runs CPU pool calls (prompt misses beside the GPU's work,
         # decode rows with decode_cpu_thread). libgomp keeps an OpenMP team per thread that starts parallel
         # regions, and once its teams hold more threads than the machine has cores it drops the spin
@@ -627,6 +630,7 @@ class TieredExperts:
         if planned and not self.cache.swaps_in_flight():
             self._copies = (self.residency.schedule_swaps(planned), self.cache.mark())
             self.metrics.counts.swaps += len(self._copies[0])
+            self._round_in_flight = bool(self._copies[0])
         if lend and self.residency.n_lendable and not self._copies and not self.cache.swaps_in_flight():
             self._lend_step()
         if self._in_window:
@@ -648,7 +652,7 @@ class TieredExperts:
         if self.rounds is None or self.all_resident:
             return
         resident = self.residency.resident_mask(include_pending=True)
-        self._planned = self.rounds.window_done(counts, resident, self.cache.swaps_in_flight())
+        self._planned = self.rounds.window_done(counts, resident, self._round_in_flight)
 
     def _issue_copies(self) -> None:
         copies, self._copies = self._copies, None
@@ -660,6 +664,7 @@ class TieredExperts:
         step; copies not yet issued (a token that failed before its after_launch) start first."""
         self._issue_copies()
         landed = self.cache.land_swaps()
+        self._round_in_flight = False
         if any(c.slot < self.residency.n_slots for c in landed):
             self.metrics.counts.rounds += 1
 
@@ -705,6 +710,7 @@ class TieredExperts:
             copies = self.residency.schedule_swaps(swaps)
             self.cache.issue_swaps(copies)
             self.metrics.counts.swaps += len(copies)
+            self._round_in_flight = bool(copies)
 
     def finish(self) -> None:
         """End of a generation: close the last window, so its counts and swaps are not lost, apply the round

@@ -160,6 +160,31 @@ def test_a_round_applies_at_the_boundary_after_the_one_that_planned_it(tiny_next
     tiers.finish()
 
 
+def test_a_loan_filling_does_not_hold_the_rounds_back(tiny_next, monkeypatch):
+    """The rounds skip while a round's swaps are in flight, as the reference, not while a loan's copies are
+    (a loan of 8 slots filled 2 a boundary here): the round due at the second boundary runs beside the
+    loan's copies, its swap lands; the round due while that swap is in flight is skipped."""
+    import strata_ray.experts.tiered as tiered_module
+
+    monkeypatch.setenv("STRATA_RING_SLOTS", "8")
+    monkeypatch.setattr(tiered_module, "LOAN_STEP", 2)
+    loaded, tiers = load_tiered_model(config(tiny_next, expert_cache=6, adapt_every=1, adapt_swaps=4), "cpu",
+                                      progress=False)
+    res, tier = tiers.residency, tiers.rounds.tier
+    order = tiers.learned_profile().pair_ids()  # the loan's order: the expert below is lent last, if at all
+    pair = int(order[~res.resident_mask().reshape(-1)[order]][-1])
+    layer, expert = divmod(pair, res.n_expert)
+    tiers.start_forward(1)  # the loan opens: its first 2 copies
+    _window_of(tiers, layer, expert, 5)
+    tiers.start_forward(1)  # those landed, 2 more in flight; window 1's round plans beside them
+    assert len(res.pending) == 2 and tier.rounds == 1 and not res.is_resident(pair)
+    tiers.start_forward(1)  # the round's swap in flight (the loan waits a boundary): window 2's round skips
+    assert [c.pair for c in res.pending] == [pair] and tier.rounds == 1
+    tiers.start_forward(1)
+    assert res.is_resident(pair) and res.slot_of(pair) < res.n_slots and tier.rounds == 2
+    tiers.finish()
+
+
 def test_a_boundary_whose_token_failed_is_completed_at_the_next(tiny_next):
     """start_forward(defer=True) without its after_launch (the token failed before its launch): the next
     boundary counts the closed window first, so no counts are lost."""
