@@ -70,6 +70,10 @@ def test_no_swap_when_all_cold_or_nothing_resident():
     usage = table([[1.9, 1.0, 0.0]])
     assert plan_round(usage, mask([[False, False, True]]), None, 10) == []
     assert plan_round(table([[5.0, 5.0]]), mask([[False, False]]), None, 10) == []
+    # a layer holding nothing (no victims) among layers that do: skipped, the others still swap
+    usage = table([[0.0, 6.0], [9.0, 9.0], [0.0, 3.0]])
+    resident = mask([[True, False], [False, False], [True, False]])
+    assert plan_round(usage, resident, None, 10) == [Swap(0, 1, 0, 6.0), Swap(2, 1, 0, 3.0)]
 
 
 def test_apply_swaps_moves_membership():

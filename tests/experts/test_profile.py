@@ -71,6 +71,9 @@ def test_reads_file_without_rank_table_like_the_reference(tmp_path):
     path = tmp_path / "short.strp"
     path.write_bytes(data)
     assert read_profile(path).ranked.tolist() == [[1, 1], [0, 2]]
+    # the header's slots (the count it was built for, bytes 16-19) is not read, as the reference's reader
+    path.write_bytes(data[:16] + (8000).to_bytes(4, "little") + data[20:])
+    assert read_profile(path).ranked.tolist() == [[1, 1], [0, 2]]
 
 
 def test_mismatched_shape_is_refused_in_one_line(tmp_path):

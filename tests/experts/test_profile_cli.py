@@ -19,6 +19,27 @@ def test_missing_corpus(tmp_path, capsys):
     assert "corpus" in one_line_error(capsys) and not (tmp_path / "p.strp").exists()
 
 
+def test_a_corpus_that_is_a_folder_is_one_line(tmp_path, capsys):
+    rc = profile_main(["--corpus", str(tmp_path), "-o", str(tmp_path / "p.strp")])
+    assert rc == 2 and one_line_error(capsys) == f"strata_ray profile: corpus {tmp_path}: Is a directory\n"
+
+
+def test_no_corpus_flag_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile_main(["-o", str(tmp_path / "p.strp")])
+    err = one_line_error(capsys)
+    assert e.value.code == 2 and err.startswith("strata_ray profile: ") and "--corpus" in err
+
+
+def test_run_dispatches_profile(tmp_path, capsys):
+    """`python -m strata_ray.run profile ...` is profile_main: its own one-line errors and exit codes."""
+    from strata_ray.run import main
+
+    rc = main(["profile", "--corpus", str(tmp_path / "absent.txt"), "-o", str(tmp_path / "p.strp")])
+    err = one_line_error(capsys)
+    assert rc == 2 and err.startswith("strata_ray profile: corpus ") and "absent.txt" in err
+
+
 def test_empty_corpus(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("  \n\n")
     rc = profile_main(["--corpus", str(tmp_path / "empty.txt"), "-o", str(tmp_path / "p.strp")])
