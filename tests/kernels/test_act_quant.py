@@ -182,3 +182,39 @@ def test_the_gpu_quantizer_refuses_a_wrong_out():
                 (good[0], torch.empty((2, 4))[:, ::2], good[2])):
         with pytest.raises(KernelError, match="out must be contiguous"):
             quantize_act_gpu(x, out=bad)
+
+
+def _triton_exp_and_swiglu_match_the_spec(device: str) -> None:
+    """triton_blocks.fexp and swiglu (the GPU rows' SwiGLU) == the spec's bits over the whole float range the
+    fixed exp clamps (below EXP_LO and above EXP_HI too), ties of its rounding, and signed zeros."""
+    import torch
+
+    from strata_ray.kernels.spec import swiglu_ref
+    from strata_ray.kernels.triton_blocks import triton
+    from tests.kernels.exp_probe import exp_swiglu_kernel
+
+    rng = np.random.default_rng(12)
+    g = np.concatenate([np.linspace(-200, 200, 40_001, dtype=np.float32), [-1e30, 1e30, -0.0, 0.0],
+                        (np.arange(-300, 300) + 0.5).astype(np.float32) / np.float32(1.4426950408889634),
+                        rng.standard_normal(5_000).astype(np.float32) * 30]).astype(np.float32)
+    u = rng.standard_normal(g.size).astype(np.float32)
+    e = torch.full((g.size,), float("nan"), device=device)
+    s = torch.full((g.size,), float("nan"), device=device)
+    g_dev, u_dev = torch.from_numpy(g).to(device), torch.from_numpy(u).to(device)
+    exp_swiglu_kernel[(triton.cdiv(g.size, 1024),)](g_dev, u_dev, e, s, g.size, BLOCK=1024,
+                                                     enable_fp_fusion=False)
+    assert np.array_equal(e.cpu().numpy().view(np.int32), fexp_ref(g).view(np.int32))
+    assert np.array_equal(s.cpu().numpy().view(np.int32), swiglu_ref(g, u).view(np.int32))
+
+
+@interpret
+def test_the_triton_exp_and_swiglu_give_the_specs_bits_interpreted():
+    _triton_exp_and_swiglu_match_the_spec("cpu")
+
+
+@pytest.mark.gpu
+def test_the_triton_exp_and_swiglu_give_the_specs_bits_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _triton_exp_and_swiglu_match_the_spec("cuda")

@@ -23,7 +23,7 @@ def _bits_equal(a, b):
 
 
 @pytest.mark.parametrize("name", [*TYPE_SETS, *FLOAT_SETS])
-@pytest.mark.parametrize("n_entries,n_expert", [(1, 1), (33, 37), (222, 37), (33, 1)])
+@pytest.mark.parametrize("n_entries,n_expert", [(1, 1), (1, 37), (33, 37), (222, 37), (33, 1), (222, 1)])
 def test_matches_spec_and_reference(name, n_entries, n_expert, rng):
     layer = layer_for(name)
     x = rng.standard_normal((50, N_EMBD)).astype(np.float32)
@@ -38,14 +38,15 @@ def test_matches_spec_and_reference(name, n_entries, n_expert, rng):
     assert _rel(rows, expert_ffn_ref(x, tok, exp, layer, quantize_acts=True)) < 2e-3
 
 
-@pytest.mark.parametrize("name", list(TYPE_SETS))
+@pytest.mark.parametrize("name", [*TYPE_SETS, *FLOAT_SETS])
 def test_batch_invariance(name, rng):
-    """An expert's rows are identical alone or with others, for 1 token or 200."""
+    """An expert's rows are identical alone or with others, for 1 token or 200 (the float path too: its
+    promise is determinism on one device, which this is)."""
     layer = layer_for(name)
     x = rng.standard_normal((200, N_EMBD)).astype(np.float32)
     tok, exp = entries(rng, 200, 0, 37, k=4)
     many = expert_ffn_cpu(x, tok, exp, layer)
-    for m in rng.choice(len(tok), 5, replace=False):
+    for m in rng.choice(len(tok), 40, replace=False):
         alone = expert_ffn_cpu(x[tok[m]:tok[m] + 1], np.zeros(1, np.int32), exp[m:m + 1], layer)
         assert _bits_equal(alone[0], many[m])
     # Same expert for every token, one thread vs the pool: same bits.

@@ -35,7 +35,7 @@ def _gpu_rows(x, tok, exp, slots, slot_of, mode, variant=None):
 
 
 CASES = [  # (tokens, entries, top-k; 0 = random pairs)
-    (1, 8, 8), (5, 40, 8), (33, 132, 4), (200, 800, 4), (64, 64, 0),
+    (1, 1, 1), (1, 8, 8), (5, 40, 8), (33, 132, 4), (200, 800, 4), (64, 64, 0),
 ]
 
 
@@ -110,7 +110,9 @@ def test_a_host_made_plan_gives_the_same_rows(name):
         for mode in ("decode", "prompt"):
             want = _gpu_rows(x, tok, exp, slots, slot_of, mode)
             plan = plan_tiles_host(slot_of[exp], tile_entries(n_tok, mode, "simple", slots))
+            out = torch.full((len(tok), N_EMBD), float("nan"), device="cuda")  # poisoned
             got = expert_ffn_gpu(torch.from_numpy(x).cuda(), torch.from_numpy(tok).cuda(),
                                  torch.from_numpy(slot_of[exp]).cuda(), slots, mode=mode, variant="simple",
-                                 plan=[torch.from_numpy(p).cuda() for p in plan])
+                                 plan=[torch.from_numpy(p).cuda() for p in plan], out=out)
+            assert not torch.isnan(got).any()
             assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32)), (n_tok, mode)

@@ -129,7 +129,9 @@ def test_gpu_mma_rows_equal_the_triton_prompt_tile(monkeypatch):
     rows = {}
     for on in ("1", "0"):
         monkeypatch.setenv("STRATA_PROMPT_MMA", on)
-        rows[on] = expert_ffn_gpu(x, tok, exp, slots, mode="prompt", variant="words").cpu().numpy()
+        out = torch.full((970, 2048), float("nan"), device="cuda")  # poisoned: every row written
+        rows[on] = expert_ffn_gpu(x, tok, exp, slots, mode="prompt", variant="words", out=out).cpu().numpy()
+        assert not np.isnan(rows[on]).any()
     assert np.array_equal(rows["1"].view(np.int32), rows["0"].view(np.int32))
 
 
