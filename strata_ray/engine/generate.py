@@ -95,23 +95,19 @@ def generate(
 
         result = GenerationResult([], len(prompt), t1 - t0, 0.0)
         graphs = getattr(model, "decode_graphs", None)
-        chained = graphs is not None and graphs.chain and logprobs == 0 and max_tokens > 0
+        chained = graphs is not None and graphs.chain and max_tokens > 0
         with decode_threads(model.device):
             if chained:  # each token chosen on the device and launched before the host reads the one before
                 choose = None if sampler.params.temperature == 0 else sampler.choose_into
-                _generate_chained(graphs, sampler.sample(last), state, hp.context_length, max_tokens, stops,
-                                  on_token, result, choose)
+                _generate_chained(graphs, sampler.sample(last), last, state, hp.context_length, max_tokens,
+                                  stops, on_token, result, choose, logprobs)
             while not chained and len(result.token_ids) < max_tokens:
                 tok = sampler.sample(last)
                 if tok in stops:
                     result.finish_reason = "stop"
                     break
                 if logprobs > 0:
-                    lp = torch.log_softmax(last.cpu(), dim=-1)
-                    top = torch.topk(lp, min(logprobs, lp.shape[0]))
-                    pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
-                    result.top_logprobs.append(list(pairs))
-                    result.token_logprobs.append(float(lp[tok]))
+                    _record_logprobs(result, last, tok, logprobs)
                 result.token_ids.append(tok)
                 if on_token is not None:
                     on_token(tok)
@@ -122,26 +118,40 @@ def generate(
     return result
 
 
-def _generate_chained(graphs, first: int, state, context: int, max_tokens: int, stops: set[int],
-                      on_token: Callable[[int], None] | None, result: GenerationResult,
-                      choose: Callable | None) -> None:
+def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k: int) -> None:
+    """The top k (id, logprob) pairs of logits [V] (f32) and tok's logprob, into result: computed on the host,
+    so both decode loops give the same values from the same logits."""
+    lp = torch.log_softmax(logits.cpu(), dim=-1)
+    top = torch.topk(lp, min(k, lp.shape[0]))
+    result.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+    result.token_logprobs.append(float(lp[tok]))
+
+
+def _generate_chained(graphs, first: int, last: torch.Tensor, state, context: int, max_tokens: int,
+                      stops: set[int], on_token: Callable[[int], None] | None, result: GenerationResult,
+                      choose: Callable | None, logprobs: int = 0) -> None:
     """generate()'s loop over chained decode graphs (DecodeGraphs.chain), greedy or drawing with `choose`
     (a Sampler's choose_into): the same tokens, stops and limits; the token launched ahead of a stop is
-    dropped (the state is not reused)."""
-    tok = first
-    chain = decode_chain(graphs, tok, state, min(max_tokens - 1, context - state.pos), choose)
+    dropped (the state is not reused). first was chosen from last [V] (the prompt's logits); with logprobs,
+    each later token's logits come out of the chain beside it."""
+    tok, logits = first, last
+    chain = decode_chain(graphs, tok, state, min(max_tokens - 1, context - state.pos), choose,
+                         logits=logprobs > 0)
     try:
         while True:
             if tok in stops:
                 result.finish_reason = "stop"
                 return
+            if logprobs > 0:
+                _record_logprobs(result, logits, tok, logprobs)
             result.token_ids.append(tok)
             if on_token is not None:
                 on_token(tok)
             if len(result.token_ids) == max_tokens:
                 return
-            tok = next(chain, None)
-            if tok is None:  # the context is full
+            nxt = next(chain, None)
+            if nxt is None:  # the context is full
                 return
+            tok, logits = nxt if logprobs > 0 else (nxt, None)
     finally:
         chain.close()

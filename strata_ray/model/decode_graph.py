@@ -62,26 +62,28 @@ from strata_ray.model.state import GDNState, SequenceState
 
 
 def decode_chain(graphs: DecodeGraphs, tok: int, state: SequenceState, n: int,
-                 choose: Callable[[Tensor, Tensor], None] | None = None) -> Iterator[int]:
+                 choose: Callable[[Tensor, Tensor], None] | None = None,
+                 logits: bool = False) -> Iterator[int] | Iterator[tuple[int, Tensor]]:
     """The chained decode: the next n token ids after `tok` (the token at state.pos), each chosen on the
     device from its logits: greedy (the first of the largest, as step() + argmax give them), or by
     choose(logits [V], out [1] int64) enqueued after each token's head (a seeded Sampler's choose_into:
     the draws sample() gives from the same logits). Launches one token ahead of the one it yields (never
     more than n launches); closing the generator early completes and drops the token launched ahead (the
-    state then holds one position more than the ids yielded)."""
+    state then holds one position more than the ids yielded). logits: yield (id, the logits [V] it was
+    chosen from, f32 on the host) instead, copied out beside the choice (a request for logprobs)."""
     if n <= 0:
         return
     if not graphs.chain:
         raise RuntimeError("decode_chain needs chained decode graphs (a rows backend that chains, "
                            "STRATA_DECODE_CHAIN on)")
-    graphs.launch([tok], state, choose=choose)
+    graphs.launch([tok], state, choose=choose, copy_logits=logits)
     launched = 1
     try:
         for _ in range(n):
             if launched < n:
-                graphs.launch(None, state, choose=choose)
+                graphs.launch(None, state, choose=choose, copy_logits=logits)
                 launched += 1
-            yield graphs.complete_choice()
+            yield graphs.complete_choice(with_logits=logits)
     finally:
         graphs.cancel()
 
@@ -212,6 +214,7 @@ class DecodeGraphs:
         self.chain = chain_enabled() and bool(getattr(self.rows, "can_chain", False))
         pin = self.device.type == "cuda"
         self._choices = [torch.zeros(1, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._logits_out: list[Tensor] = []  # [V] f32 page-locked, two, once a chained launch copies logits
         self._inflight: deque = deque()
         self._launched = 0
 
@@ -495,12 +498,15 @@ class DecodeGraphs:
         return self.complete()
 
     def launch(self, ids: Tensor | Sequence[int] | None, state: SequenceState, *, return_hidden: bool = False,
-               advance: bool = True, choose: Callable[[Tensor, Tensor], None] | None = None) -> None:
+               advance: bool = True, choose: Callable[[Tensor, Tensor], None] | None = None,
+               copy_logits: bool = False) -> None:
         """Enqueue one token at state.pos; complete() returns its logits, in launch order. ids None (the
         chained decode): the token the previous launch chose on the device. advance (a chained launch): the
         state moves on now, so that the next launch may follow before this one completes, and the choice is
         copied out for complete_choice(); else (step()) the state moves in complete(). The choice is the
-        head's arg-max, or what choose(logits [V], self.tok) writes over it (enqueued after the head)."""
+        head's arg-max, or what choose(logits [V], self.tok) writes over it (enqueued after the head).
+        copy_logits (a chained launch): its logits are copied out beside the choice as well, for
+        complete_choice(with_logits=True), without a wait for the tokens launched after it."""
         if ids is None and not (self.chain and self._launched):
             raise RuntimeError("decode graphs: a launch without ids follows a chained launch")
         runners = self._runners()  # the token mode's pieces (_capture_token), or (segments, head)
@@ -553,14 +559,20 @@ class DecodeGraphs:
         # this token's outputs, copied in stream order before the next launch's graphs overwrite them
         logits = self.logits.clone()
         hidden = self.hidden.clone() if return_hidden else None
-        choice, done = None, None
+        choice, done, logits_out = None, None, None
         if self.chain and advance:  # a chained launch: its head's choice for complete_choice()
             choice = self._choices[self._launched % 2]
             choice.copy_(self.tok, non_blocking=True)
+            if copy_logits:  # two buffers, as the choices: at most one launch ahead of complete_choice()
+                if not self._logits_out:
+                    pin = self.device.type == "cuda"
+                    self._logits_out = [torch.empty(self.hp.n_vocab, pin_memory=pin) for _ in range(2)]
+                logits_out = self._logits_out[self._launched % 2]
+                logits_out.copy_(self.logits[0], non_blocking=True)
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
-        self._inflight.append((state, pos0, not advance, logits, hidden, choice, done))
+        self._inflight.append((state, pos0, not advance, logits, hidden, choice, done, logits_out))
         if advance:
             self._advance(state, pos0)
 
@@ -574,26 +586,32 @@ class DecodeGraphs:
     def complete(self) -> Tensor | tuple[Tensor, Tensor]:
         """The oldest launched token: its rows joined (a worker's error is raised here), its state advanced
         where launch() left that for now; its logits [1, V] (and hidden [1, E] where asked)."""
-        logits, hidden, _ = self._complete()
+        logits, hidden, _, _ = self._complete()
         return (logits, hidden) if hidden is not None else logits
 
-    def complete_choice(self) -> int:
+    def complete_choice(self, with_logits: bool = False) -> int | tuple[int, Tensor]:
         """The chained decode: complete() the oldest token and return the id its head chose, read from
-        page-locked memory (no wait for the tokens launched after it)."""
-        _, _, choice = self._complete()
+        page-locked memory (no wait for the tokens launched after it); with_logits, (id, its logits [V] f32
+        on the host: a copy of what its launch with copy_logits copied out)."""
+        _, _, choice, logits_out = self._complete()
         if choice is None:
             raise RuntimeError("decode graphs: complete_choice() after a launch that chose nothing")
-        return int(choice[0])
+        if not with_logits:
+            return int(choice[0])
+        if logits_out is None:
+            raise RuntimeError("decode graphs: complete_choice(with_logits=True) after a launch that copied "
+                               "no logits")
+        return int(choice[0]), logits_out.clone()
 
-    def _complete(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        state, pos0, later, logits, hidden, choice, done = self._inflight.popleft()
+    def _complete(self) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        state, pos0, later, logits, hidden, choice, done, logits_out = self._inflight.popleft()
         if self.rows is not None:  # the token's last CPU rows: joined (errors raised) before it counts
             self.rows.finish()
         if later:
             self._advance(state, pos0)
         if done is not None:
             done.synchronize()
-        return logits, hidden, choice
+        return logits, hidden, choice, logits_out
 
     def cancel(self) -> None:
         """Drop the launched tokens not yet completed (after a stop id): their work still runs, their rows

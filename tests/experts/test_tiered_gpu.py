@@ -171,7 +171,8 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     step-by-step decode (the same decode without the chain), also through engine.generate. Every expert
     resident (cache 32): no worker, each token's ids copied out for the window counts; with
     STRATA_TOKEN_GRAPH=0 over the per-layer graphs, the eager attention cores between them. A sampled
-    request chains too (its draws on the device): the step-by-step draws' ids."""
+    request chains too (its draws on the device): the step-by-step draws' ids; so does a request for
+    logprobs (each token's logits copied out beside its choice): the step-by-step values, to the bit."""
     from strata_ray.engine.generate import generate
     from strata_ray.engine.sampling import SamplingParams
     from strata_ray.model.decode_graph import decode_chain
@@ -203,6 +204,8 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
         got[chain] = ids
         got[chain, "generate"] = generate(loaded.model, PROMPT, DECODE).token_ids
         got[chain, "sampled"] = generate(loaded.model, PROMPT, DECODE, sampling=sampled).token_ids
+        r = generate(loaded.model, PROMPT, DECODE, sampling=sampled, logprobs=4)
+        got[chain, "logprobs"] = (r.token_ids, r.top_logprobs, r.token_logprobs)
         tiers.finish()
         c = tiers.metrics.counts
         if cache < 32:
@@ -214,6 +217,7 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     assert got["1"] == got["0"] == got["0", "generate"] == got["1", "generate"]
     assert len(set(got["0"])) > 2
     assert got["1", "sampled"] == got["0", "sampled"] != got["0"]  # drawn on the device: the host's draws
+    assert got["1", "logprobs"] == got["0", "logprobs"] and got["1", "logprobs"][0] == got["1", "sampled"]
 
 
 @pytest.mark.parametrize("chain", ["0", "1"])

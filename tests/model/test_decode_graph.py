@@ -338,7 +338,7 @@ def test_the_chained_greedy_decode_gives_the_step_by_step_tokens(monkeypatch, ba
 
 
 def test_generate_over_chained_graphs_keeps_its_tokens_stops_and_limits(monkeypatch):
-    """engine.generate takes the chained loop for a greedy request without logprobs: the same ids and
+    """engine.generate takes the chained loop for a greedy request: the same ids and
     finish reason as the plain forward, stopping at a stop id, at max_tokens (0 too) and at a full context."""
     from dataclasses import replace
 
@@ -380,6 +380,42 @@ def test_sampled_requests_chain_with_the_step_by_step_draws(monkeypatch, params)
     stop = want.token_ids[4]
     got = generate(graphed, prompt, STEPS, sampling=sampling, stop_ids={stop})
     assert (got.token_ids, got.finish_reason) == (want.token_ids[: want.token_ids.index(stop)], "stop")
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.9, seed=3)], ids=["greedy", "sampled"])
+def test_requests_for_logprobs_chain_with_the_step_by_step_values(monkeypatch, params):
+    """A request for logprobs takes the chained loop too (each token's logits copied out beside its choice):
+    the ids, top-k pairs and chosen logprobs of the plain forward's step-by-step loop, to the bit, one join a
+    token; a stop ends it the same way (the stop's own logprobs not recorded)."""
+    from strata_ray.engine.generate import generate
+    from strata_ray.engine.sampling import SamplingParams
+
+    eager, graphed, backend = _chain_model(monkeypatch, "1")
+    prompt = ref.random_prompt(PROMPT, seed=4)
+    sampling = SamplingParams(**params)
+    want = generate(eager, prompt, STEPS, sampling=sampling, logprobs=3)
+    got = generate(graphed, prompt, STEPS, sampling=sampling, logprobs=3)
+    assert backend.finished == STEPS - 1 and len(got.top_logprobs) == len(got.token_logprobs) == STEPS
+    assert (got.token_ids, got.top_logprobs, got.token_logprobs) == \
+        (want.token_ids, want.top_logprobs, want.token_logprobs)
+    if not params:  # greedy: each chosen id is its top one
+        assert all(pairs[0][0] == tok for pairs, tok in zip(got.top_logprobs, got.token_ids, strict=True))
+    stop = want.token_ids[4]
+    cut = want.token_ids.index(stop)
+    got = generate(graphed, prompt, STEPS, sampling=sampling, logprobs=2, stop_ids={stop})
+    assert (got.token_ids, got.finish_reason) == (want.token_ids[:cut], "stop")
+    assert got.token_logprobs == want.token_logprobs[:cut] and len(got.top_logprobs) == cut
+    assert [pairs[:2] for pairs in want.top_logprobs[:cut]] == got.top_logprobs
+
+
+def test_a_chained_choice_without_copied_logits_says_so(monkeypatch):
+    _, graphed, _ = _chain_model(monkeypatch, "1")
+    graphs = graphed.decode_graphs
+    with torch.inference_mode():
+        graphs.launch([3], graphed.new_state())
+        with pytest.raises(RuntimeError, match="after a launch that copied no logits"):
+            graphs.complete_choice(with_logits=True)
+    assert not graphs._inflight
 
 
 def test_without_the_chain_switch_there_is_no_chain(monkeypatch):
