@@ -78,7 +78,9 @@ def build_parser(command: str):
                            help="tokens generated after each context prompt (decode at that depth; 256)")
         bench.add_argument("--story-tokens", metavar="N", default="3000",
                            help="length of the story run, decode tok/s from a short prompt (3000; 0 = skip)")
-        bench.add_argument("--no-warmup", action="store_true", help="skip the short untimed first run")
+        bench.add_argument("--no-warmup", action="store_true",
+                           help="skip the untimed warm-up (the story prompt, then one of the smallest "
+                                "context, a few tokens each)")
         bench.add_argument("--json-out", metavar="PATH", help="write the full report as JSON")
         bench.add_argument("--plot", metavar="PNG",
                            help="draw prefill and decode against context (needs matplotlib)")

@@ -174,6 +174,32 @@ def test_prompts_have_exact_lengths_and_random_prefixes(model_path):
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_the_warm_up_runs_the_story_then_the_smallest_depth(model_path):
+    """run_plan's untimed warm-up: the short story prompt (the decode's kernels), then a prompt of the
+    smallest context (the prompt path's first-use compiles at that size), each a few tokens; then the timed
+    runs; plan_steps counts them all."""
+    from strata_ray.bench.measure import WARMUP_GEN_TOKENS, BenchPlan, LocalRunner, plan_steps, run_plan
+    from strata_ray.bench.targets import open_model_file
+    from strata_ray.config import EngineConfig
+    from strata_ray.engine.engine import Engine
+    from strata_ray.engine.sampling import SamplingParams
+
+    class Recording(LocalRunner):  # the real engine, its prompts noted
+        def run(self, prompt, max_tokens, sampling):
+            seen.append((prompt.name, prompt.n_tokens, max_tokens))
+            return super().run(prompt, max_tokens, sampling)
+
+    _, _, tok = open_model_file(model_path)
+    runner, seen = Recording(Engine(EngineConfig(model=model_path, device="cpu"))), []
+    plan = BenchPlan(contexts=(200, 160), gen_tokens=3, repeats=1, story_tokens=0)
+    steps = []
+    run_plan(runner, PromptBuilder(tok, None), plan, SamplingParams(), progress=steps.append)
+    assert seen == [("story", seen[0][1], WARMUP_GEN_TOKENS), ("ctx160", 160, WARMUP_GEN_TOKENS),
+                    ("ctx200", 200, 3), ("ctx160", 160, 3)]
+    assert steps[:2] == ["warm-up", "warm-up"] and len(steps) == plan_steps(plan) == 4
+    assert plan_steps(replace(plan, warmup=False)) == 2 and plan_steps(replace(plan, contexts=())) == 1
+
+
 # ---- gates -----------------------------------------------------------------------------------------------
 
 
