@@ -39,8 +39,18 @@ class GenerationResult(TokenRates):
 @contextmanager
 def decode_threads(device) -> Iterator[None]:
     """Torch intra-op threads for the one-token forwards: one on a small host when the model is on the CPU."""
+    if torch.device(device).type != "cpu" or torch.get_num_threads() > SMALL_HOST_THREADS:
+        yield
+        return
+    with one_torch_thread():
+        yield
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch's CPU ops inside run on the calling thread alone (the thread count restored after)."""
     before = torch.get_num_threads()
-    if torch.device(device).type != "cpu" or before > SMALL_HOST_THREADS or before == 1:
+    if before == 1:
         yield
         return
     torch.set_num_threads(1)
@@ -120,9 +130,13 @@ def generate(
 
 def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k: int) -> None:
     """The top k (id, logprob) pairs of logits [V] (f32) and tok's logprob, into result: computed on the host,
-    so both decode loops give the same values from the same logits."""
-    lp = torch.log_softmax(logits.cpu(), dim=-1)
-    top = torch.topk(lp, min(k, lp.shape[0]))
+    so both decode loops give the same values from the same logits, on one thread: on CUDA the CPU team's
+    members compute the next token's rows meanwhile (chained) or spin between tokens on every core but one,
+    and a parallel region of torch's beside them would oversubscribe the cores. ~0.4 ms at V = 151,936 on
+    the 2-core VM."""
+    with one_torch_thread():
+        lp = torch.log_softmax(logits.cpu(), dim=-1)
+        top = torch.topk(lp, min(k, lp.shape[0]))
     result.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
     result.token_logprobs.append(float(lp[tok]))
 

@@ -118,6 +118,27 @@ def test_decode_threads_uses_one_thread_on_a_small_cpu_host_and_restores():
         torch.set_num_threads(before)
 
 
+def test_logprobs_are_computed_on_one_torch_thread_whatever_the_host_has(tiny, monkeypatch):
+    """A large host (a CUDA model's, whose CPU team spins on every core but one) keeps its torch threads for
+    the decode, but a token's logprobs run on one: the count seen inside log_softmax, restored after."""
+    _, model = tiny
+    seen, log_softmax = [], torch.log_softmax
+
+    def counted(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return log_softmax(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(SMALL_HOST_THREADS + 1)
+        monkeypatch.setattr(torch, "log_softmax", counted)
+        out = generate(model, PROMPT, 3, SamplingParams(), (), logprobs=2, prefill_chunk=64)
+        assert seen == [1, 1, 1] and len(out.token_logprobs) == 3
+        assert torch.get_num_threads() == SMALL_HOST_THREADS + 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def _decode_logits(model, threads: int) -> torch.Tensor:
     torch.set_num_threads(threads)
     with torch.inference_mode():
