@@ -64,6 +64,10 @@ class LocalRounds:
         """Nothing is ever in flight here."""
         return []
 
+    def flush(self, resident: np.ndarray) -> list[Swap]:
+        """Nothing is ever left due here: each round ran at its boundary."""
+        return []
+
 
 class DueCounts:
     """Routed-entry counts cut at the rounds' boundaries: one [L, X] sum for each `every` windows. A round's
@@ -132,6 +136,19 @@ class CoordinatorRounds:
         swaps = [Swap(*s) for s in ray.get(self._inflight)] if ready else []
         self._inflight = None
         return swaps
+
+    def flush(self, resident: np.ndarray, timeout: float = 30.0) -> list[Swap]:
+        """End of a generation, after drain() and its swaps scheduled: the rounds due but not sent yet (the
+        answer before them came late, or brought swaps the mask had to include first), planned now against
+        `resident` [L, X] (nothing in flight), so that no round's counts carry into the next request."""
+        import ray
+
+        due = self._counts.take()
+        if not due:
+            return []
+        ref = self.coordinator.adapt_round.remote(due, resident, False)
+        ready, _ = ray.wait([ref], timeout=timeout)
+        return [Swap(*s) for s in ray.get(ref)] if ready else []
 
 
 
@@ -714,8 +731,8 @@ class TieredExperts:
 
     def finish(self) -> None:
         """End of a generation: close the last window, so its counts and swaps are not lost, apply the round
-        it planned, and land the round still in flight at the coordinator (placement after a request does
-        not depend on timing)."""
+        it planned, land the round still in flight at the coordinator, then plan and land the rounds still
+        due there: every round of the request's windows is planned before it ends, none in the next one."""
         self.window_boundary()
         self._land()
         planned, self._planned = self._planned, []
@@ -723,6 +740,8 @@ class TieredExperts:
         if self.rounds is not None and not self.all_resident:
             self._land()
             self._schedule(self.rounds.drain())
+            self._land()
+            self._schedule(self.rounds.flush(self.residency.resident_mask(include_pending=True)))
         self._land()
         self.metrics.flush()  # the request's counts to Ray's metrics now: a short request flushes no window
 

@@ -29,7 +29,7 @@ import pytest
 from strata_ray.experts.profile import Profile, check_shape, read_profile, write_profile
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.synth import write_synth
-from tests.actors.ray_head import REPO, client_env, free_port, ray_head
+from tests.actors.ray_head import REPO, auth_env, client_env, free_port, ray_head
 
 PROMPT_IDS = "5,17,101,42,250,7,64,3"
 MAX_TOKENS = 10
@@ -197,10 +197,50 @@ def test_adaptive_rounds_run_in_the_coordinator_actor(runs):
     assert experts["swaps"] > 0, experts
     coordinator = experts["coordinator"]  # CoordinatorRounds: the coordinator planned every round
     assert coordinator["rounds"] > 0 and coordinator["swaps"] >= experts["swaps"], experts
-    assert coordinator["windows"] > 0
+    # every window's counts reached the coordinator before the request ended (--adapt-every 1: each window
+    # closes a round), however late its answers came
+    assert coordinator["windows"] == experts["windows"] > 0, experts
     summary = r.stderr.splitlines()[-1]
     swaps = int(re.search(r"experts: [\d.]+% cache hits, \d+ CPU entries, (\d+) swaps, host", summary)[1])
     assert swaps == experts["swaps"]
+
+
+ROUNDS_SCRIPT = """
+import json, numpy as np, ray
+from strata_ray.actors.coordinator import Coordinator
+from strata_ray.config import EngineConfig
+from strata_ray.experts.tiered import CoordinatorRounds
+
+ray.init(namespace="strata-test-rounds", logging_level="ERROR")
+coordinator = ray.remote(Coordinator).remote(EngineConfig(adapt_every=1, adapt_swaps=4))
+ray.get(coordinator.configure_rounds.remote(1, 4))
+rounds = CoordinatorRounds(coordinator, 1, 4, 1)
+resident = np.array([[True, True, False, False]])
+first = rounds.window_done(np.array([[0, 0, 0, 5]]), resident, False)  # round 1 sent
+# round 2's window closes at once: round 1's answer is (most likely) still on its way, so round 2 waits
+second = rounds.window_done(np.array([[0, 0, 4, 0]]), resident, False)
+drained = rounds.drain()  # round 1's swap
+after = resident.copy()
+for swap in second + drained:  # round 1's swap, however soon its answer came
+    after[swap.layer, swap.victim], after[swap.layer, swap.candidate] = False, True
+flushed = rounds.flush(after)  # the end of the request: round 2 planned now, on the placement after round 1
+print(json.dumps({"returned": [[s.layer, s.candidate, s.victim] for s in first + second + drained + flushed],
+                  "status": ray.get(coordinator.status.remote())["adaptive"]}))
+"""
+
+
+def test_rounds_still_due_at_a_requests_end_are_planned_before_it_ends(cluster):
+    """CoordinatorRounds against the real coordinator actor: a round whose window closed while the answer
+    before it was still on its way is sent by flush() at the end of the request (finish()), planned on the
+    placement after the earlier round's swaps, so every window's counts reach the coordinator in the
+    request that routed them. Expert 3 (hot in round 1) replaces expert 0, then expert 2 replaces expert 1."""
+    address, _ = cluster
+    r = subprocess.run([sys.executable, "-c", ROUNDS_SCRIPT], capture_output=True, text=True,
+                       env={**client_env(address), **auth_env()}, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout.splitlines()[-1])
+    assert doc["status"] == {"rounds": 2, "swaps": 2, "windows": 2}, doc
+    assert doc["returned"] == [[0, 3, 0], [0, 2, 1]], doc
 
 
 def test_profile_save_writes_a_profile_for_the_model(runs, cluster):

@@ -15,10 +15,11 @@ def greedy_logits(model, prompt: list[int], n: int) -> torch.Tensor:
     return torch.cat(out).cpu()
 
 
-def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int) -> None:
+def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int, ahead: int = 0) -> None:
     """generate() on a prompt (of any size: a short one runs the decode's kernels), then the counts checked:
     the prompt's entries are prompt entries (and prompt heat); the windows, tokens, hits and the pipelined
-    decode's copies ahead and warm reads are the decode's alone."""
+    decode's copies ahead and warm reads are the decode's alone. ahead: the experts the pipelined decode
+    copies ahead a layer: at most that many a decode token and layer (a prompt token's would go past it)."""
     from strata_ray.engine.generate import generate
     from strata_ray.engine.sampling import SamplingParams
 
@@ -33,3 +34,4 @@ def generate_and_check_prompt_counts(model, tiers, prompt: list[int], n: int) ->
     assert int(tiers.prompt_heat.sum()) == c.prompt_entries and not tiers.in_prompt
     # of the decode's own entries: those copied ahead are PCIe entries, the warm hits CPU entries
     assert c.ahead_entries <= c.pcie_entries and c.warm_hits <= c.cpu_entries
+    assert c.ahead_copies <= decoded * hp.n_layer * ahead

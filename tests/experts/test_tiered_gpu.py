@@ -284,4 +284,6 @@ def test_a_short_prompt_counts_as_a_prompt_on_cuda(tiny_next_q4, prompt_len, cac
     monkeypatch.delenv("STRATA_DECODE_CHAIN", raising=False)
     cfg = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=0)
     loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
-    generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE)
+    rows = getattr(loaded.model.decode_graphs, "rows", None)  # the pipelined decode (None: all resident)
+    generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE,
+                                     ahead=getattr(rows, "ahead", 0))
