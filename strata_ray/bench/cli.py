@@ -115,6 +115,30 @@ def parse_sampling(ns, saved: dict | None = None):
     )
 
 
+def reference_sampling(ns, doc: dict):
+    """gate --against: parse_sampling over the reference's saved sampling, whose bad value names the file."""
+    from strata_ray.engine.sampling import SamplingError
+
+    try:
+        return parse_sampling(ns, doc.get("sampling"))
+    except SamplingError as e:
+        raise gate.GateFileError(f"--against: {ns.against} is not a valid gate reference (sampling: {e}); "
+                                 "make one with --save") from None
+
+
+def check_url(url: str) -> None:
+    """--url: http(s)://HOST[:PORT][/PATH], or one line (ConfigError) before anything is sent."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (a port that is not a number raises here)
+    except ValueError as e:
+        raise ConfigError(f"--url {url}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--url {url}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+
+
 def parse_plan(ns) -> measure.BenchPlan:
     # `is None`, not falsy: an empty --contexts "" or --repeats "" is refused, not taken as the default
     raw = ns.contexts if ns.contexts is not None else (QUICK_CONTEXTS if ns.quick else DEFAULT_CONTEXTS)
@@ -176,6 +200,8 @@ def bench_main(argv: Sequence[str]) -> int:
     ns = build_parser(command).parse_args(rest)
     try:  # everything the user can get wrong fails here, before a model loads or Ray starts
         cfg = config_from_args(ns, os.environ)
+        if ns.url is not None:
+            check_url(ns.url)
         for flag in ("--json-out", "--plot", "--save"):
             path = getattr(ns, flag[2:].replace("-", "_"), None)
             if path:  # a file written after the whole run: refused now, not then
@@ -193,7 +219,7 @@ def bench_main(argv: Sequence[str]) -> int:
             job = GateJob(None, parse_sampling(ns), parse_value(int_range(1), ns.max_tokens, "--max-tokens"))
         else:
             doc = gate.load(ns.against, command)
-            job = GateJob(doc, parse_sampling(ns, doc.get("sampling")), int(doc["gen_tokens"]))
+            job = GateJob(doc, reference_sampling(ns, doc), int(doc["gen_tokens"]))
         with open_target(ns, cfg) as target:
             add_bos = bool(target.file and target.file.fields.get("tokenizer.ggml.add_bos_token", False))
             builder = PromptBuilder(target.tokenizer, target.context_length, add_bos)

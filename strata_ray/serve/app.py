@@ -226,7 +226,7 @@ def serve_main(argv) -> int:
     from dataclasses import replace
 
     from strata_ray.config import ConfigError
-    from strata_ray.engine.engine import check_supported
+    from strata_ray.engine.engine import check_supported, unavailable_feature
     from strata_ray.experts.profile import ProfileError
     from strata_ray.model.hparams import ModelFormatError
     from strata_ray.serve.config_file import resolve
@@ -235,6 +235,11 @@ def serve_main(argv) -> int:
         plan = resolve(argv)
         model_path, hp = check_model_file(plan.engine)
         engine_cfg = check_profile_files(replace(plan.engine, model=model_path), hp)
+        if plan.auto_split and unavailable_feature(engine_cfg) == "--layer-split":  # not the user's flag
+            gpus = ",".join(str(g) for g in plan.serve.gpu)
+            raise ConfigError(f"GPUs {gpus}: the server splits the layers across several GPUs (--layer-split "
+                              'auto), which is not available yet; serve on one GPU, or set "layer_split": '
+                              '"off" in the config')
         check_supported(engine_cfg)
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))

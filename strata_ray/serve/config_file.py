@@ -52,6 +52,7 @@ class ServePlan:
     env: Mapping[str, str]  # variables to set in the server's environment before Ray starts
     address: str | None = None  # Ray cluster to attach to (None: running cluster, else a local one)
     verbose: bool = False
+    auto_split: bool = False  # engine_argv's --layer-split is the one added for several GPUs, not the user's
 
 
 # --- serve.json values ------------------------------------------------------------------------------------
@@ -125,16 +126,16 @@ def _typed(raw: Mapping[str, Any], key: str, kind: type, allowed: str) -> Any:
     return v
 
 
-def _port(v: int | None) -> int | None:
+def _port(v: int | None, name: str = "port") -> int | None:
     # not 0: the server must listen where its "serving on" line says (and 0 in the file read as "unset")
     if v is not None and not 1 <= v <= 65535:
-        raise ServeConfigError(f"port: expected an integer from 1 to 65535, got {v}")
+        raise ServeConfigError(f"{name}: expected an integer from 1 to 65535, got {v}")
     return v
 
 
-def _replicas(v: int | None) -> int | None:
+def _replicas(v: int | None, name: str = "replicas") -> int | None:
     if v is not None and v < 1:
-        raise ServeConfigError(f"replicas: expected an integer >= 1, got {v}")
+        raise ServeConfigError(f"{name}: expected an integer >= 1, got {v}")
     return v
 
 
@@ -238,13 +239,13 @@ def _cli_overrides(ns) -> dict[str, Any]:
     if ns.host is not None:
         over["host"] = ns.host
     if ns.port is not None:
-        over["port"] = _port(_int_flag("--port", ns.port))
+        over["port"] = _port(_int_flag("--port", ns.port), "--port")
     if ns.api_key is not None:
         over["api_key"] = ns.api_key or None
     if ns.gpu is not None:
         over["gpu"] = parse_gpu(ns.gpu, "--gpu")
     if ns.replicas is not None:
-        over["replicas"] = _replicas(_int_flag("--replicas", ns.replicas))
+        over["replicas"] = _replicas(_int_flag("--replicas", ns.replicas), "--replicas")
     return over
 
 
@@ -276,13 +277,15 @@ def resolve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Se
     ns = parser.parse_args(list(argv))
     cfg = load_config_file(ns.config) if ns.config else ServeConfig()
     cfg = replace(cfg, **_cli_overrides(ns))
-    argv_engine = engine_args(cfg) + _engine_cli_args(ns)
+    added, cli = engine_args(cfg)[len(cfg.args):], _engine_cli_args(ns)
+    argv_engine = engine_args(cfg) + cli
     env = child_env(cfg, environ)
     engine_ns = _parse_engine_args(argv_engine, "args" if ns.config else "flags")
     engine = config_from_args(engine_ns, env)
     changed = {k: v for k, v in env.items() if environ.get(k) != v}
     return ServePlan(serve=cfg, engine=engine, engine_argv=tuple(argv_engine), env=changed,
-                     address=ns.address, verbose=ns.verbose)
+                     address=ns.address, verbose=ns.verbose,
+                     auto_split="--layer-split" in added and "--layer-split" not in cli)
 
 
 class _EngineArgsParser(_OneLineParser):

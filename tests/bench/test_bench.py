@@ -240,6 +240,8 @@ GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": 
     ({"sampling": 3}, "sampling is not an object"),
     ({"sampling": {"temperature": "hot"}}, 'sampling.temperature "hot" is not a number'),
     ({"sampling": {"seed": 1.5}}, "sampling.seed 1.5 is not an integer"),
+    ({"sampling": {"temperature": -1}}, "sampling: temperature must be >= 0, got -1"),
+    ({"sampling": {"top_p": 0}}, "sampling: top_p must be in (0, 1], got 0"),
 ])
 def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_path, tmp_path, capsys, fields,
                                                                        problem):
@@ -347,6 +349,14 @@ def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, cap
 def test_url_without_the_api_key_is_one_line(model_path, server_url, capsys):
     code, _, err = run_cli(capsys, "--url", server_url, "--api-key", "wrong", "--contexts", "160", *FAST)
     assert code == 2 and "HTTP 401" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("url, problem", [("notaurl", "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+                                          ("ftp://host", "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+                                          ("http://[::1", "not a URL (Invalid IPv6 URL)")])
+def test_a_bad_url_is_one_line_before_anything_is_sent(capsys, url, problem):
+    code, out, err = run_cli(capsys, "--url", url, "--contexts", "160")
+    assert (code, out, err) == (2, "", f"strata_ray bench: --url {url}: {problem}\n")
 
 
 def test_url_that_does_not_answer_is_one_line(capsys):

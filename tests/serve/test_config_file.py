@@ -132,8 +132,40 @@ def test_config_that_is_not_utf8_is_one_line(tmp_path):
         resolve(["--config", str(path)], {})
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--port", "70000"], "--port: expected an integer from 1 to 65535, got 70000"),
+    (["--replicas", "0"], "--replicas: expected an integer >= 1, got 0"),
+])
+def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
+    with pytest.raises(ServeConfigError) as e:
+        resolve(argv, {})
+    assert str(e.value) == line
+
+
+def test_the_automatic_layer_split_is_marked_as_the_servers():
+    """Several GPUs: the server adds --layer-split auto (auto_split: its message names the GPUs, not a flag
+    the user never gave); the user's own --layer-split, or one GPU, is not marked."""
+    assert resolve(["--gpu", "0,1"], {}).auto_split
+    assert not resolve(["--gpu", "0,1", "--layer-split", "24"], {}).auto_split
+    assert not resolve(["--gpu", "0"], {}).auto_split
+
+
+def test_serving_on_several_gpus_says_why_not_in_one_line(capsys):
+    """`serve --gpu 0,1` (the layer split the server adds is not available yet): one line naming the GPUs and
+    what to do, exit 2, before Ray starts; the user's own --layer-split keeps the flag's line."""
+    from strata_ray.serve.app import serve_main
+
+    assert serve_main(["--gpu", "0,1"]) == 2
+    assert capsys.readouterr().err == (
+        'strata_ray: GPUs 0,1: the server splits the layers across several GPUs (--layer-split auto), which '
+        'is not available yet; serve on one GPU, or set "layer_split": "off" in the config\n')
+    assert serve_main(["--gpu", "0,1", "--layer-split", "24"]) == 2
+    assert capsys.readouterr().err == "strata_ray: --layer-split is not available yet\n"
+
+
 def test_port_0_on_the_command_line_is_refused_like_in_the_file():
-    with pytest.raises(ServeConfigError, match="^port: expected an integer from 1 to 65535, got 0$"):
+    """The same rule as the file's "port", the line naming the flag."""
+    with pytest.raises(ServeConfigError, match="^--port: expected an integer from 1 to 65535, got 0$"):
         resolve(["--port", "0"], {})
 
 
