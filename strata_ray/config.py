@@ -408,7 +408,7 @@ def _on(s: str) -> bool:
 def ring_slots_value(s: str) -> int:
     """STRATA_RING_SLOTS: an even count >= 2, digits only (the ring's two halves alternate across layers).
     experts/build reads it with this same parser."""
-    if not s.isdigit() or int(s) < 2 or int(s) % 2:
+    if not (s.isascii() and s.isdigit()) or int(s) < 2 or int(s) % 2:
         raise ValueError("an even count >= 2")
     return int(s)
 

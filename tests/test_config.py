@@ -243,6 +243,7 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
+    ("STRATA_STAGE_CHUNK_KIB", "\u00b2", "a multiple of 8 from 8 to 1048576"),  # a digit int() refuses
     ("STRATA_GATHER_PROGRAMS", "0", "an integer from 1 to 65535"),
     ("STRATA_PREFETCH_LAYERS", "3", "1 or 2"),
     ("STRATA_TOKEN_GRAPH", "on", "0 or 1"),

@@ -280,10 +280,11 @@ def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
     assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
         f"strata_ray: cannot connect to the Ray cluster at 127.0.0.1:{port} (Connection refused; is `ray "
         "start --head` running there?)\n")
-    r = run_cli("--model", tiny_model, "--address", "foo", "-p", "hi", "--max-tokens", "1", timeout=60)
-    want = ("strata_ray: Ray address 'foo' (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
-            "10.0.0.5:6379), 'auto' or 'local'\n")
-    assert (r.returncode, r.stderr) == (2, want)
+    for address in ("foo", "h:\u00b2"):  # '\u00b2' passes str.isdigit(), not int()
+        r = run_cli("--model", tiny_model, "--address", address, "-p", "hi", "--max-tokens", "1", timeout=60)
+        want = (f"strata_ray: Ray address {address!r} (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
+                "10.0.0.5:6379), 'auto' or 'local'\n")
+        assert (r.returncode, r.stderr) == (2, want)
 
 
 def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):

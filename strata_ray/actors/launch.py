@@ -81,7 +81,7 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
     if "://" in address:  # ray://, a Ray Client server: ray.init reports those itself
         return
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise LaunchError(f"Ray address {address!r} (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
                           "10.0.0.5:6379), 'auto' or 'local'")
     try:

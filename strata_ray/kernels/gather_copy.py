@@ -81,7 +81,7 @@ def _stage_body(START, EXPERT, SRC, DST, slot_bytes, n_items, chunks, CHUNK_WORD
 def stage_chunk_kib(raw: str) -> int:
     """A value of STRATA_STAGE_CHUNK_KIB: KiB a staging program copies (ValueError naming what is allowed;
     config.py refuses a bad one with its one line when the engine starts)."""
-    v = int(raw) if raw.isdigit() else 0
+    v = int(raw) if raw.isascii() and raw.isdigit() else 0
     if not 8 <= v <= 1 << 20 or v % 8:
         raise ValueError("a multiple of 8 from 8 to 1048576")
     return v
@@ -183,7 +183,7 @@ def gather_copy(desc: np.ndarray, device: torch.device) -> None:
 def gather_programs_value(raw: str) -> int:
     """A value of STRATA_GATHER_PROGRAMS (ValueError naming what is allowed; config.py refuses a bad one
     with its one line when the engine starts)."""
-    v = int(raw) if raw.isdigit() else 0
+    v = int(raw) if raw.isascii() and raw.isdigit() else 0
     if not 1 <= v <= 65535:
         raise ValueError("an integer from 1 to 65535")
     return v

@@ -75,7 +75,7 @@ def parse_gpu(value: Any, where: str = "gpu") -> tuple[int, ...]:
         raise ServeConfigError(f"{allowed}, got {json.dumps(value)}")
     gpus = []
     for item in items:
-        if isinstance(item, str) and item.isdigit():
+        if isinstance(item, str) and item.isascii() and item.isdigit():  # not '²': int() refuses it
             item = int(item)
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ServeConfigError(f"{allowed}, got {json.dumps(value)}")

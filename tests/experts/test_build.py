@@ -60,11 +60,12 @@ def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
     from strata_ray.config import ConfigError, config_from_args
     from strata_ray.run import build_generate_parser
 
-    for bad in ("7", "0", "x", "+4", " 4", "1_0"):  # refused by config before Ray starts, and here alike
+    for bad in ("7", "0", "x", "+4", " 4", "1_0", "\u00b2"):  # refused by config before Ray starts, and here
+        # alike ('\u00b2' is a digit to str.isdigit(), not to int(): the line says what is allowed)
         monkeypatch.setenv("STRATA_RING_SLOTS", bad)
         with pytest.raises(ConfigError, match="STRATA_RING_SLOTS"):
             ring_slots(True, 1_769_472, 512)
-        with pytest.raises(ConfigError, match="STRATA_RING_SLOTS"):
+        with pytest.raises(ConfigError, match=r"STRATA_RING_SLOTS: .*\(allowed: an even count >= 2\)$"):
             config_from_args(build_generate_parser().parse_args([]), {"STRATA_RING_SLOTS": bad})
     monkeypatch.setenv("STRATA_RING_SLOTS", "")  # empty: unset, as config reads it
     assert ring_slots(True, 1 << 30, 512) == 32

@@ -142,6 +142,11 @@ def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
     assert str(e.value) == line
 
 
+def test_a_gpu_number_int_cannot_read_is_one_line():
+    with pytest.raises(ServeConfigError, match="^--gpu: expected a GPU number"):
+        resolve(["--gpu", "\u00b2"], {})  # a digit to str.isdigit(), not to int()
+
+
 def test_the_automatic_layer_split_is_marked_as_the_servers():
     """Several GPUs: the server adds --layer-split auto (auto_split: its message names the GPUs, not a flag
     the user never gave); the user's own --layer-split, or one GPU, is not marked."""
