@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "generate"
     rest = argv[1:] if argv and argv[0] == command else argv
+    if command == "generate" and argv and not argv[0].startswith("-"):  # `run serv`: not a prompt either
+        return fail(f"unknown command {argv[0]!r} (commands: {', '.join(SUBCOMMANDS)}; a prompt goes in "
+                    "--prompt, --prompt-file or stdin)")
     if command == "generate":
         return generate_main(rest)
     entry = _delegate(command)
