@@ -141,14 +141,11 @@ class CoordinatorRounds:
         """End of a generation, after drain() and its swaps scheduled: the rounds due but not sent yet (the
         answer before them came late, or brought swaps the mask had to include first), planned now against
         `resident` [L, X] (nothing in flight), so that no round's counts carry into the next request."""
-        import ray
-
         due = self._counts.take()
         if not due:
             return []
-        ref = self.coordinator.adapt_round.remote(due, resident, False)
-        ready, _ = ray.wait([ref], timeout=timeout)
-        return [Swap(*s) for s in ray.get(ref)] if ready else []
+        self._inflight = self.coordinator.adapt_round.remote(due, resident, False)
+        return self.drain(timeout)
 
 
 
