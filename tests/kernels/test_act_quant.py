@@ -8,11 +8,14 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from strata_ray.kernels.act_quant import fexp_array, quantize_act, quantize_act_sums
 from strata_ray.kernels.contract import TINY, KernelError
 from strata_ray.kernels.spec import act_quant_ref, fexp_ref, rint_ref
 from tests.kernels.triton_interpret import interpret
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _activations(rng, n_rows=64, n=512):
@@ -134,8 +137,6 @@ def _gpu_quantizer_matches_the_spec(device: str) -> None:
     """quantize_act_gpu at widths of 1, 3 and 65 blocks (its programs take up to 64 blocks: a masked tail in
     the 3-block and the 65-block rows' last program), over zero, tiny, exactly-TINY, tie and poisoned blocks
     (a NaN, +-inf, a NaN among zeros): every element written (outputs poisoned first), the spec's bits."""
-    import torch
-
     from strata_ray.kernels.expert_gpu import quantize_act_gpu
 
     rng = np.random.default_rng(11)
@@ -163,17 +164,13 @@ def test_the_gpu_quantizer_gives_the_specs_bits_interpreted():
 
 
 @pytest.mark.gpu
+@cuda
 def test_the_gpu_quantizer_gives_the_specs_bits_on_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     _gpu_quantizer_matches_the_spec("cuda")
 
 
 def test_the_gpu_quantizer_refuses_a_wrong_out():
     pytest.importorskip("triton")
-    import torch
-
     from strata_ray.kernels.expert_gpu import quantize_act_gpu
 
     x = torch.zeros((2, 64))
@@ -188,8 +185,6 @@ def test_the_gpu_quantizer_refuses_a_wrong_out():
 def _triton_exp_and_swiglu_match_the_spec(device: str) -> None:
     """triton_blocks.fexp and swiglu (the GPU rows' SwiGLU) == the spec's bits over the whole float range the
     fixed exp clamps (below EXP_LO and above EXP_HI too), ties of its rounding, and signed zeros."""
-    import torch
-
     from strata_ray.kernels.spec import swiglu_ref
     from strata_ray.kernels.triton_blocks import triton
     from tests.kernels.exp_probe import exp_swiglu_kernel
@@ -214,8 +209,6 @@ def test_the_triton_exp_and_swiglu_give_the_specs_bits_interpreted():
 
 
 @pytest.mark.gpu
+@cuda
 def test_the_triton_exp_and_swiglu_give_the_specs_bits_on_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     _triton_exp_and_swiglu_match_the_spec("cuda")
