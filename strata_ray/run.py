@@ -48,9 +48,9 @@ def fail(message: str, code: int = 2) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "generate"
-    rest = argv[1:] if argv and argv[0] == command else argv
-    if command == "generate" and argv and not argv[0].startswith("-"):  # `run serv`: not a prompt either
+    named = bool(argv) and argv[0] in SUBCOMMANDS
+    command, rest = (argv[0], argv[1:]) if named else ("generate", argv)
+    if rest and not named and not rest[0].startswith("-"):  # `run serv`: not a prompt either
         return fail(f"unknown command {argv[0]!r} (commands: {', '.join(SUBCOMMANDS)}; a prompt goes in "
                     "--prompt, --prompt-file or stdin)")
     if command == "generate":
