@@ -86,7 +86,8 @@ def build_generate_parser():
 
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", "-n", metavar="N", default="256", help="tokens to generate (256)")
-    sampling.add_argument("--temperature", metavar="T", default="0", help="0 = greedy (default)")
+    sampling.add_argument("--temperature", metavar="T", default="0",
+                          help="0 = greedy (default; below 1e-5 greedy too)")
     sampling.add_argument("--top-k", metavar="K", default="0", help="keep the K most likely tokens (0 = off)")
     sampling.add_argument("--top-p", metavar="P", default="1", help="nucleus sampling mass (1 = off)")
     sampling.add_argument("--min-p", metavar="P", default="0", help="drop tokens below P x top (0 = off)")

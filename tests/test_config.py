@@ -189,7 +189,8 @@ def run_cli(*args, env_extra=None):
         (["--peer-device", "1"], "strata_ray: --peer-device needs --expert-profile and the expert cache"),
         (["--spec", "9"], "strata_ray: --spec: invalid value '9' (allowed: an integer from 0 to 7)"),
         # the default command named: its flags, not an unknown command
-        (["generate", "--spec", "9"], "strata_ray: --spec: invalid value '9' (allowed: an integer from 0 to 7)"),
+        (["generate", "--spec", "9"],
+         "strata_ray: --spec: invalid value '9' (allowed: an integer from 0 to 7)"),
         (["--bogus"], "strata_ray: unrecognized arguments: --bogus (see --help)"),
         (["serv"], "strata_ray: unknown command 'serv' (commands: generate, serve, bench, profile, synth; a "
                    "prompt goes in --prompt, --prompt-file or stdin)"),

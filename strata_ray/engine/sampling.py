@@ -15,6 +15,11 @@ from torch import Tensor
 from strata_ray.config import SEED_MAX
 from strata_ray.kernels.gumbel import draw_keys, gumbel_scores
 
+# a temperature below this samples greedily, as vLLM's _SAMPLING_EPS: logits / T would overflow float32 as T
+# nears its smallest normal value (+inf scores, a junk arg-max), and long before that the draw is the
+# arg-max but for near-ties
+GREEDY_BELOW = 1e-5
+
 
 class SamplingError(ValueError):
     """Invalid sampling parameters. The message is one line."""
@@ -22,7 +27,7 @@ class SamplingError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 = greedy (argmax); below GREEDY_BELOW taken as 0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -31,6 +36,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # every path's greedy test reads 0
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -81,6 +81,20 @@ def test_low_temperature_concentrates_on_the_argmax():
     assert all(sampler.sample(_logits()) == 3 for _ in range(200))
 
 
+@pytest.mark.parametrize("t", [1e-40, 1e-300, 5e-324, 9.99e-6])
+def test_a_temperature_below_1e_5_is_greedy(t):
+    # a float32 1e-40 is subnormal, not 0: logits / T made every positive logit +inf, and the arg-max took the
+    # first of them (token 0 here), not the largest logit
+    logits = torch.tensor([0.5, 1.0, 3.0, 2.0])
+    sampler = Sampler(SamplingParams(temperature=t, seed=1))
+    assert sampler.params.temperature == 0.0
+    assert [sampler.sample(logits) for _ in range(3)] == [2, 2, 2] and sampler.draws == 0
+
+
+def test_a_temperature_of_1e_5_still_samples():
+    assert Sampler(SamplingParams(temperature=1e-5, seed=1)).params.temperature == 1e-5
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
                                     dict(min_p=2.0), dict(seed=-1), dict(seed=2**64)])
 def test_invalid_params_are_refused(kwargs):
