@@ -250,6 +250,9 @@ def serve_main(argv) -> int:
     session = None
     try:
         session = launch.connect(plan.address, False, plan.verbose)
+        # again: Ray's core worker installs its own fatal-signal handler (absl's) as it connects, which
+        # printed a C++ stack on SIGTERM and killed the process before the finally below
+        signal.signal(signal.SIGTERM, _raise_interrupt)
         if session.started:  # our own Ray Serve will listen here; an attached cluster's may already be
             check_listen(plan.serve.host, plan.serve.port)
         if not plan.verbose:
@@ -315,4 +318,8 @@ def _run_server(plan, engine_cfg) -> int:
 
 
 def _raise_interrupt(_signum, _frame):
+    # one stop: a repeated SIGTERM (a second sender's) raised again inside the cleanup, and the interrupt that
+    # left main hung in Ray's excepthook. (Ray's own shutdown may set the default action back: a repeat that
+    # lands then ends the process, as a second Ctrl-C would.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt

@@ -88,12 +88,17 @@ def server(model_path, tmp_path_factory):
         _wait_ready(srv)
         yield srv
     finally:
-        proc.send_signal(signal.SIGINT)
+        # stopped as systemd, `docker stop` or Kubernetes stop it: Ray's SIGTERM handlers (ray.init's, the
+        # core worker's) killed it with a C++ stack and exit 15 before serve_main could stop and clean up
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            pytest.fail(f"the server did not stop on SIGTERM within 60 s: {log.read_text()[-2000:]}")
+    tail = log.read_text()[-2000:]
+    assert proc.returncode == 0 and "strata_ray: stopped" in tail, f"exit {proc.returncode}: {tail}"
 
 
 def _wait_ready(srv: Server) -> None:
