@@ -55,6 +55,12 @@ class ChatTemplateError(ValueError):
     """The chat template refused the messages (its raise_exception) or failed to render; one line."""
 
 
+# texts longer than this (characters) encode through encode_batch, which releases the GIL: encode holds it,
+# and a 3 MB prompt held the server's event loop for ~3 s (/health unanswered); short texts keep encode, so
+# an everyday prompt never starts the library's thread pool
+LONG_TEXT = 1 << 16
+
+
 @cache
 def byte_decoder() -> dict[str, int]:
     """GPT-2 `bytes_to_unicode` inverted: the printable character that spells each byte -> the byte."""
@@ -229,7 +235,10 @@ class Tokenizer:
     # ---- text <-> ids --------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if len(text) > LONG_TEXT:  # the same ids, the GIL released while they are made
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids

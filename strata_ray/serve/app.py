@@ -7,6 +7,7 @@ one line and exit code 2.
 
 # no `from __future__ import annotations`: FastAPI must see the real `Request` type of the endpoints that
 # Serve's ingress rewraps, not a string it would have to resolve.
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -81,7 +82,9 @@ class StrataServer:
     async def _complete(self, job: oa.Completion, endpoint: str):
         runner = self.runner
         await runner.wait_loaded()
-        ids = oa.prompt_ids(job, runner.engine.tokenizer, runner.add_bos, runner.context)
+        # off the event loop: a long prompt's tokens take seconds, and every other request waited on them
+        ids = await asyncio.to_thread(oa.prompt_ids, job, runner.engine.tokenizer, runner.add_bos,
+                                      runner.context)
         room = runner.context - len(ids)
         max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
         rid = oa.new_id(job.chat)

@@ -216,6 +216,10 @@ def parse_chat(body: dict[str, Any]) -> Completion:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs", "expected an object", "invalid_type")
+    if kwargs and "messages" in kwargs:
+        raise invalid("chat_template_kwargs.messages", "the template's messages are the request's messages")
+    if kwargs and not isinstance(kwargs.get("add_generation_prompt", True), bool):
+        raise invalid("chat_template_kwargs.add_generation_prompt", "expected true or false", "invalid_type")
     return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),
                       **_common(body))
 
@@ -252,8 +256,9 @@ def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[
         text = job.prompt
         if job.chat:
             try:
-                text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=True,
-                                                     **job.chat_template_kwargs)
+                kwargs = dict(job.chat_template_kwargs)  # add_generation_prompt: true unless the request says
+                add = kwargs.pop("add_generation_prompt", True)
+                text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=add, **kwargs)
             except (ChatTemplateError, TypeError) as e:
                 raise invalid("messages", str(e).splitlines()[0]) from None
         ids = tokenizer.encode(text, add_bos=add_bos)

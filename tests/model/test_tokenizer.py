@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import random
+import string
+import threading
+import time
 
 import gguf
 import numpy as np
@@ -12,7 +16,7 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.hparams import ModelFormatError
-from strata_ray.model.tokenizer import ChatTemplateError, Tokenizer, byte_encoder
+from strata_ray.model.tokenizer import LONG_TEXT, ChatTemplateError, Tokenizer, byte_encoder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["the quick brown fox jumps over the lazy dog. Hello world! héllo wörld 123 4567\n\n  indented"] * 20
@@ -220,3 +224,28 @@ def test_decode_refuses_out_of_range_ids_in_one_line(tok, bad):
     with pytest.raises(ValueError) as e:
         tok.decode([1, bad])
     assert str(e.value) == f"token id {bad} is out of range (vocabulary of {tok.n_vocab} tokens)"
+
+
+def _unseen_words(n_chars: int, seed: int) -> str:
+    """Words the tokenizer's cache has not seen (so the encode does the work): letters with a space a 6th."""
+    rnd = random.Random(seed)
+    return "".join(rnd.choices(string.ascii_lowercase + " " * 5, k=n_chars))
+
+
+def test_a_long_text_encodes_to_the_same_ids_with_the_gil_released(tok):
+    text = _unseen_words(LONG_TEXT * 12, seed=1)  # ~0.8 MB
+    assert tok.encode(text) == tok._hf.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text[:LONG_TEXT]) == tok._hf.encode(text[:LONG_TEXT], add_special_tokens=False).ids
+    other = _unseen_words(LONG_TEXT * 12, seed=2)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tok.encode(other), done.set()))
+    start = time.perf_counter()
+    worker.start()
+    wakes = 0
+    while not done.is_set():  # the main thread runs while the worker encodes (a server's event loop)
+        time.sleep(0.01)
+        wakes += 1
+    worker.join()
+    elapsed = time.perf_counter() - start
+    # holding the GIL (encode), the main thread woke once or twice in the whole encode
+    assert wakes >= min(10, elapsed / 0.05), (wakes, elapsed)

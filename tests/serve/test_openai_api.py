@@ -83,6 +83,26 @@ def test_chat_template_kwargs_reach_the_template():
     assert tok.decode(oa.prompt_ids(job, tok, add_bos=False, context=100)) == "hey hi"
 
 
+def test_chat_template_kwargs_may_turn_the_generation_prompt_off():
+    spec = byte_level_tokenizer_spec(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"
+                                     "{% if add_generation_prompt %}>{% endif %}")
+    tok = Tokenizer.from_spec(**asdict(spec))
+    text = [tok.decode(oa.prompt_ids(oa.parse_chat({"messages": MSG, **extra}), tok, add_bos=False,
+                                     context=100))
+            for extra in ({}, {"chat_template_kwargs": {"add_generation_prompt": False}})]
+    assert text == ["hi>", "hi"]
+
+
+@pytest.mark.parametrize("kwargs, param, code", [
+    ({"add_generation_prompt": "no"}, "chat_template_kwargs.add_generation_prompt", "invalid_type"),
+    ({"messages": 1}, "chat_template_kwargs.messages", "invalid_value"),
+])
+def test_chat_template_kwargs_that_clash_with_the_request_are_refused(kwargs, param, code):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat({"messages": MSG, "chat_template_kwargs": kwargs})
+    assert (info.value.param, info.value.code) == (param, code)
+
+
 def test_response_shapes():
     doc = oa.response(True, "chatcmpl-1", "m", "hello", "stop", 3, 2)
     assert doc["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
