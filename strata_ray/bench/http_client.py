@@ -57,11 +57,23 @@ class HttpRunner:
             reason = getattr(e, "reason", e)
             raise ServerError(f"{self.base}{path}: cannot connect ({reason})") from None
 
-    def first_model(self) -> str:
-        """The first model the server lists at /v1/models ('default' when it lists none)."""
+    def listed_models(self) -> list[dict]:
+        """The entries the server lists at /v1/models."""
         with self._open("/models") as resp:
             models = json.loads(resp.read().decode("utf-8")).get("data") or []
+        return [m for m in models if isinstance(m, dict)]
+
+    def first_model(self) -> str:
+        """The first model the server lists at /v1/models ('default' when it lists none)."""
+        models = self.listed_models()
         return str(models[0].get("id", "default")) if models else "default"
+
+    def served_context(self) -> int | None:
+        """The context the server gives the model it is asked for: /v1/models' max_model_len (ours, vLLM);
+        None where it says none."""
+        entry = next((m for m in self.listed_models() if m.get("id") == self.model), None)
+        n = None if entry is None else entry.get("max_model_len")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     # ---- one timed generation --------------------------------------------------------------------------
 

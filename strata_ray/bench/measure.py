@@ -197,8 +197,8 @@ def run_plan(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling,
         tick("warm-up")
         if plan.contexts:  # the prompt path at the smallest depth too: its first-use compiles (a prompt of
             # 1024+ tokens streams through the ring, which the short story prompt never reaches) are not timed
-            runner.run(builder.bench_prompt(min(plan.contexts), WARMUP_GEN_TOKENS), WARMUP_GEN_TOKENS,
-                       sampling)
+            prompt = builder.bench_prompt(min(plan.contexts), WARMUP_GEN_TOKENS)
+            builder.observe(prompt, runner.run(prompt, WARMUP_GEN_TOKENS, sampling).prompt_tokens)
             tick("warm-up")
     contexts = []
     for context in plan.contexts:
@@ -208,6 +208,7 @@ def run_plan(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling,
             if result is None:
                 result = ContextResult(context, prompt.n_tokens, prompt.note)
             result.runs.append(runner.run(prompt, plan.gen_tokens, sampling))
+            builder.observe(prompt, result.runs[-1].prompt_tokens)  # a foreign tokenizer's true ratio
             tick(f"context {context}")
         contexts.append(result.summary(plan.gen_tokens))
     return {"contexts": contexts, "story": _story(runner, builder, plan, sampling, tick)}

@@ -104,7 +104,9 @@ def url_target(url: str, served_model: str | None, api: str, model: str | None,
     runner = HttpRunner(url, served_model, api, api_key=api_key)
     say(f"driving {runner.base} (model {runner.model!r}, {api} API)"
         + ("" if tokenizer else "; prompt lengths estimated (pass --model for exact ones)"))
-    context = None if file is None else file.hparams.context_length
+    # the server's context where it says one (a server may give less than the file's): prompts are cut to it
+    known = [n for n in (None if file is None else file.hparams.context_length, runner.served_context()) if n]
+    context = min(known) if known else None
     yield Target("url", runner, tokenizer, file, path, context, None, None,
                  server={"url": runner.base, "model": runner.model, "api": api})
 

@@ -334,6 +334,19 @@ def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, ca
 
 
 @pytest.mark.slow
+def test_url_bench_without_the_model_file_cuts_prompts_to_the_servers_context(server_url, capsys):
+    # no --model: the context comes from the server's /v1/models (max_model_len); before, the 1024-token
+    # prompt went out whole and the server refused it (HTTP 400, context exceeded). Lengths are estimated,
+    # and this model's byte-level tokenizer makes ~2.4x as many tokens as estimated: the first (uncut)
+    # prompt's true count scales the cut one's estimate (a 160-token estimate would be 382 tokens here)
+    code, out, err = run_cli(capsys, "--url", server_url, "--api-key", API_KEY, "--contexts", "64,1024",
+                             "--repeats", "1", *FAST)
+    assert code == 0, err
+    room = int((CONTEXT - 4 - 8) * 0.95)  # estimated: ESTIMATE_SLACK of the room
+    assert f"prompt cut from 1024 to {room} tokens to fit the model's context of {CONTEXT}" in err
+
+
+@pytest.mark.slow
 def test_url_gate_matches_the_local_engine(model_path, server_url, tmp_path, capsys):
     ref = str(tmp_path / "ref.json")
     local = ["--local", "--model", model_path]
