@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import shutil
 import sys
 import zlib
@@ -239,11 +240,14 @@ def write_synth(
     if dense_type not in DENSE_TYPES:
         raise SynthError(f"unknown dense type {dense_type!r} (choose from {', '.join(DENSE_TYPES)})")
     hp = preset_hparams(arch, preset, layers)
+    if not str(path):
+        raise SynthError("-o: an empty path; give the .gguf file to write")
     path = Path(path)
     if not path.parent.is_dir():
-        raise SynthError(f"output directory {path.parent} does not exist")
+        raise SynthError(f"-o {path}: output directory {path.parent} does not exist")
     if path.exists() and not path.is_file():
         raise SynthError(f"-o {path}: exists and is not a regular file")
+    _check_writable(path)
     mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}",
                       dense_type=T[dense_type])
     free = shutil.disk_usage(path.parent).free
@@ -253,6 +257,17 @@ def write_synth(
         )
     mw.write(progress=progress)
     return hp
+
+
+def _check_writable(path: Path) -> None:
+    """A file can be made beside path (a read-only or special folder, such as /proc, showed "not enough
+    disk space: 0.0 GB free" instead)."""
+    probe = path.parent / f".{path.name}.{os.getpid()}.probe"
+    try:
+        probe.open("wb").close()
+        probe.unlink()
+    except OSError as e:
+        raise SynthError(f"-o {path}: cannot write in {path.parent} ({e.strerror or e})") from None
 
 
 def _human_bytes(n: int) -> str:

@@ -232,6 +232,10 @@ def test_dense_type(tmp_path):
         (["--arch", "qwen3next", "--preset", "tiny", "--seed", "-1", "-o", "x.gguf"],
          "--seed: invalid value '-1' (allowed: an integer >= 0)"),
         (["--arch", "qwen3next", "--preset", "tiny", "-o", "."], "-o .: exists and is not a regular file"),
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", ""], "-o: an empty path"),
+        # a folder nobody writes in, root included (it said "not enough disk space: 0.0 GB free")
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", "/proc/x.gguf"],
+         "-o /proc/x.gguf: cannot write in /proc"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
