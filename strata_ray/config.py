@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -163,13 +164,32 @@ class EngineConfig:
 
 # --- value parsers: each takes the raw string and returns the value or raises ValueError(allowed) ----------
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def decimal(s: str) -> int:
+    """int(s) of ASCII digits with an optional sign, nothing else: int() also takes '٣', ' 3 ' and '1_0'."""
+    if not _DECIMAL.fullmatch(s):
+        raise ValueError(f"not a decimal integer: {s!r}")
+    return int(s)
+
+
+def plain_float(s: str) -> float:
+    """float(s) of an ASCII decimal number (an exponent allowed), nothing else: float() also takes '٣',
+    ' 1 ', '1_0', 'inf' and 'nan'."""
+    if not _FLOAT.fullmatch(s):
+        raise ValueError(f"not a decimal number: {s!r}")
+    return float(s)
+
+
 
 def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
     allowed = f"an integer >= {lo}" if hi is None else f"an integer from {lo} to {hi}"
 
     def parse(s: str) -> int:
         try:
-            v = int(s, 10)
+            v = decimal(s)
         except ValueError:
             raise ValueError(allowed) from None
         if v < lo or (hi is not None and v > hi):
@@ -184,7 +204,7 @@ def float_range(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], 
 
     def parse(s: str) -> float:
         try:
-            v = float(s)
+            v = plain_float(s)
         except ValueError:
             raise ValueError(allowed) from None
         if not (v > lo if lo_open else v >= lo) or v > hi:
@@ -234,7 +254,7 @@ def _layer_split(s: str) -> str | tuple[int, ...]:
     if s == "auto":
         return "auto"
     try:
-        ks = tuple(int(k, 10) for k in s.split(","))
+        ks = tuple(decimal(k) for k in s.split(","))
     except ValueError:
         raise ValueError(allowed) from None
     if any(k < 1 for k in ks) or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):
@@ -245,7 +265,7 @@ def _layer_split(s: str) -> str | tuple[int, ...]:
 def _peer_device(s: str) -> int:
     allowed = "-1 (off) or a CUDA device number >= 1 (device 0 is the primary)"
     try:
-        v = int(s, 10)
+        v = decimal(s)
     except ValueError:
         raise ValueError(allowed) from None
     if v != -1 and v < 1:
@@ -350,6 +370,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     error_prefix: what the command's other errors start with (`strata_ray bench`, `strata_ray profile`)."""
 
     def __init__(self, *args, error_prefix: str = "strata_ray", **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--max-token 3` is a typo, not --max-tokens
         super().__init__(*args, **kwargs)
         self.error_prefix = error_prefix
 

@@ -192,6 +192,14 @@ def run_cli(*args, env_extra=None):
         (["generate", "--spec", "9"],
          "strata_ray: --spec: invalid value '9' (allowed: an integer from 0 to 7)"),
         (["--bogus"], "strata_ray: unrecognized arguments: --bogus (see --help)"),
+        # int() and float() take these; a flag does not
+        (["-n", "\u0663"], "strata_ray: --max-tokens: invalid value '\u0663' (allowed: an integer >= 1)"),
+        (["-n", " 3 "], "strata_ray: --max-tokens: invalid value ' 3 ' (allowed: an integer >= 1)"),
+        (["-n", "1_0"], "strata_ray: --max-tokens: invalid value '1_0' (allowed: an integer >= 1)"),
+        (["--temperature", "0_5"],
+         "strata_ray: --temperature: invalid value '0_5' (allowed: a number >= 0 and <= 100)"),
+        # no abbreviations: a typo is refused, not taken for the flag it starts
+        (["--max-token", "3"], "strata_ray: unrecognized arguments: --max-token 3 (see --help)"),
         (["serv"], "strata_ray: unknown command 'serv' (commands: generate, serve, bench, profile, synth; a "
                    "prompt goes in --prompt, --prompt-file or stdin)"),
     ],

@@ -234,14 +234,16 @@ class PromptBuilder:
 
 def parse_token_count(text: str) -> int:
     """'8192', '8k', '8K' (x1024) or '1m' -> tokens. Raises ValueError with the allowed forms."""
-    s = text.strip().lower()
+    from strata_ray.config import decimal
+
+    s = text.lower()
     scale = 1
     if s.endswith("k"):
         s, scale = s[:-1], 1024
     elif s.endswith("m"):
         s, scale = s[:-1], 1024 * 1024
     try:
-        value = int(s, 10) * scale
+        value = decimal(s) * scale
     except ValueError:
         raise ValueError("token counts such as 8192 or 8k (k = 1024)") from None
     if value < 1:

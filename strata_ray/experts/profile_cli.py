@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path
+from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path, decimal
 from strata_ray.experts.profile import Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _positive(s: str) -> int:
     try:
-        v = int(s)
+        v = decimal(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
     if v <= 0:

@@ -275,6 +275,9 @@ def _human_bytes(n: int) -> str:
 
 
 class _OneLineParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)  # as config.OneLineArgumentParser
+
     def error(self, message: str):  # argparse prints usage + error; the CLI promises one line
         raise SynthError(message)
 
@@ -290,6 +293,15 @@ def _seed(s: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: {e})") from None
 
 
+def _layers(s: str) -> int:
+    from strata_ray.config import decimal
+
+    try:
+        return decimal(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: an integer >= 1)") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
         prog="python -m strata_ray.run synth",
@@ -302,7 +314,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=PRESETS,
         help="tiny / small (tests), 30b-a3b (qwen3moe real shape), 80b-a3b (qwen3next real shape)",
     )
-    p.add_argument("--layers", type=int, help="override the number of trunk layers (the MTP layer is kept)")
+    p.add_argument("--layers", type=_layers,
+                   help="override the number of trunk layers (the MTP layer is kept)")
     p.add_argument("--expert-type", default="Q4_K", choices=EXPERT_TYPES, help="routed experts' quant type")
     p.add_argument("--dense-type", default="Q8_0", choices=DENSE_TYPES,
                    help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
