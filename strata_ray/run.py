@@ -95,7 +95,8 @@ def build_generate_parser():
 
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
-                        help="print one JSON object (token_ids, text, prompt_tokens, timings), no text")
+                        help="print one JSON object (token_ids, text, prompt_tokens, generated_tokens, "
+                             "timings, experts; logprobs and warnings when there are some), no text")
     output.add_argument("--logprobs", metavar="K", default="0", help="with --json: top-K logprobs per token")
 
     ray_group = parser.add_argument_group("ray")

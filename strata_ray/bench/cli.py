@@ -41,9 +41,11 @@ def build_parser(command: str):
         description = ("flashbench: prefill tok/s at each context, decode tok/s after a prompt of that "
                        "depth, and a 3,000-token story; medians of --repeats. Subcommands: gate, longgate.")
     else:
-        size = "chat, code (~4K tokens) and math" if command == "gate" else "one ~20K-token"
-        description = (f"exactness gate: {size} greedy prompt(s), output token ids compared exactly; "
-                       "prints GATE: PASS or GATE: FAIL and exits 1 on a failure")
+        size = ("three prompts (chat, code of ~4K tokens, math)" if command == "gate"
+                else "one ~20K-token prompt")
+        description = (f"exactness gate: {size}, greedy unless --temperature says otherwise (a seeded draw "
+                       "is exact too), output token ids compared exactly; prints GATE: PASS or GATE: FAIL "
+                       "and exits 1 on a failure")
     parser = build_arg_parser(prog, description, error_prefix="strata_ray bench")  # as fail() writes
     target = parser.add_argument_group("target (default: the engine's Ray actors, as `run` uses them)")
     where = target.add_mutually_exclusive_group()

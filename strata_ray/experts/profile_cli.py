@@ -128,7 +128,8 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
         print(f"strata_ray profile: {e}", file=sys.stderr)
         return 2
     print(
-        f"strata_ray profile: {n_tokens} tokens routed through {profile.n_layers} layers; "
+        f"strata_ray profile: {n_tokens} token{'s' * (n_tokens != 1)} routed through {profile.n_layers} "
+        f"layers; "
         f"{int((counts > 0).sum())} of {counts.size} pairs used; wrote {args.output}",
         file=sys.stderr,
     )

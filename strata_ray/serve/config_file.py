@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_ray.config import ConfigError, EngineConfig, add_engine_args, config_from_args, known_env_names
+from strata_ray.config import (
+    ConfigError,
+    EngineConfig,
+    add_engine_args,
+    config_from_args,
+    decimal,
+    known_env_names,
+)
 from strata_ray.config import OneLineArgumentParser as _OneLineParser
 
 PROG = "python -m strata_ray.run serve"
@@ -237,6 +244,8 @@ def build_serve_parser():
 def _cli_overrides(ns) -> dict[str, Any]:
     over: dict[str, Any] = {}
     if ns.host is not None:
+        if not ns.host.strip():
+            raise ServeConfigError("--host: an empty address (give a host name or address, e.g. 0.0.0.0)")
         over["host"] = ns.host
     if ns.port is not None:
         over["port"] = _port(_int_flag("--port", ns.port), "--port")
@@ -251,7 +260,7 @@ def _cli_overrides(ns) -> dict[str, Any]:
 
 def _int_flag(flag: str, raw: str) -> int:
     try:
-        return int(raw, 10)
+        return decimal(raw)
     except ValueError:
         raise ServeConfigError(f"{flag}: invalid value {raw!r} (allowed: an integer)") from None
 
