@@ -56,6 +56,15 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def health_state(loaded: bool, load_error: str | None) -> tuple[int, str]:
+    """(Above the deployment: the class's methods see only what is defined when it is decorated.) /health's
+    (HTTP status, status word): 200 "ok" once the model serves; 503 "loading" before, as
+    llama-server answers, so a load balancer or a readiness probe waits; 503 "error" after a failed load."""
+    if load_error is not None:
+        return 503, "error"
+    return (200, "ok") if loaded else (503, "loading")
+
+
 @serve.deployment(name=APP_NAME, max_ongoing_requests=1000, health_check_period_s=10)
 @serve.ingress(api)
 class StrataServer:
@@ -75,8 +84,10 @@ class StrataServer:
     def _auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1): "bearer KEY" is the same credential
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key.encode()):
             raise oa.unauthorized()
 
     async def _complete(self, job: oa.Completion, endpoint: str):
@@ -143,11 +154,13 @@ class StrataServer:
 
     # --- health, status, metrics, page --------------------------------------------------------------------
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
-        return {"status": "ok" if self.runner.load_error is None else "error", "service": "strata",
-                "model": self.model_name, "loaded": self.runner.loaded, "max_context": self.runner.context,
-                "api_key": self.api_key is not None, "error": self.runner.load_error}
+        code, state = health_state(self.runner.loaded, self.runner.load_error)
+        return JSONResponse({"status": state, "service": "strata", "model": self.model_name,
+                             "loaded": self.runner.loaded, "max_context": self.runner.context,
+                             "api_key": self.api_key is not None, "error": self.runner.load_error},
+                            status_code=code)
 
     @api.get("/v1/status")
     async def status_(self, request: Request):

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from strata_ray.engine.engine import GenerationRequest
+from strata_ray.serve.app import health_state
 
 REPO = Path(__file__).resolve().parents[2]
 HELLO = [{"role": "user", "content": "What is a Python list?"}]
@@ -43,6 +44,15 @@ def test_health_needs_no_key_and_says_loaded(server):
     assert r.status_code == 200
     doc = r.json()
     assert doc["loaded"] is True and doc["api_key"] is True and doc["max_context"] > 0
+    assert doc["status"] == "ok"
+    assert requests.head(server.url + "/health", timeout=10).status_code == 200  # probes that send HEAD
+
+
+@pytest.mark.parametrize("loaded, error, answer", [
+    (False, None, (503, "loading")), (True, None, (200, "ok")), (False, "no such file", (503, "error")),
+])
+def test_health_says_503_until_the_model_serves(loaded, error, answer):
+    assert health_state(loaded, error) == answer
 
 
 def test_greedy_chat_equals_the_engine(server, engine):
@@ -136,9 +146,15 @@ def assert_error(r: requests.Response, status: int, param=None, code=None):
 
 def test_api_key(server):
     body = json.dumps({"messages": HELLO, "max_tokens": 1})
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+    key = server.api_key
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                    {"Authorization": "Bearer" + key}, {"Authorization": "Basic " + key}):
         r = requests.post(server.url + "/v1/chat/completions", data=body, headers=headers, timeout=30)
         assert_error(r, 401, code="invalid_api_key")
+    # the scheme is case-insensitive (RFC 9110)
+    r = requests.post(server.url + "/v1/chat/completions", data=body, timeout=60,
+                      headers={"Authorization": "bearer " + server.api_key})
+    assert r.status_code == 200, r.text
     for path in ("/v1/models", "/v1/status", "/metrics"):
         assert_error(requests.get(server.url + path, timeout=30), 401)
 
