@@ -151,7 +151,8 @@ def parse_plan(ns) -> measure.BenchPlan:
         repeats = parse_value(int_range(1), "3" if ns.repeats is None else ns.repeats, "--repeats")
     return measure.BenchPlan(
         contexts=contexts,
-        gen_tokens=parse_value(int_range(1), ns.gen, "--gen"),
+        # decode tok/s times the tokens after the first: one generated token leaves nothing to time
+        gen_tokens=parse_value(int_range(2), ns.gen, "--gen"),
         repeats=repeats,
         story_tokens=parse_value(int_range(0), ns.story_tokens, "--story-tokens"),
         warmup=not ns.no_warmup,

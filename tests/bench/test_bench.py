@@ -115,6 +115,9 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     assert code == 2 and "--contexts" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "--local", "--model", str(tmp_path / "missing.gguf"))
     assert code == 2 and err.count("\n") == 1
+    # one generated token leaves no decode to time (it reported 0.00 tok/s)
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--gen", "1")
+    assert (code, err) == (2, "strata_ray bench: --gen: invalid value '1' (allowed: an integer >= 2)\n")
     missing = str(tmp_path / "no.json")
     code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", missing)
     assert code == 2 and "file not found" in err and err.count("\n") == 1
