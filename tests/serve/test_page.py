@@ -116,3 +116,13 @@ def test_page_chat_round_trip_and_monitor(server, engine, browser):
     ARTIFACTS.mkdir(exist_ok=True)
     shot = browser.call("Page.captureScreenshot", format="png")
     (ARTIFACTS / "serve_page.png").write_bytes(base64.b64decode(shot["data"]))
+
+
+def test_a_prompt_in_the_link_fills_the_box_and_is_not_sent(server, browser):
+    # sent on load, a link from anywhere made the browser send a prompt with the API key it keeps
+    browser.call("Page.enable")
+    browser.call("Page.navigate", url=server.url + "/?prompt=hello%20there")
+    browser.wait_for("document.readyState === 'complete' && !!document.getElementById('send')")
+    assert browser.js("document.getElementById('prompt').value") == "hello there"
+    time.sleep(1.5)
+    assert browser.js("document.querySelectorAll('.msg').length") == 0
