@@ -163,15 +163,33 @@ def _stream(body) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise invalid("stream_options", "expected an object", "invalid_type")
-    return stream, _boolean(options, "include_usage") if stream else False
+    include_usage = _boolean(options, "include_usage")  # checked without stream too: a typo is a typo
+    return stream, include_usage and stream
+
+
+def _unsupported(body) -> None:
+    """Asks this server cannot honour: refused by name, not ignored (a client that asks for JSON mode or a
+    penalty must not get plain sampling back as if it had been applied)."""
+    if body.get("logprobs") not in (None, False, 0):
+        raise invalid("logprobs", "not supported by this server")
+    if body.get("top_logprobs") not in (None, 0):
+        raise invalid("top_logprobs", "not supported by this server (no logprobs)")
+    if body.get("tools") not in (None, []):
+        raise invalid("tools", "not supported by this server (no tool calling)")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise invalid("response_format", 'only {"type": "text"}: this server does not constrain its output')
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        neutral = 1.0 if name == "repetition_penalty" else 0.0
+        if _number(body, name, -1e9, 1e9, neutral) != neutral:
+            raise invalid(name, f"not supported by this server (only {neutral:g})")
 
 
 def _common(body) -> dict[str, Any]:
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise invalid("n", "only n=1 is supported (one engine generates one answer at a time)")
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid("logprobs", "not supported by this server")
+    _unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", f"expected a string, got {json.dumps(model)}", "invalid_type")

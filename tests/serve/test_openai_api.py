@@ -112,3 +112,26 @@ def test_response_shapes():
     assert oa.chunk(False, "cmpl-1", "m", "x")["choices"][0]["text"] == "x"
     assert oa.sse("[DONE]") == "data: [DONE]\n\n"
     assert oa.usage_chunk(True, "c", "m", 1, 1)["choices"] == []
+
+
+@pytest.mark.parametrize("extra, param, code", [
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "invalid_value"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "invalid_value"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
+    ({"presence_penalty": "abc"}, "presence_penalty", "invalid_type"),
+    ({"frequency_penalty": -1}, "frequency_penalty", "invalid_value"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty", "invalid_value"),
+    ({"stream_options": {"include_usage": "x"}}, "include_usage", "invalid_type"),
+])
+def test_asks_the_server_cannot_honour_are_refused_by_name(extra, param, code):
+    # before, each was ignored: a client asking for JSON mode or a penalty got plain sampling back
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat({"messages": MSG, **extra})
+    assert (info.value.param, info.value.code) == (param, code)
+
+
+def test_the_neutral_values_of_unsupported_fields_are_accepted():
+    job = oa.parse_chat({"messages": MSG, "tools": [], "response_format": {"type": "text"}, "top_logprobs": 0,
+                         "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1})
+    assert job.chat and not job.stream
