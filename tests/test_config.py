@@ -198,6 +198,7 @@ def run_cli(*args, env_extra=None):
         (["-n", "1_0"], "strata_ray: --max-tokens: invalid value '1_0' (allowed: an integer >= 1)"),
         (["--temperature", "0_5"],
          "strata_ray: --temperature: invalid value '0_5' (allowed: a number >= 0 and <= 100)"),
+        (["--address", ""], "strata_ray: --address: an empty address (give auto, local or HOST:PORT)"),
         # no abbreviations: a typo is refused, not taken for the flag it starts
         (["--max-token", "3"], "strata_ray: unrecognized arguments: --max-token 3 (see --help)"),
         (["serv"], "strata_ray: unknown command 'serv' (commands: generate, serve, bench, profile, synth; a "

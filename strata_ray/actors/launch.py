@@ -46,6 +46,8 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
 
     address: None = RAY_ADDRESS if set (must answer), else a cluster running on this machine, else a new
     local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail."""
+    if address is not None and not address.strip():  # `--address ""` (an unset shell variable, say): not auto
+        raise LaunchError("--address: an empty address (give auto, local or HOST:PORT)")
     quiet = logging.INFO if verbose else logging.ERROR
     target = address or os.environ.get("RAY_ADDRESS")
     if target == "local":
