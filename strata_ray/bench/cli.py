@@ -52,7 +52,7 @@ def build_parser(command: str):
     where.add_argument("--local", action="store_true", help="run the Engine in this process, without Ray")
     where.add_argument("--url", metavar="URL", help="drive an OpenAI-compatible server (e.g. "
                        "http://host:8000); --model then only supplies the tokenizer for exact prompt lengths")
-    target.add_argument("--api", choices=("chat", "completions"), default="chat",
+    target.add_argument("--api", choices=("chat", "completions"), default=None,
                         help="with --url: /v1/chat/completions (default) or /v1/completions")
     target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
                         "(default: the first one /v1/models lists)")
@@ -205,6 +205,11 @@ def bench_main(argv: Sequence[str]) -> int:
         cfg = config_from_args(ns, os.environ)
         if ns.url is not None:
             check_url(ns.url)
+        else:  # the --url flags without --url: a forgotten --url, not a no-op
+            for flag in ("--api", "--served-model", "--api-key"):
+                if getattr(ns, flag[2:].replace("-", "_")) is not None:
+                    raise ConfigError(f"{flag} applies with --url only")
+        ns.api = ns.api or "chat"
         for flag in ("--json-out", "--plot", "--save"):
             path = getattr(ns, flag[2:].replace("-", "_"), None)
             if path:  # a file written after the whole run: refused now, not then

@@ -115,6 +115,10 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     assert code == 2 and "--contexts" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "--local", "--model", str(tmp_path / "missing.gguf"))
     assert code == 2 and err.count("\n") == 1
+    # the --url flags without --url: a forgotten --url, refused instead of ignored
+    for flag, value in (("--api", "completions"), ("--served-model", "m"), ("--api-key", "k")):
+        code, _, err = run_cli(capsys, "--local", "--model", model_path, flag, value)
+        assert (code, err) == (2, f"strata_ray bench: {flag} applies with --url only\n")
     # one generated token leaves no decode to time (it reported 0.00 tok/s)
     code, _, err = run_cli(capsys, "--local", "--model", model_path, "--gen", "1")
     assert (code, err) == (2, "strata_ray bench: --gen: invalid value '1' (allowed: an integer >= 2)\n")
