@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from strata_ray.config import ConfigError, EngineConfig
@@ -127,8 +128,21 @@ def cluster_device(cfg: EngineConfig) -> str:
     if cfg.device != "auto":
         if cfg.device == "cuda" and not ray.cluster_resources().get("GPU", 0):
             raise ConfigError("--device cuda: the Ray cluster has no GPU (use --device cpu)")
-        return cfg.device
-    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+        device = cfg.device
+    else:
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    unused = gpu_only_flags(cfg) if device == "cpu" else []
+    if unused:  # accepted, and silently nothing, before
+        sys.stderr.write(f"strata_ray: note: {', '.join(unused)} has no effect on the CPU (no GPU here)\n")
+    return device
+
+
+def gpu_only_flags(cfg: EngineConfig) -> list[str]:
+    """The flags set away from their defaults that only a GPU run reads (the VRAM sizing)."""
+    default = EngineConfig()
+    return [flag for flag, name in (("--vram-budget-mib", "vram_budget_mib"),
+                                    ("--vram-reserve-mib", "vram_reserve_mib"))
+            if getattr(cfg, name) != getattr(default, name)]
 
 
 def _named(name: str):
