@@ -133,7 +133,7 @@ def cluster_device(cfg: EngineConfig) -> str:
         device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
     unused = gpu_only_flags(cfg) if device == "cpu" else []
     if unused:  # accepted, and silently nothing, before
-        sys.stderr.write(f"strata_ray: note: {', '.join(unused)} has no effect on the CPU (no GPU here)\n")
+        sys.stderr.write(f"strata_ray: note: {', '.join(unused)} has no effect on a CPU run\n")
     return device
 
 

@@ -273,7 +273,11 @@ def serve_main(argv) -> int:
             check_listen(plan.serve.host, plan.serve.port)
         if not plan.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        auto = engine_cfg.device == "auto"
         engine_cfg = replace(engine_cfg, device=launch.cluster_device(engine_cfg))
+        if auto and engine_cfg.device == "cpu" and plan.serve.gpu:  # as cluster_device notes the VRAM flags
+            say(f"note: GPUs {','.join(map(str, plan.serve.gpu))} asked for, but the Ray cluster has none: "
+                "the engine runs on the CPU")
         return _run_server(plan, engine_cfg)
     except KeyboardInterrupt:
         say("stopped")
