@@ -254,7 +254,7 @@ def _layer_split(s: str) -> str | tuple[int, ...]:
     if s == "auto":
         return "auto"
     try:
-        ks = tuple(decimal(k) for k in s.split(","))
+        ks = tuple(decimal(k.strip()) for k in s.split(","))  # "16, 32" as "16,32"
     except ValueError:
         raise ValueError(allowed) from None
     if any(k < 1 for k in ks) or any(b <= a for a, b in zip(ks, ks[1:], strict=False)):

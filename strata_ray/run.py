@@ -21,6 +21,7 @@ from strata_ray.config import (
     check_peer_device_visible,
     check_save_path,
     config_from_args,
+    decimal,
     float_range,
     int_range,
     parse_value,
@@ -96,7 +97,8 @@ def build_generate_parser():
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object (token_ids, text, prompt_tokens, generated_tokens, "
-                             "timings, experts; logprobs and warnings when there are some), no text")
+                             "timings; experts on a tiered run, logprobs and warnings when there are "
+                             "some), no text")
     output.add_argument("--logprobs", metavar="K", default="0", help="with --json: top-K logprobs per token")
 
     ray_group = parser.add_argument_group("ray")
@@ -179,7 +181,7 @@ def read_prompt(ns) -> str:
 
 def _token_ids(s: str) -> tuple[int, ...]:
     try:
-        ids = tuple(int(x, 10) for x in s.split(","))
+        ids = tuple(decimal(x.strip()) for x in s.split(","))  # "1, 2" as "1,2"
     except ValueError:
         raise ValueError("comma-separated token ids >= 0, e.g. 1,2,3") from None
     if any(i < 0 for i in ids):

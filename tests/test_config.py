@@ -19,7 +19,9 @@ from strata_ray.config import (
     build_arg_parser,
     check_peer_device_visible,
     config_from_args,
+    decimal,
     env_name,
+    plain_float,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -310,3 +312,35 @@ def test_decode_graphs_are_on_by_default_and_an_env_switch():
     with pytest.raises(ConfigError) as e:
         config([], {"STRATA_CPU_DENSE_BLOCKS": "yes"})
     assert str(e.value) == "STRATA_CPU_DENSE_BLOCKS: invalid value 'yes' (allowed: 0 or 1)"
+
+
+@pytest.mark.parametrize("raw, value", [("+1", 1), ("-1", -1), ("007", 7),
+                                        ("12345678901234567890", 12345678901234567890)])
+def test_decimal_takes_plain_ascii_integers(raw, value):
+    assert decimal(raw) == value
+
+
+@pytest.mark.parametrize("raw, value", [(".5", 0.5), ("5.", 5.0), ("1E-3", 1e-3), ("+2", 2.0),
+                                        ("-0.25", -0.25)])
+def test_plain_float_takes_plain_ascii_numbers(raw, value):
+    assert plain_float(raw) == value
+
+
+@pytest.mark.parametrize("raw", ["\u0663", " 3", "3 ", "1_0", "", "0x10", "1e3"])
+def test_decimal_refuses_what_int_would_take_or_misread(raw):
+    with pytest.raises(ValueError):
+        decimal(raw)
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "1_0.5", "\u0663.5", " 1", "1e", "."])
+def test_plain_float_refuses_what_float_would_take(raw):
+    with pytest.raises(ValueError):
+        plain_float(raw)
+
+
+def test_list_flags_take_a_space_after_the_comma():
+    # items are stripped, as --gpu's are: "16, 32" worked before the strict parsers and still does
+    assert config(["--layer-split", "16, 32"]).layer_split == (16, 32)
+    from strata_ray.bench.prompts import parse_token_count
+
+    assert [parse_token_count(c) for c in "8k, 32k".split(",")] == [8192, 32768]

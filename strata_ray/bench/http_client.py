@@ -70,8 +70,14 @@ class HttpRunner:
 
     def served_context(self) -> int | None:
         """The context the server gives the model it is asked for: /v1/models' max_model_len (ours, vLLM);
-        None where it says none."""
-        entry = next((m for m in self.listed_models() if m.get("id") == self.model), None)
+        None where it says none or has no /v1/models (a gateway's). The only model a server lists is the
+        one it serves, whatever the name asked for (ours and llama-server do not check it)."""
+        try:
+            models = self.listed_models()
+        except ServerError:
+            return None
+        only = models[0] if len(models) == 1 else None
+        entry = next((m for m in models if m.get("id") == self.model), only)
         n = None if entry is None else entry.get("max_model_len")
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 

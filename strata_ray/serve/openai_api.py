@@ -163,8 +163,11 @@ def _stream(body) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise invalid("stream_options", "expected an object", "invalid_type")
-    include_usage = _boolean(options, "include_usage")  # checked without stream too: a typo is a typo
-    return stream, include_usage and stream
+    include_usage = options.get("include_usage")  # checked without stream too: a typo is a typo
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage",
+                      f"expected true or false, got {json.dumps(include_usage)}", "invalid_type")
+    return stream, bool(include_usage) and stream
 
 
 def _unsupported(body) -> None:
@@ -174,15 +177,30 @@ def _unsupported(body) -> None:
         raise invalid("logprobs", "not supported by this server")
     if body.get("top_logprobs") not in (None, 0):
         raise invalid("top_logprobs", "not supported by this server (no logprobs)")
-    if body.get("tools") not in (None, []):
-        raise invalid("tools", "not supported by this server (no tool calling)")
+    for name in ("tools", "functions"):
+        if body.get(name) not in (None, []):
+            raise invalid(name, "not supported by this server (no tool calling)")
+    if body.get("tool_choice") not in (None, "none", "auto"):  # "required" or a named tool: a call to make
+        raise invalid("tool_choice", "not supported by this server (no tool calling)")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise invalid("response_format", 'only {"type": "text"}: this server does not constrain its output')
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        neutral = 1.0 if name == "repetition_penalty" else 0.0
-        if _number(body, name, -1e9, 1e9, neutral) != neutral:
-            raise invalid(name, f"not supported by this server (only {neutral:g})")
+    if body.get("logit_bias") not in (None, {}):
+        raise invalid("logit_bias", "not supported by this server")
+    if body.get("echo") not in (None, False):
+        raise invalid("echo", "not supported by this server (no prompt logprobs)")
+    if body.get("best_of") not in (None, 1):
+        raise invalid("best_of", "only 1 is supported (one engine generates one answer at a time)")
+    # vLLM's repetition_penalty, llama.cpp's repeat_penalty: 1 is off; OpenAI's penalties: 0 is off
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
+                          ("repeat_penalty", 1)):
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise invalid(name, f"expected a number, got {json.dumps(v)}", "invalid_type")
+        if v != neutral:
+            raise invalid(name, f"not supported by this server (only {neutral})")
 
 
 def _common(body) -> dict[str, Any]:
@@ -235,7 +253,9 @@ def parse_chat(body: dict[str, Any]) -> Completion:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs", "expected an object", "invalid_type")
     if kwargs and "messages" in kwargs:
-        raise invalid("chat_template_kwargs.messages", "the template's messages are the request's messages")
+        raise invalid("chat_template_kwargs.messages", "not allowed: the messages come from the request")
+    if kwargs and kwargs.get("add_generation_prompt") is None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "add_generation_prompt"}  # null: the default, true
     if kwargs and not isinstance(kwargs.get("add_generation_prompt", True), bool):
         raise invalid("chat_template_kwargs.add_generation_prompt", "expected true or false", "invalid_type")
     return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),

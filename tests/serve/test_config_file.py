@@ -137,6 +137,7 @@ def test_config_that_is_not_utf8_is_one_line(tmp_path):
     (["--replicas", "0"], "--replicas: expected an integer >= 1, got 0"),
     (["--port", "\u0668\u0660"], "--port: invalid value '\u0668\u0660' (allowed: an integer)"),
     (["--host", ""], "--host: an empty address (give a host name or address, e.g. 0.0.0.0)"),
+    (["--api-key", " k"], "--api-key: the key has spaces around it (a request's key never would)"),
 ])
 def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
     with pytest.raises(ServeConfigError) as e:

@@ -122,7 +122,14 @@ def test_response_shapes():
     ({"presence_penalty": "abc"}, "presence_penalty", "invalid_type"),
     ({"frequency_penalty": -1}, "frequency_penalty", "invalid_value"),
     ({"repetition_penalty": 1.1}, "repetition_penalty", "invalid_value"),
-    ({"stream_options": {"include_usage": "x"}}, "include_usage", "invalid_type"),
+    ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage", "invalid_type"),
+    ({"presence_penalty": 1e10}, "presence_penalty", "invalid_value"),
+    ({"repeat_penalty": 1.1}, "repeat_penalty", "invalid_value"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "invalid_value"),
+    ({"functions": [{"name": "f"}]}, "functions", "invalid_value"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"echo": True}, "echo", "invalid_value"),
+    ({"best_of": 3}, "best_of", "invalid_value"),
 ])
 def test_asks_the_server_cannot_honour_are_refused_by_name(extra, param, code):
     # before, each was ignored: a client asking for JSON mode or a penalty got plain sampling back
@@ -133,5 +140,7 @@ def test_asks_the_server_cannot_honour_are_refused_by_name(extra, param, code):
 
 def test_the_neutral_values_of_unsupported_fields_are_accepted():
     job = oa.parse_chat({"messages": MSG, "tools": [], "response_format": {"type": "text"}, "top_logprobs": 0,
-                         "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1})
+                         "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+                         "repeat_penalty": 1.0, "logit_bias": {}, "tool_choice": "auto", "echo": False,
+                         "best_of": 1, "chat_template_kwargs": {"add_generation_prompt": None}})
     assert job.chat and not job.stream
