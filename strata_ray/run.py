@@ -260,8 +260,9 @@ def generate_main(argv: Sequence[str]) -> int:
 
     try:  # everything the user can get wrong fails here, in a second, before Ray starts
         ns = build_generate_parser().parse_args(list(argv))
-        if ns.address is not None and not ns.address.strip():  # as launch.connect refuses it, before the rest
-            raise ConfigError("--address: an empty address (give auto, local or HOST:PORT)")
+        from strata_ray.actors.launch import check_address
+
+        check_address(ns.address)  # launch.connect's check, before the prompt's note and the model's checks
         cfg = config_from_args(ns, os.environ)
         model_path, hp = check_model_file(cfg)
         cfg = check_profile_files(replace(cfg, model=model_path), hp)

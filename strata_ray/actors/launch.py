@@ -47,8 +47,7 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
 
     address: None = RAY_ADDRESS if set (must answer), else a cluster running on this machine, else a new
     local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail."""
-    if address is not None and not address.strip():  # `--address ""` (an unset shell variable, say): not auto
-        raise LaunchError("--address: an empty address (give auto, local or HOST:PORT)")
+    check_address(address)
     quiet = logging.INFO if verbose else logging.ERROR
     target = address or os.environ.get("RAY_ADDRESS")
     if target == "local":
@@ -74,6 +73,12 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
         return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
     except ConnectionError:  # no cluster on this machine
         return _start_local(dashboard, quiet, verbose)
+
+
+def check_address(address: str | None) -> None:
+    """`--address ""` (an unset shell variable, say) is refused, not taken as auto: ConfigError, one line."""
+    if address is not None and not address.strip():
+        raise ConfigError("--address: an empty address (give auto, local or HOST:PORT)")
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:

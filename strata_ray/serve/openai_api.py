@@ -107,12 +107,13 @@ def _integer(body, name, lo, default=None):
     return v
 
 
-def _boolean(body, name, default=False):
+def _boolean(body, name, default=False, param: str | None = None):
+    """body[name] as a bool (null: default); param: the name errors give (a nested field's dotted path)."""
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise invalid(name, f"expected true or false, got {json.dumps(v)}", "invalid_type")
+        raise invalid(param or name, f"expected true or false, got {json.dumps(v)}", "invalid_type")
     return v
 
 
@@ -163,11 +164,9 @@ def _stream(body) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise invalid("stream_options", "expected an object", "invalid_type")
-    include_usage = options.get("include_usage")  # checked without stream too: a typo is a typo
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage",
-                      f"expected true or false, got {json.dumps(include_usage)}", "invalid_type")
-    return stream, bool(include_usage) and stream
+    # checked without stream too: a typo is a typo
+    include_usage = _boolean(options, "include_usage", param="stream_options.include_usage")
+    return stream, include_usage and stream
 
 
 def _unsupported(body) -> None:
@@ -254,10 +253,9 @@ def parse_chat(body: dict[str, Any]) -> Completion:
         raise invalid("chat_template_kwargs", "expected an object", "invalid_type")
     if kwargs and "messages" in kwargs:
         raise invalid("chat_template_kwargs.messages", "not allowed: the messages come from the request")
-    if kwargs and kwargs.get("add_generation_prompt") is None:
-        kwargs = {k: v for k, v in kwargs.items() if k != "add_generation_prompt"}  # null: the default, true
-    if kwargs and not isinstance(kwargs.get("add_generation_prompt", True), bool):
-        raise invalid("chat_template_kwargs.add_generation_prompt", "expected true or false", "invalid_type")
+    if kwargs:  # null: the default, true (prompt_ids passes the template true unless the request says)
+        add = _boolean(kwargs, "add_generation_prompt", True, "chat_template_kwargs.add_generation_prompt")
+        kwargs = {**kwargs, "add_generation_prompt": add}
     return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),
                       **_common(body))
 
