@@ -170,7 +170,8 @@ class Engine:
         return ids
 
     def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None):
-        """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token."""
+        """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token; with
+        request.logprobs, as on_token(id, logprob) (a generate.TokenLogprob)."""
         from strata_ray.engine.generate import generate
         from strata_ray.engine.prefill import prefill_chunk
 
@@ -179,11 +180,15 @@ class Engine:
         kwargs = {"prefill_chunk": prefill_chunk(self.config, self.device)}
         self._stop.clear()
 
-        def on_each(token_id, *_):
+        def on_each(token_id, logprob=None):
             if self._stop.is_set():
                 raise GenerationStopped()
-            if on_token is not None:
+            if on_token is None:
+                return
+            if logprob is None:
                 on_token(int(token_id))
+            else:
+                on_token(int(token_id), logprob)
 
         result = generate(
             self.loaded.model,
@@ -237,7 +242,7 @@ class Engine:
 
         def work():
             try:
-                outcome.append(self.generate(request, on_token=events.put))
+                outcome.append(self.generate(request, on_token=lambda token_id, *_: events.put(token_id)))
             except BaseException as e:  # handed to the consumer below, re-raised there
                 outcome.append(e)
             events.put(None)

@@ -36,6 +36,14 @@ class GenerationResult(TokenRates):
     finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """What the model gave an emitted token: its log-probability and the top K (id, logprob), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @contextmanager
 def decode_threads(device) -> Iterator[None]:
     """Torch intra-op threads for the one-token forwards: one on a small host when the model is on the CPU."""
@@ -73,7 +81,8 @@ def generate(
     """Run the prompt through `model` in chunks of `prefill_chunk` tokens, then sample up to `max_tokens`
     tokens one forward at a time. Stops at a sampled id in stop_ids (not emitted), at max_tokens, or when the
     context is full. on_token(id) is called for every emitted token as soon as it is sampled. logprobs > 0
-    records that many top (id, logprob) pairs of the model's distribution per emitted token."""
+    records that many top (id, logprob) pairs of the model's distribution per emitted token, and on_token is
+    called as on_token(id, logprob=TokenLogprob) with them."""
     prompt = [int(t) for t in prompt_ids]
     hp = model.hp
     if not prompt:
@@ -116,11 +125,9 @@ def generate(
                 if tok in stops:
                     result.finish_reason = "stop"
                     break
-                if logprobs > 0:
-                    _record_logprobs(result, last, tok, logprobs)
+                entry = _record_logprobs(result, last, tok, logprobs) if logprobs > 0 else None
                 result.token_ids.append(tok)
-                if on_token is not None:
-                    on_token(tok)
+                _emit(on_token, tok, entry)
                 if len(result.token_ids) == max_tokens or state.pos >= hp.context_length:
                     break
                 last = model.forward([tok], state)[-1].float()
@@ -128,7 +135,16 @@ def generate(
     return result
 
 
-def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k: int) -> None:
+def _emit(on_token: Callable | None, tok: int, entry: TokenLogprob | None) -> None:
+    if on_token is None:
+        return
+    if entry is None:
+        on_token(tok)
+    else:
+        on_token(tok, logprob=entry)
+
+
+def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k: int) -> TokenLogprob:
     """The top k (id, logprob) pairs of logits [V] (f32) and tok's logprob, into result: computed on the host,
     so both decode loops give the same values from the same logits, on one thread: on CUDA the CPU team's
     members compute the next token's rows meanwhile (chained) or spin between tokens on every core but one,
@@ -137,8 +153,10 @@ def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k
     with one_torch_thread():
         lp = torch.log_softmax(logits.cpu(), dim=-1)
         top = torch.topk(lp, min(k, lp.shape[0]))
-    result.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    result.top_logprobs.append(pairs)
     result.token_logprobs.append(float(lp[tok]))
+    return TokenLogprob(result.token_logprobs[-1], tuple(pairs))
 
 
 def _generate_chained(graphs, first: int, last: torch.Tensor, state, context: int, max_tokens: int,
@@ -156,11 +174,9 @@ def _generate_chained(graphs, first: int, last: torch.Tensor, state, context: in
             if tok in stops:
                 result.finish_reason = "stop"
                 return
-            if logprobs > 0:
-                _record_logprobs(result, logits, tok, logprobs)
+            entry = _record_logprobs(result, logits, tok, logprobs) if logprobs > 0 else None
             result.token_ids.append(tok)
-            if on_token is not None:
-                on_token(tok)
+            _emit(on_token, tok, entry)
             if len(result.token_ids) == max_tokens:
                 return
             nxt = next(chain, None)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from strata_ray.run import check_model_file, check_profile_files, fail, say
 from strata_ray.serve import openai_api as oa
 from strata_ray.serve import status
-from strata_ray.serve.runner import EngineRunner, Finished
+from strata_ray.serve.runner import EngineRunner, Finished, Piece
 
 APP_NAME = "strata"
 STATIC = Path(__file__).resolve().parent / "static"
@@ -100,18 +100,25 @@ class StrataServer:
         max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
         rid = oa.new_id(job.chat)
         rec = self.metrics.enqueue(rid, endpoint)
-        events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop)
+        events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop, job.engine_logprobs)
         if job.stream:
             return ClosingStreamingResponse(self._sse(job, rid, events), media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        pieces: list[str] = []
+        pieces: list[Piece] = []
         async with contextlib.aclosing(events):
             async for event in events:
                 if isinstance(event, Finished):
-                    return oa.response(job.chat, rid, self.model_name, "".join(pieces), event.finish_reason,
-                                       event.prompt_tokens, event.completion_tokens, event.timings)
+                    tokens = [t for piece in pieces for t in piece.tokens]
+                    return oa.response(job.chat, rid, self.model_name, "".join(p.text for p in pieces),
+                                       event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                                       event.timings, self._logprobs(job, tokens))
                 pieces.append(event)
         raise oa.server_error("the generation ended without a result")
+
+    def _logprobs(self, job: oa.Completion, tokens) -> dict | None:
+        if job.logprobs is None:
+            return None
+        return oa.logprobs_doc(job.chat, tokens, self.runner.engine.tokenizer.token_bytes, job.logprobs)
 
     async def _sse(self, job: oa.Completion, rid: str, events):
         model = self.model_name
@@ -128,7 +135,8 @@ class StrataServer:
                     if first and job.chat:
                         yield oa.sse(oa.chunk(job.chat, rid, model, role=True))
                     first = False
-                    yield oa.sse(oa.chunk(job.chat, rid, model, event))
+                    yield oa.sse(oa.chunk(job.chat, rid, model, event.text,
+                                          logprobs=self._logprobs(job, event.tokens)))
             except oa.APIError as e:  # headers are sent: the error travels as an SSE event
                 yield oa.sse(e.body())
             yield oa.sse("[DONE]")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top log-probabilities a token: OpenAI's chat limit (vLLM's default max_logprobs)
 
 
 class APIError(Exception):
@@ -66,6 +68,12 @@ class Completion:
     include_usage: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
     model: str | None = None
+    logprobs: int | None = None  # None: none; else each token's logprob and its top `logprobs` alternatives
+
+    @property
+    def engine_logprobs(self) -> int:
+        """The engine's top-K: at least 1 when logprobs are asked for (it records them only for K > 0)."""
+        return 0 if self.logprobs is None else max(1, self.logprobs)
 
 
 # --- request parsing --------------------------------------------------------------------------------------
@@ -169,13 +177,34 @@ def _stream(body) -> tuple[bool, bool]:
     return stream, include_usage and stream
 
 
+def _logprobs(body, chat: bool) -> int | None:
+    """How many top alternatives each token's logprobs list, or None for no logprobs. Chat asks with
+    `logprobs: true` and `top_logprobs: N`; /v1/completions with `logprobs: N` (which lists the chosen token
+    too, so up to N + 1)."""
+    v = body.get("logprobs")
+    if chat:
+        on = v not in (None, False, 0)  # 0: what this server accepted as "off" before it had logprobs
+        if on and v is not True:
+            raise invalid("logprobs", f"expected true or false, got {json.dumps(v)}", "invalid_type")
+        top = _integer(body, "top_logprobs", 0, 0)
+        if top > MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"must be <= {MAX_LOGPROBS}, got {top}")
+        if top and not on:
+            raise invalid("top_logprobs", "needs \"logprobs\": true")
+        return top if on else None
+    if body.get("top_logprobs") not in (None, 0):
+        raise invalid("top_logprobs", "not a /v1/completions field: ask for \"logprobs\": N")
+    if v is None or v is False:
+        return None
+    n = _integer(body, "logprobs", 0)
+    if n > MAX_LOGPROBS:
+        raise invalid("logprobs", f"must be <= {MAX_LOGPROBS}, got {n}")
+    return n
+
+
 def _unsupported(body) -> None:
     """Asks this server cannot honour: refused by name, not ignored (a client that asks for JSON mode or a
     penalty must not get plain sampling back as if it had been applied)."""
-    if body.get("logprobs") not in (None, False, 0):
-        raise invalid("logprobs", "not supported by this server")
-    if body.get("top_logprobs") not in (None, 0):
-        raise invalid("top_logprobs", "not supported by this server (no logprobs)")
     for name in ("tools", "functions"):
         if body.get(name) not in (None, []):
             raise invalid(name, "not supported by this server (no tool calling)")
@@ -202,17 +231,18 @@ def _unsupported(body) -> None:
             raise invalid(name, f"not supported by this server (only {neutral})")
 
 
-def _common(body) -> dict[str, Any]:
+def _common(body, chat: bool) -> dict[str, Any]:
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise invalid("n", "only n=1 is supported (one engine generates one answer at a time)")
     _unsupported(body)
+    logprobs = _logprobs(body, chat)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", f"expected a string, got {json.dumps(model)}", "invalid_type")
     stream, include_usage = _stream(body)
     return dict(max_tokens=_max_tokens(body), sampling=_sampling(body), stop=_stop(body), stream=stream,
-                include_usage=include_usage, model=model)
+                include_usage=include_usage, model=model, logprobs=logprobs)
 
 
 def _content_text(content, where: str) -> str:
@@ -257,7 +287,7 @@ def parse_chat(body: dict[str, Any]) -> Completion:
         add = _boolean(kwargs, "add_generation_prompt", True, "chat_template_kwargs.add_generation_prompt")
         kwargs = {**kwargs, "add_generation_prompt": add}
     return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),
-                      **_common(body))
+                      **_common(body, chat=True))
 
 
 def parse_text(body: dict[str, Any]) -> Completion:
@@ -265,10 +295,10 @@ def parse_text(body: dict[str, Any]) -> Completion:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return Completion(chat=False, prompt=prompt, **_common(body))
+        return Completion(chat=False, prompt=prompt, **_common(body, chat=False))
     is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if is_ids and prompt:
-        return Completion(chat=False, prompt_ids=tuple(prompt), **_common(body))
+        return Completion(chat=False, prompt_ids=tuple(prompt), **_common(body, chat=False))
     if prompt is None:
         raise invalid("prompt", "is required", "missing_field")
     raise invalid("prompt", "expected a string or a list of token ids (one prompt per request)",
@@ -318,20 +348,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice(chat: bool, text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+def _choice(chat: bool, text: str | None, finish: str | None, delta: bool,
+            logprobs: dict | None = None) -> dict[str, Any]:
     if not chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     if delta:
-        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None,
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
                 "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish}
 
 
+def logprobs_doc(chat: bool, tokens, token_bytes: Sequence[bytes], top: int) -> dict[str, Any]:
+    """A choice's `logprobs` in OpenAI's shape for tokens (text_stream.EmittedToken: id, offset, logprob,
+    top pairs), `top` alternatives each. A token's text is its bytes as UTF-8 (a piece of a character that
+    spans tokens shows as U+FFFD; chat's `bytes` keep the exact bytes)."""
+
+    def text(i: int) -> str:
+        return token_bytes[i].decode("utf-8", errors="replace")
+
+    if chat:
+        def entry(i: int, lp: float) -> dict[str, Any]:
+            return {"token": text(i), "logprob": lp, "bytes": list(token_bytes[i])}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]} for t in tokens]}
+    tops = []
+    for t in tokens:  # the chosen token always listed, so up to top + 1 (OpenAI's completions)
+        alternatives = {text(i): lp for i, lp in t.top[:top]}
+        alternatives.setdefault(text(t.token_id), t.logprob)
+        tops.append(alternatives)
+    return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": tops, "text_offset": [t.offset for t in tokens]}
+
+
 def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
-             completion_tokens: int, timings: dict | None = None) -> dict[str, Any]:
+             completion_tokens: int, timings: dict | None = None,
+             logprobs: dict | None = None) -> dict[str, Any]:
     doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-           "model": model, "choices": [_choice(chat, text, finish, delta=False)],
+           "model": model, "choices": [_choice(chat, text, finish, delta=False, logprobs=logprobs)],
            "usage": usage(prompt_tokens, completion_tokens)}
     if timings is not None:
         doc["timings"] = timings
@@ -339,8 +394,8 @@ def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_to
 
 
 def chunk(chat: bool, rid: str, model: str, text: str | None = None, finish: str | None = None,
-          role: bool = False) -> dict[str, Any]:
-    choice = _choice(chat, text, finish, delta=True)
+          role: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
+    choice = _choice(chat, text, finish, delta=True, logprobs=logprobs)
     if role:
         choice["delta"] = {"role": "assistant", "content": ""}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

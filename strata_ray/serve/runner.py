@@ -2,9 +2,9 @@
 
 Requests wait on an asyncio.Lock, which wakes waiters first come, first served. The engine runs on one
 dedicated thread so the replica's event loop keeps answering /health and /metrics while it generates.
-Tokens cross to the loop through an asyncio.Queue. A request whose consumer goes away (client disconnect,
-stop string) stops its generation at the next token, and the engine is free for the next request as soon as
-that token is done.
+Tokens cross to the loop through an asyncio.Queue (with their log-probabilities, for a request that asks).
+A request whose consumer goes away (client disconnect, stop string) stops its generation at the next token,
+and the engine is free for the next request as soon as that token is done.
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ from strata_ray.actors.launch import first_line
 from strata_ray.config import EngineConfig
 from strata_ray.serve import status
 from strata_ray.serve.openai_api import APIError, Sampling, server_error
-from strata_ray.serve.text_stream import TextStream
+from strata_ray.serve.text_stream import EmittedToken, TextStream
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text to send, and the tokens it completes with their logprobs (a request that asks for them)."""
+
+    text: str
+    tokens: tuple[EmittedToken, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,11 @@ class EngineRunner:
     # --- generation ---------------------------------------------------------------------------------------
 
     async def stream(self, rec: status.RequestRecord, prompt_ids: Sequence[int], max_tokens: int,
-                     sampling: Sampling, stop: Sequence[str]) -> AsyncIterator[str | Finished]:
-        """Yields text pieces, then one Finished. Closing it (aclose) cancels; callers must close it.
-        rec must come from metrics.enqueue (it counts as queued until the engine takes it)."""
+                     sampling: Sampling, stop: Sequence[str],
+                     logprobs: int = 0) -> AsyncIterator[Piece | Finished]:
+        """Yields Pieces, then one Finished. Closing it (aclose) cancels; callers must close it. rec must come
+        from metrics.enqueue (it counts as queued until the engine takes it). logprobs > 0: each piece's
+        tokens carry their top-`logprobs` log-probabilities."""
         from strata_ray.engine.engine import GenerationRequest
         from strata_ray.engine.sampling import SamplingParams
 
@@ -108,7 +118,7 @@ class EngineRunner:
                 except ValueError as e:  # SamplingError: ranges the API check let through
                     raise APIError(400, first_line(e), code="invalid_value") from None
                 request = GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
-                                            sampling=params)
+                                            sampling=params, logprobs=logprobs)
                 self.metrics.begin(rec, len(prompt_ids), max_tokens)
                 async for event in self._generate(rec, request, stop):
                     yield event
@@ -116,7 +126,7 @@ class EngineRunner:
             if not started:
                 self.metrics.dequeue_unstarted()
 
-    async def _generate(self, rec, request, stop: Sequence[str]) -> AsyncIterator[str | Finished]:
+    async def _generate(self, rec, request, stop: Sequence[str]) -> AsyncIterator[Piece | Finished]:
         from strata_ray.engine.engine import GenerationStopped, RequestError
 
         engine = self.engine
@@ -124,10 +134,10 @@ class EngineRunner:
         tokens: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()  # per request: engine.stop() alone could race with the next request
 
-        def on_token(token_id: int) -> None:  # on the engine thread
+        def on_token(token_id: int, logprob=None) -> None:  # on the engine thread
             if cancel.is_set():
                 raise GenerationStopped()
-            loop.call_soon_threadsafe(tokens.put_nowait, token_id)
+            loop.call_soon_threadsafe(tokens.put_nowait, (token_id, logprob))
 
         before = status.tier_counters(engine)
         job = loop.run_in_executor(self._executor, engine.generate, request, on_token)
@@ -135,10 +145,10 @@ class EngineRunner:
         text = TextStream(engine.tokenizer, stop)
         finish, error = "cancelled", None
         try:
-            while (token_id := await tokens.get()) is not None:
+            while (event := await tokens.get()) is not None:
                 self.metrics.token(rec)
-                piece = text.push(token_id)
-                if piece:
+                piece = Piece(text.push(*event), tuple(text.take_tokens()))
+                if piece.text or piece.tokens:
                     yield piece
                 if text.stopped and not cancel.is_set():
                     cancel.set()  # a stop string: end the generation, keep what was said before it
@@ -154,8 +164,8 @@ class EngineRunner:
             except Exception as e:
                 finish, error = "error", f"{type(e).__name__}: {first_line(e)}"
                 raise server_error(f"the engine failed: {error}") from None
-            tail = text.finish()
-            if tail:
+            tail = Piece(text.finish(), tuple(text.take_tokens()))
+            if tail.text or tail.tokens:
                 yield tail
             length = not text.stopped and rec.generated >= request.max_tokens
             finish = "length" if length else "stop"

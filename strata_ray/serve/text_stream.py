@@ -3,11 +3,27 @@
 Text that might be the start of a stop string is held back until it is clearly not one, so a client never
 receives part of a stop string. End-of-turn tokens (the tokenizer's stop ids) produce no text, as in
 `Engine.text_of`.
+
+A request for logprobs hands each token's log-probabilities in beside it; they come back out (`take_tokens`)
+with the text they belong to: a token is released once text from its first character on has been sent, so a
+token held back with a possible stop string waits with its text, and the tokens of a stop string itself are
+never released.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EmittedToken:
+    """A sent token with its log-probabilities (a request for logprobs)."""
+
+    token_id: int
+    offset: int  # where its text starts in the completion's text (characters); its text may be empty
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the top K (id, logprob), best first
 
 
 class TextStream:
@@ -16,20 +32,38 @@ class TextStream:
         self._stop_ids = tokenizer.stop_ids
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text not yet handed out (may begin a stop string)
+        self._decoded = 0  # characters decoded so far: sent, held and cut
+        self._tokens: list[EmittedToken] = []  # tokens with logprobs not yet taken
+        self._final = False
         self.stopped = False  # a stop string was found; nothing more is emitted
         self.text = ""  # everything emitted so far
 
-    def push(self, token_id: int) -> str:
-        """The text that token_id makes safe to emit (often "")."""
+    def push(self, token_id: int, logprob=None) -> str:
+        """The text that token_id makes safe to emit (often ""). logprob: its generate.TokenLogprob, kept
+        for take_tokens."""
         if self.stopped or token_id in self._stop_ids:
             return ""
-        return self._emit(self._held + self._decoder.push(token_id), final=False)
+        decoded = self._decoder.push(token_id)
+        if logprob is not None:
+            self._tokens.append(EmittedToken(token_id, self._decoded, logprob.logprob, tuple(logprob.top)))
+        self._decoded += len(decoded)
+        return self._emit(self._held + decoded, final=False)
 
     def finish(self) -> str:
         """End of generation: whatever is still held (an unfinished UTF-8 character becomes U+FFFD)."""
         if self.stopped:
             return ""
+        self._final = True
         return self._emit(self._held + self._decoder.flush(), final=True)
+
+    def take_tokens(self) -> list[EmittedToken]:
+        """The tokens pushed with logprobs whose text has started to be sent (all of them after finish()
+        without a stop string), in order, each once. After a stop string, those after it never are."""
+        sent = len(self.text)
+        n = len(self._tokens) if self._final else next(
+            (i for i, t in enumerate(self._tokens) if t.offset >= sent), len(self._tokens))
+        out, self._tokens = self._tokens[:n], self._tokens[n:]
+        return out
 
     def _emit(self, buffer: str, final: bool) -> str:
         hit = min((i for i in (buffer.find(s) for s in self._stop) if i >= 0), default=-1)

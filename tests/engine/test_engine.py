@@ -62,6 +62,16 @@ def test_stream_batches_add_up_to_the_summary(engine):
     assert summary.summary_line().startswith(f"prompt: {summary.prompt_tokens} tokens, ")
 
 
+def test_logprobs_reach_on_token_and_the_stream(engine):
+    request = GenerationRequest(prompt="import os", max_tokens=6, logprobs=2)
+    seen = []
+    summary = engine.generate(request, on_token=lambda t, lp: seen.append((t, lp.top)))
+    assert [t for t, _ in seen] == list(summary.token_ids) and [list(top) for _, top in seen] == \
+        summary.top_logprobs
+    *batches, streamed = list(engine.stream(request, flush_seconds=0.0))  # its queue takes the ids alone
+    assert streamed.token_ids == summary.token_ids and streamed.top_logprobs == summary.top_logprobs
+
+
 def test_batches_group_tokens_within_the_flush_interval(engine):
     items = list(engine.stream(GenerationRequest(prompt="a", max_tokens=12), flush_seconds=60.0))
     assert len(items) == 2  # one batch with every token, then the summary

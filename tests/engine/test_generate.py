@@ -67,6 +67,20 @@ def test_top_logprobs(tiny):
         assert sum(torch.tensor(values).exp()) <= 1.0 + 1e-6
 
 
+def test_on_token_gets_each_tokens_logprobs_when_asked(tiny):
+    _, model = tiny
+    seen = []
+    out = generate(model, PROMPT, 5, SamplingParams(), (), on_token=lambda t, **kw: seen.append((t, kw)),
+                   logprobs=2, prefill_chunk=64)
+    assert [t for t, _ in seen] == out.token_ids
+    entries = [kw["logprob"] for _, kw in seen]
+    assert [e.logprob for e in entries] == out.token_logprobs
+    assert [list(e.top) for e in entries] == out.top_logprobs
+    plain = []
+    generate(model, PROMPT, 2, SamplingParams(), (), on_token=plain.append, prefill_chunk=64)  # one argument
+    assert plain == out.token_ids[:2]
+
+
 def test_seeded_sampling_is_reproducible(tiny):
     _, model = tiny
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=123)

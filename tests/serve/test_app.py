@@ -94,6 +94,43 @@ def test_completions_stream_and_not(server, engine):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected.text
 
 
+def test_logprobs_chat_and_completions_streamed_or_not(server, engine):
+    doc = greedy_chat(server, logprobs=True, top_logprobs=3)
+    choice = doc["choices"][0]
+    content = choice["logprobs"]["content"]
+    prompt = HELLO[0]["content"]
+    want = engine.generate(GenerationRequest(prompt=prompt, chat=True, max_tokens=12, logprobs=3))
+    assert len(content) == doc["usage"]["completion_tokens"] == len(want.token_ids)
+    spelled = bytes(b for c in content for b in c["bytes"]).decode("utf-8", "replace")
+    assert spelled == choice["message"]["content"]
+    best = [top[0][1] for top in want.top_logprobs]  # greedy: the chosen token's
+    assert [c["logprob"] for c in content] == pytest.approx(best, abs=1e-5)
+    for c in content:  # greedy: the chosen token is the most likely one
+        assert len(c["top_logprobs"]) == 3
+        assert c["top_logprobs"][0] == {"token": c["token"], "logprob": c["logprob"], "bytes": c["bytes"]}
+    body = {"messages": HELLO, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    streamed = sse_events(server.post("/v1/chat/completions", {**body, "stream": True}, stream=True))
+    chunks = [e["choices"][0] for e in streamed[:-1]]
+    assert [c for ch in chunks if ch["logprobs"] for c in ch["logprobs"]["content"]] == content
+    assert greedy_chat(server)["choices"][0]["logprobs"] is None  # only when asked
+
+    body = {"prompt": "The Python standard library", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    text = server.post("/v1/completions", body).json()["choices"][0]
+    lp = text["logprobs"]
+    tokens, offsets = lp["tokens"], lp["text_offset"]
+    assert len(tokens) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(offsets) > 0
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    if "\ufffd" not in text["text"]:  # every token whole characters: the tokens spell the text
+        assert "".join(tokens) == text["text"]
+        assert all(text["text"][o:].startswith(t) for o, t in zip(offsets, tokens, strict=True))
+    for tok, lp_, top in zip(tokens, lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[tok] == lp_ and len(top) <= 3  # the chosen token always listed
+    events = sse_events(server.post("/v1/completions", {**body, "stream": True}, stream=True))
+    streamed_tokens = [t for e in events[:-1] if e["choices"][0]["logprobs"]
+                       for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed_tokens == tokens
+
+
 def test_greedy_text_equals_run_json(server, model_path):
     """The server and `python -m strata_ray.run --json` give the same greedy text for the same prompt."""
     prompt = "The for statement"

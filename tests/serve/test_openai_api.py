@@ -115,7 +115,7 @@ def test_response_shapes():
 
 
 @pytest.mark.parametrize("extra, param, code", [
-    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # without "logprobs": true
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "invalid_value"),
     ({"response_format": {"type": "json_object"}}, "response_format", "invalid_value"),
     ({"presence_penalty": 0.5}, "presence_penalty", "invalid_value"),
@@ -144,3 +144,68 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted():
                          "repeat_penalty": 1.0, "logit_bias": {}, "tool_choice": "auto", "echo": False,
                          "best_of": 1, "chat_template_kwargs": {"add_generation_prompt": None}})
     assert job.chat and not job.stream
+
+
+# --- logprobs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": 0}, None), ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": True, "top_logprobs": 20}, 20),
+    ({"logprobs": None, "top_logprobs": 0}, None),
+])
+def test_chat_logprobs_are_a_switch_and_a_count(extra, want):
+    job = oa.parse_chat({"messages": MSG, **extra})
+    assert job.logprobs == want and job.engine_logprobs == (0 if want is None else max(1, want))
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": 0}, 0), ({"logprobs": 3}, 3),
+    ({"logprobs": 20}, 20),
+])
+def test_completion_logprobs_are_a_count(extra, want):
+    assert oa.parse_text({"prompt": "x", **extra}).logprobs == want
+
+
+@pytest.mark.parametrize("chat, extra, param, code", [
+    (True, {"logprobs": "yes"}, "logprobs", "invalid_type"),
+    (True, {"logprobs": 1}, "logprobs", "invalid_type"),
+    (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    (True, {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    (True, {"logprobs": True, "top_logprobs": 2.5}, "top_logprobs", "invalid_type"),
+    (False, {"logprobs": 21}, "logprobs", "invalid_value"),
+    (False, {"logprobs": -1}, "logprobs", "invalid_value"),
+    (False, {"logprobs": True}, "logprobs", "invalid_type"),
+    (False, {"logprobs": "3"}, "logprobs", "invalid_type"),
+    (False, {"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+])
+def test_bad_logprobs_are_refused_by_name(chat, extra, param, code):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat({"messages": MSG, **extra}) if chat else oa.parse_text({"prompt": "x", **extra})
+    assert (info.value.param, info.value.code) == (param, code)
+
+
+def emitted(token_id, offset, logprob, top):
+    from strata_ray.serve.text_stream import EmittedToken
+
+    return EmittedToken(token_id, offset, logprob, tuple(top))
+
+
+def test_logprobs_shapes_of_chat_and_completions():
+    token_bytes = [b"a", b"\xe2\x98", b"\x83", b"bc"]  # ids 1 and 2: the two halves of one character
+    tokens = [emitted(1, 0, -0.5, [(1, -0.5), (0, -1.0)]), emitted(2, 0, -0.25, [(3, -0.1), (2, -0.25)]),
+              emitted(3, 1, -2.0, [(0, -0.3), (3, -2.0)])]
+    chat = oa.logprobs_doc(True, tokens, token_bytes, top=1)["content"]
+    assert [c["bytes"] for c in chat] == [[0xE2, 0x98], [0x83], [98, 99]]  # the exact bytes, split or not
+    assert [c["token"] for c in chat] == ["\ufffd", "\ufffd", "bc"] and [c["logprob"] for c in chat] == \
+        [-0.5, -0.25, -2.0]
+    assert chat[0]["top_logprobs"] == [{"token": "\ufffd", "logprob": -0.5, "bytes": [0xE2, 0x98]}]
+    assert oa.logprobs_doc(True, tokens, token_bytes, top=0)["content"][2]["top_logprobs"] == []
+    text = oa.logprobs_doc(False, tokens, token_bytes, top=1)
+    assert text["tokens"] == ["\ufffd", "\ufffd", "bc"] and text["token_logprobs"] == [-0.5, -0.25, -2.0]
+    assert text["text_offset"] == [0, 0, 1]
+    # the chosen token is always listed beside the top 1 (OpenAI: up to logprobs + 1)
+    assert text["top_logprobs"] == [{"\ufffd": -0.5}, {"bc": -0.1, "\ufffd": -0.25}, {"a": -0.3, "bc": -2.0}]
+    chunk = oa.chunk(True, "c", "m", "x", logprobs={"content": []})
+    assert chunk["choices"][0]["logprobs"] == {"content": []}
+    assert oa.response(False, "c", "m", "x", "stop", 1, 1, logprobs=text)["choices"][0]["logprobs"] is text

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 
 from strata_ray.config import EngineConfig
+from strata_ray.engine.engine import GenerationRequest
 from strata_ray.serve.openai_api import APIError, Sampling
 from strata_ray.serve.runner import EngineRunner, Finished
 from strata_ray.serve.status import ServeMetrics
@@ -22,14 +23,15 @@ def runner(model_path):
     return r
 
 
-async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=()):
+async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False):
+    """(text, Finished); whole: (the pieces, Finished)."""
     rec = runner.metrics.enqueue(name, "test")
-    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop)
+    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs)
     pieces = []
     async with contextlib.aclosing(events):
         async for event in events:
             if isinstance(event, Finished):
-                return "".join(pieces), event
+                return (pieces if whole else "".join(p.text for p in pieces)), event
             pieces.append(event)
 
 
@@ -61,3 +63,18 @@ def test_engine_failure_is_a_500_and_the_runner_keeps_serving(runner):
     assert runner.metrics.recent[0].finish_reason == "error"
     text, done = asyncio.run(collect(runner, "after", ids))
     assert done.finish_reason in ("stop", "length") and done.completion_tokens > 0
+
+
+def test_logprobs_come_with_the_pieces_their_tokens_make(runner):
+    ids = runner.engine.tokenizer.encode("Hello")
+    pieces, done = asyncio.run(collect(runner, "lp", ids, max_tokens=8, logprobs=3, whole=True))
+    tokens = [t for p in pieces for t in p.tokens]
+    want = runner.engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_tokens=8, logprobs=3))
+    assert [t.token_id for t in tokens] == list(want.token_ids)
+    assert [list(t.top) for t in tokens] == want.top_logprobs[: len(tokens)]
+    assert all(t.top[0][0] == t.token_id and len(t.top) == 3 for t in tokens)  # greedy: the most likely
+    text = "".join(p.text for p in pieces)
+    for p in pieces:  # a piece's tokens start inside the text sent up to and with it
+        assert all(t.offset <= len(text) for t in p.tokens)
+    plain, _ = asyncio.run(collect(runner, "plain", ids, max_tokens=8, whole=True))
+    assert "".join(p.text for p in plain) == text and all(p.tokens == () for p in plain)

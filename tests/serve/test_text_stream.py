@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
+from strata_ray.engine.generate import TokenLogprob
 from strata_ray.model.gguf_writer import byte_level_tokenizer_spec
 from strata_ray.model.tokenizer import Tokenizer
 from strata_ray.serve.text_stream import TextStream
@@ -56,3 +57,61 @@ def test_partial_stop_prefix_is_held_then_released(tok):
 def test_earliest_of_several_stop_strings_wins(tok):
     pieces, _ = run(tok, "abc\nxyz;", stop=[";", "\n"])
     assert "".join(pieces) == "abc"
+
+
+# --- logprobs carried beside the text ----------------------------------------------------------------------
+
+
+def logprob_of(token_id: int) -> TokenLogprob:
+    return TokenLogprob(-float(token_id), ((token_id, -float(token_id)),))
+
+
+def run_with_logprobs(tok, text: str, stop=()):
+    """(text sent, tokens taken after each push and at the end) for text's tokens pushed with logprobs."""
+    ids = tok.encode(text)
+    stream = TextStream(tok, stop)
+    sent, taken = "", []
+    for i in ids:
+        sent += stream.push(i, logprob_of(i))
+        taken.append(stream.take_tokens())
+    sent += stream.finish()
+    taken.append(stream.take_tokens())
+    return ids, sent, taken, stream
+
+
+def test_every_token_comes_out_once_in_order_with_its_offset(tok):
+    text = "caf\u00e9 \u2603 snow \U0001f600!"  # characters of 2, 3 and 4 bytes, split over byte tokens
+    ids, sent, taken, _ = run_with_logprobs(tok, text)
+    flat = [t for batch in taken for t in batch]
+    assert sent == text and [t.token_id for t in flat] == ids
+    assert [t.logprob for t in flat] == [-float(i) for i in ids]
+    assert flat[0].top == ((ids[0], -float(ids[0])),)
+    # each token's offset is where its text starts: the text of the tokens before it decodes to text[:offset]
+    for k, t in enumerate(flat):
+        assert tok.decode(ids[:k]).rstrip("\ufffd") == text[: t.offset]
+    # a token is taken no earlier than its first character is sent (a split character waits for its last byte)
+    sent_so_far = 0
+    for k, batch in enumerate(taken[:-1]):
+        sent_so_far = len(tok.decode(ids[: k + 1]).rstrip("\ufffd"))
+        assert all(t.offset < sent_so_far for t in batch)
+
+
+def test_a_stop_string_keeps_its_tokens_and_those_after_it(tok):
+    ids, sent, taken, stream = run_with_logprobs(tok, "one two STOP three", stop=["STOP"])
+    flat = [t for batch in taken for t in batch]
+    assert sent == "one two " and stream.stopped
+    assert "".join(tok.decode([t.token_id]) for t in flat) == "one two "
+    assert all(t.offset < len(sent) for t in flat)
+
+
+def test_held_text_and_its_tokens_wait_together(tok):
+    stream = TextStream(tok, ["END"])
+    got = [stream.push(i, logprob_of(i)) for i in tok.encode("a EN")]
+    assert "".join(got) == "a " and {tok.decode([t.token_id]) for t in stream.take_tokens()} <= set("a ")
+    assert stream.finish() == "EN"
+    assert "".join(tok.decode([t.token_id]) for t in stream.take_tokens()) == "EN"
+
+
+def test_tokens_without_logprobs_are_not_kept(tok):
+    stream = TextStream(tok)
+    assert stream.push(tok.encode("a")[0]) == "a" and stream.take_tokens() == []
