@@ -155,6 +155,27 @@ class StrataServer:
         job = oa.parse_text(oa.parse_json(await request.body()))
         return await self._complete(job, "/v1/completions")
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """The ids a completion would run for a text or a chat, as llama-server and vLLM answer /tokenize."""
+        self._auth(request)
+        ask = oa.parse_tokenize(oa.parse_json(await request.body()))
+        runner = self.runner
+        await runner.wait_loaded()
+        tokenizer = runner.engine.tokenizer
+        ids = await asyncio.to_thread(oa.encode, ask.job, tokenizer, runner.add_bos and ask.add_special)
+        return oa.tokenize_doc(ids, tokenizer.token_bytes, ask.with_pieces, runner.context)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """Token ids -> text: llama-server's `content` and vLLM's `prompt`."""
+        self._auth(request)
+        body = oa.parse_json(await request.body())
+        await self.runner.wait_loaded()
+        tokenizer = self.runner.engine.tokenizer
+        text = tokenizer.decode(oa.parse_detokenize(body, tokenizer.n_vocab))
+        return {"content": text, "prompt": text}
+
     @api.get("/v1/models")
     async def models(self, request: Request):
         self._auth(request)

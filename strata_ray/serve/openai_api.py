@@ -263,7 +263,8 @@ def _content_text(content, where: str) -> str:
                   "invalid_type")
 
 
-def parse_chat(body: dict[str, Any]) -> Completion:
+def _messages(body) -> tuple[tuple[dict, ...], dict]:
+    """A chat request's messages and chat_template_kwargs (add_generation_prompt settled to a bool)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty list of {\"role\", \"content\"} objects",
@@ -286,8 +287,51 @@ def parse_chat(body: dict[str, Any]) -> Completion:
     if kwargs:  # null: the default, true (prompt_ids passes the template true unless the request says)
         add = _boolean(kwargs, "add_generation_prompt", True, "chat_template_kwargs.add_generation_prompt")
         kwargs = {**kwargs, "add_generation_prompt": add}
-    return Completion(chat=True, messages=tuple(parsed), chat_template_kwargs=dict(kwargs or {}),
-                      **_common(body, chat=True))
+    return tuple(parsed), dict(kwargs or {})
+
+
+def parse_chat(body: dict[str, Any]) -> Completion:
+    messages, kwargs = _messages(body)
+    return Completion(chat=True, messages=messages, chat_template_kwargs=kwargs, **_common(body, chat=True))
+
+
+@dataclass(frozen=True)
+class TokenizeJob:
+    """A /tokenize request: the text (or chat) whose ids a completion would run, and whether BOS is added."""
+
+    job: Completion
+    add_special: bool = True  # False: no BOS even where the model adds one
+    with_pieces: bool = False  # llama-server's [{"id", "piece"}] instead of bare ids
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeJob:
+    """/tokenize as llama-server (`content`, `add_special`, `with_pieces`) and vLLM (`prompt` or `messages`,
+    `add_special_tokens`, `add_generation_prompt`) send it; the ids are those the completion endpoints run."""
+    if body.get("messages") is not None:
+        messages, kwargs = _messages(body)
+        if "add_generation_prompt" not in kwargs:  # vLLM's top-level spelling
+            kwargs["add_generation_prompt"] = _boolean(body, "add_generation_prompt", True)
+        job = Completion(chat=True, messages=messages, chat_template_kwargs=kwargs)
+    else:
+        name = "content" if "content" in body else "prompt"
+        text = body.get(name)
+        if not isinstance(text, str):
+            raise invalid(name, "expected a string (or \"messages\": a chat)",
+                          "missing_field" if text is None else "invalid_type")
+        job = Completion(chat=False, prompt=text)
+    name = "add_special" if "add_special" in body else "add_special_tokens"
+    return TokenizeJob(job, _boolean(body, name, True), _boolean(body, "with_pieces"))
+
+
+def parse_detokenize(body: dict[str, Any], n_vocab: int) -> list[int]:
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        code = "missing_field" if ids is None else "invalid_type"
+        raise invalid("tokens", "expected a list of token ids", code)
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise invalid("tokens", f"token id {bad} is out of range (vocabulary of {n_vocab})")
+    return ids
 
 
 def parse_text(body: dict[str, Any]) -> Completion:
@@ -308,10 +352,32 @@ def parse_text(body: dict[str, Any]) -> Completion:
 # --- prompt -> token ids ----------------------------------------------------------------------------------
 
 
-def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[int]:
-    """Token ids of the request's prompt, checked against the vocabulary and the context."""
+def encode(job: Completion, tokenizer, add_bos: bool) -> list[int]:
+    """The ids of the request's text prompt or chat (the chat template applied)."""
     from strata_ray.model.tokenizer import ChatTemplateError
 
+    text = job.prompt
+    if job.chat:
+        try:
+            kwargs = dict(job.chat_template_kwargs)  # add_generation_prompt: true unless the request says
+            add = kwargs.pop("add_generation_prompt", True)
+            text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=add, **kwargs)
+        except (ChatTemplateError, TypeError) as e:
+            raise invalid("messages", str(e).splitlines()[0]) from None
+    return tokenizer.encode(text, add_bos=add_bos)
+
+
+def tokenize_doc(ids: list[int], token_bytes: Sequence[bytes], with_pieces: bool, context: int) -> dict:
+    """/tokenize's answer in both servers' shapes: llama-server's `tokens` (ids, or {"id", "piece"} with
+    with_pieces) and vLLM's `count` and `max_model_len`."""
+    tokens: list = ids
+    if with_pieces:
+        tokens = [{"id": i, "piece": token_bytes[i].decode("utf-8", errors="replace")} for i in ids]
+    return {"tokens": tokens, "count": len(ids), "max_model_len": context}
+
+
+def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[int]:
+    """Token ids of the request's prompt, checked against the vocabulary and the context."""
     param = "messages" if job.chat else "prompt"
     if job.prompt_ids is not None:
         ids = list(job.prompt_ids)
@@ -319,15 +385,7 @@ def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[
         if bad is not None:
             raise invalid("prompt", f"token id {bad} is out of range (vocabulary of {tokenizer.n_vocab})")
     else:
-        text = job.prompt
-        if job.chat:
-            try:
-                kwargs = dict(job.chat_template_kwargs)  # add_generation_prompt: true unless the request says
-                add = kwargs.pop("add_generation_prompt", True)
-                text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=add, **kwargs)
-            except (ChatTemplateError, TypeError) as e:
-                raise invalid("messages", str(e).splitlines()[0]) from None
-        ids = tokenizer.encode(text, add_bos=add_bos)
+        ids = encode(job, tokenizer, add_bos)
     if not ids:
         raise invalid(param, "the prompt is empty")
     if len(ids) >= context:

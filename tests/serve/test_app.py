@@ -131,6 +131,28 @@ def test_logprobs_chat_and_completions_streamed_or_not(server, engine):
     assert streamed_tokens == tokens
 
 
+def test_tokenize_gives_the_ids_a_completion_runs_and_detokenize_inverts_it(server, engine):
+    text = "The Python standard library \u2603"
+    doc = server.post("/tokenize", {"content": text}).json()
+    assert doc["tokens"] == engine.tokenizer.encode(text, add_bos=False)
+    assert doc["count"] == len(doc["tokens"])
+    ctx = server.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert doc["max_model_len"] == ctx
+    done = server.post("/v1/completions", {"prompt": text, "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == doc["count"]
+    chat = server.post("/tokenize", {"messages": HELLO}).json()
+    assert chat["count"] == greedy_chat(server, max_tokens=1)["usage"]["prompt_tokens"]
+    bare = server.post("/tokenize", {"messages": HELLO, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][: bare["count"]] and bare["count"] < chat["count"]
+    pieces = server.post("/tokenize", {"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == doc["tokens"]
+    back = server.post("/detokenize", {"tokens": doc["tokens"]}).json()
+    assert back == {"content": text, "prompt": text}
+    assert_error(server.post("/detokenize", {"tokens": [10**9]}), 400, "tokens", "invalid_value")
+    assert_error(server.post("/tokenize", {"content": 3}), 400, "content", "invalid_type")
+    assert requests.post(server.url + "/tokenize", json={"content": "a"}, timeout=10).status_code == 401
+
+
 def test_greedy_text_equals_run_json(server, model_path):
     """The server and `python -m strata_ray.run --json` give the same greedy text for the same prompt."""
     prompt = "The for statement"

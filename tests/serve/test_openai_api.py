@@ -209,3 +209,49 @@ def test_logprobs_shapes_of_chat_and_completions():
     chunk = oa.chunk(True, "c", "m", "x", logprobs={"content": []})
     assert chunk["choices"][0]["logprobs"] == {"content": []}
     assert oa.response(False, "c", "m", "x", "stop", 1, 1, logprobs=text)["choices"][0]["logprobs"] is text
+
+
+# --- /tokenize, /detokenize ------------------------------------------------------------------------------
+
+
+def test_tokenize_takes_both_servers_spellings():
+    llama = oa.parse_tokenize({"content": "hi", "add_special": False, "with_pieces": True})
+    assert (llama.job.prompt, llama.add_special, llama.with_pieces) == ("hi", False, True)
+    vllm = oa.parse_tokenize({"model": "m", "prompt": "hi", "add_special_tokens": True})
+    assert (vllm.job.prompt, vllm.add_special, vllm.with_pieces) == ("hi", True, False)
+    chat = oa.parse_tokenize({"messages": MSG, "add_generation_prompt": False})
+    assert chat.job.chat and chat.job.messages[0]["content"] == "hi"
+    assert chat.job.chat_template_kwargs == {"add_generation_prompt": False}
+    nested = oa.parse_tokenize({"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert nested.job.chat_template_kwargs == {"add_generation_prompt": False}
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({}, "prompt", "missing_field"), ({"content": 5}, "content", "invalid_type"),
+    ({"prompt": ["a"]}, "prompt", "invalid_type"), ({"messages": []}, "messages", "invalid_type"),
+    ({"content": "a", "add_special": "no"}, "add_special", "invalid_type"),
+    ({"content": "a", "with_pieces": 1}, "with_pieces", "invalid_type"),
+])
+def test_bad_tokenize_requests_name_the_field(body, param, code):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_tokenize(body)
+    assert (info.value.param, info.value.code) == (param, code)
+
+
+@pytest.mark.parametrize("body, code", [
+    ({}, "missing_field"), ({"tokens": "1,2"}, "invalid_type"), ({"tokens": [1, True]}, "invalid_type"),
+    ({"tokens": [1, 300]}, "invalid_value"), ({"tokens": [-1]}, "invalid_value"),
+])
+def test_bad_detokenize_requests_name_the_field(body, code):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_detokenize(body, n_vocab=288)
+    assert (info.value.param, info.value.code) == ("tokens", code)
+    assert oa.parse_detokenize({"tokens": [0, 287]}, n_vocab=288) == [0, 287]
+
+
+def test_tokenize_answer_shapes():
+    token_bytes = [b"a", b"\xe2\x98", b"\x83"]
+    doc = oa.tokenize_doc([0, 1], token_bytes, False, 64)
+    assert doc == {"tokens": [0, 1], "count": 2, "max_model_len": 64}
+    pieces = oa.tokenize_doc([0, 2], token_bytes, True, 64)["tokens"]
+    assert pieces == [{"id": 0, "piece": "a"}, {"id": 2, "piece": "\ufffd"}]
