@@ -230,7 +230,7 @@ def bench_main(argv: Sequence[str]) -> int:
             job = GateJob(doc, reference_sampling(ns, doc), int(doc["gen_tokens"]))
         with open_target(ns, cfg) as target:
             add_bos = bool(target.file and target.file.fields.get("tokenizer.ggml.add_bos_token", False))
-            builder = PromptBuilder(target.tokenizer, target.context_length, add_bos)
+            builder = PromptBuilder(target.tokenizer, target.context_length, add_bos, target.count_tokens)
             if command == "run":
                 return run_bench(ns, job, target, builder, argv)
             return run_gate(ns, command, job, target, builder)

@@ -4,6 +4,10 @@ Standard library only, so it runs next to any server. A request streams `/v1/cha
 `/v1/completions` with `--api completions`) with `stream_options: {include_usage: true}`; each content
 chunk is an arrival for the clock in measure.py. Token counts come from the final usage chunk; a server
 that sends none is counted by chunks (one token per chunk) and the prompt by our own estimate.
+
+Without the model file, a prompt's length is counted by the server's `/tokenize` where it has one that takes
+the request's messages or prompt (ours, vLLM); elsewhere (llama-server's takes `content` only) it is
+estimated.
 """
 
 from __future__ import annotations
@@ -41,21 +45,23 @@ class HttpRunner:
 
     # ---- plain requests --------------------------------------------------------------------------------
 
-    def _open(self, path: str, body: dict | None = None):
+    def _open(self, path: str, body: dict | None = None, root: bool = False):
+        """path under /v1, or under the server's root (root=True: /tokenize)."""
+        url = (self.base.removesuffix("/v1") if root else self.base) + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "*/*"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.base + path, data=data, headers=headers)
+        req = urllib.request.Request(url, data=data, headers=headers)
         try:
             return urllib.request.urlopen(req, timeout=TIMEOUT_S)
         except urllib.error.HTTPError as e:
             detail = e.read().decode("utf-8", "replace").strip().splitlines()
             first = detail[0][:200] if detail else e.reason
-            raise ServerError(f"{self.base}{path}: HTTP {e.code} {first}") from None
+            raise ServerError(f"{url}: HTTP {e.code} {first}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise ServerError(f"{self.base}{path}: cannot connect ({reason})") from None
+            raise ServerError(f"{url}: cannot connect ({reason})") from None
 
     def listed_models(self) -> list[dict]:
         """The entries the server lists at /v1/models."""
@@ -79,6 +85,26 @@ class HttpRunner:
         only = models[0] if len(models) == 1 else None
         entry = next((m for m in models if m.get("id") == self.model), only)
         n = None if entry is None else entry.get("max_model_len")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    def count_tokens(self, content: str) -> int | None:
+        """The tokens the server would run for content sent as payload() sends it (chat template and all),
+        from its /tokenize; None where it has none, or one that does not take this request's shape."""
+        body: dict = {"model": self.model}
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": content}]
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        else:
+            body["prompt"] = content
+        try:
+            with self._open("/tokenize", body, root=True) as resp:
+                doc = json.loads(resp.read().decode("utf-8"))
+        except (ServerError, ValueError):
+            return None
+        n = doc.get("count") if isinstance(doc, dict) else None
+        if n is None and isinstance(doc, dict) and isinstance(doc.get("tokens"), list):
+            n = len(doc["tokens"])
+        # 0: llama-server's answer to a body without `content` (an empty list), not a count
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     # ---- one timed generation --------------------------------------------------------------------------

@@ -8,7 +8,9 @@ every time.
 
 With a tokenizer (our engine, or `--url` with `--model`), prompts are assembled at the token level: the
 chat template is rendered around a placeholder and each part encoded separately, so the prompt has
-exactly the requested number of tokens. Without one (`--url` alone) the length is estimated at
+exactly the requested number of tokens. Without one (`--url` alone) a server that counts tokens at its
+/tokenize (`count_tokens`) sizes the text: its length is scaled by wanted / counted until the count is within
+COUNTED_TOLERANCE below the wanted number (a few requests). Without that the length is estimated at
 CHARS_PER_TOKEN characters per token until a server's usage report gives the true count of a prompt
 (`observe`): later estimates are scaled by its true / estimated ratio, and a prompt cut to an estimated
 fit keeps ESTIMATE_SLACK of the room.
@@ -27,6 +29,8 @@ CONTEXT_MARGIN = 8  # tokens kept free below the model's context so prompt + gen
 # longer prompt reads further into the corpus, whose density differs; a review measured a 32K cut at 95%
 # over a 32K context by ~60 tokens on a tokenizer trained elsewhere)
 ESTIMATE_SLACK = 0.9
+COUNTED_TOLERANCE = 0.01  # a counted prompt may fall this share short of the tokens asked for, never over
+COUNTED_STEPS = 8  # /tokenize requests a prompt at most
 ZERO_ID = "0" * 16
 PLACEHOLDER = "\x00STRATA_BODY\x00"
 
@@ -115,8 +119,12 @@ class TokenCorpus:
 class PromptBuilder:
     """Builds prompts for one model. tokenizer None = estimate lengths (a foreign server)."""
 
-    def __init__(self, tokenizer=None, context_length: int | None = None, add_bos: bool = False):
+    def __init__(self, tokenizer=None, context_length: int | None = None, add_bos: bool = False,
+                 count_tokens=None):
+        """count_tokens: without a tokenizer, content -> the server's token count of it as a request (or
+        None); prompts are then sized by it instead of estimated."""
         self.tokenizer = tokenizer
+        self.count_tokens = None if tokenizer else count_tokens
         self.context_length = context_length
         self.add_bos = add_bos  # as the engine tokenizes a prompt (GGUF tokenizer.ggml.add_bos_token)
         self._corpus = TokenCorpus(tokenizer, corpus_documents()) if tokenizer else None
@@ -135,7 +143,8 @@ class PromptBuilder:
     def fit(self, n_tokens: int, gen_tokens: int) -> tuple[int, str | None]:
         """(tokens to use, note) for a prompt of n_tokens followed by gen_tokens generated ones."""
         limit = self.max_prompt_tokens(gen_tokens)
-        if limit is not None and self.tokenizer is None:  # an estimate near the limit may be over it
+        if limit is not None and self.tokenizer is None and self.count_tokens is None:  # an estimate near
+            # the limit may be over it
             limit = int(limit * ESTIMATE_SLACK)
         if limit is None or n_tokens <= limit:
             return n_tokens, None
@@ -173,9 +182,42 @@ class PromptBuilder:
         if self._char_corpus is None:
             self._char_corpus = "\n\n".join(corpus_documents())
         chars = max(1, int((n_tokens / self.scale - ESTIMATED_OVERHEAD_TOKENS) * CHARS_PER_TOKEN))
+        if self.count_tokens is not None:
+            return self._counted(name, head, tail, n_tokens, chars, note)
+        return Prompt(name, head + self._body(chars) + tail, None, n_tokens, note)
+
+    def _body(self, chars: int) -> str:
         text = self._char_corpus
-        body = (text * (chars // len(text) + 1))[:chars]
-        return Prompt(name, head + body + tail, None, n_tokens, note)
+        return (text * (chars // len(text) + 1))[:chars]
+
+    def _counted(self, name: str, head: str, tail: str, n_tokens: int, chars: int,
+                 note: str | None) -> Prompt:
+        """The longest body the server counts at most n_tokens for (within COUNTED_TOLERANCE): from the
+        estimate, each step aims just under n_tokens along the line through the last two counts (the chat
+        template and the fixed text are a share of the count that the body's length does not move)."""
+        aim = n_tokens * (1 - COUNTED_TOLERANCE / 2)
+        seen: list[tuple[int, int, str]] = []  # (chars, counted, content)
+        for _ in range(COUNTED_STEPS):
+            content = head + self._body(chars) + tail
+            counted = self.count_tokens(content)
+            if counted is None:  # the server stopped counting: an estimate after all
+                break
+            seen.append((chars, counted, content))
+            there = n_tokens * (1 - COUNTED_TOLERANCE) <= counted <= n_tokens
+            if there or (chars == 1 and counted > n_tokens):  # or the fixed text alone is longer: sent so
+                break
+            (c0, n0, _), (c1, n1, _) = seen[-2] if len(seen) > 1 else (0, 0, ""), seen[-1]
+            if len(seen) > 1 and n1 != n0 and (n1 - n0) * (c1 - c0) > 0:
+                step = c1 + (aim - n1) * (c1 - c0) / (n1 - n0)  # secant
+            else:
+                step = c1 * aim / n1  # proportional, the template's share unknown yet
+            step = max(1, int(step))
+            chars = step if step != chars else max(1, chars + (1 if counted < n_tokens else -1))
+        if not seen:
+            return Prompt(name, head + self._body(chars) + tail, None, n_tokens, note)
+        under = [s for s in seen if s[1] <= n_tokens]
+        _, counted, content = max(under, key=lambda s: s[1]) if under else min(seen, key=lambda s: s[1])
+        return Prompt(name, content, None, counted, note)
 
     def observe(self, prompt: Prompt, prompt_tokens: int) -> None:
         """A server counted prompt_tokens for a prompt we estimated: the later estimates are scaled by the
@@ -184,14 +226,16 @@ class PromptBuilder:
         ESTIMATE_SLACK of the room, and a prompt near the context can still be over it (the server then
         refuses it in one line; --model gives exact lengths)."""
         estimated = prompt.n_tokens / self.scale  # as _estimate sized it
-        if self.tokenizer is None and prompt.ids is None and prompt_tokens > 0 and estimated > 0:
+        estimate = self.tokenizer is None and self.count_tokens is None and prompt.ids is None
+        if estimate and prompt_tokens > 0 and estimated > 0:
             self.scale = prompt_tokens / estimated
 
     def message(self, name: str, content: str, note: str | None = None) -> Prompt:
         """A short fixed prompt (no body): the chat template around content."""
         if self.tokenizer is None:
+            counted = None if self.count_tokens is None else self.count_tokens(content)
             estimate = int(len(content) / CHARS_PER_TOKEN) + 10
-            return Prompt(name, content, None, estimate, note)
+            return Prompt(name, content, None, counted or estimate, note)
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
         ids = self.tokenizer.encode(rendered, add_bos=self.add_bos)
         return Prompt(name, content, tuple(ids), len(ids), note)

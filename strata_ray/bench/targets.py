@@ -32,6 +32,7 @@ class Target:
     engine_device: str | None
     config: object | None  # EngineConfig (None for a server)
     server: dict | None = None
+    count_tokens: object | None = None  # without a tokenizer: content -> the server's count (its /tokenize)
 
 
 def say(line: str) -> None:
@@ -102,13 +103,15 @@ def url_target(url: str, served_model: str | None, api: str, model: str | None,
     if model is not None:
         file, path, tokenizer = open_model_file(model)
     runner = HttpRunner(url, served_model, api, api_key=api_key)
-    say(f"driving {runner.base} (model {runner.model!r}, {api} API)"
-        + ("" if tokenizer else "; prompt lengths estimated (pass --model for exact ones)"))
+    counter = None if tokenizer else runner.count_tokens if runner.count_tokens("probe") else None
+    lengths = "" if tokenizer else "; prompt lengths counted by the server's /tokenize" if counter else \
+        "; prompt lengths estimated (pass --model for exact ones)"
+    say(f"driving {runner.base} (model {runner.model!r}, {api} API){lengths}")
     # the server's context where it says one (a server may give less than the file's): prompts are cut to it
     known = [n for n in (None if file is None else file.hparams.context_length, runner.served_context()) if n]
     context = min(known) if known else None
     yield Target("url", runner, tokenizer, file, path, context, None, None,
-                 server={"url": runner.base, "model": runner.model, "api": api})
+                 server={"url": runner.base, "model": runner.model, "api": api}, count_tokens=counter)
 
 
 def open_target(ns, cfg):

@@ -181,6 +181,32 @@ def test_prompts_have_exact_lengths_and_random_prefixes(model_path):
     assert first_difference([1, 2, 3], [1, 2, 3]) is None and first_difference([1, 2], [1, 2, 3]) == 2
 
 
+def test_a_server_that_counts_tokens_sizes_the_prompts_without_the_tokenizer(model_path):
+    from strata_ray.bench.targets import open_model_file
+
+    _, _, tok = open_model_file(model_path)
+    asked = []
+
+    def count(content: str) -> int:  # what a server's /tokenize answers: the chat-templated prompt's tokens
+        asked.append(content)
+        return len(tok.encode(tok.apply_chat_template([{"role": "user", "content": content}])))
+
+    builder = PromptBuilder(None, 4096, count_tokens=count)
+    for n in (180, 333, 2000):
+        asked.clear()
+        p = builder.bench_prompt(n, 8)
+        assert 0.99 * n <= p.n_tokens <= n and p.n_tokens == count(p.content) and p.ids is None
+        assert len(asked) <= 9  # at most COUNTED_STEPS, and the check here
+    short = builder.bench_prompt(64, 8)  # shorter than the fixed text (153 tokens here): that text, counted
+    assert short.n_tokens == count(short.content) > 64
+    assert builder.fit(5000, 8) == (4096 - 8 - 8, "prompt cut from 5000 to 4080 tokens to fit the model's "
+                                    "context of 4096 with 8 generated tokens")  # counted: no slack
+    story = builder.story_prompt()
+    assert story.n_tokens == count(story.content)
+    estimated = PromptBuilder(None, 4096, count_tokens=lambda _content: None)  # a server that stopped
+    assert estimated.bench_prompt(333, 8).n_tokens == 333  # the estimate, as without a counter
+
+
 def test_the_warm_up_runs_the_story_then_the_smallest_depth(model_path):
     """run_plan's untimed warm-up: the short story prompt (the decode's kernels), then a prompt of the
     smallest context (the prompt path's first-use compiles at that size), each a few tokens; then the timed
@@ -341,16 +367,20 @@ def test_url_bench_times_a_streaming_server(model_path, server_url, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_url_bench_without_the_model_file_cuts_prompts_to_the_servers_context(server_url, capsys):
+def test_url_bench_without_the_model_file_cuts_prompts_to_the_servers_context(server_url, tmp_path, capsys):
     # no --model: the context comes from the server's /v1/models (max_model_len); before, the 1024-token
-    # prompt went out whole and the server refused it (HTTP 400, context exceeded). Lengths are estimated,
-    # and this model's byte-level tokenizer makes ~2.4x as many tokens as estimated: the first (uncut)
-    # prompt's true count scales the cut one's estimate (a 160-token estimate would be 382 tokens here)
+    # prompt went out whole and the server refused it (HTTP 400, context exceeded). The lengths are counted
+    # by the server's /tokenize (an estimate was ~2.4x short on this model's byte-level tokenizer)
+    out_json = tmp_path / "u.json"
     code, out, err = run_cli(capsys, "--url", server_url, "--api-key", API_KEY, "--contexts", "64,1024",
-                             "--repeats", "1", *FAST)
+                             "--repeats", "1", "--json-out", str(out_json), *FAST)
     assert code == 0, err
-    room = int((CONTEXT - 4 - 8) * 0.9)  # estimated: ESTIMATE_SLACK of the room
+    room = CONTEXT - 4 - 8  # counted by the server's /tokenize: exact, no slack
+    short, cut = json.loads(out_json.read_text())["results"]["contexts"]
+    assert short["prompt_tokens"] == short["runs"][0]["prompt_tokens"]  # its fixed text alone is > 64 here
+    assert 0.99 * room <= cut["prompt_tokens"] == cut["runs"][0]["prompt_tokens"] <= room
     assert f"prompt cut from 1024 to {room} tokens to fit the model's context of {CONTEXT}" in err
+    assert "prompt lengths counted by the server's /tokenize" in err
 
 
 @pytest.mark.slow
