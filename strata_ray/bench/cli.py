@@ -51,7 +51,9 @@ def build_parser(command: str):
     where = target.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the Engine in this process, without Ray")
     where.add_argument("--url", metavar="URL", help="drive an OpenAI-compatible server (e.g. "
-                       "http://host:8000); --model then only supplies the tokenizer for exact prompt lengths")
+                       "http://host:8000); --model then only supplies the tokenizer for exact prompt lengths "
+                       "(without it the server's /tokenize counts them where it has one, else they are "
+                       "estimated)")
     target.add_argument("--api", choices=("chat", "completions"), default=None,
                         help="with --url: /v1/chat/completions (default) or /v1/completions")
     target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
