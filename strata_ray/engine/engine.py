@@ -171,7 +171,8 @@ class Engine:
 
     def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None):
         """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token; with
-        request.logprobs, as on_token(id, logprob) (a generate.TokenLogprob)."""
+        request.logprobs, as on_token(id, logprob) (a generate.TokenLogprob), so such a callback must take
+        two arguments."""
         from strata_ray.engine.generate import generate
         from strata_ray.engine.prefill import prefill_chunk
 

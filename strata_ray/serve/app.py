@@ -164,7 +164,8 @@ class StrataServer:
         await runner.wait_loaded()
         tokenizer = runner.engine.tokenizer
         ids = await asyncio.to_thread(oa.encode, ask.job, tokenizer, runner.add_bos and ask.add_special)
-        return oa.tokenize_doc(ids, tokenizer.token_bytes, ask.with_pieces, runner.context)
+        return oa.tokenize_doc(ids, tokenizer.token_bytes, ask.with_pieces, runner.context,
+                               tokenizer.tokens if ask.token_strs else None)
 
     @api.post("/detokenize")
     async def detokenize(self, request: Request):

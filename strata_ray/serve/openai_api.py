@@ -8,6 +8,7 @@ send many); known fields of the wrong type or range get a 400 naming the field (
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -297,30 +298,38 @@ def parse_chat(body: dict[str, Any]) -> Completion:
 
 @dataclass(frozen=True)
 class TokenizeJob:
-    """A /tokenize request: the text (or chat) whose ids a completion would run, and whether BOS is added."""
+    """A /tokenize request: the text (or chat) whose ids a completion would run, and how to answer."""
 
     job: Completion
-    add_special: bool = True  # False: no BOS even where the model adds one
+    add_special: bool  # False: no BOS even where the model adds one
     with_pieces: bool = False  # llama-server's [{"id", "piece"}] instead of bare ids
+    token_strs: bool = False  # vLLM's return_token_strs: each id's vocabulary spelling too
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeJob:
-    """/tokenize as llama-server (`content`, `add_special`, `with_pieces`) and vLLM (`prompt` or `messages`,
-    `add_special_tokens`, `add_generation_prompt`) send it; the ids are those the completion endpoints run."""
-    if body.get("messages") is not None:
+    """/tokenize as llama-server (`content`, `add_special` default false, `with_pieces`) and vLLM (`prompt`
+    or `messages`, `add_special_tokens` default true, `add_generation_prompt`, `return_token_strs`) send it;
+    the ids are those the completion endpoints run."""
+    given = [k for k in ("content", "prompt", "messages") if body.get(k) is not None]
+    if len(given) > 1:
+        raise invalid(given[1], f"give one of content, prompt or messages, not {' and '.join(given)}")
+    if not given:
+        raise invalid("prompt", "is required (or content, or messages)", "missing_field")
+    if given == ["messages"]:
         messages, kwargs = _messages(body)
         if "add_generation_prompt" not in kwargs:  # vLLM's top-level spelling
             kwargs["add_generation_prompt"] = _boolean(body, "add_generation_prompt", True)
         job = Completion(chat=True, messages=messages, chat_template_kwargs=kwargs)
     else:
-        name = "content" if "content" in body else "prompt"
-        text = body.get(name)
+        text = body[given[0]]
         if not isinstance(text, str):
-            raise invalid(name, "expected a string (or \"messages\": a chat)",
-                          "missing_field" if text is None else "invalid_type")
+            raise invalid(given[0], "expected a string (or \"messages\": a chat)", "invalid_type")
         job = Completion(chat=False, prompt=text)
-    name = "add_special" if "add_special" in body else "add_special_tokens"
-    return TokenizeJob(job, _boolean(body, name, True), _boolean(body, "with_pieces"))
+    if body.get("add_special") is not None and body.get("add_special_tokens") is not None:
+        raise invalid("add_special_tokens", "give add_special or add_special_tokens, not both")
+    name = "add_special" if body.get("add_special") is not None else "add_special_tokens"
+    add_special = _boolean(body, name, given != ["content"])  # each server's own default
+    return TokenizeJob(job, add_special, _boolean(body, "with_pieces"), _boolean(body, "return_token_strs"))
 
 
 def parse_detokenize(body: dict[str, Any], n_vocab: int) -> list[int]:
@@ -367,13 +376,25 @@ def encode(job: Completion, tokenizer, add_bos: bool) -> list[int]:
     return tokenizer.encode(text, add_bos=add_bos)
 
 
-def tokenize_doc(ids: list[int], token_bytes: Sequence[bytes], with_pieces: bool, context: int) -> dict:
+def tokenize_doc(ids: list[int], token_bytes: Sequence[bytes], with_pieces: bool, context: int,
+                 token_strs: Sequence[str] | None = None) -> dict:
     """/tokenize's answer in both servers' shapes: llama-server's `tokens` (ids, or {"id", "piece"} with
-    with_pieces) and vLLM's `count` and `max_model_len`."""
+    with_pieces: the piece's text, or its bytes where they are not UTF-8 alone) and vLLM's `count`,
+    `max_model_len` and, given the vocabulary's spellings, `token_strs`."""
     tokens: list = ids
     if with_pieces:
-        tokens = [{"id": i, "piece": token_bytes[i].decode("utf-8", errors="replace")} for i in ids]
-    return {"tokens": tokens, "count": len(ids), "max_model_len": context}
+        tokens = [{"id": i, "piece": _piece(token_bytes[i])} for i in ids]
+    doc = {"tokens": tokens, "count": len(ids), "max_model_len": context}
+    if token_strs is not None:
+        doc["token_strs"] = [token_strs[i] for i in ids]
+    return doc
+
+
+def _piece(b: bytes) -> str | list[int]:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(b)
 
 
 def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[int]:
@@ -417,26 +438,45 @@ def _choice(chat: bool, text: str | None, finish: str | None, delta: bool,
             "finish_reason": finish}
 
 
+LOGPROB_FLOOR = -9999.0  # a -inf or NaN log-probability, as vLLM sends it (JSON has no infinities)
+
+
+def token_text(token_bytes: bytes) -> str:
+    """A token's text: its UTF-8, or for a piece of a character split over tokens `bytes:\\xe2\\x98` (as
+    OpenAI spells one), so that two such pieces never share a name (a completions top_logprobs key)."""
+    try:
+        return token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes)
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
+
+
 def logprobs_doc(chat: bool, tokens, token_bytes: Sequence[bytes], top: int) -> dict[str, Any]:
     """A choice's `logprobs` in OpenAI's shape for tokens (text_stream.EmittedToken: id, offset, logprob,
-    top pairs), `top` alternatives each. A token's text is its bytes as UTF-8 (a piece of a character that
-    spans tokens shows as U+FFFD; chat's `bytes` keep the exact bytes)."""
+    top pairs), `top` alternatives each; chat's `bytes` are each token's exact bytes."""
 
     def text(i: int) -> str:
-        return token_bytes[i].decode("utf-8", errors="replace")
+        return token_text(token_bytes[i])
 
     if chat:
         def entry(i: int, lp: float) -> dict[str, Any]:
-            return {"token": text(i), "logprob": lp, "bytes": list(token_bytes[i])}
+            return {"token": text(i), "logprob": _finite(lp), "bytes": list(token_bytes[i])}
 
         return {"content": [{**entry(t.token_id, t.logprob),
-                             "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]} for t in tokens]}
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]} for t in tokens],
+                "refusal": None}
     tops = []
     for t in tokens:  # the chosen token always listed, so up to top + 1 (OpenAI's completions)
-        alternatives = {text(i): lp for i, lp in t.top[:top]}
-        alternatives.setdefault(text(t.token_id), t.logprob)
+        alternatives: dict[str, float] = {}
+        for i, lp in t.top[:top]:
+            alternatives.setdefault(text(i), _finite(lp))  # best first: a repeated name keeps its best
+        alternatives[text(t.token_id)] = _finite(t.logprob)
         tops.append(alternatives)
-    return {"tokens": [text(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+    return {"tokens": [text(t.token_id) for t in tokens],
+            "token_logprobs": [_finite(t.logprob) for t in tokens],
             "top_logprobs": tops, "text_offset": [t.offset for t in tokens]}
 
 

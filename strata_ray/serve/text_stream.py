@@ -6,8 +6,9 @@ receives part of a stop string. End-of-turn tokens (the tokenizer's stop ids) pr
 
 A request for logprobs hands each token's log-probabilities in beside it; they come back out (`take_tokens`)
 with the text they belong to: a token is released once text from its first character on has been sent, so a
-token held back with a possible stop string waits with its text, and the tokens of a stop string itself are
-never released.
+token held back with a possible stop string waits with its text. At a stop string, the tokens that begin
+before the cut are listed (the one the cut falls in included, so its bytes can run past the text sent, as
+vLLM lists the token that completes a stop) and those after it are not.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class TextStream:
 
     def take_tokens(self) -> list[EmittedToken]:
         """The tokens pushed with logprobs whose text has started to be sent (all of them after finish()
-        without a stop string), in order, each once. After a stop string, those after it never are."""
+        without a stop string), in order, each once. After a stop string, those that begin after the cut
+        never are."""
         sent = len(self.text)
         n = len(self._tokens) if self._final else next(
             (i for i, t in enumerate(self._tokens) if t.offset >= sent), len(self._tokens))

@@ -193,34 +193,62 @@ def emitted(token_id, offset, logprob, top):
 
 def test_logprobs_shapes_of_chat_and_completions():
     token_bytes = [b"a", b"\xe2\x98", b"\x83", b"bc"]  # ids 1 and 2: the two halves of one character
-    tokens = [emitted(1, 0, -0.5, [(1, -0.5), (0, -1.0)]), emitted(2, 0, -0.25, [(3, -0.1), (2, -0.25)]),
+    tokens = [emitted(1, 0, -0.5, [(1, -0.5), (2, -1.0)]), emitted(2, 0, -0.25, [(3, -0.1), (2, -0.25)]),
               emitted(3, 1, -2.0, [(0, -0.3), (3, -2.0)])]
-    chat = oa.logprobs_doc(True, tokens, token_bytes, top=1)["content"]
+    halves = ["bytes:\\xe2\\x98", "bytes:\\x83"]  # OpenAI's spelling of bytes that are not UTF-8 alone
+    doc = oa.logprobs_doc(True, tokens, token_bytes, top=1)
+    chat = doc["content"]
+    assert doc["refusal"] is None
     assert [c["bytes"] for c in chat] == [[0xE2, 0x98], [0x83], [98, 99]]  # the exact bytes, split or not
-    assert [c["token"] for c in chat] == ["\ufffd", "\ufffd", "bc"] and [c["logprob"] for c in chat] == \
-        [-0.5, -0.25, -2.0]
-    assert chat[0]["top_logprobs"] == [{"token": "\ufffd", "logprob": -0.5, "bytes": [0xE2, 0x98]}]
+    assert [c["token"] for c in chat] == [*halves, "bc"]
+    assert [c["logprob"] for c in chat] == [-0.5, -0.25, -2.0]
+    assert chat[0]["top_logprobs"] == [{"token": halves[0], "logprob": -0.5, "bytes": [0xE2, 0x98]}]
     assert oa.logprobs_doc(True, tokens, token_bytes, top=0)["content"][2]["top_logprobs"] == []
-    text = oa.logprobs_doc(False, tokens, token_bytes, top=1)
-    assert text["tokens"] == ["\ufffd", "\ufffd", "bc"] and text["token_logprobs"] == [-0.5, -0.25, -2.0]
+    text = oa.logprobs_doc(False, tokens, token_bytes, top=2)
+    assert text["tokens"] == [*halves, "bc"] and text["token_logprobs"] == [-0.5, -0.25, -2.0]
     assert text["text_offset"] == [0, 0, 1]
+    # the two halves keep names of their own (both were U+FFFD, and the dict lost one)
+    assert text["top_logprobs"] == [{halves[0]: -0.5, halves[1]: -1.0}, {"bc": -0.1, halves[1]: -0.25},
+                                    {"a": -0.3, "bc": -2.0}]
     # the chosen token is always listed beside the top 1 (OpenAI: up to logprobs + 1)
-    assert text["top_logprobs"] == [{"\ufffd": -0.5}, {"bc": -0.1, "\ufffd": -0.25}, {"a": -0.3, "bc": -2.0}]
+    top1 = oa.logprobs_doc(False, tokens, token_bytes, top=1)["top_logprobs"]
+    assert top1[1] == {"bc": -0.1, halves[1]: -0.25}
     chunk = oa.chunk(True, "c", "m", "x", logprobs={"content": []})
     assert chunk["choices"][0]["logprobs"] == {"content": []}
     assert oa.response(False, "c", "m", "x", "stop", 1, 1, logprobs=text)["choices"][0]["logprobs"] is text
 
 
+def test_a_name_shared_by_two_ids_keeps_the_best_and_the_chosen_ones_own():
+    token_bytes = [b"x", b"x", b"y"]  # ids 0 and 1 spell the same text
+    doc = oa.logprobs_doc(False, [emitted(1, 0, -0.9, [(0, -0.2), (1, -0.9), (2, -1.5)])], token_bytes, top=3)
+    assert doc["top_logprobs"] == [{"x": -0.9, "y": -1.5}] and doc["token_logprobs"] == [-0.9]
+    assert oa.logprobs_doc(False, [emitted(2, 0, -1.5, [(0, -0.2), (1, -0.9)])], token_bytes,
+                           top=2)["top_logprobs"] == [{"x": -0.2, "y": -1.5}]
+
+
+def test_infinite_logprobs_become_vllms_floor_so_the_json_is_valid():
+    import json
+
+    nan, inf = float("nan"), float("inf")
+    doc = oa.logprobs_doc(True, [emitted(0, 0, -inf, [(1, 0.0), (0, nan)])], [b"a", b"b"], 2)
+    json.dumps(doc, allow_nan=False)  # what Starlette's JSONResponse demands
+    assert doc["content"][0]["logprob"] == oa.LOGPROB_FLOOR == doc["content"][0]["top_logprobs"][1]["logprob"]
+    text = oa.logprobs_doc(False, [emitted(0, 0, -inf, [(1, 0.0)])], [b"a", b"b"], 1)
+    json.dumps(text, allow_nan=False)
+
+
 # --- /tokenize, /detokenize ------------------------------------------------------------------------------
 
 
-def test_tokenize_takes_both_servers_spellings():
-    llama = oa.parse_tokenize({"content": "hi", "add_special": False, "with_pieces": True})
-    assert (llama.job.prompt, llama.add_special, llama.with_pieces) == ("hi", False, True)
-    vllm = oa.parse_tokenize({"model": "m", "prompt": "hi", "add_special_tokens": True})
-    assert (vllm.job.prompt, vllm.add_special, vllm.with_pieces) == ("hi", True, False)
+def test_tokenize_takes_both_servers_spellings_and_defaults():
+    llama = oa.parse_tokenize({"content": "hi", "with_pieces": True})
+    assert (llama.job.prompt, llama.add_special, llama.with_pieces) == ("hi", False, True)  # llama-server's
+    vllm = oa.parse_tokenize({"model": "m", "prompt": "hi", "return_token_strs": True})
+    assert (vllm.job.prompt, vllm.add_special, vllm.with_pieces, vllm.token_strs) == ("hi", True, False, True)
+    assert oa.parse_tokenize({"content": "hi", "add_special": True}).add_special
+    assert not oa.parse_tokenize({"prompt": "hi", "add_special_tokens": False}).add_special
     chat = oa.parse_tokenize({"messages": MSG, "add_generation_prompt": False})
-    assert chat.job.chat and chat.job.messages[0]["content"] == "hi"
+    assert chat.job.chat and chat.job.messages[0]["content"] == "hi" and chat.add_special
     assert chat.job.chat_template_kwargs == {"add_generation_prompt": False}
     nested = oa.parse_tokenize({"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert nested.job.chat_template_kwargs == {"add_generation_prompt": False}
@@ -228,6 +256,11 @@ def test_tokenize_takes_both_servers_spellings():
 
 @pytest.mark.parametrize("body, param, code", [
     ({}, "prompt", "missing_field"), ({"content": 5}, "content", "invalid_type"),
+    ({"content": "a", "prompt": 3}, "prompt", "invalid_value"),
+    ({"prompt": "a", "messages": MSG}, "messages", "invalid_value"),
+    ({"content": "a", "add_special": True, "add_special_tokens": True}, "add_special_tokens",
+     "invalid_value"),
+    ({"prompt": "a", "return_token_strs": "yes"}, "return_token_strs", "invalid_type"),
     ({"prompt": ["a"]}, "prompt", "invalid_type"), ({"messages": []}, "messages", "invalid_type"),
     ({"content": "a", "add_special": "no"}, "add_special", "invalid_type"),
     ({"content": "a", "with_pieces": 1}, "with_pieces", "invalid_type"),
@@ -254,4 +287,5 @@ def test_tokenize_answer_shapes():
     doc = oa.tokenize_doc([0, 1], token_bytes, False, 64)
     assert doc == {"tokens": [0, 1], "count": 2, "max_model_len": 64}
     pieces = oa.tokenize_doc([0, 2], token_bytes, True, 64)["tokens"]
-    assert pieces == [{"id": 0, "piece": "a"}, {"id": 2, "piece": "\ufffd"}]
+    assert pieces == [{"id": 0, "piece": "a"}, {"id": 2, "piece": [0x83]}]  # not UTF-8 alone: its bytes
+    assert oa.tokenize_doc([2, 0], token_bytes, False, 64, ["A", "B", "C"])["token_strs"] == ["C", "A"]

@@ -73,8 +73,9 @@ def test_logprobs_come_with_the_pieces_their_tokens_make(runner):
     assert [t.token_id for t in tokens] == list(want.token_ids)
     assert [list(t.top) for t in tokens] == want.top_logprobs[: len(tokens)]
     assert all(t.top[0][0] == t.token_id and len(t.top) == 3 for t in tokens)  # greedy: the most likely
-    text = "".join(p.text for p in pieces)
-    for p in pieces:  # a piece's tokens start inside the text sent up to and with it
-        assert all(t.offset <= len(text) for t in p.tokens)
+    text, sent = "".join(p.text for p in pieces), 0
+    for p in pieces:  # a piece's tokens start inside the text sent up to and with it, never later
+        sent += len(p.text)
+        assert all(t.offset < sent or (t.offset == sent and p is pieces[-1]) for t in p.tokens)
     plain, _ = asyncio.run(collect(runner, "plain", ids, max_tokens=8, whole=True))
     assert "".join(p.text for p in plain) == text and all(p.tokens == () for p in plain)

@@ -107,9 +107,33 @@ def test_a_stop_string_keeps_its_tokens_and_those_after_it(tok):
 def test_held_text_and_its_tokens_wait_together(tok):
     stream = TextStream(tok, ["END"])
     got = [stream.push(i, logprob_of(i)) for i in tok.encode("a EN")]
-    assert "".join(got) == "a " and {tok.decode([t.token_id]) for t in stream.take_tokens()} <= set("a ")
+    assert "".join(got) == "a " and "".join(tok.decode([t.token_id]) for t in stream.take_tokens()) == "a "
     assert stream.finish() == "EN"
     assert "".join(tok.decode([t.token_id]) for t in stream.take_tokens()) == "EN"
+
+
+@pytest.fixture(scope="module")
+def merged():
+    """The embedded model's tokenizer: BPE merges, so a token spans several characters."""
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import default_model_path
+
+    return Tokenizer.from_gguf(GGUFFile(default_model_path()))
+
+
+def test_a_stop_string_inside_a_token_lists_that_token_and_none_after(merged):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = merged.encode(text)
+    starts = [len(merged.decode(ids[:k])) for k in range(len(ids))]
+    k = next(k for k in range(1, len(ids)) if len(merged.decode([ids[k]])) >= 3)  # a token of 3+ characters
+    stop = text[starts[k] + 1 : starts[k] + 3]  # from its second character: the cut falls inside it
+    assert text.find(stop) == starts[k] + 1
+    stream = TextStream(merged, [stop])
+    sent = "".join(stream.push(i, logprob_of(i)) for i in ids) + stream.finish()
+    listed = stream.take_tokens()
+    assert sent == text[: starts[k] + 1] and stream.stopped
+    assert [t.token_id for t in listed] == ids[: k + 1]  # the token the cut falls in, and those before it
+    assert [t.offset for t in listed] == starts[: k + 1]
 
 
 def test_tokens_without_logprobs_are_not_kept(tok):
