@@ -41,6 +41,7 @@ class HttpRunner:
         self.api_key = api_key
         self.api = api
         self.token_ids = token_ids
+        self._models: list[dict] | None = None
         self.model = model or self.first_model()
 
     # ---- plain requests --------------------------------------------------------------------------------
@@ -64,10 +65,12 @@ class HttpRunner:
             raise ServerError(f"{url}: cannot connect ({reason})") from None
 
     def listed_models(self) -> list[dict]:
-        """The entries the server lists at /v1/models."""
-        with self._open("/models") as resp:
-            models = json.loads(resp.read().decode("utf-8")).get("data") or []
-        return [m for m in models if isinstance(m, dict)]
+        """The entries the server lists at /v1/models (asked once: the model name, then its context)."""
+        if self._models is None:
+            with self._open("/models") as resp:
+                models = json.loads(resp.read().decode("utf-8")).get("data") or []
+            self._models = [m for m in models if isinstance(m, dict)]
+        return self._models
 
     def first_model(self) -> str:
         """The first model the server lists at /v1/models ('default' when it lists none)."""
