@@ -46,6 +46,7 @@ class GenerationRequest:
     max_tokens: int = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int = 0  # top-K log-probabilities per generated token
+    prompt_logprobs: int = 0  # top-K log-probabilities of each prompt token after the first (an echo's)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class GenerationSummary(TokenRates):
     prompt_seconds: float
     decode_seconds: float
     top_logprobs: list | None = None
+    prompt_logprobs: list | None = None  # generate.TokenLogprob per prompt token after the first, when asked
     experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
     expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
     warnings: tuple[str, ...] = ()  # what the request asked and could not do, a line each (a profile save)
@@ -169,10 +171,11 @@ class Engine:
             raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {context}")
         return ids
 
-    def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None):
+    def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None,
+                 on_prompt: Callable[[list], None] | None = None):
         """Run one request to the end; returns a GenerationSummary. on_token(id) sees every new token; with
         request.logprobs, as on_token(id, logprob) (a generate.TokenLogprob), so such a callback must take
-        two arguments."""
+        two arguments. on_prompt(entries) gets request.prompt_logprobs' scores before the first token."""
         from strata_ray.engine.generate import generate
         from strata_ray.engine.prefill import prefill_chunk
 
@@ -199,6 +202,8 @@ class Engine:
             self.tokenizer.stop_ids,
             on_token=on_each,
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            on_prompt=on_prompt,
             **kwargs,
         )
         token_ids = tuple(int(t) for t in result.token_ids)
@@ -221,6 +226,7 @@ class Engine:
             prompt_seconds=result.prompt_seconds,
             decode_seconds=result.decode_seconds,
             top_logprobs=result.top_logprobs if request.logprobs else None,
+            prompt_logprobs=result.prompt_logprobs if request.prompt_logprobs else None,
             experts=experts,
             expert_stats=expert_stats,
             warnings=warnings,

@@ -15,6 +15,9 @@ from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.ops import GDN_CHUNK
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prompt forward; a multiple of GDN_CHUNK
+# a prompt scored token by token (prompt logprobs) runs in chunks of at most this many tokens: every row's
+# logits are kept for a chunk, [chunk, V] float32 (311 MB at a 152K vocabulary)
+PROMPT_LOGPROBS_CHUNK = 512
 # On a host this small, one-token forwards run torch's CPU ops on one thread: their ops are too small to gain
 # from a second thread, and waking it costs more than the op (decode on the 2-core VM: about the same speed
 # when idle, 3-4x faster when another process keeps a core busy). The bits are the same at any thread count.
@@ -33,6 +36,7 @@ class GenerationResult(TokenRates):
     decode_seconds: float  # everything after: sampling and the one-token forwards
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: top (id, logprob)
     token_logprobs: list[float] = field(default_factory=list)  # per token: logprob of the chosen id
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
     finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
 
 
@@ -77,12 +81,17 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     logprobs: int = 0,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prompt_logprobs: int = 0,
+    on_prompt: Callable[[list], None] | None = None,
 ) -> GenerationResult:
     """Run the prompt through `model` in chunks of `prefill_chunk` tokens, then sample up to `max_tokens`
     tokens one forward at a time. Stops at a sampled id in stop_ids (not emitted), at max_tokens, or when the
     context is full. on_token(id) is called for every emitted token as soon as it is sampled. logprobs > 0
     records that many top (id, logprob) pairs of the model's distribution per emitted token, and on_token is
-    called as on_token(id, logprob=TokenLogprob) with them."""
+    called as on_token(id, logprob=TokenLogprob) with them. prompt_logprobs > 0 records each prompt token's
+    (after the first) logprob and top pairs given the tokens before it (`result.prompt_logprobs`, handed to
+    on_prompt before the first token): every row of the prompt's logits, in chunks of at most
+    PROMPT_LOGPROBS_CHUNK; the first token is chosen from the same last row's logits as without them."""
     prompt = [int(t) for t in prompt_ids]
     hp = model.hp
     if not prompt:
@@ -104,15 +113,22 @@ def generate(
         # a prompt of a few tokens runs the decode's small-batch path: the tiers count it as a prompt all
         # the same (their windows, hit rates and adaptive usage are the decode's)
         prompt_forwards = getattr(getattr(model, "experts", None), "prompt_forwards", nullcontext)
+        scored: list[TokenLogprob] = []
         with prompt_forwards():
-            for start in range(0, len(prompt), prefill_chunk):
-                logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
+            if prompt_logprobs > 0:
+                logits = _score_prompt(model, prompt, state, min(prefill_chunk, PROMPT_LOGPROBS_CHUNK),
+                                       prompt_logprobs, scored)
+            else:
+                for start in range(0, len(prompt), prefill_chunk):
+                    logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
         last = logits[-1].float()  # [V] where the model ran: the sampler draws there
         if last.device.type == "cuda":
             torch.cuda.synchronize(last.device)  # the prompt's time ends when its logits are there
         t1 = time.perf_counter()
 
-        result = GenerationResult([], len(prompt), t1 - t0, 0.0)
+        result = GenerationResult([], len(prompt), t1 - t0, 0.0, prompt_logprobs=scored)
+        if on_prompt is not None and prompt_logprobs > 0:
+            on_prompt(scored)
         graphs = getattr(model, "decode_graphs", None)
         chained = graphs is not None and graphs.chain and max_tokens > 0
         with decode_threads(model.device):
@@ -133,6 +149,27 @@ def generate(
                 last = model.forward([tok], state)[-1].float()
         result.decode_seconds = time.perf_counter() - t1
     return result
+
+
+def _score_prompt(model, prompt: list[int], state, chunk: int, k: int,
+                  out: list[TokenLogprob]) -> torch.Tensor:
+    """The prompt forwards with every row's logits: each prompt token after the first gets its logprob and
+    the top k given the tokens before it (into out). Returns the last row's logits [1, V], computed by the
+    LM head on that row alone, as a last_only forward computes them (the first token's bits unchanged)."""
+    for start in range(0, len(prompt), chunk):
+        ids = prompt[start : start + chunk]
+        logits, hidden = model.forward(ids, state, return_hidden=True)  # [t, V], [t, E]
+        following = prompt[start + 1 : start + 1 + len(ids)]  # the token each row predicts (none for the end)
+        if following:
+            with one_torch_thread():  # as _record_logprobs: beside the CPU team's spinning members
+                lp = torch.log_softmax(logits[: len(following)].float(), dim=-1)  # [n, V]
+                top = torch.topk(lp, min(k, lp.shape[1]))
+                chosen = lp.gather(1, torch.tensor(following, device=lp.device)[:, None])[:, 0]
+            top_ids, top_values = top.indices.cpu().tolist(), top.values.cpu().tolist()
+            rows = zip(chosen.cpu().tolist(), top_ids, top_values, strict=True)
+            out.extend(TokenLogprob(c, tuple(zip(i, v, strict=True))) for c, i, v in rows)
+        del logits
+    return model.head(hidden[-1:])
 
 
 def _emit(on_token: Callable | None, tok: int, entry: TokenLogprob | None) -> None:

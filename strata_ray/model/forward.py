@@ -89,10 +89,14 @@ class Model:
         if last_only:
             h = h[-1:]
         hidden = ops.rms_norm(h, w["output_norm.weight"], hp.rms_eps)
-        logits = ops.linear(hidden, w.get("output.weight", w["token_embd.weight"]))
+        logits = self.head(hidden)
         return (logits, hidden) if return_hidden else logits
 
     __call__ = forward
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """The LM head: hidden [T, E] (after the final norm) -> logits [T, V]."""
+        return ops.linear(hidden, self.weights.get("output.weight", self.weights["token_embd.weight"]))
 
     def mtp_logits(self, hidden: Tensor, next_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:
         """MTP head: hidden [T, E] (post-final-norm, trunk positions state.mtp_pos..) and next_ids [T] (the

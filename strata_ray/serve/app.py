@@ -100,7 +100,7 @@ class StrataServer:
         max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
         rid = oa.new_id(job.chat)
         rec = self.metrics.enqueue(rid, endpoint)
-        events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop, job.engine_logprobs)
+        events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop, job.engine_logprobs, job.echo)
         if job.stream:
             return ClosingStreamingResponse(self._sse(job, rid, events), media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

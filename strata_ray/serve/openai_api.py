@@ -70,6 +70,7 @@ class Completion:
     chat_template_kwargs: dict = field(default_factory=dict)
     model: str | None = None
     logprobs: int | None = None  # None: none; else each token's logprob and its top `logprobs` alternatives
+    echo: bool = False  # /v1/completions: the prompt's text (with logprobs, its tokens') before the answer
 
     @property
     def engine_logprobs(self) -> int:
@@ -148,9 +149,10 @@ def _seed(body) -> int | None:
     return seed
 
 
-def _max_tokens(body) -> int | None:
+def _max_tokens(body, echo: bool) -> int | None:
+    """At least 1, or 0 with echo (a prompt scored, nothing generated: how evaluation harnesses ask)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _integer(body, name, 1)
+    return _integer(body, name, 0 if echo else 1)
 
 
 def _stop(body) -> tuple[str, ...]:
@@ -216,8 +218,6 @@ def _unsupported(body) -> None:
         raise invalid("response_format", 'only {"type": "text"}: this server does not constrain its output')
     if body.get("logit_bias") not in (None, {}):
         raise invalid("logit_bias", "not supported by this server")
-    if body.get("echo") not in (None, False):
-        raise invalid("echo", "not supported by this server (no prompt logprobs)")
     if body.get("best_of") not in (None, 1):
         raise invalid("best_of", "only 1 is supported (one engine generates one answer at a time)")
     # vLLM's repetition_penalty, llama.cpp's repeat_penalty: 1 is off; OpenAI's penalties: 0 is off
@@ -238,12 +238,15 @@ def _common(body, chat: bool) -> dict[str, Any]:
         raise invalid("n", "only n=1 is supported (one engine generates one answer at a time)")
     _unsupported(body)
     logprobs = _logprobs(body, chat)
+    if chat and body.get("echo") not in (None, False):
+        raise invalid("echo", "a /v1/completions field (the prompt's text and logprobs before the answer)")
+    echo = not chat and _boolean(body, "echo")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", f"expected a string, got {json.dumps(model)}", "invalid_type")
     stream, include_usage = _stream(body)
-    return dict(max_tokens=_max_tokens(body), sampling=_sampling(body), stop=_stop(body), stream=stream,
-                include_usage=include_usage, model=model, logprobs=logprobs)
+    return dict(max_tokens=_max_tokens(body, echo), sampling=_sampling(body), stop=_stop(body), stream=stream,
+                include_usage=include_usage, model=model, logprobs=logprobs, echo=echo)
 
 
 def _content_text(content, where: str) -> str:
@@ -468,15 +471,18 @@ def logprobs_doc(chat: bool, tokens, token_bytes: Sequence[bytes], top: int) -> 
         return {"content": [{**entry(t.token_id, t.logprob),
                              "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]} for t in tokens],
                 "refusal": None}
-    tops = []
+    tops: list[dict | None] = []
     for t in tokens:  # the chosen token always listed, so up to top + 1 (OpenAI's completions)
+        if t.logprob is None:  # an echoed prompt's first token: null, as OpenAI sends it
+            tops.append(None)
+            continue
         alternatives: dict[str, float] = {}
         for i, lp in t.top[:top]:
             alternatives.setdefault(text(i), _finite(lp))  # best first: a repeated name keeps its best
         alternatives[text(t.token_id)] = _finite(t.logprob)
         tops.append(alternatives)
     return {"tokens": [text(t.token_id) for t in tokens],
-            "token_logprobs": [_finite(t.logprob) for t in tokens],
+            "token_logprobs": [None if t.logprob is None else _finite(t.logprob) for t in tokens],
             "top_logprobs": tops, "text_offset": [t.offset for t in tokens]}
 
 

@@ -10,6 +10,7 @@ and the engine is free for the next request as soon as that token is done.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,30 @@ class Piece:
 
     text: str
     tokens: tuple[EmittedToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """The prompt tokens' logprobs (a generate.TokenLogprob each, tokens 1..), from the engine thread."""
+
+    scores: tuple
+
+
+def prompt_text(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
+    """An echoed prompt: its text and where each token's text starts in it (a token that ends inside a
+    character starts where that character does)."""
+    decoder = tokenizer.stream_decoder()
+    offsets, parts, n = [], [], 0
+    for i in ids:
+        offsets.append(n)
+        parts.append(decoder.push(i))
+        n += len(parts[-1])
+    parts.append(decoder.flush())
+    return "".join(parts), offsets
+
+
+def _shifted(tokens: list[EmittedToken], shift: int) -> tuple[EmittedToken, ...]:
+    return tuple(dataclasses.replace(t, offset=t.offset + shift) for t in tokens) if shift else tuple(tokens)
 
 
 @dataclass(frozen=True)
@@ -100,11 +125,12 @@ class EngineRunner:
     # --- generation ---------------------------------------------------------------------------------------
 
     async def stream(self, rec: status.RequestRecord, prompt_ids: Sequence[int], max_tokens: int,
-                     sampling: Sampling, stop: Sequence[str],
-                     logprobs: int = 0) -> AsyncIterator[Piece | Finished]:
+                     sampling: Sampling, stop: Sequence[str], logprobs: int = 0,
+                     echo: bool = False) -> AsyncIterator[Piece | Finished]:
         """Yields Pieces, then one Finished. Closing it (aclose) cancels; callers must close it. rec must come
         from metrics.enqueue (it counts as queued until the engine takes it). logprobs > 0: each piece's
-        tokens carry their top-`logprobs` log-probabilities."""
+        tokens carry their top-`logprobs` log-probabilities. echo: the first piece is the prompt's text (with
+        logprobs, its tokens scored, the first one without a logprob), and the later offsets count it."""
         from strata_ray.engine.engine import GenerationRequest
         from strata_ray.engine.sampling import SamplingParams
 
@@ -118,15 +144,17 @@ class EngineRunner:
                 except ValueError as e:  # SamplingError: ranges the API check let through
                     raise APIError(400, first_line(e), code="invalid_value") from None
                 request = GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
-                                            sampling=params, logprobs=logprobs)
+                                            sampling=params, logprobs=logprobs,
+                                            prompt_logprobs=logprobs if echo else 0)
                 self.metrics.begin(rec, len(prompt_ids), max_tokens)
-                async for event in self._generate(rec, request, stop):
+                async for event in self._generate(rec, request, stop, echo):
                     yield event
         finally:
             if not started:
                 self.metrics.dequeue_unstarted()
 
-    async def _generate(self, rec, request, stop: Sequence[str]) -> AsyncIterator[Piece | Finished]:
+    async def _generate(self, rec, request, stop: Sequence[str],
+                        echo: bool) -> AsyncIterator[Piece | Finished]:
         from strata_ray.engine.engine import GenerationStopped, RequestError
 
         engine = self.engine
@@ -139,15 +167,29 @@ class EngineRunner:
                 raise GenerationStopped()
             loop.call_soon_threadsafe(tokens.put_nowait, (token_id, logprob))
 
+        def on_prompt(scores) -> None:  # on the engine thread: the prompt's logprobs, before the first token
+            loop.call_soon_threadsafe(tokens.put_nowait, PromptScores(tuple(scores)))
+
         before = status.tier_counters(engine)
-        job = loop.run_in_executor(self._executor, engine.generate, request, on_token)
+        job = loop.run_in_executor(self._executor, engine.generate, request, on_token, on_prompt)
         job.add_done_callback(lambda _: tokens.put_nowait(None))
         text = TextStream(engine.tokenizer, stop)
+        echoed, offsets = prompt_text(engine.tokenizer, request.prompt_ids) if echo else ("", [])
+        shift = len(echoed)  # the generated text's offsets count the echoed prompt before it
         finish, error = "cancelled", None
         try:
+            if echoed and not request.prompt_logprobs:
+                yield Piece(echoed)
             while (event := await tokens.get()) is not None:
+                if isinstance(event, PromptScores):
+                    ids = request.prompt_ids
+                    scored = [EmittedToken(ids[0], 0, None, ())] + [
+                        EmittedToken(i, o, e.logprob, tuple(e.top))
+                        for i, o, e in zip(ids[1:], offsets[1:], event.scores, strict=True)]
+                    yield Piece(echoed, tuple(scored))
+                    continue
                 self.metrics.token(rec)
-                piece = Piece(text.push(*event), tuple(text.take_tokens()))
+                piece = Piece(text.push(*event), _shifted(text.take_tokens(), shift))
                 if piece.text or piece.tokens:
                     yield piece
                 if text.stopped and not cancel.is_set():
@@ -164,7 +206,7 @@ class EngineRunner:
             except Exception as e:
                 finish, error = "error", f"{type(e).__name__}: {first_line(e)}"
                 raise server_error(f"the engine failed: {error}") from None
-            tail = Piece(text.finish(), tuple(text.take_tokens()))
+            tail = Piece(text.finish(), _shifted(text.take_tokens(), shift))
             if tail.text or tail.tokens:
                 yield tail
             length = not text.stopped and rec.generated >= request.max_tokens

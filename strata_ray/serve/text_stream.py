@@ -23,7 +23,7 @@ class EmittedToken:
 
     token_id: int
     offset: int  # where its text starts in the completion's text (characters); its text may be empty
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it to predict it)
     top: tuple[tuple[int, float], ...]  # the top K (id, logprob), best first
 
 

@@ -220,6 +220,24 @@ def test_the_chained_greedy_decode_gives_the_same_tokens_on_cuda(tiny_next_q4, c
     assert got["1", "logprobs"] == got["0", "logprobs"] and got["1", "logprobs"][0] == got["1", "sampled"]
 
 
+def test_prompt_logprobs_leave_the_generation_alone_on_cuda(tiny_next_q4):
+    """An echo's prompt scores (every row of the prompt's logits; the first token from the last row's LM
+    head alone, as without them): the same tokens and logprob bits as the request without them, the chained
+    decode included; the scores near the CPU engine's."""
+    from strata_ray.engine.generate import generate
+
+    got = {}
+    for device in ("cuda", "cpu"):
+        cfg = EngineConfig(model=tiny_next_q4, device=device, expert_cache=10 if device == "cuda" else 0)
+        loaded, _ = load_tiered_model(cfg, device, progress=False)
+        plain = generate(loaded.model, PROMPT, DECODE, logprobs=2)
+        got[device] = generate(loaded.model, PROMPT, DECODE, logprobs=2, prompt_logprobs=3)
+        assert (got[device].token_ids, got[device].token_logprobs) == (plain.token_ids, plain.token_logprobs)
+        assert len(got[device].prompt_logprobs) == len(PROMPT) - 1
+    cuda, cpu = ([e.logprob for e in got[d].prompt_logprobs] for d in ("cuda", "cpu"))
+    assert cuda == pytest.approx(cpu, abs=5e-2) and all(lp <= 0 for lp in cuda)
+
+
 @pytest.mark.parametrize("chain", ["0", "1"])
 def test_a_loan_of_ring_slots_gives_the_same_bits_over_two_requests_on_cuda(tiny_next_q4, chain, monkeypatch):
     """STRATA_RING_LOAN with a 4-slot ring and the engine's decode defaults (token graphs, copies ahead, a

@@ -131,6 +131,32 @@ def test_logprobs_chat_and_completions_streamed_or_not(server, engine):
     assert streamed_tokens == tokens
 
 
+def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(server, engine):
+    # lm-evaluation-harness's loglikelihood request: the prompt echoed with its logprobs, nothing generated
+    prompt = "The Python standard library is large"
+    body = {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    choice = server.post("/v1/completions", body).json()["choices"][0]
+    lp = choice["logprobs"]
+    ids = engine.tokenizer.encode(prompt)
+    want = engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_tokens=0, prompt_logprobs=1))
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in want.prompt_logprobs], abs=1e-5)
+    assert "".join(lp["tokens"]) == prompt and lp["text_offset"][0] == 0
+    for tok, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:], strict=True):
+        assert tok in top and 1 <= len(top) <= 2  # is_greedy: the chosen token is the best one listed
+    # with a generation after it: the prompt, then what the request without echo answers
+    plain = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0}).json()
+    both = server.post("/v1/completions", {**body, "max_tokens": 6}).json()["choices"][0]
+    assert both["text"] == prompt + plain["choices"][0]["text"]
+    assert all(o >= len(prompt) for o in both["logprobs"]["text_offset"][len(ids):])
+    streamed = server.post("/v1/completions", {**body, "max_tokens": 6, "stream": True}, stream=True)
+    events = sse_events(streamed)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == both["text"]
+    assert_error(server.post("/v1/completions", {"prompt": prompt, "max_tokens": 0}), 400, "max_tokens",
+                 "invalid_value")
+
+
 def test_tokenize_gives_the_ids_a_completion_runs_and_detokenize_inverts_it(server, engine):
     text = "The Python standard library \u2603"
     doc = server.post("/tokenize", {"content": text}).json()

@@ -289,3 +289,23 @@ def test_tokenize_answer_shapes():
     pieces = oa.tokenize_doc([0, 2], token_bytes, True, 64)["tokens"]
     assert pieces == [{"id": 0, "piece": "a"}, {"id": 2, "piece": [0x83]}]  # not UTF-8 alone: its bytes
     assert oa.tokenize_doc([2, 0], token_bytes, False, 64, ["A", "B", "C"])["token_strs"] == ["C", "A"]
+
+
+def test_echo_is_a_completions_field_that_allows_max_tokens_0():
+    job = oa.parse_text({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert job.echo and job.max_tokens == 0 and job.logprobs == 1
+    assert not oa.parse_text({"prompt": "x"}).echo
+    with pytest.raises(oa.APIError) as info:  # nothing to send back without the echo
+        oa.parse_text({"prompt": "x", "max_tokens": 0})
+    assert (info.value.param, info.value.code) == ("max_tokens", "invalid_value")
+    for body, param in (({"prompt": "x", "echo": "yes"}, "echo"),):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_text(body)
+        assert (info.value.param, info.value.code) == (param, "invalid_type")
+
+
+def test_an_echoed_prompts_first_token_has_null_logprobs():
+    tokens = [emitted(0, 0, None, ()), emitted(1, 1, -0.5, [(1, -0.5)])]
+    doc = oa.logprobs_doc(False, tokens, [b"a", b"b"], top=1)
+    assert doc == {"tokens": ["a", "b"], "token_logprobs": [None, -0.5], "top_logprobs": [None, {"b": -0.5}],
+                   "text_offset": [0, 1]}

@@ -23,10 +23,10 @@ def runner(model_path):
     return r
 
 
-async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False):
+async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False, echo=False):
     """(text, Finished); whole: (the pieces, Finished)."""
     rec = runner.metrics.enqueue(name, "test")
-    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs)
+    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs, echo)
     pieces = []
     async with contextlib.aclosing(events):
         async for event in events:
@@ -79,3 +79,22 @@ def test_logprobs_come_with_the_pieces_their_tokens_make(runner):
         assert all(t.offset < sent or (t.offset == sent and p is pieces[-1]) for t in p.tokens)
     plain, _ = asyncio.run(collect(runner, "plain", ids, max_tokens=8, whole=True))
     assert "".join(p.text for p in plain) == text and all(p.tokens == () for p in plain)
+
+
+def test_an_echo_sends_the_prompt_first_with_its_scores_and_counts_it_in_the_offsets(runner):
+    tok = runner.engine.tokenizer
+    ids = tok.encode("import os\nimport sys")
+    pieces, done = asyncio.run(collect(runner, "echo", ids, max_tokens=5, logprobs=2, whole=True, echo=True))
+    first, *rest = pieces
+    assert first.text == tok.decode(ids) and [t.token_id for t in first.tokens] == ids
+    assert first.tokens[0].logprob is None and all(t.logprob is not None for t in first.tokens[1:])
+    want = runner.engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_tokens=5, logprobs=2,
+                                                    prompt_logprobs=2))
+    assert [t.logprob for t in first.tokens[1:]] == [e.logprob for e in want.prompt_logprobs]
+    generated = [t for p in rest for t in p.tokens]
+    assert [t.token_id for t in generated] == list(want.token_ids) and done.completion_tokens == 5
+    assert all(t.offset >= len(first.text) for t in generated)  # after the echoed prompt
+    plain, _ = asyncio.run(collect(runner, "plain", ids, max_tokens=5))
+    assert "".join(p.text for p in rest) == plain
+    only, done = asyncio.run(collect(runner, "only", ids, max_tokens=0, echo=True))
+    assert only == tok.decode(ids) and done.completion_tokens == 0 and done.finish_reason == "length"
