@@ -571,8 +571,8 @@ class TieredExperts:
     ) -> None:
         """misses: entries the CPU pool computed; pcie: misses the GPU computed from the host store."""
         c = self.metrics.counts
-        if not decode or self.in_prompt:
-            c.prompt_entries += hits + misses
+        if not decode or self.in_prompt:  # a short prompt on the pipelined decode: its PCIe entries too
+            c.prompt_entries += hits + misses + pcie
             self.prompt_heat[layer] += np.bincount(ids_h, minlength=self.n_expert)
             return
         self._window[layer] += np.bincount(ids_h, minlength=self.n_expert)  # +1 per routed entry
