@@ -492,7 +492,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # experts/decode_pipeline; STRATA_DOWN_PREFETCH: the team's down units prefetched, experts/decode_pipeline;
 # STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline;
 # STRATA_MMA_KQUANT_CTAS: the CTAs an SM the K-quant prompt rows' registers are capped for,
-# kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda)
+# kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
+# STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -518,6 +519,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_GEMV_MIN_CTAS": int_range(1, 4),
     "STRATA_PRECOMPILE": _choice("0", "1"),
     "STRATA_RING_SLOTS": ring_slots_value,
+    "STRATA_AHEAD_LAYER": _choice("same", "next"),
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

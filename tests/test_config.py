@@ -273,10 +273,12 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_TEAM_UNITS", "8", "half or whole"),
     ("STRATA_MMA_KQUANT_CTAS", "5", "an integer from 1 to 4"),
     ("STRATA_GEMV_MIN_CTAS", "0", "an integer from 1 to 4"),
+    ("STRATA_AHEAD_LAYER", "early", "same or next"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee",
-            "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole"}.get(name, "1")
+            "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole",
+            "STRATA_AHEAD_LAYER": "next"}.get(name, "1")
     config([], {name: good})  # good values pass
     with pytest.raises(ConfigError) as e:
         config([], {name: value})

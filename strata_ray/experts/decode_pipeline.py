@@ -132,6 +132,18 @@ def team_unit_rows() -> int:
     return ROWS if os.environ.get("STRATA_TEAM_UNITS", "") == "whole" else HALF_ROWS
 
 
+def ahead_layer() -> str:
+    """STRATA_AHEAD_LAYER: where a layer's copies ahead are picked. "same" (default): from the layer's own
+    input, beside its mixer. "next": from the input of the layer before (the picked layer's norm and router
+    over that earlier residual; layer 0 keeps its own), so the copies queue behind the layer before's own
+    and land a layer earlier, filling the PCIe link's idle time between layers (session 28's trace: 40-60
+    us a layer); wrong a little more often (scripts/routing_ahead.py: the first 2 picked routed 85-91% of
+    the time against 95% on the synth family, 61-63% against 74% on the embedded model). Needs a token to
+    be one graph (the device attention, STRATA_TOKEN_GRAPH_LAYERS unset: a fork joins inside its piece);
+    elsewhere "same". Not yet run on a GPU (session 30)."""
+    return os.environ.get("STRATA_AHEAD_LAYER", "") or "same"
+
+
 def pinned_block(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Zeroed tensors of the given (shape, dtype) as views of one page-locked block, each at a 64-byte
     boundary (a cache line of its own)."""
@@ -192,26 +204,42 @@ class PipelinedDecodeRows:
         # the worker's rows waited for inside) and the experts a layer copies ahead of its routing
         token_env = os.environ.get("STRATA_TOKEN_GRAPH", "")
         self.token_graph, self.ahead = token_graph_and_ahead(partial, token_env, tiers.decode_prefetch)
+        # copies ahead picked a layer early (STRATA_AHEAD_LAYER=next): layer l + 1's copies and staged list
+        # are written while layer l's are still read, so both are double-buffered by layer parity (a layer's
+        # copies land in its parity's staging, its plan and tiles read them there); the decode graphs turn
+        # it back to the same layer's pick where a token is not one graph (set_ahead_next)
+        self.ahead_next = bool(self.ahead) and self.token_graph and ahead_layer() == "next"
+        self.stagings: list[torch.Tensor] = []
         if (tiers.pcie_share or self.ahead) and partial:
             # [K + C, blob]: slot k for entry k's copy after the routing, K + c for the experts copied ahead
-            self.staging = torch.empty((k + self.ahead, tiers.store.max_blob), dtype=torch.uint8, device=dev)
+            blob = tiers.store.max_blob
+            self.stagings = [torch.empty((k + self.ahead, blob), dtype=torch.uint8, device=dev)
+                             for _ in range(2 if self.ahead_next else 1)]
+            self.staging = self.stagings[0]
             for layer in range(tiers.n_layers):
                 parts = tiers.store.pinned_addresses(layer)
                 if parts is not None:
-                    self._stage[layer] = _staging_plan(parts, tiers.store.layouts[layer], self.staging)
+                    self._stage[layer] = _staging_plan(parts, tiers.store.layouts[layer],
+                                                       self._staging_of(layer))
                     self.shares[layer] = tiers.pcie_share
         if not self._stage:
             self.ahead = 0
+            self.ahead_next = False
         # the experts copied ahead for the layer being planned (int32 [C], -1: none: also every layer that
         # copies none, so the worker never sees another layer's list) and the pick's starts; the worker's copy
-        self._ahead_expert = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
-        self._ahead_start = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+        # (by layer parity where the pick is a layer early: _ahead_of)
+        self._ahead_experts = [torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+                               for _ in range(2 if self.ahead_next else 1)]
+        self._ahead_starts = [torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
+                              for _ in range(2 if self.ahead_next else 1)]
         self._no_ahead = torch.full((max(1, self.ahead),), -1, dtype=torch.int32, device=dev)
         self._staged_pin = torch.full((max(1, self.ahead),), -1, dtype=torch.int64, pin_memory=True)
         # the worker reads each layer's predicted CPU rows ahead while its mixer runs (STRATA_DECODE_WARM):
         # the pick also hands the prediction and the staged list over (ids into _pred_pin, the list into
         # _pred_staged_pin, then `predicted` := base + layer)
-        self.warm = bool(self.ahead) and decode_warm()
+        # (not with the pick a layer early: the prediction's buffers hold one layer's, which the worker may
+        # still read when the next layer's pick would write them)
+        self.warm = bool(self.ahead) and decode_warm() and not self.ahead_next
         self.predicted = HostFlag(dev)
         self._pred_pin = torch.zeros(k, dtype=torch.int64, pin_memory=True)  # [K]
         self._pred_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
@@ -307,6 +335,20 @@ class PipelinedDecodeRows:
         return gather_rows(self.gpu_rows[None], self.cpu_rows, self.hit[None], self.inv[None])[0]
 
     # -- the copies ahead of the routing (STRATA_DECODE_PREFETCH) ------------------------------------------
+    def _staging_of(self, layer: int) -> torch.Tensor:
+        """The staging slots the layer's copies land in: its parity's where the pick is a layer early."""
+        return self.stagings[layer % len(self.stagings)]
+
+    def _ahead_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, experts) of the layer's staged list (prefetch_pick's outputs), its parity's."""
+        i = layer % len(self._ahead_experts)
+        return self._ahead_starts[i], self._ahead_experts[i]
+
+    def set_ahead_next(self, on: bool) -> None:
+        """The decode graphs' word, before capture: whether the picks run a layer early (only where asked,
+        STRATA_AHEAD_LAYER=next, and a token is one graph). The buffers stay double: harmless either way."""
+        self.ahead_next = self.ahead_next and on
+
     def _pick_ahead(self, layer: int, predict: Callable[[], torch.Tensor]) -> None:
         """What a layer's pick graph holds: predict() -> the layer's routing predicted from its input [1, K]
         (rank order), and its first C misses picked into the staged list (which the layer graph's plan and
@@ -315,17 +357,18 @@ class PipelinedDecodeRows:
 
         tiers = self.tiers
         pred = predict()
-        prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, self._ahead_start,
-                      self._ahead_expert)
+        start, expert = self._ahead_of(layer)
+        prefetch_pick(self.table, layer * tiers.n_expert, pred, tiers.n_expert, start, expert)
         if self.warm:
             publish(pred.view(-1), None, self._pred_pin, self._pred_all, None, self.predicted.tensor,
-                    self._base_dev, layer, self._ahead_expert, self._pred_staged_pin)
+                    self._base_dev, layer, expert, self._pred_staged_pin)
 
     def _copy_ahead(self, layer: int) -> None:
         """What a layer's copy graph holds: the picked experts copied into staging slots K..K+C-1 by a few
         programs (the mixer's kernels run beside them)."""
         table, part_bytes, _ = self._stage[layer]
-        stage_experts(self._ahead_start, self._ahead_expert, table, self.staging[self.k:], part_bytes,
+        start, expert = self._ahead_of(layer)
+        stage_experts(start, expert, table, self._staging_of(layer)[self.k:], part_bytes,
                       programs=ahead_programs())
 
     def _ahead_tiles(self, layer: int, x: torch.Tensor) -> None:
@@ -356,7 +399,8 @@ class PipelinedDecodeRows:
                 for _, body in bodies[layer]:
                     body()
         side.synchronize()
-        self._ahead_expert.fill_(-1)  # the warm-up's picks: no layer may plan with them
+        for expert in self._ahead_experts:  # the warm-up's picks: no layer may plan with them
+            expert.fill_(-1)
         self.predicted.set(0)  # the warm-up's predictions: below the first token's base
         ahead_pool, tile_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         for layer in self._stage if capture else ():
@@ -423,7 +467,7 @@ class PipelinedDecodeRows:
         main = torch.cuda.current_stream(tiers.device)
         act = self._codes  # [1, E] codes, scales, sums (publish quantized x): both tiers' launches read them
         if device_misses:
-            staged = self._ahead_expert if self.ahead else None
+            staged = self._ahead_of(layer)[1] if self.ahead else None
             _, order, slot, starts, hslot, hstarts, pslot, _ = decode_plan_pcie(
                 self.table, base, ids.view(-1), tiers.n_expert, share, hit=self.hit, staged=staged,
                 out=self._plan_out)
@@ -435,7 +479,8 @@ class PipelinedDecodeRows:
             self._fork.wait_stream(main)
             with torch.cuda.stream(self._fork):
                 if share:
-                    stage_experts(hstarts, hslot, table, self.staging, part_bytes, programs=share_programs())
+                    stage_experts(hstarts, hslot, table, self._staging_of(layer), part_bytes,
+                                  programs=share_programs())
                     expert_ffn_gpu(x, self.tok, pslot, slots, mode="decode", out=self.gpu_rows,
                                    variant=tiers.kernel_variant, plan=(order, pslot, hstarts), act=act,
                                    ident=self._ident)
@@ -456,7 +501,7 @@ class PipelinedDecodeRows:
         tiers, main = self.tiers, torch.cuda.current_stream(self.tiers.device)
         staged = None
         if self.ahead:  # the worker reads each layer's list: -1s where the layer copied none
-            staged = self._ahead_expert if layer in self._stage else self._no_ahead
+            staged = self._ahead_of(layer)[1] if layer in self._stage else self._no_ahead
         publish(ids.view(-1), x, self._ids_pin, self._ids_all, self._codes_pin, self.routed.tensor,
                 self._base_dev, layer, staged, self._staged_pin if staged is not None else None, self._codes)
         if beside is not None:

@@ -200,6 +200,13 @@ class DecodeGraphs:
         self._ahead = getattr(self.rows, "ahead", 0) > 0
         self._pred = (zeros(1, E), zeros(1, K, dtype=torch.int64), zeros(1, K))  # x, ids, weights
         self._segments = self._build_segments()  # per layer: (before attention, after attention); last
+        # the backend's picks a layer early (STRATA_AHEAD_LAYER=next) need a token to be one graph: a pick's
+        # fork joins inside its piece, and layer l + 1's is forked in layer l's
+        if self._ahead and getattr(self.rows, "ahead_next", False):
+            one_graph = (self.token_graph and not token_graph_layers()
+                         and all(seg[1] is None for seg in self._segments[0]))
+            self.rows.set_ahead_next(one_graph)
+        self._ahead_next = self._ahead and getattr(self.rows, "ahead_next", False)
         self._owner: weakref.ref | None = None
         self._graphs: list | None = None
         # the chained decode (STRATA_DECODE_CHAIN, on unless 0; greedy): launch() of token N+1 before
@@ -360,9 +367,10 @@ class DecodeGraphs:
         else:
             form = "a graph or two a layer" + (", device attention" if self.attn is not None else "")
         ahead = getattr(self.rows, "ahead", 0)
+        early = " (picked a layer early)" if self._ahead_next else ""
         warm = ", the CPU's predicted rows read ahead" if getattr(self.rows, "warm", False) else ""
         chain = ", tokens chosen and chained on the device" if self.chain else ""
-        return form + (f", {ahead} experts copied ahead a layer" if ahead else "") + warm + chain
+        return form + (f", {ahead} experts copied ahead a layer{early}" if ahead else "") + warm + chain
 
     def capture_now(self) -> None:
         """Capture the graphs now (otherwise the first step does); nothing to do without capture."""
@@ -385,8 +393,10 @@ class DecodeGraphs:
             for fn in flat:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        predicts = [lambda layer=layer, buf=buf: self._predict(layer, buf.h_in)
-                    for layer, buf in enumerate(self.layers)] if self._ahead else None
+        # layer l's routing predicted from its own input, or (a layer early) from layer l - 1's
+        src = [layer - 1 if self._ahead_next and layer else layer for layer in range(len(self.layers))]
+        predicts = [lambda layer=layer, buf=self.layers[src[layer]]: self._predict(layer, buf.h_in)
+                    for layer in range(len(self.layers))] if self._ahead else None
         if self.rows is not None and self.rows.capture_all([buf.x for buf in self.layers],
                                                            [buf.ids for buf in self.layers],
                                                            besides=[fns[2] for fns in segments],
@@ -423,8 +433,11 @@ class DecodeGraphs:
             if after is not None:
                 pieces += [tuple(run), layer]
                 run = []
-            if self._ahead:
+            if self._ahead and not self._ahead_next:
                 run.append(lambda layer=layer: self.rows.token_ahead(layer))
+            elif self._ahead:  # a layer early: layer l + 1's pick from layer l's input (and layer 0's own)
+                for ahead in ([0] if layer == 0 else []) + ([layer + 1] if layer + 1 < len(segments) else []):
+                    run.append(lambda ahead=ahead: self.rows.token_ahead(ahead))
             run += [f for f in (after, rest) if f is not None]
             run.append(lambda layer=layer, buf=buf, shared=shared:
                        self.rows.token_layer(layer, buf.x, buf.ids, shared))

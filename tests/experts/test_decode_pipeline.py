@@ -14,6 +14,7 @@ from strata_ray.experts.decode_pipeline import (
     DECODE_WARM,
     TOKEN_GRAPH_PREFETCH,
     _staging_plan,
+    ahead_layer,
     decode_warm,
     down_prefetch,
     pinned_block,
@@ -127,6 +128,12 @@ def test_the_routing_buffers_share_one_block_a_line_each():
 def test_down_prefetch_is_an_env_switch_off_by_default(monkeypatch, env, want):
     monkeypatch.setenv("STRATA_DOWN_PREFETCH", env)
     assert down_prefetch() == want
+
+
+@pytest.mark.parametrize("env,want", [("", "same"), ("same", "same"), ("next", "next")])
+def test_copies_ahead_are_picked_from_the_layers_own_input_unless_asked(monkeypatch, env, want):
+    monkeypatch.setenv("STRATA_AHEAD_LAYER", env)
+    assert ahead_layer() == want
 
 
 @pytest.mark.parametrize("env,want", [("", HALF_ROWS), ("half", HALF_ROWS), ("whole", ROWS)])

@@ -96,7 +96,10 @@ def test_backend_rows_on_cuda_equal_the_cpu_primary_bit_for_bit(tiny_next_q4, n_
                                   "pipeline-pcie-ahead", "pipeline-token", "pipeline-pcie-ahead-token",
                                   "pipeline-ahead-token-device-attention", "pipeline-defaults",
                                   "pipeline-pcie-ahead-token-device-attention-warm",
-                                  "pipeline-pcie-ahead-token-device-attention-split"])
+                                  "pipeline-pcie-ahead-token-device-attention-split",
+                                  "pipeline-pcie-ahead-token-device-attention-next",
+                                  "pipeline-ahead-token-device-attention-next",
+                                  "pipeline-pcie-ahead-token-device-attention-split-next"])
 @pytest.mark.parametrize("cache", [0, 10, 32])
 def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, monkeypatch):
     """Captured decode (dense segments + the tiers' per-layer graphs) == the op-by-op forward, bit for bit;
@@ -109,7 +112,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
     (STRATA_TOKEN_GRAPH; with the device attention the whole token is one graph); defaults: the engine's
     (token graphs, the device attention; where experts can miss 2 copied ahead, a 40% share); warm: the
     worker reads each layer's predicted CPU rows ahead (STRATA_DECODE_WARM); split: the token as graphs of
-    at most 2 layers (STRATA_TOKEN_GRAPH_LAYERS)."""
+    at most 2 layers (STRATA_TOKEN_GRAPH_LAYERS); next: each layer's copies picked from the input of the
+    layer before (STRATA_AHEAD_LAYER=next; a token of several graphs keeps the same layer's pick)."""
     pcie = 600 if "pcie" in mode else 0
     ahead = (3 if pcie else 2) if "ahead" in mode else 0
     token = "token" in mode
@@ -122,6 +126,7 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1" if "device-attention" in mode else "0")
     monkeypatch.setenv("STRATA_DECODE_WARM", "1" if "warm" in mode else "0")
     monkeypatch.setenv("STRATA_TOKEN_GRAPH_LAYERS", "2" if "split" in mode else "0")
+    monkeypatch.setenv("STRATA_AHEAD_LAYER", "next" if "next" in mode else "same")
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
                         pcie_share=pcie, decode_prefetch=None if mode == "pipeline-defaults" else ahead)
@@ -142,6 +147,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         got[graphs, "ahead"] = (c.ahead_entries, c.ahead_copies)
         got[graphs, "warm"] = (c.warm_hits, c.warm_entries)
         rows = getattr(loaded.model.decode_graphs, "rows", None)
+        if graphs and ahead and cache < 32:
+            assert rows.ahead_next == ("next" in mode and "split" not in mode)
         got[graphs, "predicted"] = int(rows.predicted.host[0]) if hasattr(rows, "predicted") else 0
     assert torch.equal(got[True], got[False])
     assert got[True, "counts"] == got[False, "counts"]
