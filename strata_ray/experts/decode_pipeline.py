@@ -133,15 +133,17 @@ def team_unit_rows() -> int:
 
 
 def ahead_layer() -> str:
-    """STRATA_AHEAD_LAYER: where a layer's copies ahead are picked. "same" (default): from the layer's own
-    input, beside its mixer. "next": from the input of the layer before (the picked layer's norm and router
-    over that earlier residual; layer 0 keeps its own), so the copies queue behind the layer before's own
-    and land a layer earlier, filling the PCIe link's idle time between layers (session 28's trace: 40-60
-    us a layer); wrong a little more often (scripts/routing_ahead.py: the first 2 picked routed 85-91% of
-    the time against 95% on the synth family, 61-63% against 74% on the embedded model). Needs a token to
-    be one graph (the device attention, STRATA_TOKEN_GRAPH_LAYERS unset: a fork joins inside its piece);
-    elsewhere "same". Not yet run on a GPU (session 30)."""
-    return os.environ.get("STRATA_AHEAD_LAYER", "") or "same"
+    """STRATA_AHEAD_LAYER: where a layer's copies ahead are picked. "next" (default): from the input of the
+    layer before (the picked layer's norm and router over that earlier residual; layer 0 keeps its own), so
+    the copies queue behind the layer before's own and land a layer earlier, filling the PCIe link's idle
+    time between layers (session 28's trace: 40-60 us a layer); wrong a little more often
+    (scripts/routing_ahead.py: the first 2 picked routed 85-91% of the time against 95% on the synth family,
+    61-63% against 74% on the embedded model). "same": from the layer's own input, beside its mixer. "next"
+    needs a token to be one graph (the device attention, STRATA_TOKEN_GRAPH_LAYERS unset: a fork joins
+    inside its piece); elsewhere "same". Session 36 on the H200 (80b-a3b synth, 24 GiB card, two
+    interleaved pairs): 1K 161.4 / 160.4 against 149.3 / 149.2 tok/s for "same", 8K 170.8 / 170.6 against
+    160.3 / 159.9."""
+    return os.environ.get("STRATA_AHEAD_LAYER", "") or "next"
 
 
 def pinned_block(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:

@@ -130,8 +130,8 @@ def test_down_prefetch_is_an_env_switch_off_by_default(monkeypatch, env, want):
     assert down_prefetch() == want
 
 
-@pytest.mark.parametrize("env,want", [("", "same"), ("same", "same"), ("next", "next")])
-def test_copies_ahead_are_picked_from_the_layers_own_input_unless_asked(monkeypatch, env, want):
+@pytest.mark.parametrize("env,want", [("", "next"), ("same", "same"), ("next", "next")])
+def test_copies_ahead_are_picked_a_layer_early_unless_asked(monkeypatch, env, want):
     monkeypatch.setenv("STRATA_AHEAD_LAYER", env)
     assert ahead_layer() == want
 

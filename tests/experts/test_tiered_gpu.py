@@ -126,7 +126,10 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
         monkeypatch.setenv("STRATA_DECODE_DEVICE_ATTENTION", "1" if "device-attention" in mode else "0")
     monkeypatch.setenv("STRATA_DECODE_WARM", "1" if "warm" in mode else "0")
     monkeypatch.setenv("STRATA_TOKEN_GRAPH_LAYERS", "2" if "split" in mode else "0")
-    monkeypatch.setenv("STRATA_AHEAD_LAYER", "next" if "next" in mode else "same")
+    if mode == "pipeline-defaults":
+        monkeypatch.delenv("STRATA_AHEAD_LAYER", raising=False)  # the default: next
+    else:
+        monkeypatch.setenv("STRATA_AHEAD_LAYER", "next" if "next" in mode else "same")
     base = EngineConfig(model=tiny_next_q4, device="cuda", expert_cache=cache, adapt_every=1, adapt_swaps=8,
                         decode_cpu_thread=mode == "cpu_thread", decode_pipeline=mode.startswith("pipeline"),
                         pcie_share=pcie, decode_prefetch=None if mode == "pipeline-defaults" else ahead)
