@@ -4,20 +4,33 @@ or a gate reference."""
 from __future__ import annotations
 
 import os
+import tempfile
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()  # read once, at import: setting it for a moment while other threads create files would race
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write `<path>.tmp`, fsync it, then rename it over path. On any failure the temporary file is removed
-    and the OSError goes to the caller (path keeps what it held)."""
+    """Write a temporary file of a name of its own beside path (`.<name>.<random>.tmp`: two writers never
+    share one, a user's `<path>.tmp` is never touched), fsync it, then rename it over path. On any failure
+    the temporary file is removed and the OSError goes to the caller (path keeps what it held)."""
     path = os.fspath(path)
-    tmp = path + ".tmp"
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
-        with open(tmp, "wb") as f:
+        os.fchmod(fd, 0o666 & ~UMASK)  # as open() would create it (mkstemp makes it 0600)
+        with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         if os.path.isfile(tmp):
             os.unlink(tmp)
         raise

@@ -142,14 +142,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(model_path, 
 
 
 def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
-    from strata_ray.atomic_file import write_atomic
+    from strata_ray.atomic_file import UMASK, write_atomic
 
     (tmp_path / "adir").mkdir()
     with pytest.raises(IsADirectoryError):
         write_atomic(tmp_path / "adir", "{}")
+    (tmp_path / "r.json.tmp").write_text("the user's own")  # never the temporary file's name
     write_atomic(tmp_path / "r.json", "{}\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "r.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "r.json", "r.json.tmp"]
     assert (tmp_path / "r.json").read_text() == "{}\n"
+    assert (tmp_path / "r.json.tmp").read_text() == "the user's own"
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~UMASK  # not mkstemp's 0600
 
 
 @pytest.mark.parametrize("flag, line", [
