@@ -560,9 +560,13 @@ def check_peer_device_visible(cfg: EngineConfig, n_visible: int) -> None:
         raise ConfigError(refuse_peer_not_visible(cfg.peer_device, n_visible))
 
 
-def check_save_path(path: str, flag: str) -> None:
+def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | None = None,
+                    magic: bytes | None = None, kind: str = "") -> None:
     """A file path the run can write later (checked now, so a long run does not fail at its end): its folder
-    exists and is writable, and the path itself is not a folder. ConfigError (one line) otherwise."""
+    exists and is writable, and the path itself is not a folder. inputs {flag: path}: the files the run
+    reads, none of which it may overwrite; magic: an existing file there must start with it (a `kind` file
+    of an earlier run), so that a mistyped path never replaces a model, a corpus or any other file.
+    ConfigError (one line) otherwise."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag}: folder not found: {folder}")
@@ -570,3 +574,10 @@ def check_save_path(path: str, flag: str) -> None:
         raise ConfigError(f"{flag}: {path} is a folder; give a file path")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path} is not writable")
+    for other, source in (inputs or {}).items():
+        if source and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
+            raise ConfigError(f"{flag}: {path} is the {other} file; give another path")
+    if magic is not None and os.path.isfile(path) and os.path.getsize(path) > 0:
+        with open(path, "rb") as f:
+            if f.read(len(magic)) != magic:
+                raise ConfigError(f"{flag}: {path} exists and is not {kind}; remove it or give another path")

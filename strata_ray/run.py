@@ -225,7 +225,7 @@ def check_profile_files(cfg, hp):
     one line says so. One that does not fit is left to be overwritten (one line), unless --expert-profile
     names the same file, which is then refused. The same path for both where nothing is saved yet: the
     first start fills the cache in the default order (one line) instead of refusing a missing file."""
-    from strata_ray.experts.profile import ProfileError, check_shape, read_profile
+    from strata_ray.experts.profile import MAGIC, ProfileError, check_shape, read_profile
 
     fill = None if cfg.expert_profile is None else os.path.abspath(cfg.expert_profile)
     save = None if cfg.expert_profile_save is None else os.path.abspath(cfg.expert_profile_save)
@@ -233,7 +233,8 @@ def check_profile_files(cfg, hp):
     if fill is not None and not resume:
         check_shape(read_profile(fill), hp)  # ProfileError: the one line (a bad flag, even if unused)
     if save is not None:
-        check_save_path(save, "--expert-profile-save")
+        # never over the model or a file that is not a profile (an STRP of another shape is overwritten)
+        check_save_path(save, "--expert-profile-save", {"--model": cfg.model}, MAGIC, "an STRP profile")
         if os.path.exists(save):
             try:
                 check_shape(read_profile(save), hp)

@@ -219,7 +219,9 @@ def test_the_same_profile_path_for_both_flags_resumes_learning(tiny_model, tmp_p
 def test_a_learned_profile_at_the_save_path_fills_the_cache_instead(tiny_model, tmp_path, capsys):
     """As the reference engine: what an earlier start saved at --expert-profile-save fills the cache instead
     of --expert-profile (one line), when it fits the model; one that does not is left to be overwritten."""
-    from strata_ray.config import EngineConfig
+    from dataclasses import replace
+
+    from strata_ray.config import ConfigError, EngineConfig
     from strata_ray.experts.profile import rank_from_counts, write_profile
     from strata_ray.run import check_profile_files
 
@@ -239,6 +241,14 @@ def test_a_learned_profile_at_the_save_path_fills_the_cache_instead(tiny_model, 
     err = capsys.readouterr().err
     assert err.startswith(f"strata_ray: --expert-profile-save: expert profile {saved} ") and err.endswith(
         "; not used to fill the cache (it is overwritten)\n") and err.count("\n") == 1
+    notes = tmp_path / "notes.txt"  # a file that is not a profile is never overwritten, nor the model
+    notes.write_text("mine")
+    for path, why in ((notes, "exists and is not an STRP profile; remove it or give another path"),
+                      (tiny_model, "is the --model file; give another path")):
+        with pytest.raises(ConfigError) as info:
+            check_profile_files(replace(cfg, expert_profile_save=str(path)), hp)
+        assert str(info.value) == f"--expert-profile-save: {path} {why}"
+    assert notes.read_text() == "mine"
 
 
 @pytest.mark.parametrize("where", ["folder", "missing"])

@@ -212,10 +212,11 @@ def bench_main(argv: Sequence[str]) -> int:
                 if getattr(ns, flag[2:].replace("-", "_")) is not None:
                     raise ConfigError(f"{flag} applies with --url only")
         ns.api = ns.api or "chat"
+        inputs = {"--model": cfg.model, "--against": getattr(ns, "against", None)}
         for flag in ("--json-out", "--plot", "--save"):
             path = getattr(ns, flag[2:].replace("-", "_"), None)
-            if path:  # a file written after the whole run: refused now, not then
-                check_save_path(os.path.abspath(path), flag)
+            if path:  # a file written after the whole run: refused now, not then; never over an input
+                check_save_path(os.path.abspath(path), flag, inputs)
         if not ns.url and (cfg.expert_profile or cfg.expert_profile_save):  # as `run` and `serve` read them
             from strata_ray.run import check_model_file, check_profile_files
 

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path, decimal
-from strata_ray.experts.profile import Profile, ProfileError, rank_from_counts, write_profile
+from strata_ray.experts.profile import MAGIC, Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
 
@@ -116,7 +116,9 @@ def profile_text(loaded, text: str, max_tokens: int | None, chunk: int, context:
 def profile_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        check_save_path(os.path.abspath(args.output), "-o")  # fail before the long run, not after it
+        # fail before the long run, not after it; never over the model, the corpus or a file not a profile
+        check_save_path(os.path.abspath(args.output), "-o", {"--model": args.model, "--corpus": args.corpus},
+                        MAGIC, "an STRP profile")
         text = read_corpus(args.corpus)
         _check_device(args.device)
         from strata_ray.model.loader import load_model  # heavy import only once the flags are good
@@ -127,6 +129,12 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
     except (ProfileCliError, ProfileError, ModelFormatError, ConfigError) as e:
         print(f"strata_ray profile: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # nothing was written: the profile is written whole at the end
+        print("strata_ray profile: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:  # the profile's write (a full disk): its path, not Python's name for the error
+        print(f"strata_ray profile: cannot write {args.output} ({e.strerror or e})", file=sys.stderr)
+        return 1
     print(
         f"strata_ray profile: {n_tokens} token{'s' * (n_tokens != 1)} routed through {profile.n_layers} "
         f"layers; "

@@ -252,9 +252,8 @@ def write_synth(
                       dense_type=T[dense_type])
     free = shutil.disk_usage(path.parent).free
     if mw.total_bytes > free:
-        raise SynthError(
-            f"not enough disk space: the model needs {mw.total_bytes / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
-        )
+        raise SynthError(f"not enough disk space: the model needs {_human_bytes(mw.total_bytes)}, "
+                         f"{_human_bytes(free)} free")
     mw.write(progress=progress)
     return hp
 
@@ -268,6 +267,13 @@ def _check_writable(path: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise SynthError(f"-o {path}: cannot write in {path.parent} ({e.strerror or e})") from None
+
+
+def _is_gguf(path: Path) -> bool:
+    from strata_ray.model.gguf_file import GGUF_MAGIC
+
+    with path.open("rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def _human_bytes(n: int) -> str:
@@ -307,7 +313,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m strata_ray.run synth",
         description="Write a random-weight GGUF model at a preset shape.",
     )
-    p.add_argument("--arch", choices=ARCHS, help="qwen3next or qwen3moe (implied by 30b-a3b / 80b-a3b)")
+    p.add_argument("--arch", choices=ARCHS,
+                   help="qwen3next or qwen3moe (needed for tiny / small; implied by 30b-a3b / 80b-a3b)")
     p.add_argument(
         "--preset",
         required=True,
@@ -321,7 +328,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
                         "projection stay Q8_0, rows not a multiple of 256 fall back to Q8_0)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed >= 0 (same seed, same file)")
-    p.add_argument("-o", "--output", required=True, help="output .gguf path")
+    p.add_argument("-o", "--output", required=True, help="output .gguf path (an existing file is refused)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing GGUF file at -o")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -334,6 +342,12 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)
+        return 2
+    exists = Path(args.output).is_file()
+    if exists and not (args.force and _is_gguf(Path(args.output))):
+        what = "a GGUF file: --force overwrites it" if _is_gguf(Path(args.output)) else \
+            "not a GGUF file; remove it or give another path"
+        print(f"strata_ray synth: -o {args.output}: exists and is {what}", file=sys.stderr)
         return 2
     try:
         hp = write_synth(
@@ -353,11 +367,13 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         print("strata_ray synth: interrupted", file=sys.stderr)
         return 130
     except (OSError, GGUFWriteError) as e:
-        print(f"strata_ray synth: cannot write {e}", file=sys.stderr)
+        print(f"strata_ray synth: cannot write {args.output} ({getattr(e, 'strerror', None) or e})",
+              file=sys.stderr)
         return 1
     size = Path(args.output).stat().st_size
     print(
-        f"wrote {args.output}: {hp.arch}, {hp.n_layer} layers (+{hp.n_nextn} MTP), {hp.n_expert} experts "
+        f"wrote {args.output}: {hp.arch}, {hp.n_layer} layer{'s' * (hp.n_layer != 1)} (+{hp.n_nextn} MTP), "
+        f"{hp.n_expert} experts "
         f"{type_name(T[args.expert_type])}, {_human_bytes(size)}"
     )
     return 0

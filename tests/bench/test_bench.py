@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -139,6 +140,15 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(model_path, 
         code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, str(path))
         assert (code, err) == (2, f"strata_ray bench: {flag}: {want}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_an_output_never_replaces_the_model(model_path, capsys):
+    before = Path(model_path).read_bytes()[:4096]
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--save", model_path)
+    assert (code, err) == (2, f"strata_ray bench: --save: {os.path.abspath(model_path)} is the --model file; "
+                              "give another path\n")
+    code, _, err = run_cli(capsys, "--local", "--model", model_path, "--json-out", model_path)
+    assert code == 2 and "is the --model file" in err and Path(model_path).read_bytes()[:4096] == before
 
 
 def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):

@@ -69,6 +69,21 @@ def test_output_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys, mon
     assert rc == 2 and "is a folder; give a file path" in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("target, line", [
+    ("c.txt", "-o: {path} is the --corpus file; give another path"),
+    ("m.gguf", "-o: {path} is the --model file; give another path"),
+    ("notes.txt", "-o: {path} exists and is not an STRP profile; remove it or give another path"),
+])
+def test_the_output_never_replaces_an_input_or_a_file_that_is_not_a_profile(tmp_path, capsys, target, line):
+    for name, data in (("c.txt", CORPUS), ("m.gguf", "GGUF..."), ("notes.txt", "mine")):
+        (tmp_path / name).write_text(data)
+    path = tmp_path / target
+    inputs = ["--corpus", str(tmp_path / "c.txt"), "--model", str(tmp_path / "m.gguf")]
+    rc = profile_main([*inputs, "-o", str(path)])
+    assert rc == 2 and one_line_error(capsys) == f"strata_ray profile: {line.format(path=path)}\n"
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "c.txt").read_text() == CORPUS
+
+
 @pytest.mark.parametrize("device", ["mps", "meta"])
 def test_a_torch_device_the_engine_does_not_run_on_is_one_line(tmp_path, capsys, device):
     (tmp_path / "c.txt").write_text(CORPUS)

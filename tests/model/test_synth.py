@@ -246,6 +246,23 @@ def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_an_existing_file_at_o_is_never_overwritten_unasked(tmp_path, capsys):
+    argv = ["--arch", "qwen3next", "--preset", "tiny", "--layers", "1", "--no-progress", "-o"]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert synth_main([*argv, str(notes), "--force"]) == 2 and notes.read_text() == "mine"  # never a non-GGUF
+    assert "exists and is not a GGUF file; remove it or give another path" in capsys.readouterr().err
+    model = tmp_path / "m.gguf"
+    assert synth_main([*argv, str(model)]) == 0
+    before = model.read_bytes()
+    capsys.readouterr()
+    assert synth_main([*argv, str(model), "--seed", "5"]) == 2 and model.read_bytes() == before
+    want = f"strata_ray synth: -o {model}: exists and is a GGUF file: --force overwrites it\n"
+    assert capsys.readouterr().err == want
+    assert synth_main([*argv, str(model), "--seed", "5", "--force"]) == 0 and model.read_bytes() != before
+    assert "1 layer (+1 MTP)" in capsys.readouterr().out
+
+
 def test_cli_success_and_implied_arch(tmp_path, capsys):
     assert (
         synth_main(
