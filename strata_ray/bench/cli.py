@@ -93,7 +93,7 @@ def build_parser(command: str):
         mode = g.add_mutually_exclusive_group(required=True)
         mode.add_argument("--save", metavar="REF.json", help="run the gate prompts and save the outputs")
         mode.add_argument("--against", metavar="REF.json", help="run the saved prompts, compare token ids")
-        g.add_argument("--max-tokens", "-n", metavar="N", default=str(GATE_GEN_TOKENS),
+        g.add_argument("--max-tokens", "-n", metavar="N", default=None,
                        help=f"tokens per prompt with --save ({GATE_GEN_TOKENS}); "
                        "--against uses the reference's")
     return parser
@@ -124,10 +124,24 @@ def reference_sampling(ns, doc: dict):
     from strata_ray.engine.sampling import SamplingError
 
     try:
-        return parse_sampling(ns, doc.get("sampling"))
+        sampling = parse_sampling(ns, doc.get("sampling"))
     except SamplingError as e:
         raise gate.GateFileError(f"--against: {ns.against} is not a valid gate reference (sampling: {e}); "
                                  "make one with --save") from None
+    saved = gate.sampling_record(parse_sampling(_no_flags(ns), doc.get("sampling")))
+    for key, value in gate.sampling_record(sampling).items():
+        if value != saved[key]:  # a flag that changes the reference's sampling: tokens that cannot match
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"{flag} {value} differs from the reference's {saved[key]}: --against runs the "
+                              "reference's sampling (drop the flag)")
+    return sampling
+
+
+def _no_flags(ns):
+    """ns with no sampling flag given (the reference's own values)."""
+    from argparse import Namespace
+
+    return Namespace(**{**vars(ns), "temperature": None, "top_k": None, "top_p": None, "seed": None})
 
 
 def check_url(url: str) -> None:
@@ -227,8 +241,16 @@ def bench_main(argv: Sequence[str]) -> int:
             if ns.plot:
                 report.check_plot_available()
         elif ns.save:
-            job = GateJob(None, parse_sampling(ns), parse_value(int_range(1), ns.max_tokens, "--max-tokens"))
+            sampling = parse_sampling(ns)
+            if sampling.temperature > 0 and sampling.seed is None:
+                raise ConfigError("--save: a sampled gate (--temperature > 0) needs --seed: without one no "
+                                  "later run can draw the same tokens")
+            n = GATE_GEN_TOKENS if ns.max_tokens is None else parse_value(int_range(1), ns.max_tokens,
+                                                                          "--max-tokens")
+            job = GateJob(None, sampling, n)
         else:
+            if ns.max_tokens is not None:
+                raise ConfigError("--max-tokens applies with --save (--against runs the reference's count)")
             doc = gate.load(ns.against, command)
             job = GateJob(doc, reference_sampling(ns, doc), int(doc["gen_tokens"]))
         with open_target(ns, cfg) as target:
@@ -306,7 +328,9 @@ def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> 
             sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")
         sys.stdout.write(f"saved {len(outputs)} {command} outputs to {ns.save}\n")
         return 0
-    if target.tokenizer is not None:  # ids another model wrote: refused before the run, not at the verdict
+    if target.file is not None:  # a reference another model wrote: refused before the run, not at the verdict
+        gate.check_model(job.reference, report.model_info(target.file, target.path), ns.against)
+    if target.tokenizer is not None:
         n_vocab = target.file.hparams.n_vocab if target.file is not None else target.tokenizer.n_vocab
         gate.check_vocab(job.reference, n_vocab, ns.against)
     prompts = gate.saved_prompts(job.reference, builder)

@@ -82,6 +82,10 @@ def load(path: str, kind: str) -> dict:
         raise GateFileError(f"--against: {path} is not a JSON gate reference ({type(e).__name__})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("outputs"), list) or "gen_tokens" not in doc:
         raise GateFileError(f"--against: {path} is not a gate reference (no outputs); make one with --save")
+    if doc.get("format") != GATE_FORMAT:
+        found = json.dumps(doc.get("format"))
+        raise GateFileError(f"--against: {path} is a gate reference of format {found}; this version reads "
+                            f"format {GATE_FORMAT} (make one with --save)")
     if doc.get("kind") != kind:
         other = doc.get("kind")
         raise GateFileError(f"--against: {path} is a {other} reference (use `bench {other} --against`)")
@@ -90,6 +94,21 @@ def load(path: str, kind: str) -> dict:
         raise GateFileError(
             f"--against: {path} is not a valid gate reference ({problem}); make one with --save")
     return doc
+
+
+SHAPE_KEYS = ("arch", "n_layer", "n_expert", "n_expert_used", "n_vocab")
+
+
+def check_model(doc: dict, model: dict, path: str) -> None:
+    """The reference's model (report.model_info, kept by --save) must have this model's shape: another
+    model's tokens never match, and its ids would be read with this model's tokenizer. A reference that
+    names no shape (a server's model) passes."""
+    saved = doc.get("model") if isinstance(doc.get("model"), dict) else {}
+    differ = [k for k in SHAPE_KEYS if saved.get(k) is not None and saved.get(k) != model.get(k)]
+    if differ:
+        was = ", ".join(f"{k} {saved[k]}" for k in differ)
+        now = ", ".join(f"{k} {model.get(k)}" for k in differ)
+        raise GateFileError(f"--against: {path} was made with another model ({was}; this one: {now})")
 
 
 def check_vocab(doc: dict, n_vocab: int, path: str) -> None:

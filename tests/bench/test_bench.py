@@ -262,13 +262,40 @@ def test_gate_passes_against_itself_and_fails_on_one_different_token(model_path,
     assert code == 0, err
     assert out.strip().splitlines()[-1] == "GATE: PASS"
 
+    # a flag that changes the reference's sampling can never match it: refused, not a FAIL
     code, out, err = run_cli(capsys, "gate", *sampled, "--seed", "2", "--against", ref)
+    assert (code, out) == (2, "") and err == ("strata_ray bench: --seed 2 differs from the reference's 1: "
+                                              "--against runs the reference's sampling (drop the flag)\n")
+    code, _, err = run_cli(capsys, "gate", *sampled, "--max-tokens", "3", "--against", ref)
+    assert (code, err) == (2, "strata_ray bench: --max-tokens applies with --save (--against runs the "
+                              "reference's count)\n")
+    doc["outputs"][1]["token_ids"][2] = (doc["outputs"][1]["token_ids"][2] + 1) % doc["model"]["n_vocab"]
+    open(ref, "w").write(json.dumps(doc))  # one token of the code prompt's changed
+    code, out, err = run_cli(capsys, "gate", *sampled, "--against", ref)
     assert code == 1
     lines = out.strip().splitlines()
-    n = int(lines[-1].split("(")[1].split()[0])
-    assert lines[-1] == f"GATE: FAIL ({n} of 3 differ)" and n >= 1
+    assert lines[-1] == "GATE: FAIL (1 of 3 differ)"
     first = next(ln for ln in lines if "first difference at token" in ln)
-    assert "context" in first and "reference" in first and "now" in first
+    assert "first difference at token 2" in first and "reference" in first and "now" in first
+
+
+def test_a_gate_that_can_never_pass_is_refused(model_path, tmp_path, capsys):
+    ref = str(tmp_path / "ref.json")
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--temperature", "0.8",
+                           "--save", ref)
+    assert (code, err) == (2, "strata_ray bench: --save: a sampled gate (--temperature > 0) needs --seed: "
+                              "without one no later run can draw the same tokens\n")
+    doc = {"format": 1, "kind": "gate", "gen_tokens": 4, "outputs": [GOOD_OUTPUT],
+           "model": {"arch": "qwen3moe", "n_layer": 2, "n_vocab": 288}}
+    open(ref, "w").write(json.dumps(doc))  # made with another model
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", ref)
+    want = (f"strata_ray bench: --against: {ref} was made with another model (arch qwen3moe, n_layer 2; "
+            "this one: arch qwen3next, n_layer 4)")
+    assert code == 2 and err.splitlines()[-1] == want
+    open(ref, "w").write(json.dumps({**doc, "format": 99}))
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", ref)
+    assert (code, err) == (2, f"strata_ray bench: --against: {ref} is a gate reference of format 99; this "
+                              "version reads format 1 (make one with --save)\n")
 
 
 GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": [1, 2], "text": "ab",
@@ -292,7 +319,8 @@ GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": 
 def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_path, tmp_path, capsys, fields,
                                                                        problem):
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": [GOOD_OUTPUT], **fields}))
+    ref.write_text(json.dumps({"format": 1, "kind": "gate", "gen_tokens": 4, "outputs": [GOOD_OUTPUT],
+                               **fields}))
     code, out, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", str(ref))
     assert (code, out) == (2, "")
     assert err == (f"strata_ray bench: --against: {ref} is not a valid gate reference ({problem}); "
@@ -302,7 +330,7 @@ def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_pat
 def test_a_reference_with_ids_outside_the_vocabulary_is_refused_before_the_run(model_path, tmp_path, capsys):
     """Checked once the model (its vocabulary) is loaded, before any prompt runs."""
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4,
+    ref.write_text(json.dumps({"format": 1, "kind": "gate", "gen_tokens": 4,
                                "outputs": [{**GOOD_OUTPUT, "token_ids": [1, 99999]}]}))
     code, out, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", str(ref))
     last = err.splitlines()[-1]
@@ -313,7 +341,7 @@ def test_a_reference_with_ids_outside_the_vocabulary_is_refused_before_the_run(m
 
 def test_longgate_refuses_a_gate_reference(model_path, tmp_path, capsys):
     ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps({"kind": "gate", "gen_tokens": 4, "outputs": []}))
+    ref.write_text(json.dumps({"format": 1, "kind": "gate", "gen_tokens": 4, "outputs": []}))
     code, _, err = run_cli(capsys, "longgate", "--local", "--model", model_path, "--against", str(ref))
     assert code == 2 and "gate reference" in err
 
