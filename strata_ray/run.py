@@ -312,6 +312,11 @@ def generate_main(argv: Sequence[str]) -> int:
             sys.stdout.write("\n")  # end the half-printed line before the message
         sys.stdout.flush()
         return fail("interrupted", 130)
+    except BrokenPipeError:  # the reader went away (`run ... | head`): a quiet end, as a shell tool's
+        if dep is not None and not dep.created:
+            dep.primary.stop.remote()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise
+        return 141  # 128 + SIGPIPE
     except Exception as e:  # every failure ends in one line
         message, code = launch.describe_failure(e, actor)
         return fail(message, code)

@@ -115,6 +115,19 @@ def test_text_streams_to_stdout(tiny_model, json_run):
     assert SUMMARY.match(r.stderr.splitlines()[-1])
 
 
+def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model):
+    """`run ... | head -c 5`: said "strata:primary failed: BrokenPipeError" and exit 1."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(f"{sys.executable} -m strata_ray.run --model {tiny_model} --address local "
+                          "--prompt hello --max-tokens 400 | head -c 1; exit ${PIPESTATUS[0]}",
+                          shell=True, executable="/bin/bash", capture_output=True, env=env, cwd=REPO,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    err = done.stderr.decode()
+    assert done.returncode == 141, err  # a write after head left: 128 + SIGPIPE, as a shell tool
+    assert "Error" not in err and "failed" not in err, err
+
+
 def expected_line(path) -> str:
     with pytest.raises(ModelFormatError) as e:
         GGUFFile(path)
