@@ -99,7 +99,9 @@ def build_generate_parser():
                         help="print one JSON object (token_ids, text, prompt_tokens, generated_tokens, "
                              "timings; experts on a tiered run, logprobs and warnings when there are "
                              "some), no text")
-    output.add_argument("--logprobs", metavar="K", default="0", help="with --json: top-K logprobs per token")
+    output.add_argument("--logprobs", metavar="K", default="0",
+                        help="with --json: top-K logprobs per token and the chosen token's own (of the "
+                             "model's distribution, before temperature and the top-k/top-p/min-p filters)")
 
     ray_group = parser.add_argument_group("ray")
     ray_group.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
@@ -410,6 +412,7 @@ def summary_json(s, adaptive: dict | None = None) -> dict:
         "text": s.text,
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": len(s.token_ids),
+        "finish_reason": s.finish_reason,
         "timings": {
             "prompt_seconds": s.prompt_seconds,
             "decode_seconds": s.decode_seconds,
@@ -421,6 +424,8 @@ def summary_json(s, adaptive: dict | None = None) -> dict:
         doc["experts"] = {**s.expert_stats, **({"coordinator": adaptive} if adaptive is not None else {})}
     if s.top_logprobs is not None:
         doc["logprobs"] = [_top_entries(t) for t in s.top_logprobs]
+    if s.token_logprobs is not None:  # the chosen token's own, also where a draw left the top K
+        doc["token_logprobs"] = [float(lp) for lp in s.token_logprobs]
     if s.warnings:
         doc["warnings"] = list(s.warnings)
     return doc

@@ -95,6 +95,7 @@ def test_json_token_ids_equal_the_reference_forward(tiny_model, json_run):
     stop_ids = Tokenizer.from_gguf(GGUFFile(tiny_model)).stop_ids
     assert got == ref[: len(got)]
     assert len(got) == MAX_TOKENS or ref[len(got)] in stop_ids
+    assert doc["finish_reason"] == ("length" if len(got) == MAX_TOKENS else "stop")
     assert doc["prompt_tokens"] == len(ids) and doc["generated_tokens"] == len(got)
     assert set(doc["timings"]) >= {"prompt_seconds", "decode_seconds", "prompt_tokens_per_second",
                                    "decode_tokens_per_second"}
@@ -102,6 +103,7 @@ def test_json_token_ids_equal_the_reference_forward(tiny_model, json_run):
     for chosen, top in zip(got, doc["logprobs"], strict=True):
         assert len(top) == 3 and top[0]["token_id"] == chosen  # greedy picks the most likely token
         assert top[0]["logprob"] >= top[1]["logprob"] >= top[2]["logprob"]
+    assert doc["token_logprobs"] == [top[0]["logprob"] for top in doc["logprobs"]]  # greedy: the best one
     lines = r.stderr.splitlines()
     assert lines[0].startswith("strata_ray: started a local Ray instance")
     assert lines[1].startswith("strata_ray: loaded tiny.gguf (qwen3next, 4 layers, 8 experts) on cpu")
