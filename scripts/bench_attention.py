@@ -47,7 +47,7 @@ def _graphed(fn):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", default="1024,8192,32768", help="cache lengths (keys, the new one included)")
     ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head size (the 80b-a3b's)")
     ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")

@@ -121,7 +121,7 @@ def pool_experts(wtype: int, requested: int | None) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
     ap.add_argument("--tokens", default="1,4")

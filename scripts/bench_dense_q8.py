@@ -157,7 +157,7 @@ def bench_shape(torch, F, dq, n: int, k: int, tokens: list[int], forms: list[str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,8", help="comma-separated token counts (<= 16: the GEMV)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated NxK weight shapes")
     ap.add_argument("--forms", default="cuda,triton",

@@ -124,7 +124,7 @@ def launch_us(g: torch.cuda.CUDAGraph, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="25,100")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")

@@ -489,7 +489,7 @@ def graph_probe(which: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--section-out", help="write the markdown section to this file")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")

@@ -330,7 +330,7 @@ def _set_sched(kind: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--card-gib", type=float, default=24.0)

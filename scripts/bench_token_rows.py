@@ -43,7 +43,7 @@ E, N_FF, K = 2048, 512, 10
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8, help="distinct expert layers (reused to make 48)")
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")

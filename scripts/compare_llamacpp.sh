@@ -218,6 +218,10 @@ table() {
 }
 
 stage="${1:-all}"
+if [[ "$stage" == "-h" || "$stage" == "--help" ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'  # the header above, without its '#'
+    exit 0
+fi
 check_setups
 case "$stage" in
     fetch) fetch ;;

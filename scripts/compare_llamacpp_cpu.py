@@ -23,6 +23,7 @@ measured memcpy rate (numpy, one thread, counted read + write).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -207,7 +208,7 @@ def floor_lines(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
     ap.add_argument("--contexts", default="256,1024")
     ap.add_argument("--gen", type=int, default=128)
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=None)
     ns = ap.parse_args(argv)
     contexts = [int(c) for c in ns.contexts.split(",")]
+    if importlib.util.find_spec("llama_cpp") is None:
+        say("llama-cpp-python is not installed here (pip install llama-cpp-python; .ci/run builds it)")
+        return 2
 
     import torch
 

@@ -77,7 +77,7 @@ def compile_all(found: dict[tuple[str, str], set]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target-index", default=str(Path(__file__).parent / "numba_targets" / DEFAULT_TARGET),
                     help="a .nbi file made on the target machine (default: the lent H200 host's, kept here)")
     ap.add_argument("--signatures-from", default="strata_ray/kernels/__pycache__",

@@ -15,7 +15,7 @@ from strata_ray.kernels.dense_q8 import Q8Weight, q8_linear
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="12352x2048", help="NxK of the matrix")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a launch")
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")

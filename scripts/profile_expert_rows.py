@@ -21,7 +21,7 @@ from strata_ray.kernels.random_weights import random_layer
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=64, help="slots of the random layer")
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")
     ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")

@@ -111,7 +111,7 @@ def summarize(events: list[tuple[float, float, str]], tokens: int, top: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a Chrome trace from torch.profiler (bench_tiers --trace-out)")
     ap.add_argument("--tokens", type=int, default=1, help="tokens the trace covers (per-token figures)")
     ap.add_argument("--top", type=int, default=30, help="how many ops to list")

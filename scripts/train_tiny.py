@@ -380,11 +380,13 @@ def prepare_data():
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "train_tiny", help="checkpoints")
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "build" / "train_tiny",
+                    help="where the checkpoints go (build/train_tiny)")
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps,
+                    help=f"optimizer steps ({TrainConfig.steps})")
     ap.add_argument("--out", type=Path, default=GGUF_PATH, help="GGUF to write (the .strp goes next to it)")
     ap.add_argument("--eval-only", action="store_true", help="only evaluate the GGUF at --out")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (2)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
