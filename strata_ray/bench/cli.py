@@ -305,7 +305,8 @@ def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]
     sys.stdout.write(report.table(doc) + "\n")
     sys.stdout.flush()
     if ns.json_out:
-        report.write_json(ns.json_out, doc)
+        if not report.write_json(ns.json_out, doc):
+            return 1
         say(f"wrote {ns.json_out}")
     if ns.plot:
         report.plot(doc, ns.plot)
@@ -322,7 +323,8 @@ def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> 
                 say(f"note: {p.name}: {p.note}")
         with progress_bar(len(fixed), command) as bar:
             outputs = gate.run_prompts(target.runner, fixed, gen, sampling, tick=lambda _n: bar.update(1))
-        gate.save(ns.save, command, gen, sampling, outputs, gate_meta(target))
+        if not gate.save(ns.save, command, gen, sampling, outputs, gate_meta(target)):
+            return 1
         for o in outputs:
             n = len(o.token_ids) if o.token_ids is not None else len(o.text)
             sys.stdout.write(f"  {o.name}: {o.prompt_tokens} prompt tokens, {n} generated\n")

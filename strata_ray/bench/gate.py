@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from strata_ray.atomic_file import write_atomic
 from strata_ray.bench.measure import Runner
 from strata_ray.bench.prompts import Prompt, PromptBuilder
 
@@ -60,7 +59,10 @@ def sampling_record(sampling) -> dict:
     return {k: getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
 
 
-def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutput], meta: dict) -> None:
+def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutput], meta: dict) -> bool:
+    """The reference, whole or not at all (report.write_or_show: on stdout where it cannot be written)."""
+    from strata_ray.bench.report import write_or_show
+
     doc = {
         "format": GATE_FORMAT,
         "kind": kind,
@@ -69,7 +71,7 @@ def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutp
         **meta,
         "outputs": [o.record() for o in outputs],
     }
-    write_atomic(path, json.dumps(doc, ensure_ascii=False, indent=1) + "\n")  # never half a reference
+    return write_or_show(path, json.dumps(doc, ensure_ascii=False, indent=1) + "\n", "--save")
 
 
 def load(path: str, kind: str) -> dict:

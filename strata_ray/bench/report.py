@@ -134,8 +134,23 @@ def build_report(kind: str, mode: str, results: dict, *, plan: dict, config, mod
     }
 
 
-def write_json(path: str, doc: dict) -> None:
-    write_atomic(path, json.dumps(doc, indent=1) + "\n")
+def write_json(path: str, doc: dict, flag: str = "--json-out") -> bool:
+    return write_or_show(path, json.dumps(doc, indent=1) + "\n", flag)
+
+
+def write_or_show(path: str, text: str, flag: str) -> bool:
+    """text into path (whole or not at all); where it cannot be written after a long run (a full disk), one
+    line says so and the text goes to stdout instead, so the run's results are not lost. True if written."""
+    try:
+        write_atomic(path, text)
+        return True
+    except OSError as e:
+        sys.stderr.write(f"strata_ray bench: {flag} {path}: cannot write ({e.strerror or e}); "
+                         "the results follow on stdout instead\n")
+        sys.stderr.flush()
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return False
 
 
 # ---- table -----------------------------------------------------------------------------------------------

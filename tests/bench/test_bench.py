@@ -151,6 +151,18 @@ def test_an_output_never_replaces_the_model(model_path, capsys):
     assert code == 2 and "is the --model file" in err and Path(model_path).read_bytes()[:4096] == before
 
 
+def test_results_that_cannot_be_written_go_to_stdout_instead(tmp_path, capsys):
+    from strata_ray.bench.report import write_or_show
+
+    gone = tmp_path / "gone" / "r.json"  # its folder removed during the run (a full disk fails the same way)
+    assert not write_or_show(str(gone), '{"results": 1}\n', "--json-out")
+    out, err = capsys.readouterr()
+    assert out == '{"results": 1}\n'
+    assert err == (f"strata_ray bench: --json-out {gone}: cannot write (No such file or directory); the "
+                   "results follow on stdout instead\n")
+    assert write_or_show(str(tmp_path / "r.json"), "{}\n", "--save") and capsys.readouterr() == ("", "")
+
+
 def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
     from strata_ray.atomic_file import UMASK, write_atomic
 
