@@ -69,6 +69,8 @@ def build_parser(command: str):
     sampling.add_argument("--temperature", metavar="T", default=None, help="0 = greedy (default)")
     sampling.add_argument("--top-k", metavar="K", default=None, help="keep the K most likely tokens (0 off)")
     sampling.add_argument("--top-p", metavar="P", default=None, help="nucleus sampling mass (1 = off)")
+    sampling.add_argument("--min-p", metavar="P", default=None,
+                          help="drop tokens below P x the most likely one's probability (0 = off)")
     sampling.add_argument("--seed", metavar="S", default=None, help="random seed for sampling")
 
     if command == "run":
@@ -114,7 +116,7 @@ def parse_sampling(ns, saved: dict | None = None):
         temperature=pick(ns.temperature, "temperature", float_range(0.0, 100.0), "--temperature", 0.0),
         top_k=pick(ns.top_k, "top_k", int_range(0), "--top-k", 0),
         top_p=pick(ns.top_p, "top_p", float_range(0.0, 1.0, lo_open=True), "--top-p", 1.0),
-        min_p=saved.get("min_p", 0.0),
+        min_p=pick(ns.min_p, "min_p", float_range(0.0, 1.0), "--min-p", 0.0),
         seed=pick(ns.seed, "seed", seed_value, "--seed", None),
     )
 
@@ -141,7 +143,8 @@ def _no_flags(ns):
     """ns with no sampling flag given (the reference's own values)."""
     from argparse import Namespace
 
-    return Namespace(**{**vars(ns), "temperature": None, "top_k": None, "top_p": None, "seed": None})
+    return Namespace(**{**vars(ns), "temperature": None, "top_k": None, "top_p": None, "min_p": None,
+                        "seed": None})
 
 
 def check_url(url: str) -> None:

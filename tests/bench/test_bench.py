@@ -291,6 +291,21 @@ def test_gate_passes_against_itself_and_fails_on_one_different_token(model_path,
     assert "first difference at token 2" in first and "reference" in first and "now" in first
 
 
+def test_min_p_is_a_sampling_flag_as_in_run(model_path, tmp_path, capsys):
+    from argparse import Namespace
+
+    from strata_ray.bench.cli import parse_sampling
+
+    flags = {"temperature": "1", "top_k": None, "top_p": None, "min_p": "0.1", "seed": "3"}
+    assert parse_sampling(Namespace(**flags)).min_p == 0.1
+    saved = {"min_p": 0.2}  # a reference's, where the flag is not given
+    assert parse_sampling(Namespace(**{**flags, "min_p": None}), saved).min_p == 0.2
+    code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--min-p", "2", "--save",
+                           str(tmp_path / "r.json"))
+    want = "strata_ray bench: --min-p: invalid value '2' (allowed: a number >= 0 and <= 1)\n"
+    assert (code, err) == (2, want)
+
+
 def test_a_gate_that_can_never_pass_is_refused(model_path, tmp_path, capsys):
     ref = str(tmp_path / "ref.json")
     code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--temperature", "0.8",
