@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", metavar="N", type=_positive, default=2048,
                    help="restart the sequence every N tokens (2048; capped at the model's context)")
     p.add_argument("--device", default="cpu", help="torch device for the reference forward (cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none off a terminal either)")
     return p
 
 
@@ -124,7 +125,8 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
         from strata_ray.model.loader import load_model  # heavy import only once the flags are good
 
         loaded = load_model(args.model, device=args.device)
-        profile, counts, n_tokens = profile_text(loaded, text, args.max_tokens, args.chunk, args.context)
+        profile, counts, n_tokens = profile_text(loaded, text, args.max_tokens, args.chunk, args.context,
+                                                 progress=not args.no_progress)
         write_profile(args.output, profile)
     except (ProfileCliError, ProfileError, ModelFormatError, ConfigError) as e:
         print(f"strata_ray profile: {e}", file=sys.stderr)
