@@ -128,7 +128,7 @@ def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
     (tmp_path / "c.txt").write_text(CORPUS)
     out = tmp_path / "p.strp"
     rc = profile_main(["--model", str(tiny_model_path), "--corpus", str(tmp_path / "c.txt"), "-o", str(out),
-                       "--max-tokens", "60", "--chunk", "16", "--context", "40"])
+                       "--max-tokens", "60", "--chunk", "16", "--context", "40", "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     assert "60 tokens" in capsys.readouterr().err
     loaded = load_model(str(tiny_model_path))
