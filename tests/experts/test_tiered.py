@@ -375,3 +375,16 @@ def test_a_short_prompt_counts_as_a_prompt_not_a_decode_window(tiny_next, prompt
     loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
     generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE)
     assert tiers.metrics.counts.pcie_entries == 0  # a CPU primary: every miss is the CPU pool's
+
+
+def test_a_prompt_tokens_pcie_entries_are_prompt_entries_too(tiny_next):
+    """The pipelined CUDA decode counts a token's entries as (hits, CPU misses, PCIe misses); for a short
+    prompt's token all of them are prompt entries (a one-token prompt counted 1 of its 8 on the H200)."""
+    cfg = config(tiny_next, expert_cache=12, adapt_every=0)
+    loaded, tiers = load_tiered_model(cfg, "cpu", progress=False)
+    k = loaded.hp.n_expert_used
+    ids = np.arange(k, dtype=np.int64)
+    tiers.count_entries(0, ids, 1, 1, 2, False, 0.0, pcie=k - 3)  # 1 hit, 2 CPU, the rest over PCIe
+    c = tiers.metrics.counts
+    assert c.prompt_entries == k and int(tiers.prompt_heat.sum()) == k
+    assert c.slot_hits == c.cpu_entries == c.pcie_entries == 0  # the decode's counts untouched
