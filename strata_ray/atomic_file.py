@@ -4,27 +4,19 @@ or a gate reference."""
 from __future__ import annotations
 
 import os
-import tempfile
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-UMASK = _umask()  # read once, at import: setting it for a moment while other threads create files would race
+import secrets
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     """Write a temporary file of a name of its own beside path (`.<name>.<random>.tmp`: two writers never
-    share one, a user's `<path>.tmp` is never touched), fsync it, then rename it over path. On any failure
-    the temporary file is removed and the OSError goes to the caller (path keeps what it held)."""
+    share one, a user's `<path>.tmp` is never touched; created as open() creates a file, the umask applied),
+    fsync it, then rename it over path. On any failure the temporary file is removed and the OSError goes to
+    the caller (path keeps what it held)."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        os.fchmod(fd, 0o666 & ~UMASK)  # as open() would create it (mkstemp makes it 0600)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()

@@ -132,7 +132,8 @@ def read_profile(path: str | os.PathLike) -> Profile:
 
 
 def write_profile(path: str | os.PathLike, profile: Profile) -> None:
-    """Write atomically: `<path>.tmp`, fsync, then rename, so a reader never sees half a file."""
+    """Write atomically (atomic_file.write_atomic: a temporary file beside it, fsync, rename): a reader
+    never sees half a file."""
     try:
         write_atomic(path, encode_profile(profile))
     except OSError as e:
