@@ -15,9 +15,9 @@ from strata_ray.model.decode_graph import decode_chain
 from strata_ray.model.ops import GDN_CHUNK
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prompt forward; a multiple of GDN_CHUNK
-# a prompt scored token by token (prompt logprobs) runs in chunks of at most this many tokens: every row's
-# logits are kept for a chunk, [chunk, V] float32 (311 MB at a 152K vocabulary)
-PROMPT_LOGPROBS_CHUNK = 512
+# a prompt scored token by token (prompt logprobs): the LM head runs over slices of at most this many rows,
+# [rows, V] float32 logits and their log-softmax (2 x 311 MB at a 152K vocabulary)
+PROMPT_LOGPROBS_ROWS = 512
 # On a host this small, one-token forwards run torch's CPU ops on one thread: their ops are too small to gain
 # from a second thread, and waking it costs more than the op (decode on the 2-core VM: about the same speed
 # when idle, 3-4x faster when another process keeps a core busy). The bits are the same at any thread count.
@@ -90,8 +90,8 @@ def generate(
     records that many top (id, logprob) pairs of the model's distribution per emitted token, and on_token is
     called as on_token(id, logprob=TokenLogprob) with them. prompt_logprobs > 0 records each prompt token's
     (after the first) logprob and top pairs given the tokens before it (`result.prompt_logprobs`, handed to
-    on_prompt before the first token): every row of the prompt's logits, in chunks of at most
-    PROMPT_LOGPROBS_CHUNK; the first token is chosen from the same last row's logits as without them."""
+    on_prompt before the first token): the prompt's rows through the LM head in slices of at most
+    PROMPT_LOGPROBS_ROWS; the first token is chosen from the same last row's logits as without them."""
     prompt = [int(t) for t in prompt_ids]
     hp = model.hp
     if not prompt:
@@ -116,8 +116,7 @@ def generate(
         scored: list[TokenLogprob] = []
         with prompt_forwards():
             if prompt_logprobs > 0:
-                logits = _score_prompt(model, prompt, state, min(prefill_chunk, PROMPT_LOGPROBS_CHUNK),
-                                       prompt_logprobs, scored)
+                logits = _score_prompt(model, prompt, state, prefill_chunk, prompt_logprobs, scored)
             else:
                 for start in range(0, len(prompt), prefill_chunk):
                     logits = model.forward(prompt[start : start + prefill_chunk], state, last_only=True)
@@ -153,23 +152,30 @@ def generate(
 
 def _score_prompt(model, prompt: list[int], state, chunk: int, k: int,
                   out: list[TokenLogprob]) -> torch.Tensor:
-    """The prompt forwards with every row's logits: each prompt token after the first gets its logprob and
-    the top k given the tokens before it (into out). Returns the last row's logits [1, V], computed by the
-    LM head on that row alone, as a last_only forward computes them (the first token's bits unchanged)."""
+    """The prompt forwards of a plain prompt (the same chunks, so the same state), each prompt token after the
+    first scored with its logprob and the top k given the tokens before it (into out), from the final norm
+    and LM head over slices of at most PROMPT_LOGPROBS_ROWS rows of the trunk's output. Returns the last
+    row's logits [1, V] from that row alone, as a last_only forward computes them (the first token's bits
+    unchanged)."""
     for start in range(0, len(prompt), chunk):
         ids = prompt[start : start + chunk]
-        logits, hidden = model.forward(ids, state, return_hidden=True)  # [t, V], [t, E]
+        if len(ids) == 1:  # a one-token chunk (the prompt's last): the decode's path, as without scoring
+            logits = model.forward(ids, state, last_only=True)
+            continue
+        h = model.trunk(ids, state)  # [t, E]
         following = prompt[start + 1 : start + 1 + len(ids)]  # the token each row predicts (none for the end)
-        if following:
+        for row in range(0, len(following), PROMPT_LOGPROBS_ROWS):
+            rows = following[row : row + PROMPT_LOGPROBS_ROWS]
             with one_torch_thread():  # as _record_logprobs: beside the CPU team's spinning members
-                lp = torch.log_softmax(logits[: len(following)].float(), dim=-1)  # [n, V]
+                lp = torch.log_softmax(model.head(h[row : row + len(rows)]).float(), dim=-1)  # [n, V]
                 top = torch.topk(lp, min(k, lp.shape[1]))
-                chosen = lp.gather(1, torch.tensor(following, device=lp.device)[:, None])[:, 0]
+                chosen = lp.gather(1, torch.tensor(rows, device=lp.device)[:, None])[:, 0]
             top_ids, top_values = top.indices.cpu().tolist(), top.values.cpu().tolist()
-            rows = zip(chosen.cpu().tolist(), top_ids, top_values, strict=True)
-            out.extend(TokenLogprob(c, tuple(zip(i, v, strict=True))) for c, i, v in rows)
-        del logits
-    return model.head(hidden[-1:])
+            scored = zip(chosen.cpu().tolist(), top_ids, top_values, strict=True)
+            out.extend(TokenLogprob(c, tuple(zip(i, v, strict=True))) for c, i, v in scored)
+            del lp
+        logits = model.head(h[-1:])
+    return logits
 
 
 def _emit(on_token: Callable | None, tok: int, entry: TokenLogprob | None) -> None:

@@ -68,6 +68,19 @@ class Model:
         graphs = self.decode_graphs
         if graphs is not None and state is not None and _one_token(ids) and not torch.is_grad_enabled():
             return graphs.step(ids, state, return_hidden)
+        h = self.trunk(ids, state)
+        if last_only:
+            h = h[-1:]
+        hidden = ops.rms_norm(h, w["output_norm.weight"], hp.rms_eps)
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    __call__ = forward
+
+    def trunk(self, ids: Tensor | Sequence[int], state: SequenceState | None = None) -> Tensor:
+        """ids [T] at positions state.pos.. -> the residual stream h [T, E] after the last layer (before the
+        final norm), the state advanced: forward's body (a prompt's scoring heads its rows in slices)."""
+        hp, w = self.hp, self.weights
         ids = self._as_ids(ids)
         state = self.new_state() if state is None else state
         pos0, T = state.pos, ids.shape[0]
@@ -86,16 +99,15 @@ class Model:
             x = ops.rms_norm(h, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
             h = h + moe_block(w, layer, x, hp.n_expert_used, self.experts)
         state.pos = pos0 + T
-        if last_only:
-            h = h[-1:]
-        hidden = ops.rms_norm(h, w["output_norm.weight"], hp.rms_eps)
-        logits = self.head(hidden)
-        return (logits, hidden) if return_hidden else logits
+        return h
 
-    __call__ = forward
+    def head(self, h: Tensor) -> Tensor:
+        """The final norm and the LM head: h [T, E] (the trunk's) -> logits [T, V]."""
+        hidden = ops.rms_norm(h, self.weights["output_norm.weight"], self.hp.rms_eps)
+        return self.lm_head(hidden)
 
-    def head(self, hidden: Tensor) -> Tensor:
-        """The LM head: hidden [T, E] (after the final norm) -> logits [T, V]."""
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """hidden [T, E] (after the final norm) -> logits [T, V]."""
         return ops.linear(hidden, self.weights.get("output.weight", self.weights["token_embd.weight"]))
 
     def mtp_logits(self, hidden: Tensor, next_ids: Tensor | Sequence[int], state: SequenceState) -> Tensor:

@@ -67,26 +67,27 @@ def test_top_logprobs(tiny):
         assert sum(torch.tensor(values).exp()) <= 1.0 + 1e-6
 
 
-@pytest.mark.parametrize("chunk", [64, 128])  # PROMPT is 100 tokens: two chunks, then one
-def test_prompt_logprobs_score_each_prompt_token_and_leave_the_generation_alone(tiny, chunk):
+@pytest.mark.parametrize("chunk,n", [(64, 100), (128, 100), (64, 129)])  # 129: a last chunk of one token
+def test_prompt_logprobs_score_each_prompt_token_and_leave_the_generation_alone(tiny, chunk, n):
     _, model = tiny
+    prompt = (PROMPT * 2)[:n]
     handed = []
-    out = generate(model, PROMPT, 6, SamplingParams(), (), logprobs=2, prefill_chunk=chunk,
+    out = generate(model, prompt, 6, SamplingParams(), (), logprobs=2, prefill_chunk=chunk,
                    prompt_logprobs=3, on_prompt=handed.append)
-    plain = generate(model, PROMPT, 6, SamplingParams(), (), logprobs=2, prefill_chunk=chunk)
-    # the first token comes from the same last row's logits: the same tokens and the same logprob bits
+    plain = generate(model, prompt, 6, SamplingParams(), (), logprobs=2, prefill_chunk=chunk)
+    # the same chunks and the first token from the same last row's logits: the same tokens and logprob bits
     assert (out.token_ids, out.token_logprobs, out.top_logprobs) == \
         (plain.token_ids, plain.token_logprobs, plain.top_logprobs)
     assert handed == [out.prompt_logprobs] and plain.prompt_logprobs == []
     # against every row of one whole forward: token t's logprob given tokens < t
     with torch.inference_mode():
-        lp = torch.log_softmax(model.forward(PROMPT).float(), dim=-1)  # [100, V]
-    assert len(out.prompt_logprobs) == len(PROMPT) - 1
-    want = lp[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
+        lp = torch.log_softmax(model.forward(prompt).float(), dim=-1)  # [n, V]
+    assert len(out.prompt_logprobs) == len(prompt) - 1
+    want = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     assert [e.logprob for e in out.prompt_logprobs] == pytest.approx(want.tolist(), abs=1e-4)
     for row, e in zip(lp, out.prompt_logprobs, strict=False):
-        assert [i for i, _ in e.top] == torch.topk(row, 3).indices.tolist() or \
-            [v for _, v in e.top] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=1e-4)
+        assert [v for _, v in e.top] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=1e-4)
+        assert all(row[i] == pytest.approx(v, abs=1e-4) for i, v in e.top)  # each id with its own value
 
 
 def test_on_token_gets_each_tokens_logprobs_when_asked(tiny):

@@ -235,15 +235,19 @@ def test_prompt_logprobs_leave_the_generation_alone_on_cuda(tiny_next_q4):
     head alone, as without them): the same tokens and logprob bits as the request without them, the chained
     decode included; the scores near the CPU engine's."""
     from strata_ray.engine.generate import generate
+    from strata_ray.engine.prefill import prefill_chunk
 
+    prompt = [3 + i % 200 for i in range(600)]  # > 512 rows: the LM head over two slices
     got = {}
     for device in ("cuda", "cpu"):
         cfg = EngineConfig(model=tiny_next_q4, device=device, expert_cache=10 if device == "cuda" else 0)
         loaded, _ = load_tiered_model(cfg, device, progress=False)
-        plain = generate(loaded.model, PROMPT, DECODE, logprobs=2)
-        got[device] = generate(loaded.model, PROMPT, DECODE, logprobs=2, prompt_logprobs=3)
+        chunk = prefill_chunk(cfg, device)  # the engine's (4096 on CUDA): the plain prompt's state
+        plain = generate(loaded.model, prompt, DECODE, logprobs=2, prefill_chunk=chunk)
+        got[device] = generate(loaded.model, prompt, DECODE, logprobs=2, prompt_logprobs=3,
+                               prefill_chunk=chunk)
         assert (got[device].token_ids, got[device].token_logprobs) == (plain.token_ids, plain.token_logprobs)
-        assert len(got[device].prompt_logprobs) == len(PROMPT) - 1
+        assert len(got[device].prompt_logprobs) == len(prompt) - 1
     cuda, cpu = ([e.logprob for e in got[d].prompt_logprobs] for d in ("cuda", "cpu"))
     assert cuda == pytest.approx(cpu, abs=5e-2) and all(lp <= 0 for lp in cuda)
 
