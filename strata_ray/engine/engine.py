@@ -67,6 +67,7 @@ class GenerationSummary(TokenRates):
     top_logprobs: list | None = None
     token_logprobs: list | None = None  # each generated token's own logprob (request.logprobs)
     finish_reason: str = "length"  # "stop": a stop id ended it; "length": max_tokens or the context
+    stop: tuple | None = None  # (the stop id that ended it, its generate.TokenLogprob with logprobs, or None)
     prompt_logprobs: list | None = None  # generate.TokenLogprob per prompt token after the first, when asked
     experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
     expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
@@ -230,6 +231,7 @@ class Engine:
             top_logprobs=result.top_logprobs if request.logprobs else None,
             token_logprobs=result.token_logprobs if request.logprobs else None,
             finish_reason=result.finish_reason,
+            stop=result.stop,
             prompt_logprobs=result.prompt_logprobs if request.prompt_logprobs else None,
             experts=experts,
             expert_stats=expert_stats,

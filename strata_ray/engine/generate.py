@@ -38,6 +38,7 @@ class GenerationResult(TokenRates):
     token_logprobs: list[float] = field(default_factory=list)  # per token: logprob of the chosen id
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
     finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
+    stop: tuple | None = None  # (the stop id sampled, its TokenLogprob when logprobs > 0, else None)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ def generate(
                 tok = sampler.sample(last)
                 if tok in stops:
                     result.finish_reason = "stop"
+                    result.stop = (tok, _logprob_entry(last, tok, logprobs) if logprobs > 0 else None)
                     break
                 entry = _record_logprobs(result, last, tok, logprobs) if logprobs > 0 else None
                 result.token_ids.append(tok)
@@ -193,13 +195,18 @@ def _record_logprobs(result: GenerationResult, logits: torch.Tensor, tok: int, k
     members compute the next token's rows meanwhile (chained) or spin between tokens on every core but one,
     and a parallel region of torch's beside them would oversubscribe the cores. ~0.4 ms at V = 151,936 on
     the 2-core VM."""
+    entry = _logprob_entry(logits, tok, k)
+    result.top_logprobs.append(list(entry.top))
+    result.token_logprobs.append(entry.logprob)
+    return entry
+
+
+def _logprob_entry(logits: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+    """tok's logprob and the top k (id, logprob) pairs of logits [V] (f32), on the host (_record_logprobs)."""
     with one_torch_thread():
         lp = torch.log_softmax(logits.cpu(), dim=-1)
         top = torch.topk(lp, min(k, lp.shape[0]))
-    pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-    result.top_logprobs.append(pairs)
-    result.token_logprobs.append(float(lp[tok]))
-    return TokenLogprob(result.token_logprobs[-1], tuple(pairs))
+    return TokenLogprob(float(lp[tok]), tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
 
 
 def _generate_chained(graphs, first: int, last: torch.Tensor, state, context: int, max_tokens: int,
@@ -216,6 +223,7 @@ def _generate_chained(graphs, first: int, last: torch.Tensor, state, context: in
         while True:
             if tok in stops:
                 result.finish_reason = "stop"
+                result.stop = (tok, _logprob_entry(logits, tok, logprobs) if logprobs > 0 else None)
                 return
             entry = _record_logprobs(result, logits, tok, logprobs) if logprobs > 0 else None
             result.token_ids.append(tok)

@@ -195,6 +195,7 @@ class EngineRunner:
                 if text.stopped and not cancel.is_set():
                     cancel.set()  # a stop string: end the generation, keep what was said before it
                     engine.stop()
+            summary = None
             try:
                 summary = job.result()
                 rec.prompt_ms, rec.decode_ms = 1000 * summary.prompt_seconds, 1000 * summary.decode_seconds
@@ -209,6 +210,11 @@ class EngineRunner:
             tail = Piece(text.finish(), _shifted(text.take_tokens(), shift))
             if tail.text or tail.tokens:
                 yield tail
+            listed = summary is not None and echo and request.logprobs and not text.stopped
+            end = summary.stop if listed else None
+            if end is not None and end[1] is not None:  # an echo's stop id listed last, as vLLM lists it:
+                # evaluation harnesses read token_logprobs[prompt:-1], one generated entry assumed at the end
+                yield Piece("", (EmittedToken(end[0], shift + len(text.text), end[1].logprob, end[1].top),))
             length = not text.stopped and rec.generated >= request.max_tokens
             finish = "length" if length else "stop"
             yield Finished(finish, len(request.prompt_ids), rec.generated, rec.timings())

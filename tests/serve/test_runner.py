@@ -98,3 +98,21 @@ def test_an_echo_sends_the_prompt_first_with_its_scores_and_counts_it_in_the_off
     assert "".join(p.text for p in rest) == plain
     only, done = asyncio.run(collect(runner, "only", ids, max_tokens=0, echo=True))
     assert only == tok.decode(ids) and done.completion_tokens == 0 and done.finish_reason == "length"
+
+
+def test_an_echo_that_ends_on_a_stop_id_lists_it_last(runner):
+    """lm-evaluation-harness asks an echo with max_tokens 1 and reads token_logprobs[prompt:-1]: one generated
+    entry assumed at the end. Where the model's next token is its end of turn, that entry is the stop id (as
+    vLLM lists it), text "", after the prompt's; before, the list ended with the prompt and a score lost."""
+    tok, engine = runner.engine.tokenizer, runner.engine
+    ids = engine.prompt_ids(GenerationRequest(prompt="What is a Python list?", chat=True))
+    answer = engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_tokens=200))
+    assert answer.finish_reason == "stop", "the embedded model ends its answer with a stop id"
+    whole = [*ids, *answer.token_ids]  # the answer's end is next
+    pieces, done = asyncio.run(collect(runner, "eos", whole, max_tokens=1, logprobs=1, whole=True, echo=True))
+    tokens = [t for p in pieces for t in p.tokens]
+    assert [t.token_id for t in tokens] == [*whole, answer.stop[0]] and answer.stop[0] in tok.stop_ids
+    assert tokens[-1].logprob is not None and tokens[-1].offset == len("".join(p.text for p in pieces))
+    assert done.completion_tokens == 0 and done.finish_reason == "stop"
+    plain, _ = asyncio.run(collect(runner, "plain", whole, max_tokens=1, logprobs=1, whole=True))
+    assert [t for p in plain for t in p.tokens] == []  # not an echo: the stop id is not listed
