@@ -280,6 +280,14 @@ def test_gate_passes_against_itself_and_fails_on_one_different_token(model_path,
     code, out, err = run_cli(capsys, "gate", *sampled, "--seed", "2", "--against", ref)
     assert (code, out) == (2, "") and err == ("strata_ray bench: --seed 2 differs from the reference's 1: "
                                               "--against runs the reference's sampling (drop the flag)\n")
+    greedy, local = str(tmp_path / "greedy.json"), ["gate", "--local", "--model", model_path]
+    code, _, err = run_cli(capsys, *local, "--max-tokens", "3", "--save", greedy)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *local, "--seed", "7", "--top-k", "40", "--against", greedy)
+    assert code == 0 and out.strip().splitlines()[-1] == "GATE: PASS", err  # greedy: they change nothing
+    code, _, err = run_cli(capsys, *local, "--temperature", "1", "--seed", "7", "--against", greedy)
+    assert (code, err) == (2, "strata_ray bench: --temperature 1.0 differs from the reference's 0.0: "
+                              "--against runs the reference's sampling (drop the flag)\n")
     code, _, err = run_cli(capsys, "gate", *sampled, "--max-tokens", "3", "--against", ref)
     assert (code, err) == (2, "strata_ray bench: --max-tokens applies with --save (--against runs the "
                               "reference's count)\n")
