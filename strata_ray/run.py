@@ -302,7 +302,12 @@ def generate_main(argv: Sequence[str]) -> int:
         keep_asked, keep = keep, False  # actors whose model failed to load are never kept
         load_model_remote(dep, reused=not dep.created, verbose=ns.verbose)
         keep = keep_asked
-        summary = stream_generation(dep, request, as_json=ns.json)
+        try:
+            summary = stream_generation(dep, request, as_json=ns.json)
+        except BrokenPipeError:  # stdout's reader went away (`run ... | head`): a quiet end, as a shell tool
+            dep.primary.stop.remote()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush would raise
+            return 141  # 128 + SIGPIPE
         say(summary.summary_line())
         for line in summary.warnings:  # after the text and the summary: nothing generated is lost
             say(line)
@@ -314,11 +319,6 @@ def generate_main(argv: Sequence[str]) -> int:
             sys.stdout.write("\n")  # end the half-printed line before the message
         sys.stdout.flush()
         return fail("interrupted", 130)
-    except BrokenPipeError:  # the reader went away (`run ... | head`): a quiet end, as a shell tool's
-        if dep is not None and not dep.created:
-            dep.primary.stop.remote()
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise
-        return 141  # 128 + SIGPIPE
     except Exception as e:  # every failure ends in one line
         message, code = launch.describe_failure(e, actor)
         return fail(message, code)

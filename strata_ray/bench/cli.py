@@ -232,11 +232,15 @@ def bench_main(argv: Sequence[str]) -> int:
                 if getattr(ns, flag[2:].replace("-", "_")) is not None:
                     raise ConfigError(f"{flag} applies with --url only")
         ns.api = ns.api or "chat"
-        inputs = {"--model": cfg.model, "--against": getattr(ns, "against", None)}
-        for flag in ("--json-out", "--plot", "--save"):
+        inputs = {"--model": cfg.model, "--against": getattr(ns, "against", None),
+                  "--expert-profile": cfg.expert_profile, "--expert-profile-save": cfg.expert_profile_save}
+        kinds = {"--json-out": (b"{", "a JSON report"), "--plot": (b"\x89PNG", "a PNG image"),
+                 "--save": (b"{", "a gate reference")}
+        for flag, (magic, kind) in kinds.items():
             path = getattr(ns, flag[2:].replace("-", "_"), None)
-            if path:  # a file written after the whole run: refused now, not then; never over an input
-                check_save_path(os.path.abspath(path), flag, inputs)
+            if path:  # a file written after the whole run: refused now, not then; never over an input or
+                # a file of another kind
+                check_save_path(os.path.abspath(path), flag, inputs, magic, kind)
         if not ns.url and (cfg.expert_profile or cfg.expert_profile_save):  # as `run` and `serve` read them
             from strata_ray.run import check_model_file, check_profile_files
 
@@ -310,14 +314,15 @@ def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]
     )
     sys.stdout.write(report.table(doc) + "\n")
     sys.stdout.flush()
+    written = True
     if ns.json_out:
-        if not report.write_json(ns.json_out, doc):
-            return 1
-        say(f"wrote {ns.json_out}")
+        written = report.write_json(ns.json_out, doc)
+        if written:
+            say(f"wrote {ns.json_out}")
     if ns.plot:
         report.plot(doc, ns.plot)
         say(f"wrote {ns.plot}")
-    return 0
+    return 0 if written else 1
 
 
 def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> int:

@@ -127,16 +127,17 @@ def profile_main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model(args.model, device=args.device)
         profile, counts, n_tokens = profile_text(loaded, text, args.max_tokens, args.chunk, args.context,
                                                  progress=not args.no_progress)
-        write_profile(args.output, profile)
+        try:
+            write_profile(args.output, profile)
+        except OSError as e:  # a full disk: its path, not Python's name for the error
+            print(f"strata_ray profile: cannot write {args.output} ({e.strerror or e})", file=sys.stderr)
+            return 1
     except (ProfileCliError, ProfileError, ModelFormatError, ConfigError) as e:
         print(f"strata_ray profile: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # nothing was written: the profile is written whole at the end
         print("strata_ray profile: interrupted", file=sys.stderr)
         return 130
-    except OSError as e:  # the profile's write (a full disk): its path, not Python's name for the error
-        print(f"strata_ray profile: cannot write {args.output} ({e.strerror or e})", file=sys.stderr)
-        return 1
     print(
         f"strata_ray profile: {n_tokens} token{'s' * (n_tokens != 1)} routed through {profile.n_layers} "
         f"layers; "

@@ -151,6 +151,21 @@ def test_an_output_never_replaces_the_model(model_path, capsys):
     assert code == 2 and "is the --model file" in err and Path(model_path).read_bytes()[:4096] == before
 
 
+def test_an_output_of_the_same_kind_is_replaced_and_another_kind_refused(model_path, tmp_path, capsys):
+    notes, ref = tmp_path / "notes.txt", tmp_path / "ref.json"
+    notes.write_text("mine")
+    for flag, kind in (("--save", "a gate reference"), ("--json-out", "a JSON report")):
+        head = ["gate"] if flag == "--save" else []
+        code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, str(notes))
+        assert (code, err) == (2, f"strata_ray bench: {flag}: {notes} exists and is not {kind}; remove it or "
+                                  "give another path\n")
+    assert notes.read_text() == "mine"
+    for _ in range(2):  # an earlier reference at the path: replaced
+        code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "-n", "2", "--save",
+                               str(ref))
+        assert code == 0, err
+
+
 def test_results_that_cannot_be_written_go_to_stdout_instead(tmp_path, capsys):
     from strata_ray.bench.report import write_or_show
 

@@ -130,6 +130,9 @@ def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
     rc = profile_main(["--model", str(tiny_model_path), "--corpus", str(tmp_path / "c.txt"), "-o", str(out),
                        "--max-tokens", "60", "--chunk", "16", "--context", "40", "--no-progress"])
     assert rc == 0, capsys.readouterr().err
+    rc = profile_main(["--model", str(tiny_model_path), "--corpus", str(tmp_path / "c.txt"), "-o", str(out),
+                       "--max-tokens", "60", "--chunk", "16", "--context", "40", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err  # an earlier profile at -o: replaced
     assert "60 tokens" in capsys.readouterr().err
     loaded = load_model(str(tiny_model_path))
     profile = read_profile(out)
