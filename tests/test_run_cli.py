@@ -118,15 +118,17 @@ def test_text_streams_to_stdout(tiny_model, json_run):
 
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(tiny_model):
-    """`run ... | head -c 5`: said "strata:primary failed: BrokenPipeError" and exit 1."""
+    """`run ... | head -c 1`: said "strata:primary failed: BrokenPipeError" and exit 1. The reader here takes
+    the first byte (the first token goes out at once) and closes the pipe: every later write fails."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run(f"{sys.executable} -m strata_ray.run --model {tiny_model} --address local "
-                          "--prompt hello --max-tokens 400 | head -c 1; exit ${PIPESTATUS[0]}",
-                          shell=True, executable="/bin/bash", capture_output=True, env=env, cwd=REPO,
-                          timeout=300, stdin=subprocess.DEVNULL)
-    err = done.stderr.decode()
-    assert done.returncode == 141, err  # a write after head left: 128 + SIGPIPE, as a shell tool
+    argv = ["--model", tiny_model, "--address", "local", "--prompt-ids", "1,2,3", "--max-tokens", "2000"]
+    proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell tool
     assert "Error" not in err and "failed" not in err, err
 
 
