@@ -356,7 +356,7 @@ def run_gate(ns, command: str, job: GateJob, target, builder: PromptBuilder) -> 
 
 
 def gate_meta(target) -> dict:
-    """Where a gate reference came from (kept in the file, not compared)."""
+    """Where a gate reference came from, kept in the file (--against refuses another model's shape)."""
     return {
         "mode": target.mode,
         "model": report.model_info(target.file, target.path),

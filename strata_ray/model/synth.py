@@ -270,10 +270,15 @@ def _check_writable(path: Path) -> None:
 
 
 def _is_gguf(path: Path) -> bool:
+    """A GGUF file (False where it cannot be read)."""
     from strata_ray.model.gguf_file import GGUF_MAGIC
 
-    with path.open("rb") as f:
-        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError:
+        return False
+    return head == GGUF_MAGIC
 
 
 def _human_bytes(n: int) -> str:
@@ -343,7 +348,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)
         return 2
-    exists = Path(args.output).is_file()
+    exists = Path(args.output).is_file() and Path(args.output).stat().st_size > 0  # an empty one: `mktemp`'s
     if exists and not (args.force and _is_gguf(Path(args.output))):
         what = "a GGUF file: --force overwrites it" if _is_gguf(Path(args.output)) else \
             "not a GGUF file; remove it or give another path"

@@ -12,6 +12,7 @@ from strata_ray.model.quants import dequantize_tensor
 from strata_ray.model.synth import (
     EMBD_COS,
     SynthModel,
+    _is_gguf,
     expected_cos_u,
     residual_gain,
     synth_main,
@@ -261,6 +262,9 @@ def test_an_existing_file_at_o_is_never_overwritten_unasked(tmp_path, capsys):
     assert capsys.readouterr().err == want
     assert synth_main([*argv, str(model), "--seed", "5", "--force"]) == 0 and model.read_bytes() != before
     assert "1 layer (+1 MTP)" in capsys.readouterr().out
+    empty = tmp_path / "empty.gguf"
+    empty.touch()  # as `mktemp` leaves it: nothing to lose
+    assert synth_main([*argv, str(empty)]) == 0 and _is_gguf(empty)
 
 
 def test_cli_success_and_implied_arch(tmp_path, capsys):
