@@ -312,6 +312,9 @@ def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]
         model=report.model_info(target.file, target.path), device=report.device_info(target.engine_device),
         server=target.server, argv=["bench", *argv],
     )
+    interrupted = bool(results.get("interrupted"))
+    if interrupted and not results["contexts"]:
+        raise KeyboardInterrupt  # nothing measured yet: the one line "interrupted"
     sys.stdout.write(report.table(doc) + "\n")
     sys.stdout.flush()
     written = True
@@ -322,6 +325,9 @@ def run_bench(ns, job: BenchJob, target, builder: PromptBuilder, argv: list[str]
     if ns.plot:
         report.plot(doc, ns.plot)
         say(f"wrote {ns.plot}")
+    if interrupted:
+        say("interrupted: the table has what was measured before it")
+        return 130
     return 0 if written else 1
 
 

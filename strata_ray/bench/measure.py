@@ -190,7 +190,8 @@ def median(values: list[float]) -> float:
 def run_plan(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling,
              progress: Callable[[str], None] | None = None) -> dict:
     """Every context `repeats` times (a fresh random prefix each time), then the story. Returns the
-    `results` part of the JSON report."""
+    `results` part of the JSON report. A Ctrl-C (KeyboardInterrupt) after the warm-up returns what was
+    measured so far, the context it fell in with its finished runs, and `interrupted: true`."""
     tick = progress or (lambda _label: None)
     if plan.warmup:
         runner.run(builder.story_prompt(), WARMUP_GEN_TOKENS, sampling)  # short: fits any context
@@ -200,18 +201,24 @@ def run_plan(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling,
             prompt = builder.bench_prompt(min(plan.contexts), WARMUP_GEN_TOKENS)
             builder.observe(prompt, runner.run(prompt, WARMUP_GEN_TOKENS, sampling).prompt_tokens)
             tick("warm-up")
-    contexts = []
-    for context in plan.contexts:
-        result = None
-        for _ in range(plan.repeats):
-            prompt = builder.bench_prompt(context, plan.gen_tokens)
-            if result is None:
-                result = ContextResult(context, prompt.n_tokens, prompt.note)
-            result.runs.append(runner.run(prompt, plan.gen_tokens, sampling))
-            builder.observe(prompt, result.runs[-1].prompt_tokens)  # a foreign tokenizer's true ratio
-            tick(f"context {context}")
-        contexts.append(result.summary(plan.gen_tokens))
-    return {"contexts": contexts, "story": _story(runner, builder, plan, sampling, tick)}
+    contexts, result = [], None
+    try:
+        for context in plan.contexts:
+            for _ in range(plan.repeats):
+                prompt = builder.bench_prompt(context, plan.gen_tokens)
+                if result is None:
+                    result = ContextResult(context, prompt.n_tokens, prompt.note)
+                result.runs.append(runner.run(prompt, plan.gen_tokens, sampling))
+                builder.observe(prompt, result.runs[-1].prompt_tokens)  # a foreign tokenizer's true ratio
+                tick(f"context {context}")
+            contexts.append(result.summary(plan.gen_tokens))
+            result = None
+        story = _story(runner, builder, plan, sampling, tick)
+    except KeyboardInterrupt:  # a long sweep stopped: what it measured is kept, not thrown away
+        if result is not None and result.runs:
+            contexts.append(result.summary(plan.gen_tokens))
+        return {"contexts": contexts, "story": None, "interrupted": True}
+    return {"contexts": contexts, "story": story}
 
 
 def _story(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling, tick) -> dict | None:

@@ -275,6 +275,37 @@ def test_the_warm_up_runs_the_story_then_the_smallest_depth(model_path):
     assert plan_steps(replace(plan, warmup=False)) == 2 and plan_steps(replace(plan, contexts=())) == 1
 
 
+def test_a_ctrl_c_keeps_what_the_sweep_measured(model_path):
+    """A Ctrl-C in a long sweep returned nothing ("interrupted"): now the contexts measured before it, the
+    one it fell in with its finished runs, and interrupted: true."""
+    from strata_ray.bench.measure import BenchPlan, LocalRunner, run_plan
+    from strata_ray.bench.targets import open_model_file
+    from strata_ray.config import EngineConfig
+    from strata_ray.engine.engine import Engine
+    from strata_ray.engine.sampling import SamplingParams
+
+    class CtrlCAt(LocalRunner):  # the real engine; the user's Ctrl-C arrives as the n-th run starts
+        def __init__(self, engine, n):
+            super().__init__(engine)
+            self.left = n
+
+        def run(self, prompt, max_tokens, sampling):
+            self.left -= 1
+            if self.left == 0:
+                raise KeyboardInterrupt
+            return super().run(prompt, max_tokens, sampling)
+
+    _, _, tok = open_model_file(model_path)
+    engine = Engine(EngineConfig(model=model_path, device="cpu"))
+    plan = BenchPlan(contexts=(160, 200), gen_tokens=3, repeats=2, story_tokens=6, warmup=False)
+    got = run_plan(CtrlCAt(engine, 4), PromptBuilder(tok, None), plan, SamplingParams())  # in ctx200's 2nd
+    assert got["interrupted"] and got["story"] is None
+    assert [(c["context"], len(c["runs"])) for c in got["contexts"]] == [(160, 2), (200, 1)]
+    whole = run_plan(CtrlCAt(engine, 99), PromptBuilder(tok, None), plan, SamplingParams())
+    assert "interrupted" not in whole and whole["story"] is not None
+    assert run_plan(CtrlCAt(engine, 1), PromptBuilder(tok, None), plan, SamplingParams())["contexts"] == []
+
+
 # ---- gates -----------------------------------------------------------------------------------------------
 
 
