@@ -178,7 +178,11 @@ def table(doc: dict) -> str:
             notes.append(story["note"])
         if story["short"]:
             notes.append("story: SHORT answer (the model stopped before half the tokens)")
-    rows.append(f"medians of {doc['plan']['repeats']} run(s)")
+    if doc["results"].get("interrupted"):  # the last context may hold fewer runs than the plan's repeats
+        ran = [len(c["runs"]) for c in doc["results"]["contexts"]]
+        rows.append(f"interrupted: medians of the {', '.join(map(str, ran))} run(s) measured")
+    else:
+        rows.append(f"medians of {doc['plan']['repeats']} run(s)")
     return "\n".join(rows + [f"note: {n}" for n in notes])
 
 

@@ -301,6 +301,14 @@ def test_a_ctrl_c_keeps_what_the_sweep_measured(model_path):
     got = run_plan(CtrlCAt(engine, 4), PromptBuilder(tok, None), plan, SamplingParams())  # in ctx200's 2nd
     assert got["interrupted"] and got["story"] is None
     assert [(c["context"], len(c["runs"])) for c in got["contexts"]] == [(160, 2), (200, 1)]
+    from strata_ray.bench import report
+
+    plan_doc = {"quick": False, "contexts": [160, 200], "gen_tokens": 3, "repeats": 2, "story_tokens": 6,
+                "warmup": False, "sampling": {}}
+    doc = report.build_report("bench", "local", got, plan=plan_doc, config=None,
+                              model=report.model_info(None, None), device=report.device_info("cpu"),
+                              server=None, argv=[])
+    assert report.table(doc).splitlines()[-1] == "interrupted: medians of the 2, 1 run(s) measured"
     whole = run_plan(CtrlCAt(engine, 99), PromptBuilder(tok, None), plan, SamplingParams())
     assert "interrupted" not in whole and whole["story"] is not None
     assert run_plan(CtrlCAt(engine, 1), PromptBuilder(tok, None), plan, SamplingParams())["contexts"] == []
