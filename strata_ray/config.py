@@ -577,7 +577,15 @@ def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | Non
     for other, source in (inputs or {}).items():
         if source and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise ConfigError(f"{flag}: {path} is the {other} file; give another path")
-    if magic is not None and os.path.isfile(path) and os.path.getsize(path) > 0:
+    other_kind = magic is not None and os.path.isfile(path) and os.path.getsize(path) > 0
+    if other_kind and not starts_with(path, magic):
+        raise ConfigError(f"{flag}: {path} exists and is not {kind}; remove it or give another path")
+
+
+def starts_with(path: str | os.PathLike, magic: bytes) -> bool:
+    """The file at path begins with magic (a format's signature); False where it cannot be read."""
+    try:
         with open(path, "rb") as f:
-            if f.read(len(magic)) != magic:
-                raise ConfigError(f"{flag}: {path} exists and is not {kind}; remove it or give another path")
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False

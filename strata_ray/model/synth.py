@@ -271,14 +271,10 @@ def _check_writable(path: Path) -> None:
 
 def _is_gguf(path: Path) -> bool:
     """A GGUF file (False where it cannot be read)."""
+    from strata_ray.config import starts_with
     from strata_ray.model.gguf_file import GGUF_MAGIC
 
-    try:
-        with path.open("rb") as f:
-            head = f.read(len(GGUF_MAGIC))
-    except OSError:
-        return False
-    return head == GGUF_MAGIC
+    return starts_with(path, GGUF_MAGIC)
 
 
 def _human_bytes(n: int) -> str:
@@ -349,9 +345,10 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         print(f"strata_ray synth: {e}", file=sys.stderr)
         return 2
     exists = Path(args.output).is_file() and Path(args.output).stat().st_size > 0  # an empty one: `mktemp`'s
-    if exists and not (args.force and _is_gguf(Path(args.output))):
-        what = "a GGUF file: --force overwrites it" if _is_gguf(Path(args.output)) else \
-            "not a GGUF file; remove it or give another path"
+    gguf = exists and _is_gguf(Path(args.output))
+    if exists and not (args.force and gguf):
+        what = ("a GGUF file: --force overwrites it" if gguf
+                else "not a GGUF file; remove it or give another path")
         print(f"strata_ray synth: -o {args.output}: exists and is {what}", file=sys.stderr)
         return 2
     try:
