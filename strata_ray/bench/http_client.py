@@ -87,18 +87,19 @@ class HttpRunner:
             return None
         only = models[0] if len(models) == 1 else None
         entry = next((m for m in models if m.get("id") == self.model), only)
-        n = None if entry is None else entry.get("max_model_len")
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return _positive_int(None if entry is None else entry.get("max_model_len"))
+
+    def _content_fields(self, content: str) -> dict:
+        """The request's prompt: one user message (thinking off) for the chat API, else the text."""
+        if self.api == "chat":
+            return {"messages": [{"role": "user", "content": content}],
+                    "chat_template_kwargs": {"enable_thinking": False}}
+        return {"prompt": content}
 
     def count_tokens(self, content: str) -> int | None:
         """The tokens the server would run for content sent as payload() sends it (chat template and all),
         from its /tokenize; None where it has none, or one that does not take this request's shape."""
-        body: dict = {"model": self.model}
-        if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": content}]
-            body["chat_template_kwargs"] = {"enable_thinking": False}
-        else:
-            body["prompt"] = content
+        body = {"model": self.model, **self._content_fields(content)}
         try:
             with self._open("/tokenize", body, root=True) as resp:
                 doc = json.loads(resp.read().decode("utf-8"))
@@ -107,8 +108,7 @@ class HttpRunner:
         n = doc.get("count") if isinstance(doc, dict) else None
         if n is None and isinstance(doc, dict) and isinstance(doc.get("tokens"), list):
             n = len(doc["tokens"])
-        # 0: llama-server's answer to a body without `content` (an empty list), not a count
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        return _positive_int(n)  # not 0: llama-server's answer to a body without `content` (an empty list)
 
     # ---- one timed generation --------------------------------------------------------------------------
 
@@ -127,11 +127,7 @@ class HttpRunner:
             body["min_p"] = sampling.min_p
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        if self.api == "chat":
-            body["messages"] = [{"role": "user", "content": prompt.content}]
-            body["chat_template_kwargs"] = {"enable_thinking": False}
-        else:
-            body["prompt"] = prompt.content
+        body.update(self._content_fields(prompt.content))
         if self.token_ids:
             body["return_token_ids"] = True  # servers that know it (vLLM) send the ids; others ignore it
         return body
@@ -160,6 +156,11 @@ class HttpRunner:
             # chunks carry text, not counts: the reference method, (completion_tokens - 1) over first..last
             timing = RunTiming(**{**timing.__dict__, "decode_tokens": generated - 1})
         return timing
+
+
+def _positive_int(n) -> int | None:
+    """n where it is an integer > 0 (a server's count or length), else None."""
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def _choice_text(choice: dict) -> str:
