@@ -128,10 +128,11 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
             for k, two in ((E, True), (N_FF, False)):
                 if expert_rows_cuda.geometry(k, wt) is None:
                     continue
-                for bt in (1, 4, 8):
-                    yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}",
-                           expert_rows_cuda._SOURCE, "expert_rows",
-                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt), warps * 32, 0)
+                for bt, prefetch in ((1, False), (4, False), (8, False), (1, True), (4, True), (8, True)):
+                    yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
+                           f"{' prefetch' if prefetch else ''}", expert_rows_cuda._SOURCE, "expert_rows",
+                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch),
+                           warps * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:
             for k, two in ((E, True), (N_FF, False)):

@@ -97,23 +97,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const int grp = lane / G, g = lane % G;
     const int K = 32 * NB;
     const int n_rows = TWO ? 2 * R : R;
+    const int n_blocks = (n_rows + ROWS_CTA - 1) / ROWS_CTA;  // row blocks of ROWS_CTA rows
 
-    // this row group's rows: every word of them loaded (coalesced: lane g takes words g + G j) before any
-    // arithmetic
-    const int row0 = blockIdx.x * ROWS_CTA + (warp * GROUPS + grp) * RPW;
+    // a row block's rows of this row group: every word of them loaded (coalesced: lane g takes words g + G j)
+    // before any arithmetic that needs them
     unsigned words[RPW][WL];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-        const int row = row0 + r;
-        const bool live = row < n_rows;
-        const int which = TWO && row >= R;
-        const int rr = row - which * R;
-        const unsigned* wrow = (const unsigned*)(which ? W2 + slot * stride2 + rr * rb2
-                                                       : W1 + slot * stride1 + rr * rb1);
-#pragma unroll
-        for (int j = 0; j < WL; ++j)
-            words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;
+#define LOAD_ROWS(BLOCK)                                                                                  \
+    _Pragma("unroll") for (int r = 0; r < RPW; ++r) {                                                    \
+        const int row = (BLOCK) * ROWS_CTA + (warp * GROUPS + grp) * RPW + r;                             \
+        const bool live = row < n_rows;                                                                   \
+        const int which = TWO && row >= R;                                                                \
+        const int rr = row - which * R;                                                                   \
+        const unsigned* wrow = (const unsigned*)(which ? W2 + slot * stride2 + rr * rb2                   \
+                                                       : W1 + slot * stride1 + rr * rb1);                 \
+        _Pragma("unroll") for (int j = 0; j < WL; ++j)                                                   \
+            words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;       \
     }
+    LOAD_ROWS(blockIdx.x)
 
     // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA. The
     // entries' activation rows first, once (two dependent loads each), not per word
@@ -144,6 +144,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         as_s[e][b] = AS[arow * NB + b];
     }
     __syncthreads();
+
+    // PREFETCH: the CTA's row blocks blockIdx.x + gridDim.x i (about STRATA_ROWS_ITERS of them, the host's
+    // grid): the activation staging above serves them all, and each block's successor's words are loaded
+    // while its entries are computed and folded, so a warp's loads stay in flight through its arithmetic (one
+    // block a CTA left the down launch latency-bound, session 26's ncu: 65% of cycles with no eligible
+    // warp). Otherwise one block a CTA, loads then arithmetic.
+#if PREFETCH
+    for (int blk = blockIdx.x; blk < n_blocks; blk += gridDim.x) {
+#else
+    {  // one row block a CTA: no loop, whose live values took registers from the occupancy (ptxas: 40 -> 56)
+        const int blk = blockIdx.x;
+#endif
+    // (the block's body, not indented for the loop)
+    const int row0 = blk * ROWS_CTA + (warp * GROUPS + grp) * RPW;
 
     // every row of the group unpacked into registers first, so each entry's activation codes are read from
     // shared memory once for the RPW rows (a read a row and entry kept the shared-memory pipe the kernel's
@@ -262,6 +276,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #endif
         __syncwarp();  // stage_s is the next row's
     }
+#if PREFETCH
+    if (blk + gridDim.x < n_blocks) {  // the next row block's words, in flight through its arithmetic
+        LOAD_ROWS(blk + gridDim.x)
+    }
+#endif
 
     // each entry of the tile over the same registers, the one-entry arithmetic: an entry's rows do not
     // depend on the others of its tile. A unit's two blocks are b0, b0 + 1 (b0 = 2 (g + G q) for every type:
@@ -354,6 +373,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
     }
+    __syncwarp();  // term_s is the next row block's
+    }
+#undef LOAD_ROWS
 }
 """
 
@@ -433,26 +455,29 @@ def _lanes(nu: int) -> int:
     return min(32, nu & -nu)
 
 
-def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0) -> tuple[str, ...]:
-    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline)."""
+def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
+                  prefetch: bool = False) -> tuple[str, ...]:
+    """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
+    row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks)."""
     wpr, nb, g, wl, npl = geometry(k, wtype)
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
     return ("--fmad=false", f"-DWPR={wpr}", f"-DNB={nb}", f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}",
-            f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}")
+            f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}",
+            f"-DPREFETCH={int(prefetch)}")
 
 
 @functools.cache
-def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int = Q4_0):
-    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype), device)
+def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool):
+    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch), device)
 
 
-def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0):
+def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
     `device`, or None where it cannot be built (an NVRTC or driver too old for the GPU, say): a Triton tile
     then, with the same bits, after one warning."""
     from .expert_words import WORDS
 
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype)
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch)
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows",
                                "a Triton tile takes their launches (the same bits)")
 
@@ -470,13 +495,14 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    kern = cuda_rows_kernel(k, two, dev, bt, wtype)
+    iters = rows_iters()
+    kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=iters > 1)
     if kern is None:
         return False
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
     rows_cta = warps * (32 // geometry(k, wtype)[2]) * rpw
     n_rows = 2 * r if two else r
-    grid = ((n_rows + rows_cta - 1) // rows_cta, tile_start.numel())
+    grid = (row_block_ctas(-(-n_rows // rows_cta), iters), tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
     ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
@@ -484,6 +510,21 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, warps * 32, args, dev)
     return True
+
+
+def rows_iters() -> int:
+    """STRATA_ROWS_ITERS (config refuses values other than 1-64), else expert_words.WORDS["cuda_iters"]: about
+    how many row blocks a CTA walks."""
+    from .expert_words import WORDS
+
+    value = os.environ.get("STRATA_ROWS_ITERS", "")
+    return int(value) if value else WORDS["cuda_iters"]
+
+
+def row_block_ctas(n_blocks: int, iters: int) -> int:
+    """The CTAs a tile's n_blocks row blocks take when each walks about iters of them: CTA c walks blocks
+    c, c + CTAs, ... (ceil(n_blocks / CTAs) or one fewer each), at least one CTA."""
+    return max(1, -(-n_blocks // max(1, iters)))
 
 
 def cuda_rows_on() -> bool:

@@ -16,10 +16,12 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_rows_cuda import (
     cuda_rows_serves,
     cuda_rows_tile_cap,
+    row_block_ctas,
     row_reference,
     row_reference_q4k,
     row_reference_q6k,
     row_reference_q8,
+    rows_iters,
 )
 from strata_ray.kernels.random_weights import random_layer
 
@@ -109,6 +111,25 @@ def test_tile_cap_is_the_most_entries_every_served_kind_takes():
     assert cuda_rows_tile_cap([(96, Q4_0), (256, Q6_K)], 8) == 8  # never served: the simple tile, no cap
 
 
+def test_ctas_walk_every_row_block_once():
+    """CTA c of a tile walks row blocks c, c + CTAs, ...: every block once, each CTA about iters of them."""
+    for n_blocks, iters in [(128, 1), (128, 2), (128, 3), (64, 64), (64, 100), (1, 4), (5, 4)]:
+        ctas = row_block_ctas(n_blocks, iters)
+        walks = [list(range(c, n_blocks, ctas)) for c in range(ctas)]
+        assert sorted(b for walk in walks for b in walk) == list(range(n_blocks))
+        assert all(walks) and max(map(len, walks)) == -(-n_blocks // ctas) <= max(1, iters)
+    assert row_block_ctas(128, 1) == 128 and row_block_ctas(128, 3) == 43 and row_block_ctas(64, 64) == 1
+
+
+def test_rows_iters_is_the_switch_over_the_default(monkeypatch):
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.delenv("STRATA_ROWS_ITERS", raising=False)
+    assert rows_iters() == ew.WORDS["cuda_iters"]
+    monkeypatch.setenv("STRATA_ROWS_ITERS", "8")
+    assert rows_iters() == 8
+
+
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
     """A verify window over a layer of 4096-value Q4_0 rows gets tiles of 4 (the CUDA form's most there) where
     the CUDA form is on; the other variants, prompt tiles and machines without it keep next_pow2(tokens)."""
@@ -194,6 +215,17 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
         _check(wide, 10)
         _check(_layer(256, 768, 5), 3)
         _check(wide, 40, n_tok=4)
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": 2, "cuda_warps": 4})
+    # CTAs walking several row blocks, each block's successor loaded ahead: 2 blocks a CTA, an uneven walk
+    # (3: 128 gate/up blocks over 43 CTAs), and one CTA a tile walking them all
+    for iters in ("2", "3", "64"):
+        monkeypatch.setenv("STRATA_ROWS_ITERS", iters)
+        _check(wide, 10)
+        _check(wide, 40, n_tok=4, act_offset=4)
+        _check(_layer(256, 192, 4), 9)
+        _check(q4km, 80, n_tok=8)
+        _check(q8, 33, n_tok=3)
+        _check(_layer(1024, 512, 5, down=Q6_K, gate_up=Q6_K), 17, n_tok=3)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
