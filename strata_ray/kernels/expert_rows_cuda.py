@@ -495,7 +495,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    iters = rows_iters()
+    iters = rows_iters(bt)
     kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=iters > 1)
     if kern is None:
         return False
@@ -512,13 +512,19 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     return True
 
 
-def rows_iters() -> int:
-    """STRATA_ROWS_ITERS (config refuses values other than 1-64), else expert_words.WORDS["cuda_iters"]: about
-    how many row blocks a CTA walks."""
+def rows_iters(bt: int) -> int:
+    """About how many row blocks a CTA walks in a launch of tiles of up to bt entries: STRATA_ROWS_ITERS
+    (config refuses values other than 1-64), else expert_words.WORDS["cuda_iters"] (a number, or a number by
+    bt: the tile size past the largest listed takes that one's)."""
     from .expert_words import WORDS
 
     value = os.environ.get("STRATA_ROWS_ITERS", "")
-    return int(value) if value else WORDS["cuda_iters"]
+    if value:
+        return int(value)
+    iters = WORDS["cuda_iters"]
+    if isinstance(iters, int):
+        return iters
+    return iters[max((t for t in iters if t <= bt), default=min(iters))]
 
 
 def row_block_ctas(n_blocks: int, iters: int) -> int:
