@@ -75,8 +75,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
     float* __restrict__ OUT, int R, int M)
 {
-    __shared__ unsigned stage_s[WARPS][GROUPS][WPR + 1];  // a row's words, from the coalesced loads to unit
-                                                          // lanes (+1: Q6_K's realigning reads)
+    // a row's words, from the coalesced loads to unit lanes: SP (stage_pitch on the host) at least WPR + 1
+    // (+1: Q6_K's realigning reads) and G mod 32, so the GROUPS row groups of a warp sit G banks apart: their
+    // stores (lane g of group grp at g + G (j + grp)) and their unit reads (9 or 17 words a lane) hit 32
+    // distinct banks (at WPR + 1 a 512-value Q4_0 down row's reads were 4-way conflicts: session 37)
+    __shared__ unsigned stage_s[WARPS][GROUPS][SP];
     // each (entry, row)'s blocks' fp32 terms: slot c = e RPW + r of row group grp at [grp][c], TP apart:
     // a multiple of 4 whose quarter is odd, so the fold's lanes, each reading its own slot's blocks 4 at a
     // time, hit distinct banks within each 8-lane phase of a 16-byte load (NB apart they all hit one bank, a
@@ -422,7 +425,7 @@ def cuda_rows_serves(k: int, bt: int = 1, wtype: int = Q4_0) -> bool:
         return False
     from .expert_words import WORDS
 
-    return shared_bytes(geo, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"]) <= 48 << 10
+    return shared_bytes(geo, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"]) <= STATIC_SHARED
 
 
 def cuda_rows_tile_cap(kinds, bt: int) -> int:
@@ -436,11 +439,29 @@ def cuda_rows_tile_cap(kinds, bt: int) -> int:
     return cap
 
 
-def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int) -> int:
-    """The kernel's static shared memory for rows of that geometry: stage_s, term_s, act_s, ad_s, as_s and
-    arow_s (4-byte elements)."""
+STATIC_SHARED = 48 << 10  # the most static shared memory a kernel may declare
+
+
+def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int, pitch: int = 0) -> int:
+    """The kernel's static shared memory for rows of that geometry: stage_s (row groups pitch words apart; 0:
+    the least, WPR + 1), term_s, act_s, ad_s, as_s and arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    return 4 * (warps * (32 // g) * (wpr + 1 + bt * rpw * term_pitch(nb)) + bt * (8 * nb + 2 * nb + 1))
+    per_group = (pitch or wpr + 1) + bt * rpw * term_pitch(nb)
+    return 4 * (warps * (32 // g) * per_group + bt * (8 * nb + 2 * nb + 1))
+
+
+def stage_pitch(wpr: int, g: int) -> int:
+    """The words between two row groups' staged rows that keeps a warp's groups (32 / G of them) G banks
+    apart: WPR + 1 rounded up to G mod 32 (one group a warp, G = 32: WPR + 1 as it is)."""
+    return wpr + 1 if g == 32 else wpr + 1 + (g - (wpr + 1)) % 32
+
+
+def staged_pitch(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int) -> int:
+    """SP, the kernel's pitch: stage_pitch where its shared memory fits, else WPR + 1 (bank conflicts rather
+    than no CUDA form: a 768-value Q4_K row's tiles of 4)."""
+    wpr, g = geo[0], geo[2]
+    pitch = stage_pitch(wpr, g)
+    return pitch if shared_bytes(geo, bt, rpw, warps, pitch) <= STATIC_SHARED else wpr + 1
 
 
 def term_pitch(nb: int) -> int:
@@ -459,11 +480,12 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
                   prefetch: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks)."""
-    wpr, nb, g, wl, npl = geometry(k, wtype)
+    geo = geometry(k, wtype)
+    wpr, nb, g, wl, npl = geo
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
-    return ("--fmad=false", f"-DWPR={wpr}", f"-DNB={nb}", f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}",
-            f"-DNPL={npl}", *kinds, f"-DBT={bt}", f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}",
-            f"-DPREFETCH={int(prefetch)}")
+    return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
+            f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
+            f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}")
 
 
 @functools.cache

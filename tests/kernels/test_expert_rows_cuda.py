@@ -5,6 +5,7 @@ kernel's rows against the CPU rows at awkward entry counts, both widths of the 8
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,12 +17,16 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_rows_cuda import (
     cuda_rows_serves,
     cuda_rows_tile_cap,
+    geometry,
     row_block_ctas,
     row_reference,
     row_reference_q4k,
     row_reference_q6k,
     row_reference_q8,
     rows_iters,
+    shared_bytes,
+    stage_pitch,
+    staged_pitch,
 )
 from strata_ray.kernels.random_weights import random_layer
 
@@ -109,6 +114,31 @@ def test_tile_cap_is_the_most_entries_every_served_kind_takes():
     assert cuda_rows_tile_cap([(8192, Q4_K), (512, Q4_K)], 8) == 1
     assert cuda_rows_tile_cap([(2048, Q4_K)], 1) == 1
     assert cuda_rows_tile_cap([(96, Q4_0), (256, Q6_K)], 8) == 8  # never served: the simple tile, no cap
+
+
+@pytest.mark.parametrize("unit_words", [9, 17])  # a Q4_0 / Q8_0 block pair
+@pytest.mark.parametrize("g", [4, 8, 16, 32])
+def test_staged_rows_of_a_warps_groups_hit_distinct_banks(unit_words, g):
+    """A warp's 32 / g row groups stage their rows stage_pitch words apart: each store (lane l of group grp
+    writes word l + g j) and each unit read (word i of unit l) of the warp's 32 lanes hits 32 banks."""
+    wpr = unit_words * g  # one unit a lane
+    pitch = stage_pitch(wpr, g)
+    assert pitch >= wpr + 1
+    lanes = [(grp, lane) for grp in range(32 // g) for lane in range(g)]
+    for i in range(unit_words):
+        assert len({(grp * pitch + unit_words * lane + i) % 32 for grp, lane in lanes}) == 32
+        assert len({(grp * pitch + lane + g * i) % 32 for grp, lane in lanes}) == 32
+    if g == 8 and unit_words == 9:  # WPR + 1, the pitch before: 4-way conflicts on a 512-value down row
+        banks = Counter((grp * (wpr + 1) + unit_words * lane) % 32 for grp, lane in lanes)
+        assert max(banks.values()) == 4
+
+
+def test_the_kernel_pitch_pads_only_where_its_shared_memory_fits():
+    down = geometry(512, Q4_0)
+    assert staged_pitch(down, 8, 2, 4) == stage_pitch(down[0], down[2]) > down[0] + 1
+    q4k = geometry(768, Q4_K)  # 8 row groups a warp: padded, tiles of 4 would pass 48 KiB
+    assert shared_bytes(q4k, 4, 2, 4, stage_pitch(q4k[0], q4k[2])) > 48 << 10 >= shared_bytes(q4k, 4, 2, 4)
+    assert staged_pitch(q4k, 4, 2, 4) == q4k[0] + 1 and staged_pitch(q4k, 1, 2, 4) > q4k[0] + 1
 
 
 def test_ctas_walk_every_row_block_once():
