@@ -517,7 +517,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    iters = rows_iters(bt)
+    iters = rows_iters(bt, two)
     kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=iters > 1)
     if kern is None:
         return False
@@ -534,16 +534,17 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     return True
 
 
-def rows_iters(bt: int) -> int:
-    """About how many row blocks a CTA walks in a launch of tiles of up to bt entries: STRATA_ROWS_ITERS
-    (config refuses values other than 1-64), else expert_words.WORDS["cuda_iters"] (a number, or a number by
-    bt: the tile size past the largest listed takes that one's)."""
+def rows_iters(bt: int, two: bool = True) -> int:
+    """About how many row blocks a CTA walks in a launch of tiles of up to bt entries (two: gate and up rows,
+    else down rows): STRATA_ROWS_ITERS for both (config refuses values other than 1-64), else
+    expert_words.WORDS["cuda_iters"] / ["cuda_down_iters"] (a number, or a number by bt: the tile size past
+    the largest listed takes that one's)."""
     from .expert_words import WORDS
 
     value = os.environ.get("STRATA_ROWS_ITERS", "")
     if value:
         return int(value)
-    iters = WORDS["cuda_iters"]
+    iters = WORDS["cuda_iters" if two else "cuda_down_iters"]
     if isinstance(iters, int):
         return iters
     return iters[max((t for t in iters if t <= bt), default=min(iters))]

@@ -155,13 +155,15 @@ def test_rows_iters_is_the_switch_over_the_default(monkeypatch):
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.delenv("STRATA_ROWS_ITERS", raising=False)
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_iters": {1: 1, 2: 2, 8: 4}})
+    by_tile = {1: 1, 2: 2, 8: 4}
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_iters": by_tile, "cuda_down_iters": 1})
     # a tile size between two listed takes the one below
     assert [rows_iters(bt) for bt in (1, 2, 4, 8, 16)] == [1, 2, 2, 4, 4]
+    assert [rows_iters(bt, two=False) for bt in (1, 8)] == [1, 1]  # the down launch's own
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_iters": 3})  # one number: every tile size
     assert rows_iters(1) == rows_iters(8) == 3
-    monkeypatch.setenv("STRATA_ROWS_ITERS", "8")
-    assert rows_iters(1) == rows_iters(4) == 8
+    monkeypatch.setenv("STRATA_ROWS_ITERS", "8")  # both launches
+    assert rows_iters(1) == rows_iters(4) == rows_iters(8, two=False) == 8
 
 
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
