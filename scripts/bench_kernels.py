@@ -129,8 +129,6 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_rpw": 4, "cuda_warps": 2},
     {"cuda": True, "cuda_iters": 2}, {"cuda": True, "cuda_iters": 4}, {"cuda": True, "cuda_iters": 8},
     {"cuda": True, "cuda_iters": 16},  # CTAs walking row blocks, the next one's words loaded ahead
-    {"cuda": True, "cuda_l2_down": True},  # the gate / up launch prefetches the down rows into L2
-    {"cuda": True, "cuda_l2_down": False},
 ]
 
 

@@ -495,8 +495,7 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks, over
-# kernels/expert_words.WORDS["cuda_iters"], kernels/expert_rows_cuda; STRATA_ROWS_L2_DOWN: either, over
-# WORDS["cuda_l2_down"], kernels/expert_rows_cuda)
+# kernels/expert_words.WORDS["cuda_iters"], kernels/expert_rows_cuda)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -524,7 +523,6 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_RING_SLOTS": ring_slots_value,
     "STRATA_AHEAD_LAYER": _choice("same", "next"),
     "STRATA_ROWS_ITERS": int_range(1, 64),
-    "STRATA_ROWS_L2_DOWN": _choice("0", "1"),
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

@@ -274,7 +274,6 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     ("STRATA_MMA_KQUANT_CTAS", "5", "an integer from 1 to 4"),
     ("STRATA_GEMV_MIN_CTAS", "0", "an integer from 1 to 4"),
     ("STRATA_ROWS_ITERS", "0", "an integer from 1 to 64"),
-    ("STRATA_ROWS_L2_DOWN", "on", "0 or 1"),
     ("STRATA_AHEAD_LAYER", "early", "same or next"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):

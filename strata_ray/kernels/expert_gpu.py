@@ -331,16 +331,14 @@ def _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated):
                                       BR=sbr, num_warps=SPLIT["sum_warps"], **_OPTS)
 
 
-def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode, variant,
-               after=None):
+def _launch_mm(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated, is_float, mode, variant):
     order, sorted_slot, tile_start = plan[:3]
     bt, use_dot = plan[3], mode == "prompt"
     if variant == "split" and not use_dot and not is_float:  # decode tiles; prompt tiles stay simple
         _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated)
         return
     if (variant == "words" and not use_dot and not is_float  # else, or where no words form serves: simple
-            and launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid,
-                             after)):
+            and launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, _row_tile, _grid)):
         return
     if (variant == "words" and use_dot and not is_float and _mma_serves(act[0], mats, r, k, plan[3])
             and launch_rows_kernel(launch_mma_rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
@@ -461,7 +459,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
     hd = torch.empty((m, n_ff // QK), dtype=torch.float32, device=dev)
     hs = torch.empty((m, n_ff // QK), dtype=torch.int32, device=dev)
     _launch_mm((xq, xd, xs, x), tok32, plan, gate_up, out, hq, hd, hs, m, n_ff, n_embd, True, False, mode,
-               variant, after=slots.down)
+               variant)
     _launch_mm((hq, hd, hs, x), ident, plan, down, out, hq, hd, hs, m, n_embd, n_ff, False, False, mode,
                variant)
     return out

@@ -44,15 +44,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
-
-if TYPE_CHECKING:
-    import torch
 
 _SOURCE = r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
@@ -77,8 +73,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
-    float* __restrict__ OUT, int R, int M, const unsigned char* __restrict__ W3, long long stride3,
-    long long bytes3)
+    float* __restrict__ OUT, int R, int M)
 {
     // a row's words, from the coalesced loads to unit lanes: SP (stage_pitch on the host) at least WPR + 1
     // (+1: Q6_K's realigning reads) and G mod 32, so the GROUPS row groups of a warp sit G banks apart: their
@@ -122,18 +117,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;       \
     }
     LOAD_ROWS(blockIdx.x)
-#if TWO  // (the down launch takes none: its loop would cost it registers)
-    if (bytes3 > 0) {
-        // the next launch's rows of this tile's slot (W3: the down matrix, bytes3 from the slot's start)
-        // into L2 while these loads and this launch's arithmetic run, a 128-byte line a thread, the tile's
-        // CTAs sharing them: the down launch then starts on L2 hits instead of a cold wave of DRAM reads
-        // (evict_last: the gate / up words streaming through L2 meanwhile must not push them out)
-        const unsigned char* base = W3 + slot * stride3;
-        const long long step = 128LL * gridDim.x * blockDim.x;
-        for (long long off = 128LL * (blockIdx.x * blockDim.x + threadIdx.x); off < bytes3; off += step)
-            asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(base + off));
-    }
-#endif
 
     // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA. The
     // entries' activation rows first, once (two dependent loads each), not per word
@@ -521,13 +504,10 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
                                "a Triton tile takes their launches (the same bits)")
 
 
-def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0,
-                     after: torch.Tensor | None = None) -> bool:
+def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows), weights of type wtype, over
     the plan's tiles (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the
-    current torch stream; False (nothing launched) where the kernel cannot be built here. after: the next
-    launch's weights (uint8 [S, rows, row_bytes], the down matrices), whose slots' rows are prefetched into
-    L2 by this launch where rows_prefetch_l2() is on."""
+    current torch stream; False (nothing launched) where the kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
@@ -548,23 +528,10 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
     ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
-    w3, bytes3 = w1, 0
-    if after is not None and rows_prefetch_l2() and after.stride(2) == 1:
-        w3, bytes3 = after, after.shape[1] * after.stride(1)  # a slot's rows, padding included: contiguous
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
-            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()), nvrtc.ptr(w3),
-            np.int64(w3.stride(0)), np.int64(bytes3))
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, warps * 32, args, dev)
     return True
-
-
-def rows_prefetch_l2() -> bool:
-    """STRATA_ROWS_L2_DOWN (0 / 1), else expert_words.WORDS["cuda_l2_down"]: the gate / up launch prefetches
-    its tiles' down rows into L2."""
-    from .expert_words import WORDS
-
-    on = os.environ.get("STRATA_ROWS_L2_DOWN", "")  # config refuses values other than 0 / 1
-    return on == "1" if on else bool(WORDS["cuda_l2_down"])
 
 
 def rows_iters(bt: int, two: bool = True) -> int:

@@ -26,7 +26,6 @@ resident, 8K decode 117 tok/s against 89.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -53,12 +52,11 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # (Q8_0 and Q4_K alike): the prefetch form holds ~95 registers against 40-74, so one-entry tiles stay at 1.
 # The down launch (cuda_down_iters) walks one block a CTA: ncu at 8 tokens after the stage pitch, 21.0 us at
 # 1 (72 registers, 7 CTAs an SM) against 23.2 at 4 (123, 4 CTAs); gate / up 42.7 against 33.5.
-# cuda_l2_down: the gate / up launch prefetches its tiles' down rows into L2 (STRATA_ROWS_L2_DOWN).
 # Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
 # faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 2, 4: 2, 8: 4}, cuda_down_iters=1, cuda_l2_down=False)
+             cuda_iters={1: 1, 2: 2, 4: 2, 8: 4}, cuda_down_iters=1)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -247,10 +245,9 @@ def _swiglu_tail(gu, hq, hd, hs, r) -> None:
 
 
 def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:
-    """A CUDA C rows kernel (`rows`: expert_rows_cuda.launch_cuda_rows, or a partial of it with the down
-    weights to prefetch, or expert_mma_cuda.launch_mma_rows): gate and up rows, then SwiGLU and the
-    requantization; or the down rows. False where its kernel cannot take the launch here (nothing
-    launched)."""
+    """A CUDA C rows kernel (`rows`: expert_rows_cuda.launch_cuda_rows or expert_mma_cuda.launch_mma_rows):
+    gate and up rows, then SwiGLU and the requantization; or the down rows. False where its kernel cannot
+    take the launch here (nothing launched)."""
     (w1, t), (w2, _) = mats
     if not gated:
         return rows(act, act_row, plan, w1, w2, out, r, k, two=False, wtype=t)
@@ -261,15 +258,13 @@ def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, ga
     return True
 
 
-def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid, after=None) -> bool:
+def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_tile, grid) -> bool:
     """One launch of the words tiles: the CUDA C form where it serves (tiles of up to 8 entries), else the
-    Triton tile (tiles of one entry); False (nothing launched) where neither takes it. after: the down
-    weights the CUDA C gate / up launch may prefetch into L2."""
+    Triton tile (tiles of one entry); False (nothing launched) where neither takes it."""
     (w1, t), (w2, t2) = mats
     bt = plan[3]
-    rows = functools.partial(launch_cuda_rows, after=after) if after is not None else launch_cuda_rows
     if (cuda_words_serve(t, t2, k, bt, (w1, w2), act[0].device)
-            and launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
+            and launch_rows_kernel(launch_cuda_rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated)):
         return True
     if not words_supported(t, t2, k, bt, (w1, w2)):
         return False

@@ -24,7 +24,6 @@ from strata_ray.kernels.expert_rows_cuda import (
     row_reference_q6k,
     row_reference_q8,
     rows_iters,
-    rows_prefetch_l2,
     shared_bytes,
     stage_pitch,
     staged_pitch,
@@ -167,17 +166,6 @@ def test_rows_iters_is_the_switch_over_the_default(monkeypatch):
     assert rows_iters(1) == rows_iters(4) == rows_iters(8, two=False) == 8
 
 
-def test_the_l2_prefetch_is_the_switch_over_the_default(monkeypatch):
-    import strata_ray.kernels.expert_words as ew
-
-    monkeypatch.delenv("STRATA_ROWS_L2_DOWN", raising=False)
-    for on in (False, True):
-        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_l2_down": on})
-        assert rows_prefetch_l2() is on
-    monkeypatch.setenv("STRATA_ROWS_L2_DOWN", "0")
-    assert rows_prefetch_l2() is False
-
-
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
     """A verify window over a layer of 4096-value Q4_0 rows gets tiles of 4 (the CUDA form's most there) where
     the CUDA form is on; the other variants, prompt tiles and machines without it keep next_pow2(tokens)."""
@@ -274,11 +262,6 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
         _check(q4km, 80, n_tok=8)
         _check(q8, 33, n_tok=3)
         _check(_layer(1024, 512, 5, down=Q6_K, gate_up=Q6_K), 17, n_tok=3)
-    monkeypatch.delenv("STRATA_ROWS_ITERS")
-    monkeypatch.setenv("STRATA_ROWS_L2_DOWN", "1")  # the down rows prefetched into L2: the same rows
-    _check(wide, 10)
-    _check(wide, 80, n_tok=8)
-    _check(q4km, 20, n_tok=2)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
