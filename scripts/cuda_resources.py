@@ -128,7 +128,10 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
             for k, two in ((E, True), (N_FF, False)):
                 if expert_rows_cuda.geometry(k, wt) is None:
                     continue
-                for bt, prefetch in ((1, False), (4, False), (8, False), (1, True), (4, True), (8, True)):
+                # each tile size in its one-block form, and in the walking form where the engine walks
+                forms_bt = [(bt, False) for bt in (1, 2, 4, 8)]
+                forms_bt += [(bt, True) for bt in (1, 2, 4, 8) if expert_rows_cuda.rows_iters(bt, two) > 1]
+                for bt, prefetch in forms_bt:
                     yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
                            f"{' prefetch' if prefetch else ''}", expert_rows_cuda._SOURCE, "expert_rows",
                            expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch),

@@ -494,8 +494,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_MMA_KQUANT_CTAS: the CTAs an SM the K-quant prompt rows' registers are capped for,
 # kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
-# STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks, over
-# kernels/expert_words.WORDS["cuda_iters"], kernels/expert_rows_cuda)
+# STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
+# over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),

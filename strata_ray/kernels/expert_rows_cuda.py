@@ -148,11 +148,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     }
     __syncthreads();
 
-    // PREFETCH: the CTA's row blocks blockIdx.x + gridDim.x i (about STRATA_ROWS_ITERS of them, the host's
-    // grid): the activation staging above serves them all, and each block's successor's words are loaded
-    // while its entries are computed and folded, so a warp's loads stay in flight through its arithmetic (one
-    // block a CTA left the down launch latency-bound, session 26's ncu: 65% of cycles with no eligible
-    // warp). Otherwise one block a CTA, loads then arithmetic.
+    // PREFETCH: the CTA's row blocks blockIdx.x + gridDim.x i (rows_iters of them on the host's grid): the
+    // activation staging above serves them all, and each block's successor's words are loaded while its
+    // entries are computed and folded, so a warp's loads stay in flight through its arithmetic (one block a
+    // CTA leaves every CTA loads, then arithmetic: the gate / up launch at 8 entries a tile 42.6 -> 31.6 us
+    // under ncu, session 37). Otherwise one block a CTA (grid.x = n_blocks).
 #if PREFETCH
     for (int blk = blockIdx.x; blk < n_blocks; blk += gridDim.x) {
 #else
@@ -376,7 +376,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
     }
-    __syncwarp();  // term_s is the next row block's
+#if PREFETCH
+    __syncwarp();  // a safeguard: the next block's unpack syncs the warp before its terms are written
+#endif
     }
 #undef LOAD_ROWS
 }
@@ -446,8 +448,9 @@ def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: 
     """The kernel's static shared memory for rows of that geometry: stage_s (row groups pitch words apart; 0:
     the least, WPR + 1), term_s, act_s, ad_s, as_s and arow_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    per_group = (pitch or wpr + 1) + bt * rpw * term_pitch(nb)
-    return 4 * (warps * (32 // g) * per_group + bt * (8 * nb + 2 * nb + 1))
+    stage = -(-warps * (32 // g) * (pitch or wpr + 1) // 4) * 4  # term_s after it starts 16-byte aligned
+    terms = warps * (32 // g) * bt * rpw * term_pitch(nb)
+    return 4 * (stage + terms + bt * (8 * nb + 2 * nb + 1))
 
 
 def stage_pitch(wpr: int, g: int) -> int:
@@ -517,14 +520,16 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    iters = rows_iters(bt, two)
-    kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=iters > 1)
-    if kern is None:
-        return False
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
     rows_cta = warps * (32 // geometry(k, wtype)[2]) * rpw
-    n_rows = 2 * r if two else r
-    grid = (row_block_ctas(-(-n_rows // rows_cta), iters), tile_start.numel())
+    n_blocks = -(-(2 * r if two else r) // rows_cta)
+    ctas = row_block_ctas(n_blocks, rows_iters(bt, two))
+    # the walking form exactly where a CTA gets more than one block: the one-block form covers only
+    # grid.x = n_blocks (and keeps its fewer registers where a walk would be one block anyway)
+    kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=ctas < n_blocks)
+    if kern is None:
+        return False
+    grid = (ctas, tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
     ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]

@@ -49,14 +49,16 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # block's successor loaded while its entries are computed; 1: one block a CTA, every CTA's loads then
 # arithmetic). Session 37 on an H100 (bench_kernels, us a layer at iters 1 / 2 / 4 / 8): 1 token x top-10
 # Q4_0 18.1 / 17.7 / 18.9 / 22.2, 4 tokens 35.7 / 34.7 / 35.8 / 36.4, 8 tokens 52.6 / 47.2 / 45.1 / 47.9
-# (Q8_0 and Q4_K alike): the prefetch form holds ~95 registers against 40-74, so one-entry tiles stay at 1.
+# (Q8_0 and Q4_K alike): the walking form holds 95-126 registers against 40-74 (ptxas, sm_90), so one-entry
+# tiles stay at 1, and two-entry tiles too (their walking form takes 117-126 registers, 4 CTAs an SM against
+# 9: not measured against the one-block form, which stays).
 # The down launch (cuda_down_iters) walks one block a CTA: ncu at 8 tokens after the stage pitch, 21.0 us at
 # 1 (72 registers, 7 CTAs an SM) against 23.2 at 4 (123, 4 CTAs); gate / up 42.7 against 33.5.
 # Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
 # faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 2, 4: 2, 8: 4}, cuda_down_iters=1)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
