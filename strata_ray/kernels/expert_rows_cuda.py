@@ -358,6 +358,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 
     // the fold: lane c of the row group adds the terms of (entry, row) c / RPW, c % RPW in block order, the
     // tile's entries and rows side by side
+#if PREFETCH && !TWO
+    // a down launch walking row blocks: the fold's loop kept rolled, which holds the form at 94 registers
+    // against 123 (ptxas, sm_90, tiles of 8; the gate / up form gains nothing from it: 95 either way). Not
+    // yet timed: the down launch walks only where WORDS["cuda_down_iters"] > 1 (a bench sweep knob)
+#pragma unroll 1
+#endif
     for (int c = g; c < n_ent * RPW; c += G) {
         const int e = c / RPW, r = c % RPW, row = row0 + r;
         if (row < n_rows) {
