@@ -494,9 +494,12 @@ def graph_probe(which: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--section-out", help="write the markdown section to this file")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-gpu", action="store_true")
-    ap.add_argument("--graph-probe", choices=["kernels", "full"])
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer repeats and a smaller host copy (minutes less, noisier numbers)")
+    ap.add_argument("--no-gpu", action="store_true", help="time the CPU kernels only, even where a GPU is")
+    ap.add_argument("--graph-probe", choices=["kernels", "full"],
+                    help="(internal, run in a child process) check that one expert call captures into a CUDA "
+                    "graph and replays to the same rows: its kernels alone, or the whole call")
     ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K",
                     help="GPU weight types to time (comma-separated: Q4_0, Q8_0, Q4_K, Q6_K)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
@@ -527,6 +530,11 @@ def main() -> None:
         graph_probe(args.graph_probe)
         return
     if args.sweep_with:
+        sweeps = (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP)
+        names = sorted({name for sweep in sweeps for knobs in sweep for name in knobs})
+        unknown = sorted(set(args.sweep_with.split(",")) - set(names))
+        if unknown:  # a typo would sweep nothing and say nothing
+            ap.error(f"--sweep-with: unknown knob(s) {', '.join(unknown)} (of {', '.join(names)})")
         for sweep in (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP):
             sweep[:] = [knobs for knobs in sweep if set(args.sweep_with.split(",")) & set(knobs)]
     rows: list = []

@@ -1,0 +1,35 @@
+"""scripts/bench_kernels.py: its flags are refused with one line before any timing (the timing itself is a
+benchmark, run on the GPU machine, not a test)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py")
+
+
+def test_bad_flags_are_refused_with_one_line():
+    for flags, message in ((["--sweep-with", "cuda_itres"], "--sweep-with: unknown knob(s) cuda_itres (of "),
+                           (["--tokens", "9"], "--tokens: decode launches are 1 to 8 tokens"),
+                           (["--tokens", "one"], "--tokens: comma-separated integers"),
+                           (["--types", "Q5_0"], "--types: unknown weight type(s) Q5_0")):
+        r = subprocess.run([sys.executable, SCRIPT, *flags, "--no-gpu"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 2 and message in r.stderr.splitlines()[-1], (flags, r.stderr)
+
+
+def test_every_sweep_knob_names_a_setting_the_kernels_read(monkeypatch):
+    """--sweep-with takes the knob names of the sweeps; each must be a key of the dict it tunes (a renamed
+    setting would leave a sweep that changes nothing)."""
+    import importlib.util
+
+    import strata_ray.kernels.expert_gpu as eg
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.syspath_prepend(str(Path(SCRIPT).parent))  # its sibling modules, as when run as a script
+    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for sweep, knobs in ((bench.WIDE_DECODE_SWEEP, eg.WIDE), (bench.SPLIT_SWEEP, eg.SPLIT),
+                         (bench.WORDS_SWEEP, ew.WORDS)):
+        assert {name for k in sweep for name in k} <= set(knobs)
