@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", default="1024,8192,32768", help="cache lengths (keys, the new one included)")
     ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head size (the 80b-a3b's)")
     ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=200, help="timed calls of each form (after a warm-up)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench_attention needs a CUDA GPU", file=sys.stderr)

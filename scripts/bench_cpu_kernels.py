@@ -122,13 +122,13 @@ def pool_experts(wtype: int, requested: int | None) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
-    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--threads", default="1,2", help="CPU pool threads, a list: a run each")
+    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K", help="expert weight types, a list")
+    ap.add_argument("--tokens", default="1,4", help="tokens a call, a list (each routed to --top-k experts)")
     ap.add_argument("--top-k", default=str(TOP_K), help="experts per call, e.g. 2,5,10: the time per call "
                     "against the count gives the call's fixed cost (the engine's decode calls hold ~5)")
     ap.add_argument("--experts", type=int, default=None, help="expert pool size (default: twice the L3)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed calls of each case")
     ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
                     "Python thread), or both: numba,pool")
     ap.add_argument("--model", default=None, help="also time the calls over this GGUF's expert layers, as "

@@ -125,8 +125,8 @@ def launch_us(g: torch.cuda.CUDAGraph, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default="25,100")
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--nodes", default="25,100", help="nodes a graph, a list: a graph each")
+    ap.add_argument("--reps", type=int, default=200, help="timed replays of each graph")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
     args = ap.parse_args()
     kinds = args.kinds.split(",")

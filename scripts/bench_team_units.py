@@ -38,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", default="1,2,3", help="CPU entries (experts) a layer, a list")
     ap.add_argument("--team", type=int, default=15, help="members the split is reported for")
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=200, help="timed layers of each case")
     ap.add_argument("--cold", action="store_true", help="a pool of experts twice a 32 MiB L3: rows from DRAM")
     args = ap.parse_args()
     rng = np.random.default_rng(0)

@@ -331,12 +331,15 @@ def _set_sched(kind: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--card-gib", type=float, default=24.0)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--depths", default="1024,8192")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--model", default=None, help="GGUF (default: a synth of --preset with --layers "
+                    "layers, made once in /tmp)")
+    ap.add_argument("--layers", type=int, default=12, help="layers of the default synth model")
+    ap.add_argument("--card-gib", type=float, default=24.0, help="the GPU budget emulated, GiB (the "
+                    "issue's 24 GB card)")
+    ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded at each depth")
+    ap.add_argument("--depths", default="1024,8192", help="prompt depths, a list: a prefill and a "
+                    "decode each")
+    ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
     ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory "
                     "(default: the engine's, as much as the host's memory allows; 0: none)")

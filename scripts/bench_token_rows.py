@@ -44,11 +44,11 @@ E, N_FF, K = 2048, 512, 10
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="token worker threads (the team)")
     ap.add_argument("--layers", type=int, default=8, help="distinct expert layers (reused to make 48)")
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
     ap.add_argument("--misses", default="6", help="CPU entries a layer (a list: a run each)")
-    ap.add_argument("--tokens", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=10, help="tokens timed, each over the 48 layers")
     ap.add_argument("--fresh", action="store_true", help="new routing every token (else the same experts)")
     ap.add_argument("--mixer-us", type=float, default=0.0,
                     help="a mixer's time before each routing, the prediction handed over first (0: none)")

@@ -210,13 +210,14 @@ def floor_lines(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
-    ap.add_argument("--contexts", default="256,1024")
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contexts", default="256,1024", help="prompt lengths in tokens, a list")
+    ap.add_argument("--gen", type=int, default=128, help="tokens generated at each context")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each context (the best and the medians "
+                    "reported)")
     ap.add_argument("--threads", type=int, default=2,
                     help="llama.cpp and torch threads (our expert pool: one per core this process may use)")
     ap.add_argument("--ray", action="store_true", help="also measure our Ray path (strata:primary)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ns = ap.parse_args(argv)
     contexts = [int(c) for c in ns.contexts.split(",")]
     if importlib.util.find_spec("llama_cpp") is None:

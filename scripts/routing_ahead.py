@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
     ap.add_argument("--tokens", type=int, default=128, help="greedy decode tokens")
-    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="prompt length before the decode")
     ap.add_argument("--ahead", type=int, default=2, help="experts copied ahead a layer")
     args = ap.parse_args()
     loaded = load_model(args.model)
