@@ -162,14 +162,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m strata_ray.bench.llamacpp")
     sub = parser.add_subparsers(dest="command", required=True)
     n = sub.add_parser("n-cpu-moe", help="print llama.cpp's --n-cpu-moe for a VRAM budget")
-    n.add_argument("--model", required=True)
-    n.add_argument("--budget-mib", type=int, required=True)
-    n.add_argument("--reserve-mib", type=int, default=700)
+    n.add_argument("--model", required=True, help="the GGUF llama.cpp will load")
+    n.add_argument("--budget-mib", type=int, required=True, help="the GPU memory llama.cpp may use, MiB")
+    n.add_argument("--reserve-mib", type=int, default=700,
+                   help="MiB of the budget kept for llama.cpp's buffers and KV cache (default 700)")
     c = sub.add_parser("compare", help="print flashbench and llama-bench results side by side")
-    c.add_argument("--setup", required=True)
-    c.add_argument("--ours", required=True)
+    c.add_argument("--setup", required=True, help="the table's title (the setup both engines ran)")
+    c.add_argument("--ours", required=True, help="our flashbench JSON report (run bench --json-out)")
     c.add_argument("--ours-log", help="our bench's output; its last line explains a missing result")
-    c.add_argument("--llama", nargs="+", required=True)
+    c.add_argument("--llama", nargs="+", required=True,
+                   help="llama-bench -o json outputs (a missing file is skipped)")
     ns = parser.parse_args(argv)
     if ns.command == "n-cpu-moe":
         from strata_ray.model.gguf_file import GGUFFile
