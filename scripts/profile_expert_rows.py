@@ -1,5 +1,6 @@
-"""One layer's decode expert rows (T tokens x top-10, Q4_0, E = 2048, n_ff = 512), a few launches of each
-form, for a kernel profiler: `ncu --kernel-name regex:q4_0_rows python scripts/profile_expert_rows.py`.
+"""One layer's decode expert rows (T tokens x top-10, Q4_0 or --type, E = 2048, n_ff = 512), a few launches
+of each form, for a kernel profiler:
+`ncu --kernel-name regex:expert_rows python scripts/profile_expert_rows.py`.
 With --tokens T > 1 the tokens' experts overlap, so the CUDA rows take tiles of several entries of an expert
 (a verify window's case: issue 5's "16+ experts a launch").
 
@@ -15,9 +16,11 @@ import numpy as np
 import torch
 
 import strata_ray.kernels.expert_words as ew
-from strata_ray.kernels.contract import Q4_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 from strata_ray.kernels.random_weights import random_layer
+
+TYPES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 
 
 def main() -> None:
@@ -26,13 +29,16 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")
     ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a launch, each routed to 10 experts")
+    ap.add_argument("--type", default="Q4_0", choices=sorted(TYPES), help="the experts' weight type")
     args = ap.parse_args()
     if not 1 <= args.tokens <= 8:
         ap.error("--tokens must be from 1 to 8")
     rng = np.random.default_rng(0)
-    host = random_layer(rng, args.experts, 2048, 512, (Q4_0,) * 3)
+    wtype = TYPES[args.type]
+    # gguf quantizes Q4_0 / Q8_0 from floats, not the K-quants: random blocks with sane scales for those
+    host = random_layer(rng, args.experts, 2048, 512, (wtype,) * 3, from_floats=wtype in (Q4_0, Q8_0))
     mats = (torch.from_numpy(w).cuda() for w in (host.gate, host.up, host.down))
-    slots = ExpertLayer(*mats, Q4_0, Q4_0, Q4_0)
+    slots = ExpertLayer(*mats, wtype, wtype, wtype)
     x = torch.randn(args.tokens, 2048, device="cuda")  # [T, E]
     tok = torch.arange(args.tokens, dtype=torch.int32, device="cuda").repeat_interleave(10)  # [T*10]
     outs = {}
