@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from strata_ray.config import int_list
 from strata_ray.kernels.attention_decode import DeviceAttention, attention_decode
 from strata_ray.kernels.norm_rope import norm_rope_fused
 from strata_ray.model import ops
@@ -48,15 +49,19 @@ def _graphed(fn):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--keys", default="1024,8192,32768", help="cache lengths (keys, the new one included)")
-    ap.add_argument("--heads", default="16,2,256", help="query heads, kv heads, head size (the 80b-a3b's)")
+    ap.add_argument("--keys", default="1024,8192,32768", type=int_list(2),
+                    help="cache lengths (keys, the new one included)")
+    ap.add_argument("--heads", default="16,2,256", type=int_list(1),
+                    help="query heads, kv heads, head size (the 80b-a3b's)")
     ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")
     ap.add_argument("--reps", type=int, default=200, help="timed calls of each form (after a warm-up)")
     args = ap.parse_args(argv)
+    if len(args.heads) != 3:
+        ap.error(f"--heads: three integers (query heads, kv heads, head size), got {len(args.heads)}")
     if not torch.cuda.is_available():
         print("error: bench_attention needs a CUDA GPU", file=sys.stderr)
         return 2
-    H, Hkv, D = (int(x) for x in args.heads.split(","))
+    H, Hkv, D = args.heads
     dev = torch.device("cuda")
     copy = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     copy_gbs = 2 * copy.numel() / _timed(lambda: copy.clone(), 20) / 1e9  # read + write
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| keys | attention_decode (eager) | DeviceAttention (graph) | GB/s of K+V (graph) | same bits |")
     print("|---:|---:|---:|---:|---|")
     scale = D**-0.5
-    for n in (int(x) for x in args.keys.split(",")):
+    for n in args.keys:
         g = torch.Generator(device=dev).manual_seed(n)
         q = torch.randn(1, H, D, device=dev, generator=g)
         caches = torch.randn(2, n + 64, Hkv, D, device=dev, generator=g)  # room past the keys, as a cache has

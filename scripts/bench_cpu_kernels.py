@@ -22,6 +22,7 @@ import time
 import numba
 import numpy as np
 
+from strata_ray.config import int_list, name_list
 from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
@@ -122,14 +123,18 @@ def pool_experts(wtype: int, requested: int | None) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", default="1,2", help="CPU pool threads, a list: a run each")
-    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K", help="expert weight types, a list")
-    ap.add_argument("--tokens", default="1,4", help="tokens a call, a list (each routed to --top-k experts)")
-    ap.add_argument("--top-k", default=str(TOP_K), help="experts per call, e.g. 2,5,10: the time per call "
+    ap.add_argument("--threads", default="1,2", type=int_list(1), help="CPU pool threads, a list: a run each")
+    ap.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K", type=name_list(TYPES),
+                    help="expert weight types, a list")
+    ap.add_argument("--tokens", default="1,4", type=int_list(1),
+                    help="tokens a call, a list (each routed to --top-k experts)")
+    ap.add_argument("--top-k", default=str(TOP_K), type=int_list(1),
+                    help="experts per call, e.g. 2,5,10: the time per call "
                     "against the count gives the call's fixed cost (the engine's decode calls hold ~5)")
     ap.add_argument("--experts", type=int, default=None, help="expert pool size (default: twice the L3)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls of each case")
-    ap.add_argument("--drivers", default="numba", help="numba (one parallel numba call), pool (a job per "
+    ap.add_argument("--drivers", default="numba", type=name_list(("numba", "pool")),
+                    help="numba (one parallel numba call), pool (a job per "
                     "Python thread), or both: numba,pool")
     ap.add_argument("--model", default=None, help="also time the calls over this GGUF's expert layers, as "
                     "the engine's host store holds them (--types is ignored for them)")
@@ -139,12 +144,12 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     model = model_layers(args.model, args.layers, args.arena) if args.model else None
-    for n_threads, driver in ((int(t), d) for t in args.threads.split(",") for d in args.drivers.split(",")):
+    for n_threads, driver in ((t, d) for t in args.threads for d in args.drivers):
         with CpuPool(n_threads, numba_parallel=driver == "numba") as pool:
             print(f"threads {n_threads} ({driver}): host memcpy {host_copy_gbs(pool, 1 << 28):.1f} GB/s "
                   "(read + write)")
-            cases = [(int(t), int(k)) for t in args.tokens.split(",") for k in args.top_k.split(",")]
-            for name in args.types.split(","):
+            cases = [(t, k) for t in args.tokens for k in args.top_k]
+            for name in args.types:
                 for n_tok, k in cases:
                     n_expert = pool_experts(TYPES[name], args.experts)
                     ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)

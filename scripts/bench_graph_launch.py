@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from strata_ray.config import int_list, name_list
+
 KINDS = ("kernel", "copy", "mul1", "mixed", "forked")
 
 
@@ -125,17 +127,16 @@ def launch_us(g: torch.cuda.CUDAGraph, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default="25,100", help="nodes a graph, a list: a graph each")
+    ap.add_argument("--nodes", default="25,100", type=int_list(1), help="nodes a graph, a list: a graph each")
     ap.add_argument("--reps", type=int, default=200, help="timed replays of each graph")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    ap.add_argument("--kinds", default=",".join(KINDS), type=name_list(KINDS),
+                    help=f"comma list of {', '.join(KINDS)}")
     args = ap.parse_args()
-    kinds = args.kinds.split(",")
-    if bad := [k for k in kinds if k not in KINDS]:
-        raise SystemExit(f"error: unknown kind {bad[0]!r} (choose from {', '.join(KINDS)})")
+    kinds = args.kinds
     if not torch.cuda.is_available():
         raise SystemExit("error: this benchmark needs a CUDA device")
     dev = torch.device("cuda")
-    for n in (int(v) for v in args.nodes.split(",")):
+    for n in args.nodes:
         for kind in kinds:
             g = build(kind, n, dev)
             g.replay()

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from strata_ray.config import int_list
 from strata_ray.kernels.act_quant import quantize_act_sums
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import Q4_0, readonly_blocks
@@ -36,7 +37,8 @@ def _shares(n_units: int, n_team: int) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--entries", default="1,2,3", help="CPU entries (experts) a layer, a list")
+    ap.add_argument("--entries", default="1,2,3", type=int_list(1),
+                    help="CPU entries (experts) a layer, a list")
     ap.add_argument("--team", type=int, default=15, help="members the split is reported for")
     ap.add_argument("--reps", type=int, default=200, help="timed layers of each case")
     ap.add_argument("--cold", action="store_true", help="a pool of experts twice a 32 MiB L3: rows from DRAM")
@@ -49,7 +51,7 @@ def main() -> None:
     xq, xd, xs = quantize_act_sums(rng.standard_normal((1, E)).astype(np.float32))
     where = "from DRAM" if args.cold else "cached"
     print(f"one core, Q4_0, E {E}, n_ff {N_FF}; {n_expert} experts ({where})")
-    for m in (int(v) for v in args.entries.split(",")):
+    for m in args.entries:
         tok = np.zeros(m, np.int64)
         ents = np.arange(m, dtype=np.int64)
         g_start = np.arange(m + 1, dtype=np.int64)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from strata_ray.config import ConfigError, EngineConfig, build_arg_parser, config_from_args
+from strata_ray.config import ConfigError, EngineConfig, build_arg_parser, config_from_args, int_list
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.experts.build import build_expert_backend
@@ -337,7 +337,8 @@ def main() -> None:
     ap.add_argument("--card-gib", type=float, default=24.0, help="the GPU budget emulated, GiB (the "
                     "issue's 24 GB card)")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded at each depth")
-    ap.add_argument("--depths", default="1024,8192", help="prompt depths, a list: a prefill and a "
+    ap.add_argument("--depths", default="1024,8192", type=int_list(1),
+                    help="prompt depths, a list: a prefill and a "
                     "decode each")
     ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
@@ -486,7 +487,7 @@ def main() -> None:
     )
     blob = tiers.store.max_blob
     results = []
-    for depth in (int(d) for d in args.depths.split(",")):
+    for depth in args.depths:
         first = not results
         r = run_depth(loaded, tiers, depth, args.decode, chunk=args.chunk, profile=args.profile and first,
                       prompt_seed=args.prompt_seed,

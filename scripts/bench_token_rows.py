@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from strata_ray.config import int_list
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import Q4_0
 from strata_ray.kernels.cpu_pool import CpuPool
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="token worker threads (the team)")
     ap.add_argument("--layers", type=int, default=8, help="distinct expert layers (reused to make 48)")
     ap.add_argument("--experts", type=int, default=24, help="experts per layer")
-    ap.add_argument("--misses", default="6", help="CPU entries a layer (a list: a run each)")
+    ap.add_argument("--misses", default="6", type=int_list(1, K),
+                    help="CPU entries a layer (a list: a run each)")
     ap.add_argument("--tokens", type=int, default=10, help="tokens timed, each over the 48 layers")
     ap.add_argument("--fresh", action="store_true", help="new routing every token (else the same experts)")
     ap.add_argument("--mixer-us", type=float, default=0.0,
@@ -77,7 +79,7 @@ def main() -> None:
           f"{'new' if args.fresh else 'the same'} routing every token")
 
     pool = CpuPool(args.threads)
-    for misses in (int(m) for m in args.misses.split(",")):
+    for misses in args.misses:
         direct = []
         for token in range(args.tokens):
             ids = route(token, misses)

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from strata_ray.bench.prompts import PromptBuilder
+from strata_ray.config import int_list
 from strata_ray.engine.generate import generate
 from strata_ray.engine.sampling import SamplingParams
 
@@ -210,7 +211,8 @@ def floor_lines(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded model)")
-    ap.add_argument("--contexts", default="256,1024", help="prompt lengths in tokens, a list")
+    ap.add_argument("--contexts", default="256,1024", type=int_list(1),
+                    help="prompt lengths in tokens, a list")
     ap.add_argument("--gen", type=int, default=128, help="tokens generated at each context")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each context (the best and the medians "
                     "reported)")
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ray", action="store_true", help="also measure our Ray path (strata:primary)")
     ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ns = ap.parse_args(argv)
-    contexts = [int(c) for c in ns.contexts.split(",")]
+    contexts = list(ns.contexts)
     if importlib.util.find_spec("llama_cpp") is None:
         say("llama-cpp-python is not installed here (pip install llama-cpp-python; .ci/run builds it)")
         return 2

@@ -199,6 +199,36 @@ def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def int_list(lo: int, hi: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers, each in int_range(lo, hi), at least one; a bad one is the
+    flag's one-line error (the scripts' list flags: --depths 1024,8192)."""
+    one = int_range(lo, hi)
+
+    def parse(s: str) -> tuple[int, ...]:
+        try:
+            return tuple(one(part) for part in s.split(","))
+        except ValueError as e:
+            allowed = f"comma-separated, each {e}"
+            raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: {allowed})") from None
+
+    return parse
+
+
+def name_list(names) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: comma-separated names, each one of `names`, at least one."""
+    known = tuple(names)
+
+    def parse(s: str) -> tuple[str, ...]:
+        picked = tuple(s.split(","))
+        bad = [n for n in picked if n not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad[0]!r} (allowed: a comma-separated list of "
+                                             f"{', '.join(known)})")
+        return picked
+
+    return parse
+
+
 def float_range(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
     allowed = f"a number {'>' if lo_open else '>='} {lo:g} and <= {hi:g}"
 

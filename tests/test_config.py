@@ -347,3 +347,22 @@ def test_list_flags_take_a_space_after_the_comma():
     from strata_ray.bench.prompts import parse_token_count
 
     assert [parse_token_count(c) for c in "8k, 32k".split(",")] == [8192, 32768]
+
+
+def test_list_types_take_comma_separated_values_and_refuse_in_one_line():
+    import argparse
+
+    from strata_ray.config import int_list, name_list
+
+    assert int_list(1)("1024,8192") == (1024, 8192) and int_list(1, 10)("10") == (10,)
+    assert name_list(("numba", "pool"))("pool,numba") == ("pool", "numba")
+    for parse, bad, message in ((int_list(1), "1,x", "invalid value '1,x' (allowed: comma-separated, each an "
+                                                      "integer >= 1)"),
+                                (int_list(1, 8), "9", "each an integer from 1 to 8"),
+                                (int_list(1), "", "invalid value ''"),
+                                (int_list(1), "\u00b2", "invalid value"),  # a digit int() takes
+                                (name_list(("a", "b")), "a,c",
+                                 "unknown 'c' (allowed: a comma-separated list of a, b)")):
+        with pytest.raises(argparse.ArgumentTypeError) as e:
+            parse(bad)
+        assert message in str(e.value)
