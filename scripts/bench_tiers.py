@@ -376,7 +376,7 @@ def main() -> None:
                     help="adaptive rounds every N windows (0: none; default: the engine's); each round's "
                          "swap copies share PCIe with the decode's own copies")
     ap.add_argument("--profile", action="store_true", help="cProfile the first depth's decode")
-    ap.add_argument("--team-sizes", default=None, metavar="N,N,...",
+    ap.add_argument("--team-sizes", default=None, metavar="N,N,...", type=int_list(1),
                     help="after the first depth's timed decode, the same decode again with the pipelined "
                     "decode's CPU team at each of these sizes (threads), in this order")
     ap.add_argument("--sched", choices=["auto", "spin", "yield", "blocking"], default="auto",
@@ -401,7 +401,7 @@ def main() -> None:
         os.environ["STRATA_GATHER_COPY"] = args.gather_copy
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        team_sizes = [int(n) for n in args.team_sizes.split(",")] if args.team_sizes else None
+        team_sizes = list(args.team_sizes) if args.team_sizes else None
     except ValueError:
         raise SystemExit(f"--team-sizes: thread counts joined by commas, got {args.team_sizes!r}") from None
     if args.sched != "auto":

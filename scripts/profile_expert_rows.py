@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import strata_ray.kernels.expert_words as ew
+from strata_ray.config import int_list
 from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_gpu import expert_ffn_gpu
 from strata_ray.kernels.random_weights import random_layer
@@ -27,7 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=64, help="slots of the random layer")
     ap.add_argument("--calls", type=int, default=3, help="calls of each form")
-    ap.add_argument("--rpw", default="2", help="the CUDA form's rows a row group, comma-separated")
+    ap.add_argument("--rpw", default="2", type=int_list(1),
+                    help="the CUDA form's rows a row group, comma-separated")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a launch, each routed to 10 experts")
     ap.add_argument("--type", default="Q4_0", choices=sorted(TYPES), help="the experts' weight type")
     args = ap.parse_args()
@@ -42,7 +44,7 @@ def main() -> None:
     x = torch.randn(args.tokens, 2048, device="cuda")  # [T, E]
     tok = torch.arange(args.tokens, dtype=torch.int32, device="cuda").repeat_interleave(10)  # [T*10]
     outs = {}
-    forms = [("1", int(rpw)) for rpw in args.rpw.split(",")] + [("0", 2)]
+    forms = [("1", rpw) for rpw in args.rpw] + [("0", 2)]
     for form, rpw in forms:  # STRATA_WORDS_CUDA: the CUDA C rows, then the Triton words tile
         os.environ["STRATA_WORDS_CUDA"] = form
         ew.WORDS["cuda_rpw"] = rpw
