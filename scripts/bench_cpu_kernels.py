@@ -23,13 +23,13 @@ import numba
 import numpy as np
 
 from strata_ray.config import int_list, name_list
-from strata_ray.kernels.contract import BLOCK, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
+from strata_ray.kernels.contract import BLOCK, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES  # the types random_layer builds
 from strata_ray.kernels.random_weights import random_layer
 
 E, N_FF, TOP_K = 2048, 512, 10
-TYPES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 QK_ELEMS = {t: BLOCK[t][0] for t in TYPES.values()}  # values per block
 BLOCK_BYTES = {t: BLOCK[t][1] for t in TYPES.values()}
 

@@ -132,12 +132,11 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), type=name_list(KINDS),
                     help=f"comma list of {', '.join(KINDS)}")
     args = ap.parse_args()
-    kinds = args.kinds
     if not torch.cuda.is_available():
         raise SystemExit("error: this benchmark needs a CUDA device")
     dev = torch.device("cuda")
     for n in args.nodes:
-        for kind in kinds:
+        for kind in args.kinds:
             g = build(kind, n, dev)
             g.replay()
             torch.cuda.synchronize()

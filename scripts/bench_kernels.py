@@ -530,13 +530,13 @@ def main() -> None:
         graph_probe(args.graph_probe)
         return
     if args.sweep_with:
-        sweeps = (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP)
+        sweeps, wanted = (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP), set(args.sweep_with.split(","))
         names = sorted({name for sweep in sweeps for knobs in sweep for name in knobs})
-        unknown = sorted(set(args.sweep_with.split(",")) - set(names))
+        unknown = sorted(wanted - set(names))
         if unknown:  # a typo would sweep nothing and say nothing
             ap.error(f"--sweep-with: unknown knob(s) {', '.join(unknown)} (of {', '.join(names)})")
-        for sweep in (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP):
-            sweep[:] = [knobs for knobs in sweep if set(args.sweep_with.split(",")) & set(knobs)]
+        for sweep in sweeps:
+            sweep[:] = [knobs for knobs in sweep if wanted & set(knobs)]
     rows: list = []
     info: dict = {}
     pool = CpuPool()

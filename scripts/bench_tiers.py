@@ -338,8 +338,7 @@ def main() -> None:
                     "issue's 24 GB card)")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded at each depth")
     ap.add_argument("--depths", default="1024,8192", type=int_list(1),
-                    help="prompt depths, a list: a prefill and a "
-                    "decode each")
+                    help="prompt depths, a list: a prefill and a decode each")
     ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
     ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory "
@@ -400,10 +399,6 @@ def main() -> None:
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)
         os.environ["STRATA_GATHER_COPY"] = args.gather_copy
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        team_sizes = list(args.team_sizes) if args.team_sizes else None
-    except ValueError:
-        raise SystemExit(f"--team-sizes: thread counts joined by commas, got {args.team_sizes!r}") from None
     if args.sched != "auto":
         _set_sched(args.sched)
     path = args.model or f"/tmp/synth-{args.preset}-{args.layers}l.gguf"
@@ -495,7 +490,7 @@ def main() -> None:
                       trace_prefill=args.trace_prefill == depth,
                       trace_decode=args.trace_decode if first else 0, trace_out=args.trace_out,
                       layer_times=args.layer_times,
-                      team_sizes=team_sizes if first else None)
+                      team_sizes=list(args.team_sizes) if first and args.team_sizes else None)
         k = hp.n_expert_used
         gpu_bytes = r["hit_rate"] * k * hp.n_layer * blob + per_layer * hp.n_layer + glob / 2  # + lm head
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob

@@ -17,11 +17,10 @@ import torch
 
 import strata_ray.kernels.expert_words as ew
 from strata_ray.config import int_list
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q8_0, ExpertLayer
 from strata_ray.kernels.expert_gpu import expert_ffn_gpu
+from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES
 from strata_ray.kernels.random_weights import random_layer
-
-TYPES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 
 
 def main() -> None:
