@@ -142,6 +142,13 @@ def main() -> None:
     ap.add_argument("--arena", action="store_true", help="--model's layers copied into anonymous memory "
                     "(the store's arena, not page-locked) instead of read from the file map")
     args = ap.parse_args()
+    # each call routes a token to top-k distinct experts of the pool (an IndexError deep in the case before)
+    if args.experts is not None and args.experts < max(args.top_k):
+        ap.error(f"--experts {args.experts} is fewer than --top-k {max(args.top_k)}: a token's experts are "
+                 "distinct")
+    for flag, v in (("--reps", args.reps), ("--layers", args.layers)):
+        if v < 1:
+            ap.error(f"{flag} must be at least 1, not {v}")
     rng = np.random.default_rng(0)
     model = model_layers(args.model, args.layers, args.arena) if args.model else None
     for n_threads, driver in ((t, d) for t in args.threads for d in args.drivers):
