@@ -21,6 +21,7 @@ import time
 
 import numba
 import numpy as np
+from bandwidth import host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
 from strata_ray.config import int_list, name_list
 from strata_ray.kernels.contract import BLOCK, ExpertLayer, type_name
@@ -32,21 +33,6 @@ from strata_ray.kernels.random_weights import random_layer
 E, N_FF, TOP_K = 2048, 512, 10
 QK_ELEMS = {t: BLOCK[t][0] for t in TYPES.values()}  # values per block
 BLOCK_BYTES = {t: BLOCK[t][1] for t in TYPES.values()}
-
-
-def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
-    """Threaded host memcpy, (read + write) bytes per second (best of `repeats`)."""
-    src = np.ones(n_bytes, np.uint8)
-    dst = np.empty_like(src)
-    cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
-    jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-    pool.run(np.copyto, jobs)
-    best = 1e9
-    for _ in range(repeats):
-        t = time.perf_counter()
-        pool.run(np.copyto, jobs)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
 
 
 _LAYERS: dict = {}

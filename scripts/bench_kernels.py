@@ -18,7 +18,7 @@ import sys
 import time
 
 import numpy as np
-from bench_cpu_kernels import host_copy_gbs  # the sibling script (scripts/ is sys.path[0] when run)
+from bandwidth import device_copy_gbs, host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
 from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
@@ -243,18 +243,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
 
     dev = torch.device("cuda")
     info = {"gpu": torch.cuda.get_device_name(0)}
-    buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(buf)
-    dst.copy_(buf)
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(10):
-        dst.copy_(buf)
-    t1.record()
-    torch.cuda.synchronize()
-    info["hbm_copy_gbs"] = 2 * 10 * buf.numel() / (t0.elapsed_time(t1) / 1e3) / 1e9
-    del buf, dst
+    info["hbm_copy_gbs"] = device_copy_gbs(dev)
     rng = np.random.default_rng(1)
     n_slots = 256
     for wtype in types:

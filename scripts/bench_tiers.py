@@ -1,6 +1,8 @@
 """Expert-tier benchmark (GPU machine, a script, not a test): decode tok/s at 1K and 8K depth with the
 primary cache sized as on a smaller card, hit rates, CPU-pool time, host overhead per token, and the
-placement roofline (GPU expert bytes / HBM bandwidth vs CPU expert bytes / host bandwidth).
+placement roofline (GPU expert bytes / HBM bandwidth vs CPU expert bytes / host bandwidth): once with the
+H200 machine's measured rates below (of_roofline: every session's runs compare by it), once with this
+machine's, measured before the decode (of_roofline_here; --hbm-gbs / --host-gbs give them instead).
 
     python scripts/bench_tiers.py --model /tmp/m.gguf [--layers 12] [--card-gib 24] [--decode 32]
 
@@ -24,6 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from bandwidth import device_copy_gbs, host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
 from strata_ray.config import ConfigError, EngineConfig, build_arg_parser, config_from_args, int_list
 from strata_ray.engine.prefill import chunk_bytes
@@ -41,7 +44,7 @@ from strata_ray.model.weights import keeps_q8, load_dense_weights
 
 FULL_LAYERS = 48
 HBM_GBS = 4250.0  # measured device copy bandwidth on the H200 (GPU-MACHINE.md)
-HOST_GBS = 61.0  # measured 16-core host memory copy bandwidth
+HOST_GBS = 61.0  # measured 16-core host memory copy bandwidth on the H200 machine
 
 
 def dense_split(file, quantized: bool = False) -> tuple[int, int, int]:
@@ -389,9 +392,16 @@ def main() -> None:
                     "--expert-profile-save: resident pairs first, then heat)")
     ap.add_argument("--prompt-seed", type=int, default=0,
                     help="another random prompt at each depth (0: the one every run used before)")
+    ap.add_argument("--hbm-gbs", type=float, default=None, help="this machine's device copy rate for the "
+                    "roofline here, GB/s (default: measured, a 1 GiB copy)")
+    ap.add_argument("--host-gbs", type=float, default=None, help="this machine's host copy rate for the "
+                    "roofline here, GB/s (default: measured over the CPU pool's threads)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the timed decode draws seeded samples at this temperature (0: greedy)")
     args = ap.parse_args()
+    for flag, v in (("--hbm-gbs", args.hbm_gbs), ("--host-gbs", args.host_gbs)):
+        if v is not None and not v > 0:
+            raise SystemExit(f"error: {flag} must be > 0, got {v}")
     if not args.temperature >= 0:
         raise SystemExit(f"error: --temperature must be >= 0, got {args.temperature}")
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
@@ -481,6 +491,11 @@ def main() -> None:
         flush=True,
     )
     blob = tiers.store.max_blob
+    hbm_here = args.hbm_gbs or (device_copy_gbs(dev) if dev == "cuda" else host_copy_gbs(tiers.pool, 1 << 30))
+    host_here = args.host_gbs or host_copy_gbs(tiers.pool, 1 << 30)
+    print(f"copy rates here: device {hbm_here:.0f} GB/s, host {host_here:.1f} GB/s ({tiers.pool.n_threads} "
+          f"threads; the roofline of every session takes the H200 machine's {HBM_GBS:.0f} / {HOST_GBS:.0f})",
+          flush=True)
     results = []
     for depth in args.depths:
         first = not results
@@ -496,6 +511,8 @@ def main() -> None:
         cpu_bytes = (1 - r["hit_rate"]) * k * hp.n_layer * blob
         r["roofline_tok_s"] = 1.0 / max(gpu_bytes / (HBM_GBS * 1e9), cpu_bytes / (HOST_GBS * 1e9))
         r["of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+        r["roofline_here_tok_s"] = 1.0 / max(gpu_bytes / (hbm_here * 1e9), cpu_bytes / (host_here * 1e9))
+        r["of_roofline_here"] = r["decode_tok_s"] / r["roofline_here_tok_s"]
         results.append(r)
         print(
             json.dumps({k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in r.items()}), flush=True
@@ -503,6 +520,8 @@ def main() -> None:
     report = {
         "model": path,
         "cpu_threads": tiers.pool.n_threads,
+        "hbm_gbs_here": hbm_here,  # the copy rates of this machine's roofline (of_roofline_here)
+        "host_gbs_here": host_here,
         "cpu_driver": args.cpu_driver,
         "decode_graphs": model.decode_graphs is not None,
         "ring_overlap": args.ring_overlap == "1",
