@@ -20,9 +20,11 @@ import time
 import numpy as np
 from bandwidth import device_copy_gbs, host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
-from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, type_name
+from strata_ray.config import int_list, name_list
+from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES  # the types random_layer builds
 from strata_ray.kernels.random_weights import random_layer
 
 E, N_FF, TOP_K = 2048, 512, 10
@@ -489,32 +491,25 @@ def main() -> None:
     ap.add_argument("--graph-probe", choices=["kernels", "full"],
                     help="(internal, run in a child process) check that one expert call captures into a CUDA "
                     "graph and replays to the same rows: its kernels alone, or the whole call")
-    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K",
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K", type=name_list(TYPES),
                     help="GPU weight types to time (comma-separated: Q4_0, Q8_0, Q4_K, Q6_K)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the knob sweeps (wide, split, words)")
     ap.add_argument("--sweep-with", metavar="KNOBS",
                     help="sweep only the knob sets that set one of these (comma-separated, e.g. cuda)")
-    ap.add_argument("--variants", default="words,simple,wide,split",
+    ap.add_argument("--variants", default="words,simple,wide,split", type=name_list(KERNEL_VARIANTS),
                     help="GPU kernel variants to time (comma-separated: simple, wide, split, words)")
-    ap.add_argument("--tokens", default="1,2,4,8", help="decode token counts to time (comma-separated, <= 8)")
+    ap.add_argument("--tokens", default="1,2,4,8", type=int_list(1, 8),
+                    help="decode token counts to time (comma-separated, 1 to 8)")
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
-    ap.add_argument("--mma-stages", default="4",
+    ap.add_argument("--mma-stages", default="4", type=int_list(4, 8),
                     help="32-blocks a stage of the MMA prompt rows to time, Q8_0 / Q4_0 (4, 8; e.g. 8,4)")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
                     help="also time the decode tiles over weights in pinned host memory (zero-copy, PCIe)")
     args = ap.parse_args()
-    try:
-        tokens = tuple(int(t) for t in args.tokens.split(","))
-    except ValueError:
-        ap.error(f"--tokens: comma-separated integers, got {args.tokens!r}")
-    known = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
-    bad = [t for t in args.types.split(",") if t not in known]
-    if bad:
-        ap.error(f"--types: unknown weight type(s) {', '.join(bad)} (of {', '.join(known)})")
-    if not all(1 <= t <= 8 for t in tokens):
-        ap.error(f"--tokens: decode launches are 1 to 8 tokens, got {args.tokens!r}")
+    if not set(args.mma_stages) <= {4, 8}:
+        ap.error(f"--mma-stages: 4 or 8 blocks a stage, got {','.join(map(str, args.mma_stages))}")
     if args.graph_probe:
         graph_probe(args.graph_probe)
         return
@@ -544,12 +539,12 @@ def main() -> None:
             lines = (r.stdout + r.stderr).strip().splitlines()
             probes.append(next((ln for ln in lines if ln.startswith("graph-")),
                                f"graph-{which}: FAIL ({lines[-1] if lines else r.returncode})"))
-        types = tuple(known[t] for t in args.types.split(","))
+        types = tuple(TYPES[t] for t in args.types)
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
-                         sweeps=not args.no_sweep, variants=tuple(args.variants.split(",")), tokens=tokens,
-                         prompt=not args.no_prompt, mma_stages=tuple(map(int, args.mma_stages.split(","))))
+                         sweeps=not args.no_sweep, variants=args.variants, tokens=args.tokens,
+                         prompt=not args.no_prompt, mma_stages=args.mma_stages)
         if args.host_weights:
-            bench_host_weights(_Printing(rows), tuple(args.variants.split(",")))
+            bench_host_weights(_Printing(rows), args.variants)
         if args.staging:
             bench_staging(_Printing(rows))
     bench_cpu(rows, pool, args.quick)

@@ -25,11 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from strata_ray.config import name_list  # noqa: E402
 from strata_ray.kernels import dense_q8_cuda, expert_mma_cuda, expert_rows_cuda  # noqa: E402
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0  # noqa: E402
+from strata_ray.kernels.contract import Q4_K, Q6_K  # noqa: E402
 from strata_ray.kernels.expert_words import WORDS  # noqa: E402
+from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES  # noqa: E402
 
-TYPES = {"Q4_0": Q4_0, "Q8_0": Q8_0, "Q4_K": Q4_K, "Q6_K": Q6_K}
 E, N_FF, SMS = 2048, 512, 132  # Qwen3-Next-80B-A3B's expert shapes; the H200's SMs
 # an sm_90 SM: 64K registers (allocated 256 a warp at a time), 228 KiB of shared memory (1 KiB reserved a
 # CTA), 64 warps, 32 CTAs
@@ -158,8 +159,10 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="sm_90", help="ptxas target (default sm_90: H100 / H200)")
-    ap.add_argument("--types", default=",".join(TYPES), help="expert weight types, a list")
-    ap.add_argument("--kernels", default="rows,mma,gemv", help="rows (decode experts), mma (prompt experts), "
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K", type=name_list(TYPES),
+                    help="expert weight types, a list")
+    ap.add_argument("--kernels", default="rows,mma,gemv", type=name_list(("rows", "mma", "gemv")),
+                    help="rows (decode experts), mma (prompt experts), "
                     "gemv (dense Q8_0), a list")
     ap.add_argument("--kquant-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="the K-quant prompt rows compiled for N CTAs an SM (STRATA_MMA_KQUANT_CTAS; "
@@ -169,17 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not re.fullmatch(r"sm_\d+a?", args.arch):
         ap.error(f"--arch: invalid value {args.arch!r} (e.g. sm_90)")
-    bad = [t for t in args.types.split(",") if t not in TYPES]
-    if bad:
-        ap.error(f"--types: unknown type {bad[0]!r} (known: {', '.join(TYPES)})")
-    kernels = args.kernels.split(",")
-    bad = [k for k in kernels if k not in ("rows", "mma", "gemv")]
-    if bad:
-        ap.error(f"--kernels: unknown kernel {bad[0]!r} (known: rows, mma, gemv)")
+    kernels = list(args.kernels)
     comp = Compiler(*find_tools(), args.arch)
     print(f"{'kernel':5s} {'form':34s} {'regs':>4s} {'spill':>9s} {'smem':>7s} {'thr':>4s} "
           f"{'CTAs/SM':>7s} {'warps/SM':>8s}  bound")
-    types = [TYPES[t] for t in args.types.split(",")]
+    types = [TYPES[t] for t in args.types]
     for kernel, what, source, name, options, threads, dyn in forms(kernels, types, args.kquant_ctas,
                                                                    args.gemv_ctas):
         res = comp.resources(source, name, options)

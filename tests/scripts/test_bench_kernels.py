@@ -10,9 +10,13 @@ SCRIPT = str(Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py
 
 def test_bad_flags_are_refused_with_one_line():
     for flags, message in ((["--sweep-with", "cuda_itres"], "--sweep-with: unknown knob(s) cuda_itres (of "),
-                           (["--tokens", "9"], "--tokens: decode launches are 1 to 8 tokens"),
-                           (["--tokens", "one"], "--tokens: comma-separated integers"),
-                           (["--types", "Q5_0"], "--types: unknown weight type(s) Q5_0")):
+                           (["--tokens", "9"], "--tokens: invalid value '9' (allowed: comma-separated, "
+                                                "each an integer from 1 to 8)"),
+                           (["--tokens", "one"], "--tokens: invalid value 'one'"),
+                           (["--types", "Q5_0"], "--types: unknown 'Q5_0' (allowed: a comma-separated"),
+                           (["--variants", "words,fast"], "--variants: unknown 'fast'"),
+                           (["--mma-stages", "8,9"], "--mma-stages: invalid value '8,9'"),
+                           (["--mma-stages", "8,6"], "--mma-stages: 4 or 8 blocks a stage, got 8,6")):
         r = subprocess.run([sys.executable, SCRIPT, *flags, "--no-gpu"], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and message in r.stderr.splitlines()[-1], (flags, r.stderr)

@@ -17,8 +17,8 @@ def _run(*flags, env=None):
 
 
 def test_bad_flags_are_refused_with_one_line():
-    for flags, message in ((["--types", "Q5_0"], "--types: unknown type 'Q5_0'"),
-                           (["--kernels", "attention"], "--kernels: unknown kernel 'attention'"),
+    for flags, message in ((["--types", "Q5_0"], "--types: unknown 'Q5_0' (allowed: a comma-separated list"),
+                           (["--kernels", "attention"], "--kernels: unknown 'attention'"),
                            (["--arch", "hopper"], "--arch: invalid value 'hopper'"),
                            (["--kquant-ctas", "5"], "--kquant-ctas: invalid choice: 5")):
         r = _run(*flags)
