@@ -147,7 +147,10 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                                        : W1 + slot_id * stride1 + (long long)rr0 * rb1;
     const long long rb = which ? rb2 : rb1;
 
-    if (tid < n_ent) arow_s[tid] = ACT_ROW[ORDER[start + tid]];
+    if (tid < n_ent) {  // a null ACT_ROW: each entry's own row (the down launch's h rows)
+        const int o = ORDER[start + tid];
+        arow_s[tid] = ACT_ROW ? ACT_ROW[o] : o;
+    }
     __syncthreads();
 
     // stage s of the K axis into buffer buf: blocks s KB .. s KB + KB - 1
@@ -454,8 +457,9 @@ def _aligned(align: int, *tensors) -> bool:
 
 def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows) over the plan's prompt
-    tiles (order, sorted_slot, tile_start, bt) on the current torch stream; False (nothing launched) where
-    the kernel cannot take the launch or cannot be built here."""
+    tiles (order, sorted_slot, tile_start, bt) on the current torch stream; act_row None: each entry's own
+    activation row. False (nothing launched) where the kernel cannot take the launch or cannot be built
+    here."""
     order, sorted_slot, tile_start, bt = plan[:4]
     aq, ad, asum = act[:3]
     if not mma_serves(k, r, wtype, bt):
@@ -472,7 +476,7 @@ def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, 
     grid = (n_rows // BN, tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
-    ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
+    ptrs = [nvrtc.ptr_or_null(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, 128, args, dev, shared_mem=shared_bytes(geo))

@@ -64,6 +64,15 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
+// entry i's activation row (i in the sorted order): ACT_ROW[ORDER[i]], or ORDER[i] itself where ACT_ROW is
+// null (the down launch: each entry reads its own h row, one dependent load fewer). Every thread looks up the
+// entries it stages itself (a few cached words) rather than wait at a barrier for one warp's lookups
+__device__ __forceinline__ long long act_row_of(const int* __restrict__ ACT_ROW,
+                                                const int* __restrict__ ORDER, int i) {
+    const int o = __ldg(ORDER + i);
+    return ACT_ROW ? __ldg(ACT_ROW + o) : o;
+}
+
 // A row is NU units: Q4_0 block pairs (9 words, 2 blocks of 32) or Q8_0 block pairs (Q80 1: 17 words), NPL
 // of them a lane; or Q4_K super-blocks (Q4K 1: 36 words, 8 blocks) or Q6_K super-blocks (Q6K 1: 210 bytes, 8
 // blocks), a lane taking NPL quarters of 2 blocks. WPR words and NB 32-blocks a row (from the host, as G, the
@@ -93,7 +102,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
-    __shared__ int arow_s[BT];                       // each entry's activation row
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
     const int slot_id = SORTED_SLOT[start];
@@ -123,16 +131,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     }
     LOAD_ROWS(blockIdx.x)
 
-    // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA. The
-    // entries' activation rows first, once (two dependent loads each), not per word
-    if (threadIdx.x < n_ent) arow_s[threadIdx.x] = ACT_ROW[ORDER[start + threadIdx.x]];
-    __syncthreads();
+    // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA (no barrier
+    // before: each thread finds its entries' rows itself; session 38's ncu had the down launch's warps
+    // stalled at barriers 4.1 cycles an issue, the most of any reason)
     if (((unsigned long long)AQ & 15) == 0) {
         // a block's 8 code words as two 16-byte loads: lanes 2 apart store 2 words apart (2-way), where one
         // word a lane stored 8 rows of NB apart: an 8-way conflict
         for (int qi = threadIdx.x; qi < n_ent * (K / 16); qi += WARPS * 32) {
             const int e = qi / (K / 16), wq = qi % (K / 16), b = wq >> 1, k0 = 4 * (wq & 1);
-            const int4 v = ((const int4*)(AQ + (long long)arow_s[e] * K))[wq];
+            const int4 v = ((const int4*)(AQ + act_row_of(ACT_ROW, ORDER, start + e) * K))[wq];
             act_s[e][k0][b] = v.x;
             act_s[e][k0 + 1][b] = v.y;
             act_s[e][k0 + 2][b] = v.z;
@@ -141,13 +148,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     } else {
         for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
             const int e = ei / (K / 4), wi = ei % (K / 4);
-            const int* aq = (const int*)(AQ + (long long)arow_s[e] * K);
+            const int* aq = (const int*)(AQ + act_row_of(ACT_ROW, ORDER, start + e) * K);
             act_s[e][wi & 7][wi >> 3] = aq[wi];
         }
     }
     for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
         const int e = eb / NB, b = eb % NB;
-        const long long arow = arow_s[e];
+        const long long arow = act_row_of(ACT_ROW, ORDER, start + e);
         ad_s[e][b] = AD[arow * NB + b];
         as_s[e][b] = AS[arow * NB + b];
     }
@@ -457,11 +464,11 @@ STATIC_SHARED = 48 << 10  # the most static shared memory a kernel may declare
 
 def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int, pitch: int = 0) -> int:
     """The kernel's static shared memory for rows of that geometry: stage_s (row groups pitch words apart; 0:
-    the least, WPR + 1), term_s, act_s, ad_s, as_s and arow_s (4-byte elements)."""
+    the least, WPR + 1), term_s, act_s, ad_s and as_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
     stage = -(-warps * (32 // g) * (pitch or wpr + 1) // 4) * 4  # term_s after it starts 16-byte aligned
     terms = warps * (32 // g) * bt * rpw * term_pitch(nb)
-    return 4 * (stage + terms + bt * (8 * nb + 2 * nb + 1))
+    return 4 * (stage + terms + bt * (8 * nb + 2 * nb))
 
 
 def stage_pitch(wpr: int, g: int) -> int:
@@ -521,7 +528,8 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows), weights of type wtype, over
     the plan's tiles (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the
-    current torch stream; False (nothing launched) where the kernel cannot be built here."""
+    current torch stream; act_row None: each entry's own activation row. False (nothing launched) where the
+    kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
@@ -543,7 +551,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     grid = (ctas, tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
-    ptrs = [nvrtc.ptr(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
+    ptrs = [nvrtc.ptr_or_null(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, warps * 32, args, dev)

@@ -251,8 +251,8 @@ def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, ga
     gate and up rows, then SwiGLU and the requantization; or the down rows. False where its kernel cannot
     take the launch here (nothing launched)."""
     (w1, t), (w2, _) = mats
-    if not gated:
-        return rows(act, act_row, plan, w1, w2, out, r, k, two=False, wtype=t)
+    if not gated:  # each entry's own h row (act_row is 0..M-1 here): None spares the kernels that lookup
+        return rows(act, None, plan, w1, w2, out, r, k, two=False, wtype=t)
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
     if not rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t):
         return False

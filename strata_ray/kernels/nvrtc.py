@@ -69,6 +69,11 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+def ptr_or_null(t: torch.Tensor | None) -> np.uint64:
+    """A tensor's address, or a null pointer for None (an argument the kernel may go without)."""
+    return np.uint64(0) if t is None else np.uint64(t.data_ptr())
+
+
 class _StreamRef:
     """A raw stream handle in the CUDA stream protocol (what cupy's Stream.from_external takes)."""
 
