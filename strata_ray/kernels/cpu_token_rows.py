@@ -51,6 +51,9 @@ def team_layer_ok() -> bool:
 def cycles_per_second(span_s: float = 0.01) -> float:
     """The rate of expert_cpu_token.cycles() (the time-stamp counter), over a span of busy waiting; 0.0 where
     it is not counted (not x86)."""
+    # the first call loads (or compiles) cycles() from numba's cache, tens of milliseconds: inside the span it
+    # left a few cycles against the whole span, a rate 10^5 too low (session 38: 22,968 CPU ms a token)
+    cycles()
     t0, c0 = time.perf_counter(), cycles()
     while time.perf_counter() - t0 < span_s:
         pass

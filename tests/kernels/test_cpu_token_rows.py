@@ -4,6 +4,8 @@ buffers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -371,3 +373,16 @@ def test_the_down_prefetch_covers_each_members_down_units(m, n_down):
     for e in g_exp:
         want[e * per_expert:(e + 1) * per_expert] = 1
     assert np.array_equal(seen, want)
+
+
+def test_the_cycle_rate_holds_in_a_fresh_process():
+    # the first cycles() call of a process loads it from numba's cache (tens of ms): timed inside the span it
+    # made the rate ~3e4 a second and the decode's CPU-pool time 10^5 too long (session 38, H100 host)
+    code = ("import platform; from strata_ray.kernels.cpu_token_rows import cycles_per_second; "
+            "print(platform.machine(), cycles_per_second())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    machine, rate = r.stdout.split()
+    if machine in ("x86_64", "AMD64"):
+        assert 1e8 < float(rate) < 1e11, r.stdout
+    else:
+        assert float(rate) == 0.0
