@@ -491,8 +491,8 @@ def main() -> None:
         flush=True,
     )
     blob = tiers.store.max_blob
-    hbm_here = args.hbm_gbs or (device_copy_gbs(dev) if dev == "cuda" else host_copy_gbs(tiers.pool, 1 << 30))
     host_here = args.host_gbs or host_copy_gbs(tiers.pool, 1 << 30)
+    hbm_here = args.hbm_gbs or (device_copy_gbs(dev) if dev == "cuda" else host_here)  # CPU: one memory
     print(f"copy rates here: device {hbm_here:.0f} GB/s, host {host_here:.1f} GB/s ({tiers.pool.n_threads} "
           f"threads; the roofline of every session takes the H200 machine's {HBM_GBS:.0f} / {HOST_GBS:.0f})",
           flush=True)

@@ -63,6 +63,11 @@ if [[ -n "${OUT:-}" && -f .nbc/nbc.tar.xz ]]; then  # on the device machine only
     tar xJf .nbc/nbc.tar.xz -C "$(dirname "$NUMBA_CACHE_DIR")"
 fi
 
+if [[ -n "${OUT:-}" ]]; then  # this host's numba target, for scripts/numba_targets/ (a host without its index
+    # there compiles the CPU kernels at its first engine run, ~110 s: session 38's Intel H100 host)
+    python scripts/numba_cache_for.py --probe-to "$work/numba-target" > "$work/numba-target.log" 2>&1 || true
+fi
+
 pack() {  # the work folder into $OUT/device.tgz, after every step: a run cut by the tool's limit loses nothing
     [[ -n "${OUT:-}" ]] || return 0
     local part="$OUT/.device-$BASHPID.tgz"  # the background tests pack too: a name of their own

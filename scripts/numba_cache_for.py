@@ -8,10 +8,14 @@ version and absolute source path match. The target is read from a cache index (.
 machine; the signatures from this checkout's own cache indexes (those the tests and benchmarks compiled).
 
     # in a venv with the target's Python minor version and numba version, from the repo root, after the
-    # CPU tests compiled this checkout's signatures (the defaults: the H200 host's index in numba_targets/,
-    # this checkout's __pycache__, /tmp/nbc: the GPU machine's NUMBA_CACHE_DIR, whose name the tarball keeps):
-    python scripts/numba_cache_for.py [--target-index OLD.nbi] \
+    # CPU tests compiled this checkout's signatures (the defaults: every host's index in numba_targets/, one
+    # compile each into one cache, this checkout's __pycache__, /tmp/nbc: the GPU machine's NUMBA_CACHE_DIR,
+    # whose name the tarball keeps):
+    python scripts/numba_cache_for.py [--target-index A.nbi,B.nbi] \
         [--signatures-from strata_ray/kernels/__pycache__] [--cache-dir /tmp/nbc] --tar .nbc/nbc.tar.xz
+
+    # on a new machine (device_check.sh does it): its target as an index file, to add to numba_targets/
+    python scripts/numba_cache_for.py --probe-to DIR
 
 Nothing is executed: the compiled code may use instructions this CPU lacks.
 """
@@ -20,19 +24,23 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import importlib
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 # the kernels package's files with cached njit functions
 MODULES = ("act_quant", "blocks", "expert_cpu_kernels", "expert_cpu_token")
-# an index made on the GPU machine (session 12's probe: one cached njit function compiled there)
-DEFAULT_TARGET = "h200-emeraldrapids-py312-numba0.68.0.nbi"
+# indexes made on the GPU machines' hosts (a probe: one cached njit function compiled there), one a CPU:
+# the H200 host's (session 12); a host without one here compiles the kernels itself (~110 s, session 38)
+TARGETS = Path(__file__).parent / "numba_targets"
 
 
 def read_index(path: str) -> tuple[str, dict]:
@@ -76,10 +84,41 @@ def compile_all(found: dict[tuple[str, str], set]) -> None:
                   f"{time.perf_counter() - t:.1f} s", flush=True)
 
 
+_PROBE = "from numba import njit\n\n\n@njit(cache=True)\ndef one():\n    return 1\n"
+
+
+def probe(folder: str) -> Path:
+    """This machine's numba target as an index file in `folder` (named by its CPU, Python and numba): one
+    cached function compiled in a scratch cache by a fresh interpreter, whose environment picks the host."""
+    import numba
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "strata_numba_probe.py").write_text(_PROBE)
+        env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(tmp, "cache"), PYTHONPATH=tmp)
+        for name in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+            env.pop(name, None)
+        subprocess.run([sys.executable, "-c", "import strata_numba_probe as p; p.one()"], env=env, check=True,
+                       cwd=tmp, timeout=300)
+        index = next(Path(tmp, "cache").rglob("*.nbi"), None)
+        if index is None:
+            raise SystemExit("error: the probe wrote no numba cache index (is caching disabled?)")
+        cpu, features = target_of(str(index))
+        py = f"py{sys.version_info.major}{sys.version_info.minor}"
+        # the features' hash too: two hosts of one CPU name may differ in them (and so in their code)
+        tag = hashlib.sha1(features.encode()).hexdigest()[:8]
+        dest = Path(folder) / f"{cpu}-{tag}-{py}-numba{numba.__version__}.nbi"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(index, dest)
+    return dest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target-index", default=str(Path(__file__).parent / "numba_targets" / DEFAULT_TARGET),
-                    help="a .nbi file made on the target machine (default: the lent H200 host's, kept here)")
+    ap.add_argument("--target-index", default=",".join(sorted(str(p) for p in TARGETS.glob("*.nbi"))),
+                    help="comma-separated .nbi files, each made on a target machine: the cache holds each "
+                    "one's compile (default: every host's kept in scripts/numba_targets/)")
+    ap.add_argument("--probe-to", default=None, metavar="DIR",
+                    help="only write this machine's target index into DIR (for numba_targets/) and stop")
     ap.add_argument("--signatures-from", default="strata_ray/kernels/__pycache__",
                     help="folder of this checkout's .nbi files whose signatures to compile")
     ap.add_argument("--cache-dir", default="/tmp/nbc", help="NUMBA_CACHE_DIR to fill (the target's path)")
@@ -87,6 +126,17 @@ def main(argv: list[str] | None = None) -> int:
                     "size, and a device call carries 64 MiB in all)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.probe_to:
+        print(f"this machine's target: {probe(args.probe_to)}")
+        return 0
+    targets = [p for p in args.target_index.split(",") if p]
+    if not targets:
+        print("error: no target index (--target-index, or scripts/numba_targets/*.nbi)", file=sys.stderr)
+        return 2
+    for path in targets:
+        if not os.path.isfile(path):
+            print(f"error: no such index file: {path}", file=sys.stderr)
+            return 2
     found = signatures(args.signatures_from)
     if not found:
         print(f"error: no cache indexes of {', '.join(MODULES)} in {args.signatures_from}", file=sys.stderr)
@@ -94,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         compile_all(found)
         return 0
-    for path in (args.target_index,):
-        if not os.path.isfile(path):
-            print(f"error: no such index file: {path}", file=sys.stderr)
-            return 2
-    cpu, features = target_of(args.target_index)
-    print(f"target {cpu}, {len(features.split(','))} features; {sum(map(len, found.values()))} signatures")
-    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=args.cache_dir)
-    env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
-    rc = subprocess.call([sys.executable, __file__, "--child", "--target-index", args.target_index,
-                          "--signatures-from", args.signatures_from], env=env)
+    rc = 0
+    n_sigs = sum(map(len, found.values()))
+    for path in targets:  # one child a target, each adding its overloads to the same indexes
+        cpu, features = target_of(path)
+        print(f"target {cpu}, {len(features.split(','))} features; {n_sigs} signatures")
+        env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=features,
+                   NUMBA_CACHE_DIR=args.cache_dir)
+        env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")
+        rc = subprocess.call([sys.executable, __file__, "--child", "--target-index", path,
+                              "--signatures-from", args.signatures_from], env=env)
+        if rc:
+            print(f"error: compiling for {cpu} ({path}) failed", file=sys.stderr)
+            break
     if rc == 0 and args.tar:
         cache = Path(args.cache_dir)
         Path(args.tar).parent.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no .nbc/

@@ -476,7 +476,8 @@ def launch_mma_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, 
     grid = (n_rows // BN, tile_start.numel())
     if grid[1] > 65535:
         raise KernelError(f"too many entry tiles in one launch ({grid[1]})")
-    ptrs = [nvrtc.ptr_or_null(t) for t in (aq, ad, asum, act_row, order, sorted_slot, tile_start, w1, w2)]
+    ptrs = [nvrtc.ptr(aq), nvrtc.ptr(ad), nvrtc.ptr(asum), nvrtc.ptr_or_null(act_row),  # None: own rows
+            *(nvrtc.ptr(t) for t in (order, sorted_slot, tile_start, w1, w2))]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, 128, args, dev, shared_mem=shared_bytes(geo))
