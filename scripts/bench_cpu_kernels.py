@@ -132,7 +132,7 @@ def main() -> None:
     if args.experts is not None and args.experts < max(args.top_k):
         ap.error(f"--experts {args.experts} is fewer than --top-k {max(args.top_k)}: a token's experts are "
                  "distinct")
-    for flag, v in (("--reps", args.reps), ("--layers", args.layers)):
+    for flag, v in (("--reps", args.reps), ("--layers", args.layers if args.model else 1)):  # --model's
         if v < 1:
             ap.error(f"{flag} must be at least 1, not {v}")
     rng = np.random.default_rng(0)
