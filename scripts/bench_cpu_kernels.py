@@ -132,9 +132,10 @@ def main() -> None:
     if args.experts is not None and args.experts < max(args.top_k):
         ap.error(f"--experts {args.experts} is fewer than --top-k {max(args.top_k)}: a token's experts are "
                  "distinct")
-    for flag, v in (("--reps", args.reps), ("--layers", args.layers if args.model else 1)):  # --model's
-        if v < 1:
-            ap.error(f"{flag} must be at least 1, not {v}")
+    if args.reps < 1:
+        ap.error(f"--reps must be at least 1, not {args.reps}")
+    if args.model and args.layers < 1:  # read only with --model
+        ap.error(f"--layers must be at least 1, not {args.layers}")
     rng = np.random.default_rng(0)
     model = model_layers(args.model, args.layers, args.arena) if args.model else None
     for n_threads, driver in ((t, d) for t in args.threads for d in args.drivers):

@@ -71,7 +71,7 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 def ptr_or_null(t: torch.Tensor | None) -> np.uint64:
     """A tensor's address, or a null pointer for None (an argument the kernel may go without)."""
-    return np.uint64(0) if t is None else np.uint64(t.data_ptr())
+    return np.uint64(0) if t is None else ptr(t)
 
 
 class _StreamRef:
