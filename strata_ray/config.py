@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from strata_ray.kernels.attention_decode import attn_tiles_value
 from strata_ray.kernels.contract import KERNEL_VARIANTS
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 
@@ -510,8 +511,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # (default: on in the token graphs, off otherwise);
 # STRATA_WORDS_CUDA: either, over kernels/expert_words.WORDS["cuda"]; STRATA_PROMPT_MMA: either, over
 # kernels/expert_mma_cuda.MMA["on"]; STRATA_PREFETCH_LAYERS: how far ahead the prompt path copies a layer's
-# experts, experts/tiered; STRATA_ATTN_DOT: the decode attention's
-# products, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
+# experts, experts/tiered; STRATA_ATTN_DOT: the decode attention's products, STRATA_ATTN_TILES its key
+# tiles, kernels/attention_decode; STRATA_TOKEN_GRAPH: the pipelined decode's layers as one graph (1)
 # or a graph or two each (0; default: 1 where some experts are not resident), experts/decode_pipeline;
 # STRATA_TOKEN_GRAPH_LAYERS: the most layers a token graph holds (0: no limit), model/decode_graph;
 # STRATA_DECODE_CHAIN: 0 turns off the chained greedy decode (each token launched before the host reads
@@ -535,6 +536,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_PROMPT_MMA": _choice("0", "1"),
     "STRATA_DENSE_CUDA": _choice("0", "1"),
     "STRATA_ATTN_DOT": _choice("tf32x3", "ieee"),
+    "STRATA_ATTN_TILES": attn_tiles_value,
     "STRATA_STAGE_CHUNK_KIB": stage_chunk_kib,
     "STRATA_GATHER_PROGRAMS": gather_programs_value,
     "STRATA_AHEAD_PROGRAMS": gather_programs_value,

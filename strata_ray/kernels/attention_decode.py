@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,10 +37,47 @@ from torch import Tensor
 from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
-# keys a partial program covers; fixed, because it decides the bits. 256 gave 64 programs at 8K keys
-# (2 kv heads), 90 us a call on the H200 (latency-bound, 360 GB/s); 64 gives 256 programs
-SPLIT = 64
-BK = 32  # keys a program step scores
+
+class AttnTiles(NamedTuple):
+    """How the partial kernel tiles the keys. split and bk decide the bits (the online softmax runs over
+    bk-key tiles within each split-key split); warps and stages only how fast (every form is deterministic
+    and gives a token the same bits alone or in a verify window). STRATA_ATTN_TILES=SPLITxBKxWARPSxSTAGES
+    (env only, read where a launch or a DeviceAttention is made) sets another form."""
+
+    split: int  # keys a split covers: a (token, kv head) has ceil(keys / split) partial results to combine
+    bk: int  # keys a program step scores (one [REP, D] x [D, bk] product)
+    warps: int
+    stages: int  # software pipelining of the key tiles' loads (1: none)
+
+    def __str__(self) -> str:
+        return f"{self.split}x{self.bk}x{self.warps}x{self.stages}"
+
+
+def attn_tiles_value(raw: str) -> AttnTiles:
+    """A value of STRATA_ATTN_TILES, e.g. 64x32x8x1 (ValueError naming what is allowed; config.py refuses a
+    bad one with its one line when the engine starts)."""
+    allowed = ("SPLITxBKxWARPSxSTAGES: split and bk powers of two with 16 <= bk <= split <= 1024, warps 2, 4 "
+               "or 8, stages 1 to 4")
+    parts = raw.split("x")
+    if len(parts) != 4 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise ValueError(allowed)
+    t = AttnTiles(*map(int, parts))
+    pow2 = all(v & (v - 1) == 0 for v in (t.split, t.bk))
+    if not (pow2 and 16 <= t.bk <= t.split <= 1024 and t.warps in (2, 4, 8) and 1 <= t.stages <= 4):
+        raise ValueError(allowed)
+    return t
+
+
+# keys a partial program covers: split 256 gave 64 programs at 8K keys (2 kv heads), 90 us a call on the H200
+# (latency-bound, 360 GB/s); 64 gives 256 programs
+TILES = AttnTiles(split=64, bk=32, warps=8, stages=1)
+SPLIT = TILES.split  # the default's split (tests size their cases by it)
+
+
+def tiles_now() -> AttnTiles:
+    """STRATA_ATTN_TILES if set, else TILES."""
+    raw = os.environ.get("STRATA_ATTN_TILES")
+    return TILES if raw is None else attn_tiles_value(raw)
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
@@ -169,17 +207,19 @@ def attention_decode(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: floa
     out = torch.empty((T, H, D), dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    ns = -(-S // SPLIT)
+    tiles = tiles_now()
+    ns = -(-S // tiles.split)
     m = torch.empty((T, H, ns), dtype=torch.float32, device=q.device)
     scratch = (m, torch.empty_like(m), torch.empty((T, H, ns, D), dtype=torch.float32, device=q.device))
-    _launch(q, k.contiguous(), v.contiguous(), scratch, out, None, None, q_offset, S, scale, Hkv, ns)
+    _launch(q, k.contiguous(), v.contiguous(), scratch, out, None, None, q_offset, S, scale, Hkv, ns, tiles)
     return out
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tensor], out: Tensor,
             pos: Tensor | None, table: Tensor | None, q_offset: int, n_keys: int, scale: float, Hkv: int,
-            programs: int) -> None:
-    """The partial then the combine kernel over q [T, H, D] into out, scratch = (m, l, acc) of NS splits.
+            programs: int, tiles: AttnTiles) -> None:
+    """The partial then the combine kernel over q [T, H, D] into out, scratch = (m, l, acc) of NS splits of
+    tiles.split keys.
     pos None: the keys of k, v up to q_offset + T (n_keys of them), a program a split; else (AT_DEVICE) the
     position in pos, the caches table's offsets from k (= v), n_keys the call's tokens, `programs` programs a
     (token, kv head) walking the splits."""
@@ -191,9 +231,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tens
     partial, combine, _ = _kernels()
     partial[(T * Hkv, programs)](q.contiguous(), k, v, m, ell, acc, cell, table if at_device else m, q_offset,
                                  n_keys, scale, H, Hkv, ns, REP=H // Hkv, REP_P=max(16, next_pow2(H // Hkv)),
-                                 D=D, SPLIT_=SPLIT, BK_=BK, AT_DEVICE=at_device, PREC=_dot_precision(),
-                                 num_warps=8)
-    combine[(T * H,)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=SPLIT, SC=16,
+                                 D=D, SPLIT_=tiles.split, BK_=tiles.bk, AT_DEVICE=at_device,
+                                 PREC=_dot_precision(), num_warps=tiles.warps, num_stages=tiles.stages)
+    combine[(T * H,)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=tiles.split, SC=16,
                       AT_DEVICE=at_device, num_warps=4)
 
 
@@ -217,7 +257,8 @@ class DeviceAttention:
                  n_tok: int = 1, programs: int = 256):
         self.shape = (n_head, n_head_kv, head_dim)
         self.n_tok, self.max_keys = n_tok, max_keys
-        self.ns = -(-max_keys // SPLIT)  # splits the scratch holds
+        self.tiles = tiles_now()  # fixed for the object's life: its scratch and a captured graph's launch
+        self.ns = -(-max_keys // self.tiles.split)  # splits the scratch holds
         self.programs = min(self.ns, programs)
         f32 = dict(dtype=torch.float32, device=device)
         self.m = torch.empty((n_tok, n_head, self.ns), **f32)  # [T, H, NS]
@@ -254,5 +295,5 @@ class DeviceAttention:
                              f"{list(q.shape)}")
         a = self.anchor
         _launch(q, a, a, (self.m, self.ell, self.acc), self.out, pos, table, 0, q.shape[0], scale, Hkv,
-                self.programs)
+                self.programs, self.tiles)
         return self.out

@@ -10,7 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_ray.kernels.attention_decode import SPLIT, DeviceAttention, _dot_precision, attention_decode
+from strata_ray.kernels.attention_decode import (
+    TILES,
+    DeviceAttention,
+    _dot_precision,
+    attention_decode,
+    attn_tiles_value,
+    tiles_now,
+)
 from strata_ray.model import ops
 from tests.kernels.triton_interpret import interpret
 
@@ -75,18 +82,47 @@ def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
         assert torch.equal(got, attention_decode(q, k, v, at, scale)), (at, T)
 
 
-@interpret
-def test_interpreted_device_attention_gives_attention_decode_bits():
-    pytest.importorskip("triton")
-    _device_cases("cpu", 4, 2, 32, [0, 32, 221, 2 * SPLIT + 40], capacity=6 * SPLIT, programs=2)
-    _device_cases("cpu", 4, 2, 32, [5, 3 * SPLIT], capacity=4 * SPLIT, programs=3, T=3)
+# the default, a small split of one-tile steps pipelined, and a long split of many tiles: the bits differ
+# between forms, every form keeps a token's bits alone, in a window and in the graphs' form
+TILE_FORMS = [str(TILES), "32x16x4x2", "128x32x4x3"]
+each_tiling = pytest.mark.parametrize("tiles", TILE_FORMS)
+
+
+def test_tiles_are_the_default_unless_set(monkeypatch):
+    monkeypatch.delenv("STRATA_ATTN_TILES", raising=False)
+    assert tiles_now() == TILES and str(TILES) == "64x32x8x1"
+    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2")
+    assert tiles_now() == (32, 16, 4, 2)
+    for bad in ("32x16x4", "32x64x4x1", "24x16x4x1", "32x16x16x1", "32x16x4x0", "x16x4x1", "32x16x4x1x1"):
+        with pytest.raises(ValueError, match="SPLITxBKxWARPSxSTAGES"):
+            attn_tiles_value(bad)
+
+
+def test_device_attention_keeps_the_tiles_it_was_made_with(monkeypatch):
+    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2")
+    attn = DeviceAttention(4, 2, 32, 100, torch.device("cpu"))
+    monkeypatch.setenv("STRATA_ATTN_TILES", "128x32x4x1")
+    assert attn.tiles == (32, 16, 4, 2) and attn.ns == 4  # ceil(100 / 32) splits in its scratch
 
 
 @interpret
-def test_interpreted_matches_reference():
+@each_tiling
+def test_interpreted_device_attention_gives_attention_decode_bits(monkeypatch, tiles):
     pytest.importorskip("triton")
+    monkeypatch.setenv("STRATA_ATTN_TILES", tiles)
+    split = tiles_now().split
+    _device_cases("cpu", 4, 2, 32, [0, 32, 221, 2 * split + 40], capacity=max(6 * split, 256), programs=2)
+    _device_cases("cpu", 4, 2, 32, [5, 3 * split], capacity=4 * split, programs=3, T=3)
+
+
+@interpret
+@each_tiling
+def test_interpreted_matches_reference(monkeypatch, tiles):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("STRATA_ATTN_TILES", tiles)
+    split = tiles_now().split
     # up to 18 splits: the combine's second chunk of 16
-    shapes = [(1, 1), (1, 33), (3, 222), (2, SPLIT + 1), (5, 2 * SPLIT + 40), (2, 17 * SPLIT + 9)]
+    shapes = [(1, 1), (1, 33), (3, 222), (2, split + 1), (5, 2 * split + 40), (2, 17 * split + 9)]
     _cases("cpu", 4, 2, 32, shapes)
 
 
@@ -107,18 +143,22 @@ both_precisions = pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @both_precisions
-def test_gpu_matches_reference_80b_heads(monkeypatch, precision):
+@each_tiling
+def test_gpu_matches_reference_80b_heads(monkeypatch, precision, tiles):
     """The 80b-a3b's heads (16 query heads over 2 kv heads of 256), 1 to 16 tokens, up to 8K keys."""
     monkeypatch.setenv("STRATA_ATTN_DOT", precision)
+    monkeypatch.setenv("STRATA_ATTN_TILES", tiles)
     _cases("cuda", 16, 2, 256, [(1, 1), (1, 33), (16, 222), (3, 1000), (1, 8192), (16, 8200)])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @both_precisions
-def test_gpu_device_attention_gives_attention_decode_bits(monkeypatch, precision):
+@each_tiling
+def test_gpu_device_attention_gives_attention_decode_bits(monkeypatch, precision, tiles):
     """The 80b-a3b's heads: DeviceAttention (the decode graphs' form) against attention_decode, bit for bit,
     up to 8K keys, with 256 programs a kv head and with 7 (each walking many splits)."""
     monkeypatch.setenv("STRATA_ATTN_DOT", precision)
+    monkeypatch.setenv("STRATA_ATTN_TILES", tiles)
     _device_cases("cuda", 16, 2, 256, [0, 1, 33, 1000, 8191], capacity=8300, programs=256)
     _device_cases("cuda", 16, 2, 256, [222, 8191], capacity=8300, programs=7)

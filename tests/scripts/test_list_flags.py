@@ -23,6 +23,8 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
     ("bench_team_units.py", "--entries", "1,,2", "invalid value '1,,2'"),
     ("bench_attention.py", "--keys", "1", "each an integer >= 2"),
     ("bench_attention.py", "--heads", "16,2", "--heads: three integers"),
+    ("bench_attention.py", "--tiles", "64x32x8x1,32x64x4x1", "each tiling SPLITxBKxWARPSxSTAGES"),
+    ("bench_attention.py", "--tiles", "swept", "each tiling SPLITxBKxWARPSxSTAGES"),
     ("bench_cpu_kernels.py", "--experts", "8", "--experts 8 is fewer than --top-k 10"),
     ("bench_cpu_kernels.py", "--reps", "0", "--reps must be at least 1, not 0"),
 ])
