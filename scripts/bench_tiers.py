@@ -28,7 +28,14 @@ import numpy as np
 import torch
 from bandwidth import device_copy_gbs, host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
-from strata_ray.config import ConfigError, EngineConfig, build_arg_parser, config_from_args, int_list
+from strata_ray.config import (
+    ConfigError,
+    EngineConfig,
+    build_arg_parser,
+    config_from_args,
+    float_arg,
+    int_list,
+)
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
 from strata_ray.experts.build import build_expert_backend
@@ -337,15 +344,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF (default: a synth of --preset with --layers "
                     "layers, made once in /tmp)")
     ap.add_argument("--layers", type=int, default=12, help="layers of the default synth model")
-    ap.add_argument("--card-gib", type=float, default=24.0, help="the GPU budget emulated, GiB (the "
-                    "issue's 24 GB card)")
+    ap.add_argument("--card-gib", type=float_arg(0.0, 1e6, lo_open=True), default=24.0,
+                    help="the GPU budget emulated, GiB (the issue's 24 GB card)")
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded at each depth")
     ap.add_argument("--depths", default="1024,8192", type=int_list(1),
                     help="prompt depths, a list: a prefill and a decode each")
     ap.add_argument("--json-out", default=None, help="also write the results as JSON here")
     ap.add_argument("--preset", default="80b-a3b", help="synth preset (small: a CPU dry run)")
-    ap.add_argument("--pin-gib", type=float, default=None, help="GiB of expert layers in pinned memory "
-                    "(default: the engine's, as much as the host's memory allows; 0: none)")
+    ap.add_argument("--pin-gib", type=float_arg(0.0, 1e6), default=None,
+                    help="GiB of expert layers in pinned memory (default: the engine's, as much as the "
+                         "host's memory allows; 0: none)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="CPU pool threads (default: the engine's, every core but one on CUDA)")
     ap.add_argument("--cpu-driver", choices=["numba", "pool"], default="numba",
@@ -392,18 +400,15 @@ def main() -> None:
                     "--expert-profile-save: resident pairs first, then heat)")
     ap.add_argument("--prompt-seed", type=int, default=0,
                     help="another random prompt at each depth (0: the one every run used before)")
-    ap.add_argument("--hbm-gbs", type=float, default=None, help="this machine's device copy rate for the "
-                    "roofline here, GB/s (default: measured, a 1 GiB copy)")
-    ap.add_argument("--host-gbs", type=float, default=None, help="this machine's host copy rate for the "
-                    "roofline here, GB/s (default: measured over the CPU pool's threads)")
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--hbm-gbs", type=float_arg(0.0, 1e6, lo_open=True), default=None,
+                    help="this machine's device copy rate for the roofline here, GB/s (default: measured, "
+                         "a 1 GiB copy)")
+    ap.add_argument("--host-gbs", type=float_arg(0.0, 1e6, lo_open=True), default=None,
+                    help="this machine's host copy rate for the roofline here, GB/s (default: measured "
+                         "over the CPU pool's threads)")
+    ap.add_argument("--temperature", type=float_arg(0.0, 100.0), default=0.0,
                     help="the timed decode draws seeded samples at this temperature (0: greedy)")
     args = ap.parse_args()
-    for flag, v in (("--hbm-gbs", args.hbm_gbs), ("--host-gbs", args.host_gbs)):
-        if v is not None and not v > 0:
-            raise SystemExit(f"error: {flag} must be > 0, got {v}")
-    if not args.temperature >= 0:
-        raise SystemExit(f"error: --temperature must be >= 0, got {args.temperature}")
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
         os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)

@@ -245,6 +245,20 @@ def float_range(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], 
     return parse
 
 
+def float_arg(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: float_range(lo, hi, lo_open) with the flag's one-line error (the scripts' rates,
+    temperatures and budgets: --hbm-gbs 3000)."""
+    one = float_range(lo, hi, lo_open)
+
+    def parse(s: str) -> float:
+        try:
+            return one(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid value {s!r} (allowed: {e})") from None
+
+    return parse
+
+
 def seed_value(s: str) -> int:
     """A sampling seed: what the sampler takes (64 bits), so a big one fails here and not in the engine."""
     return int_range(0, SEED_MAX)(s)
