@@ -2,12 +2,12 @@
 forward calls it, DeviceAttention as the decode graphs replay it, and the norm + rope launch before it.
 
     python scripts/bench_attention.py [--keys 1024,8192,32768] [--heads 16,2,256] [--reps 200]
-        [--tiles 64x32x8x1,32x16x4x2 | --tiles sweep] [--graph-only]
+        [--tiles 64x32x8x1x256,32x16x4x2x64 | --tiles sweep] [--graph-only]
 
 Per call: device time from CUDA events over `reps` calls (attention_decode launched from Python, so its
 host launch cost shows when it exceeds the kernels'; DeviceAttention replayed from one CUDA graph), GB/s
 of K and V bytes read against the card's copy bandwidth, and whether the two give the same bits; once per
-key tiling (STRATA_ATTN_TILES: SPLITxBKxWARPSxSTAGES; `sweep`: SWEEP's grid).
+key tiling (STRATA_ATTN_TILES: SPLITxBKxWARPSxSTAGESxDC; `sweep`: SWEEP's grid).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from strata_ray.kernels.attention_decode import (
 from strata_ray.kernels.norm_rope import norm_rope_fused
 from strata_ray.model import ops
 
-# --tiles sweep: splits of 32 to 128 keys, steps of 16 to 64 keys, 4 or 8 warps, 1 to 3 stages
-SWEEP = [AttnTiles(sp, bk, w, st) for sp, bk, w, st in itertools.product((32, 64, 128), (16, 32, 64), (4, 8),
-                                                                         (1, 2, 3)) if bk <= sp]
+# --tiles sweep: the default with a head's values combined 256 (whole), 128, 64 and 32 a program, then splits
+# of 32 to 128 keys, steps of 16 to 64 keys, 4 or 8 warps, 1 to 3 stages, combined 64 a program
+SWEEP = [TILES._replace(dc=dc) for dc in (256, 128, 64, 32)] + [
+    AttnTiles(sp, bk, w, st, 64)
+    for sp, bk, w, st in itertools.product((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)) if bk <= sp]
 
 
 def tiles_list(raw: str) -> list[AttnTiles]:
@@ -105,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")
     ap.add_argument("--reps", type=int, default=200, help="timed calls of each form (after a warm-up)")
     ap.add_argument("--tiles", type=tiles_list, default=[TILES],
-                    help=f"key tilings SPLITxBKxWARPSxSTAGES joined by commas, or `sweep` ({len(SWEEP)} of "
-                         f"them; default {TILES})")
+                    help=f"key tilings SPLITxBKxWARPSxSTAGESxDC joined by commas, or `sweep` ({len(SWEEP)} "
+                         f"of them; default {TILES})")
     ap.add_argument("--graph-only", action="store_true",
                     help="time only the graphs' form (a sweep: half the compiles and calls)")
     args = ap.parse_args(argv)

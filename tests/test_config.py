@@ -250,8 +250,8 @@ def test_integer_env_switches(name, field, default, good, bad, allowed):
     assert str(e.value) == f"{name}: invalid value '{bad}' (allowed: {allowed})"
 
 
-ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGES: split and bk powers of two with 16 <= bk <= split <= 1024, "
-                      "warps 2, 4 or 8, stages 1 to 4")
+ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two with 16 <= bk <= split <= "
+                      "1024 and 16 <= dc <= 1024, warps 2, 4 or 8, stages 1 to 4")
 
 
 @pytest.mark.parametrize("name,value,allowed", [
@@ -261,10 +261,11 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGES: split and bk powers of two with 16
     ("STRATA_PROMPT_MMA", "yes", "0 or 1"),
     ("STRATA_DENSE_CUDA", "on", "0 or 1"),
     ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
-    ("STRATA_ATTN_TILES", "64x32x8", ATTN_TILES_ALLOWED),
-    ("STRATA_ATTN_TILES", "64x128x8x1", ATTN_TILES_ALLOWED),  # a tile past its split
-    ("STRATA_ATTN_TILES", "48x16x4x1", ATTN_TILES_ALLOWED),
-    ("STRATA_ATTN_TILES", "64x32x3x1", ATTN_TILES_ALLOWED),
+    ("STRATA_ATTN_TILES", "64x32x8x1", ATTN_TILES_ALLOWED),
+    ("STRATA_ATTN_TILES", "64x128x8x1x64", ATTN_TILES_ALLOWED),  # a tile past its split
+    ("STRATA_ATTN_TILES", "48x16x4x1x64", ATTN_TILES_ALLOWED),
+    ("STRATA_ATTN_TILES", "64x32x3x1x64", ATTN_TILES_ALLOWED),
+    ("STRATA_ATTN_TILES", "64x32x8x1x8", ATTN_TILES_ALLOWED),
     ("STRATA_STAGE_CHUNK_KIB", "12", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_STAGE_CHUNK_KIB", "0", "a multiple of 8 from 8 to 1048576"),
     ("STRATA_STAGE_CHUNK_KIB", "\u00b2", "a multiple of 8 from 8 to 1048576"),  # a digit int() refuses
@@ -285,7 +286,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGES: split and bk powers of two with 16
     ("STRATA_AHEAD_LAYER", "early", "same or next"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
-    good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee", "STRATA_ATTN_TILES": "128x16x4x2",
+    good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee", "STRATA_ATTN_TILES": "128x16x4x2x64",
             "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole",
             "STRATA_AHEAD_LAYER": "next"}.get(name, "1")
     config([], {name: good})  # good values pass

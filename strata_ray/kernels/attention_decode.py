@@ -41,36 +41,38 @@ from .tile_plan import next_pow2
 class AttnTiles(NamedTuple):
     """How the partial kernel tiles the keys. split and bk decide the bits (the online softmax runs over
     bk-key tiles within each split-key split); warps and stages only how fast (every form is deterministic
-    and gives a token the same bits alone or in a verify window). STRATA_ATTN_TILES=SPLITxBKxWARPSxSTAGES
+    and gives a token the same bits alone or in a verify window). STRATA_ATTN_TILES=SPLITxBKxWARPSxSTAGESxDC
     (env only, read where a launch or a DeviceAttention is made) sets another form."""
 
     split: int  # keys a split covers: a (token, kv head) has ceil(keys / split) partial results to combine
     bk: int  # keys a program step scores (one [REP, D] x [D, bk] product)
     warps: int
     stages: int  # software pipelining of the key tiles' loads (1: none)
+    dc: int  # a head's values a combine program writes (at most the head's D; a layout, so the bits too)
 
     def __str__(self) -> str:
-        return f"{self.split}x{self.bk}x{self.warps}x{self.stages}"
+        return "x".join(map(str, self))
 
 
 def attn_tiles_value(raw: str) -> AttnTiles:
-    """A value of STRATA_ATTN_TILES, e.g. 64x32x8x1 (ValueError naming what is allowed; config.py refuses a
-    bad one with its one line when the engine starts)."""
-    allowed = ("SPLITxBKxWARPSxSTAGES: split and bk powers of two with 16 <= bk <= split <= 1024, warps 2, 4 "
-               "or 8, stages 1 to 4")
+    """A value of STRATA_ATTN_TILES, e.g. 64x32x8x1x256 (ValueError naming what is allowed; config.py refuses
+    a bad one with its one line when the engine starts)."""
+    allowed = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two with 16 <= bk <= split <= 1024 and "
+               "16 <= dc <= 1024, warps 2, 4 or 8, stages 1 to 4")
     parts = raw.split("x")
-    if len(parts) != 4 or not all(p.isascii() and p.isdigit() for p in parts):
+    if len(parts) != 5 or not all(p.isascii() and p.isdigit() for p in parts):
         raise ValueError(allowed)
     t = AttnTiles(*map(int, parts))
-    pow2 = all(v & (v - 1) == 0 for v in (t.split, t.bk))
-    if not (pow2 and 16 <= t.bk <= t.split <= 1024 and t.warps in (2, 4, 8) and 1 <= t.stages <= 4):
+    pow2 = all(v & (v - 1) == 0 for v in (t.split, t.bk, t.dc))
+    if not (pow2 and 16 <= t.bk <= t.split <= 1024 and 16 <= t.dc <= 1024 and t.warps in (2, 4, 8)
+            and 1 <= t.stages <= 4):
         raise ValueError(allowed)
     return t
 
 
 # keys a partial program covers: split 256 gave 64 programs at 8K keys (2 kv heads), 90 us a call on the H200
 # (latency-bound, 360 GB/s); 64 gives 256 programs
-TILES = AttnTiles(split=64, bk=32, warps=8, stages=1)
+TILES = AttnTiles(split=64, bk=32, warps=8, stages=1, dc=256)
 SPLIT = TILES.split  # the default's split (tests size their cases by it)
 
 
@@ -129,10 +131,13 @@ def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H,
 
 
 def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr,
-                       SC: tl.constexpr, AT_DEVICE: tl.constexpr):
-    # One program per (token, query head): its own splits, SC at a time in increasing order, each chunk
-    # added lane by lane to [SC] / [SC, D] accumulators reduced once at the end; splits past the query's
-    # keys are masked to exact zeros, so a decode step and a verify window give the same bits.
+                       SC: tl.constexpr, DC: tl.constexpr, AT_DEVICE: tl.constexpr):
+    # One program per (token, query head, DC of its D values): its own splits, SC at a time in increasing
+    # order, each chunk added lane by lane to [SC] / [SC, DC] accumulators reduced once at the end; splits
+    # past the query's keys are masked to exact zeros, so a decode step and a verify window give the same
+    # bits. Each program of a head computes the head's max and sum alike (the same bits); a head's D values
+    # in chunks put more programs on the splits' reads (16 heads a token: 16 programs reading 128 KiB each
+    # at 8K keys, 64-key splits).
     if AT_DEVICE:  # as in the partial kernel
         q_offset = tl.load(POS)
         n_keys = q_offset + n_keys
@@ -141,14 +146,14 @@ def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constex
     visible = tl.minimum(q_offset + t + 1, n_keys)
     n_split = (visible + SPLIT_ - 1) // SPLIT_
     base = pid.to(tl.int64) * NS
-    d = tl.arange(0, D)
+    d = tl.program_id(1) * DC + tl.arange(0, DC)
     sc = tl.arange(0, SC)
     m_lane = tl.full((SC,), float("-inf"), tl.float32)
     for s0 in range(0, n_split, SC):
         m_lane = tl.maximum(m_lane, tl.load(M + base + s0 + sc, mask=s0 + sc < n_split, other=float("-inf")))
     m = tl.max(m_lane, axis=0)
     l_lane = tl.zeros((SC,), tl.float32)
-    o_lane = tl.zeros((SC, D), tl.float32)
+    o_lane = tl.zeros((SC, DC), tl.float32)
     for s0 in range(0, n_split, SC):
         live = s0 + sc < n_split
         w = tl.exp(tl.load(M + base + s0 + sc, mask=live, other=float("-inf")) - m)  # [SC], 0 past the end
@@ -233,8 +238,9 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tens
                                  n_keys, scale, H, Hkv, ns, REP=H // Hkv, REP_P=max(16, next_pow2(H // Hkv)),
                                  D=D, SPLIT_=tiles.split, BK_=tiles.bk, AT_DEVICE=at_device,
                                  PREC=_dot_precision(), num_warps=tiles.warps, num_stages=tiles.stages)
-    combine[(T * H,)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=tiles.split, SC=16,
-                      AT_DEVICE=at_device, num_warps=4)
+    dc = min(tiles.dc, D)
+    combine[(T * H, D // dc)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=tiles.split,
+                              SC=16, DC=dc, AT_DEVICE=at_device, num_warps=4)
 
 
 class DeviceAttention:

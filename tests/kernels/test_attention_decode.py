@@ -82,27 +82,29 @@ def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
         assert torch.equal(got, attention_decode(q, k, v, at, scale)), (at, T)
 
 
-# the default, a small split of one-tile steps pipelined, and a long split of many tiles: the bits differ
-# between forms, every form keeps a token's bits alone, in a window and in the graphs' form
-TILE_FORMS = [str(TILES), "32x16x4x2", "128x32x4x3"]
+# the default, a small split of one-tile steps pipelined with a head's values combined 16 a program, and a
+# long split of many tiles with 64 (past the interpreted heads' 32: clamped); the bits differ between forms,
+# every form keeps a token's bits alone, in a window and in the graphs' form
+TILE_FORMS = [str(TILES), "32x16x4x2x16", "128x32x4x3x64"]
 each_tiling = pytest.mark.parametrize("tiles", TILE_FORMS)
 
 
 def test_tiles_are_the_default_unless_set(monkeypatch):
     monkeypatch.delenv("STRATA_ATTN_TILES", raising=False)
-    assert tiles_now() == TILES and str(TILES) == "64x32x8x1"
-    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2")
-    assert tiles_now() == (32, 16, 4, 2)
-    for bad in ("32x16x4", "32x64x4x1", "24x16x4x1", "32x16x16x1", "32x16x4x0", "x16x4x1", "32x16x4x1x1"):
-        with pytest.raises(ValueError, match="SPLITxBKxWARPSxSTAGES"):
+    assert tiles_now() == TILES
+    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2x64")
+    assert tiles_now() == (32, 16, 4, 2, 64) and str(tiles_now()) == "32x16x4x2x64"
+    for bad in ("32x16x4x1", "32x64x4x1x64", "24x16x4x1x64", "32x16x16x1x64", "32x16x4x0x64", "x16x4x1x64",
+                "32x16x4x1x48", "32x16x4x1x64x1", "32x16x4x1x2048"):
+        with pytest.raises(ValueError, match="SPLITxBKxWARPSxSTAGESxDC"):
             attn_tiles_value(bad)
 
 
 def test_device_attention_keeps_the_tiles_it_was_made_with(monkeypatch):
-    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2")
+    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2x16")
     attn = DeviceAttention(4, 2, 32, 100, torch.device("cpu"))
-    monkeypatch.setenv("STRATA_ATTN_TILES", "128x32x4x1")
-    assert attn.tiles == (32, 16, 4, 2) and attn.ns == 4  # ceil(100 / 32) splits in its scratch
+    monkeypatch.setenv("STRATA_ATTN_TILES", "128x32x4x1x64")
+    assert attn.tiles == (32, 16, 4, 2, 16) and attn.ns == 4  # ceil(100 / 32) splits in its scratch
 
 
 @interpret
