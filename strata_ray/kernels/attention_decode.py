@@ -4,17 +4,18 @@ The reference (ops.attention) repeats each kv head for its H / Hkv query heads (
 tokens that copies the whole cache of the layer, ~2.2 ms a decode token over the 80b-a3b's 12 attention
 layers on the H200 (session 5 trace). Here, split-K "flash decoding" with a fixed split:
 
-- `_attn_partial_body`: one program per (token, kv head, split of SPLIT keys). It scores the kv head's rep
-  query heads against its split's keys (one [REP, D] x [D, BK] product a key tile) and keeps an online
+- `_attn_partial_body`: one program per (token, kv head, split of `split` keys). It scores the kv head's
+  rep query heads against its split's keys (one [REP, D] x [D, bk] product a key tile) and keeps an online
   softmax: the split's running max m, sum l and unnormalised output acc [REP, D].
-- `_attn_combine_body`: one program per (token, query head), its splits 16 at a time in increasing order:
-  o = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M the max of the m_s.
+- `_attn_combine_body`: one program per (token, query head, dc of its D values), its splits 16 at a time
+  in increasing order: o = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), M the max of the m_s.
 
-Splits sit at fixed absolute key positions [s SPLIT, (s+1) SPLIT), and a query reads only the keys it
-may see (causal: key j <= its position) and combines only its own splits. So a token's output does not
-depend on how many tokens share the call (a decode step gives the bits of the same token in a verify
-window), and the result is deterministic. Its sums run in other orders than the reference's: the two
-agree to rounding.
+`split`, `bk` and `dc` (with the warps and pipeline stages) are the tiling, `AttnTiles`: TILES by default,
+STRATA_ATTN_TILES to try others. Splits sit at fixed absolute key positions [s split, (s+1) split), and a
+query reads only the keys it may see (causal: key j <= its position) and combines only its own splits. So a
+token's output does not depend on how many tokens share the call (a decode step gives the bits of the same
+token in a verify window), and the result is deterministic. Its sums run in other orders than the
+reference's: the two agree to rounding.
 
 The two products of a key tile run on the tensor cores as "tf32x3" (each float32 operand split into a TF32
 high part and a TF32 low part, three MMAs: float32-like error, ~1e-6 relative). As float32 FMAs ("ieee")
@@ -71,8 +72,11 @@ def attn_tiles_value(raw: str) -> AttnTiles:
 
 
 # keys a partial program covers: split 256 gave 64 programs at 8K keys (2 kv heads), 90 us a call on the H200
-# (latency-bound, 360 GB/s); 64 gives 256 programs
-TILES = AttnTiles(split=64, bk=32, warps=8, stages=1, dc=256)
+# (latency-bound, 360 GB/s); 64 gives 256 programs. Of session 39's 52 tilings on the H100
+# (scripts/bench_attention.py --tiles sweep, graphed, the 80b-a3b's heads) the least time at 1K + 8K keys:
+# 64-key splits scored in one 64-key step, a head's values combined 64 a program (4 programs a head):
+# 14.9 / 35.8 / 166.3 -> 12.1 / 26.2 / 120.2 us at 1K / 8K / 32K keys against 64x32x8x1x256 before
+TILES = AttnTiles(split=64, bk=64, warps=8, stages=1, dc=64)
 SPLIT = TILES.split  # the default's split (tests size their cases by it)
 
 

@@ -82,10 +82,11 @@ def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
         assert torch.equal(got, attention_decode(q, k, v, at, scale)), (at, T)
 
 
-# the default, a small split of one-tile steps pipelined with a head's values combined 16 a program, and a
-# long split of many tiles with 64 (past the interpreted heads' 32: clamped); the bits differ between forms,
-# every form keeps a token's bits alone, in a window and in the graphs' form
-TILE_FORMS = [str(TILES), "32x16x4x2x16", "128x32x4x3x64"]
+# the default, a small split of one-tile steps pipelined with a head's values combined 16 a program, a long
+# split of many tiles with 64 (past the interpreted heads' 32: clamped), and the default before session 39
+# (two tiles a split, whole heads combined); the bits differ between forms, every form keeps a token's bits
+# alone, in a window and in the graphs' form
+TILE_FORMS = [str(TILES), "32x16x4x2x16", "128x32x4x3x64", "64x32x8x1x256"]
 each_tiling = pytest.mark.parametrize("tiles", TILE_FORMS)
 
 
