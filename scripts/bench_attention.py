@@ -21,30 +21,36 @@ import torch
 
 from strata_ray.config import int_list
 from strata_ray.kernels.attention_decode import (
+    BEFORE_39,
     TILES,
     AttnTiles,
     DeviceAttention,
     attention_decode,
     attn_tiles_value,
+    tiles_now,
 )
 from strata_ray.kernels.norm_rope import norm_rope_fused
 from strata_ray.model import ops
 
-# --tiles sweep: the default with a head's values combined 256 (whole), 128, 64 and 32 a program, then splits
-# of 32 to 128 keys, steps of 16 to 64 keys, 4 or 8 warps, 1 to 3 stages, combined 64 a program
-SWEEP = [TILES._replace(dc=dc) for dc in (256, 128, 64, 32)] + [
+# --tiles sweep: the form before session 39 with a head's values combined 256 (whole), 128, 64 and 32 a
+# program, then splits of 32 to 128 keys, steps of 16 to 64 keys, 4 or 8 warps, 1 to 3 stages, combined 64 a
+# program (each form once)
+SWEEP = list(dict.fromkeys([BEFORE_39._replace(dc=dc) for dc in (256, 128, 64, 32)] + [
     AttnTiles(sp, bk, w, st, 64)
-    for sp, bk, w, st in itertools.product((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)) if bk <= sp]
+    for sp, bk, w, st in itertools.product((32, 64, 128), (16, 32, 64), (4, 8), (1, 2, 3)) if bk <= sp]))
 
 
 def tiles_list(raw: str) -> list[AttnTiles]:
     """--tiles: `sweep`, or tilings joined by commas (argparse's one line for a bad one)."""
     if raw == "sweep":
         return SWEEP
-    try:
-        return [attn_tiles_value(t) for t in raw.split(",")]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{raw!r}: each tiling {e}") from None
+    out = []
+    for t in raw.split(","):
+        try:
+            out.append(attn_tiles_value(t))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{t!r}: each tiling {e}") from None
+    return out
 
 
 def _timed(fn, reps: int) -> float:
@@ -106,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="query heads, kv heads, head size (the 80b-a3b's)")
     ap.add_argument("--n-rot", type=int, default=64, help="rotated values a head (norm + rope row)")
     ap.add_argument("--reps", type=int, default=200, help="timed calls of each form (after a warm-up)")
-    ap.add_argument("--tiles", type=tiles_list, default=[TILES],
+    ap.add_argument("--tiles", type=tiles_list, default=None,
                     help=f"key tilings SPLITxBKxWARPSxSTAGESxDC joined by commas, or `sweep` ({len(SWEEP)} "
-                         f"of them; default {TILES})")
+                         f"of them; default: STRATA_ATTN_TILES, else {TILES})")
     ap.add_argument("--graph-only", action="store_true",
                     help="time only the graphs' form (a sweep: half the compiles and calls)")
     args = ap.parse_args(argv)
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
           "| same bits |")
     print("|---|---:|---:|---:|---:|---|")
     scale = D**-0.5
-    for tiles in args.tiles:
+    for tiles in args.tiles or [tiles_now()]:
         os.environ["STRATA_ATTN_TILES"] = str(tiles)  # read by each launch and each DeviceAttention
         for n in args.keys:
             try:

@@ -40,16 +40,18 @@ from .tile_plan import next_pow2
 
 
 class AttnTiles(NamedTuple):
-    """How the partial kernel tiles the keys. split and bk decide the bits (the online softmax runs over
-    bk-key tiles within each split-key split); warps and stages only how fast (every form is deterministic
-    and gives a token the same bits alone or in a verify window). STRATA_ATTN_TILES=SPLITxBKxWARPSxSTAGESxDC
-    (env only, read where a launch or a DeviceAttention is made) sets another form."""
+    """How the two kernels tile the work. split, bk and dc decide the arithmetic (the online softmax runs
+    over bk-key tiles within each split-key split; the combine reduces dc values a program); warps set the
+    layout of a tile's reductions, so they may change the bits too; stages only how fast. Every form is
+    deterministic and gives a token the same bits alone or in a verify window.
+    STRATA_ATTN_TILES=SPLITxBKxWARPSxSTAGESxDC (env only, read where a launch or a DeviceAttention is made)
+    sets another form."""
 
     split: int  # keys a split covers: a (token, kv head) has ceil(keys / split) partial results to combine
     bk: int  # keys a program step scores (one [REP, D] x [D, bk] product)
     warps: int
     stages: int  # software pipelining of the key tiles' loads (1: none)
-    dc: int  # a head's values a combine program writes (at most the head's D; a layout, so the bits too)
+    dc: int  # a head's values a combine program writes (clamped to the head's D)
 
     def __str__(self) -> str:
         return "x".join(map(str, self))
@@ -72,18 +74,26 @@ def attn_tiles_value(raw: str) -> AttnTiles:
 
 
 # keys a partial program covers: split 256 gave 64 programs at 8K keys (2 kv heads), 90 us a call on the H200
-# (latency-bound, 360 GB/s); 64 gives 256 programs. Of session 39's 52 tilings on the H100
+# (latency-bound, 360 GB/s); 64 gives 256 programs. Of session 39's 51 tilings on the H100
 # (scripts/bench_attention.py --tiles sweep, graphed, the 80b-a3b's heads) the least time at 1K + 8K keys:
 # 64-key splits scored in one 64-key step, a head's values combined 64 a program (4 programs a head):
-# 14.9 / 35.8 / 166.3 -> 12.1 / 26.2 / 120.2 us at 1K / 8K / 32K keys against 64x32x8x1x256 before
+# 12.1 / 26.2 / 120.2 us at 1K / 8K / 32K keys. Before it, BEFORE_39 (Triton's default 3 stages; not timed
+# itself): its 1-stage form took 14.9 / 35.8 / 166.3, and 3 stages moved the 64-value combine form by +0.8 /
+# +1.3 / -19 us
 TILES = AttnTiles(split=64, bk=64, warps=8, stages=1, dc=64)
-SPLIT = TILES.split  # the default's split (tests size their cases by it)
+BEFORE_39 = AttnTiles(split=64, bk=32, warps=8, stages=3, dc=256)  # the shipped form until session 39
 
 
 def tiles_now() -> AttnTiles:
-    """STRATA_ATTN_TILES if set, else TILES."""
-    raw = os.environ.get("STRATA_ATTN_TILES")
-    return TILES if raw is None else attn_tiles_value(raw)
+    """STRATA_ATTN_TILES if set (and not empty), else TILES; a bad value raises one line naming it."""
+    raw = os.environ.get("STRATA_ATTN_TILES", "")
+    if not raw:
+        return TILES
+    try:
+        return attn_tiles_value(raw)
+    except ValueError as e:
+        raise ValueError(f"STRATA_ATTN_TILES: invalid value {raw!r} (allowed: {e})") from None
+
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
@@ -256,7 +266,8 @@ class DeviceAttention:
     its address, so the kernels' pointers keep the alignment Triton knows of an argument (vector loads, as
     from the caches passed in). The partial kernel's grid is fixed: `programs` programs a (token, kv head)
     walk the splits the tokens see, each split computed as attention_decode computes it (the same body), and
-    the scratch holds the splits of max_keys keys. The bits are attention_decode's at the same position.
+    the scratch holds the splits of max_keys keys. The bits are attention_decode's at the same position
+    under the same tiling and products (STRATA_ATTN_TILES is read once, here; STRATA_ATTN_DOT at a launch).
 
     In the decode graphs with STRATA_DECODE_DEVICE_ATTENTION=1, the default in the token graphs only: on the
     H200 its kernels ran as fast as attention_decode's (scripts/bench_attention.py), but the per-layer

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from strata_ray.kernels.attention_decode import (
+    BEFORE_39,
     TILES,
     DeviceAttention,
     _dot_precision,
@@ -82,11 +83,11 @@ def _device_cases(device, H, Hkv, D, positions, capacity, programs, T=1):
         assert torch.equal(got, attention_decode(q, k, v, at, scale)), (at, T)
 
 
-# the default, a small split of one-tile steps pipelined with a head's values combined 16 a program, a long
+# the default, a small split of 16-key steps pipelined with a head's values combined 16 a program, a long
 # split of many tiles with 64 (past the interpreted heads' 32: clamped), and the default before session 39
 # (two tiles a split, whole heads combined); the bits differ between forms, every form keeps a token's bits
 # alone, in a window and in the graphs' form
-TILE_FORMS = [str(TILES), "32x16x4x2x16", "128x32x4x3x64", "64x32x8x1x256"]
+TILE_FORMS = [str(TILES), "32x16x4x2x16", "128x32x4x3x64", str(BEFORE_39)]
 each_tiling = pytest.mark.parametrize("tiles", TILE_FORMS)
 
 
@@ -99,6 +100,11 @@ def test_tiles_are_the_default_unless_set(monkeypatch):
                 "32x16x4x1x48", "32x16x4x1x64x1", "32x16x4x1x2048"):
         with pytest.raises(ValueError, match="SPLITxBKxWARPSxSTAGESxDC"):
             attn_tiles_value(bad)
+    monkeypatch.setenv("STRATA_ATTN_TILES", "")  # set but empty: the default, as config.py reads it
+    assert tiles_now() == TILES
+    monkeypatch.setenv("STRATA_ATTN_TILES", "64x32")
+    with pytest.raises(ValueError, match=r"^STRATA_ATTN_TILES: invalid value '64x32' \(allowed: SPLITx"):
+        tiles_now()
 
 
 def test_device_attention_keeps_the_tiles_it_was_made_with(monkeypatch):
@@ -106,6 +112,25 @@ def test_device_attention_keeps_the_tiles_it_was_made_with(monkeypatch):
     attn = DeviceAttention(4, 2, 32, 100, torch.device("cpu"))
     monkeypatch.setenv("STRATA_ATTN_TILES", "128x32x4x1x64")
     assert attn.tiles == (32, 16, 4, 2, 16) and attn.ns == 4  # ceil(100 / 32) splits in its scratch
+
+
+@interpret
+def test_interpreted_device_attention_launches_with_its_own_tiles(monkeypatch):
+    """A DeviceAttention made under one tiling and called after the variable changed gives the bits of its
+    own tiling (a graph captured at load keeps them), not the new one's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("STRATA_ATTN_TILES", "32x16x4x2x16")
+    H, Hkv, D, at = 4, 2, 32, 150
+    attn = DeviceAttention(H, Hkv, D, 256, torch.device("cpu"), programs=3)
+    caches = torch.zeros((2, 256, Hkv, D))
+    table = torch.tensor(attn.table_row(caches[0], caches[1]), dtype=torch.int64)
+    q, k, v = _qkv(1, at + 1, H, Hkv, D, "cpu", seed=7)
+    caches[:, : at + 1] = torch.stack((k, v))
+    own = attention_decode(q, k, v, at, D**-0.5)
+    monkeypatch.setenv("STRATA_ATTN_TILES", "128x64x8x1x32")
+    other = attention_decode(q, k, v, at, D**-0.5)
+    got = attn(q, table, torch.tensor([at]), D**-0.5)
+    assert torch.equal(got, own) and not torch.equal(own, other)
 
 
 @interpret

@@ -26,7 +26,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
     ("bench_tiers.py", "--temperature", "-1", "invalid value '-1' (allowed: a number >= 0 and <= 100)"),
     ("bench_tiers.py", "--card-gib", "nan", "invalid value 'nan'"),
     ("bench_attention.py", "--heads", "16,2", "--heads: three integers"),
-    ("bench_attention.py", "--tiles", "64x32x8x1x64,32x64x4x1x64", "each tiling SPLITxBKxWARPSxSTAGESxDC"),
+    ("bench_attention.py", "--tiles", "64x32x8x1x64,32x64x4x1x64", "'32x64x4x1x64': each tiling SPLITx"),
     ("bench_attention.py", "--tiles", "swept", "each tiling SPLITxBKxWARPSxSTAGESxDC"),
     ("bench_cpu_kernels.py", "--experts", "8", "--experts 8 is fewer than --top-k 10"),
     ("bench_cpu_kernels.py", "--reps", "0", "--reps must be at least 1, not 0"),
