@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .env_knob import env_knob
 from .lazy_triton import jit_bodies
 from .tile_plan import next_pow2
 
@@ -86,13 +87,7 @@ BEFORE_39 = AttnTiles(split=64, bk=32, warps=8, stages=3, dc=256)  # the shipped
 
 def tiles_now() -> AttnTiles:
     """STRATA_ATTN_TILES if set (and not empty), else TILES; a bad value raises one line naming it."""
-    raw = os.environ.get("STRATA_ATTN_TILES", "")
-    if not raw:
-        return TILES
-    try:
-        return attn_tiles_value(raw)
-    except ValueError as e:
-        raise ValueError(f"STRATA_ATTN_TILES: invalid value {raw!r} (allowed: {e})") from None
+    return env_knob("STRATA_ATTN_TILES", attn_tiles_value, TILES)
 
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch

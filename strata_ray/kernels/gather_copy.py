@@ -21,12 +21,11 @@ loads ran at 21 GB/s on the H200 (session 10), against ~45-50 GB/s for these con
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from .env_knob import env_knob
 from .lazy_triton import jit_bodies
 
 CHUNK_BYTES = 64 << 10  # bytes a work item copies (a 590 KB part: 10 items)
@@ -94,20 +93,9 @@ def stage_chunk_kib(raw: str) -> int:
 STAGE_CHUNK_BYTES = 32 << 10
 
 
-def _env_value(name: str, parse: Callable[[str], int], default: int) -> int:
-    """parse(the variable's value) where it is set, else default; a bad value raises one line naming it."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        return parse(raw)
-    except ValueError as e:
-        raise ValueError(f"{name}: invalid value {raw!r} (allowed: {e})") from None
-
-
 @functools.cache
 def _stage_chunk_bytes() -> int:
-    return _env_value("STRATA_STAGE_CHUNK_KIB", stage_chunk_kib, STAGE_CHUNK_BYTES >> 10) << 10
+    return env_knob("STRATA_STAGE_CHUNK_KIB", stage_chunk_kib, STAGE_CHUNK_BYTES >> 10) << 10
 
 
 @functools.cache
@@ -191,7 +179,7 @@ def gather_programs_value(raw: str) -> int:
 
 @functools.cache
 def gather_programs() -> int:
-    return _env_value("STRATA_GATHER_PROGRAMS", gather_programs_value, GATHER_PROGRAMS)
+    return env_knob("STRATA_GATHER_PROGRAMS", gather_programs_value, GATHER_PROGRAMS)
 
 
 # programs of a decode layer's copies ahead of its routing (experts/decode_pipeline): they run beside the
@@ -202,7 +190,7 @@ AHEAD_PROGRAMS = 16
 
 @functools.cache
 def ahead_programs() -> int:
-    return _env_value("STRATA_AHEAD_PROGRAMS", gather_programs_value, AHEAD_PROGRAMS)
+    return env_knob("STRATA_AHEAD_PROGRAMS", gather_programs_value, AHEAD_PROGRAMS)
 
 
 @functools.cache
@@ -211,5 +199,5 @@ def share_programs() -> int | None:
     unset: one program a chunk). In session 20's trace that copy's ~114 programs ran beside the resident
     tiles and slowed them ~5x (13 -> 58 us a layer), while 16 programs of the copies ahead moved the same
     42-44 GB/s: a bounded grid is the A/B for the next GPU call."""
-    v = _env_value("STRATA_SHARE_PROGRAMS", gather_programs_value, 0)
+    v = env_knob("STRATA_SHARE_PROGRAMS", gather_programs_value, 0)
     return v or None
