@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+from bandwidth import device_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
 from strata_ray.config import int_list
 from strata_ray.kernels.attention_decode import (
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     H, Hkv, D = args.heads
     dev = torch.device("cuda")
-    copy = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    copy_gbs = 2 * copy.numel() / _timed(lambda: copy.clone(), 20) / 1e9  # read + write
+    copy_gbs = device_copy_gbs(dev, 256 << 20, repeats=20)  # read + write
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write)")
     print("| tiles | keys | attention_decode (eager) | DeviceAttention (graph) | GB/s of K+V (graph) "
           "| same bits |")
