@@ -11,8 +11,16 @@ in every layer:
 - the combine of a layer's routed rows, `h_mid + (sum_k rows[k] * w[k] in k order + shared)`: 2K + 1
   kernels -> `combine_fused`. Launched without FMA contraction, it performs the very roundings of the torch
   ops (one multiply, then one add, per k) and gives their bits exactly.
+- the mixer's residual add and the MoE's RMSNorm after it: `add_rms_norm_fused` (the sum written too), the
+  norm's operations those of `rms_norm_fused` over that sum.
+- the shared expert's activation `silu(g) * u * sigmoid(x . w_gate)` (silu, mul, the gate's GEMV, sigmoid
+  and the output's scaling: five kernels) -> `shared_act_fused`, one program a token. The gate scales h
+  before the down projection instead of the projection's output: the same product up to rounding, and the
+  shared expert is three launches (gate+up GEMV, this, down GEMV) where it was seven (session 40's trace:
+  its chain ended ~8 us after the routed rows in every layer of an all-resident 8K decode).
 
-The references are the torch forms (ops.rms_norm, combine_reference). Triton is imported on first use
+The references are the torch forms (ops.rms_norm, combine_reference, add_rms_norm_reference,
+shared_act_reference). Triton is imported on first use
 only (CI machines have none): the kernel bodies are plain functions handed to `triton.jit` by `_kernels()`
 after binding the module global `tl`; TRITON_INTERPRET=1 runs them on the CPU (tests).
 """
@@ -23,6 +31,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .lazy_triton import jit_bodies
@@ -144,6 +153,96 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
     return out
 
 
+# ---- the residual add and the RMSNorm after it ----------------------------------------------------------
+
+
+def add_rms_norm_reference(h: Tensor, d: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h + d, RMSNorm(h + d) * w) in torch ops: the reference twin of add_rms_norm_fused."""
+    s = h + d
+    return s, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _add_rms_norm_body(H, D, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
+    # H, D, SUM, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n): the
+    # operations of _rms_norm_body over the sum, which is stored as well.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n
+    x = tl.load(H + row * n + cols, mask=live, other=0.0) + tl.load(D + row * n + cols, mask=live, other=0.0)
+    tl.store(SUM + row * n + cols, x, mask=live)
+    w = tl.load(W + cols, mask=live, other=0.0)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    tl.store(OUT + row * n + cols, x * r * w, mask=live)
+
+
+def add_rms_norm_fused(h: Tensor, d: Tensor, w: Tensor, eps: float,
+                       out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """add_rms_norm_reference in one launch: h, d float32 [rows, n], w [n] -> (h + d, its norm), into `out`
+    (two contiguous float32 tensors of h's shape) when given. The sum has torch's bits (one add); the norm
+    rms_norm_fused's. CUDA-graph capturable."""
+    n = h.shape[-1]
+    if (h.dim() != 2 or d.shape != h.shape or w.shape != (n,)
+            or not h.dtype == d.dtype == w.dtype == torch.float32):
+        raise ValueError(f"add_rms_norm_fused: h {h.dtype} {list(h.shape)}, d {d.dtype} {list(d.shape)}, "
+                         f"w {w.dtype} {list(w.shape)}")
+    if out is None:
+        out = (torch.empty_like(h, memory_format=torch.contiguous_format),
+               torch.empty_like(h, memory_format=torch.contiguous_format))
+    elif any(o.shape != h.shape or o.dtype != torch.float32 or not o.is_contiguous() for o in out):
+        raise ValueError(f"add_rms_norm_fused: out must be two contiguous float32 {list(h.shape)}")
+    if h.shape[0]:
+        block = next_pow2(n)
+        _kernels()[2][(h.shape[0],)](h.contiguous(), d.contiguous(), w.contiguous(), out[0], out[1], n, eps,
+                                     BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out
+
+
+# ---- the shared expert's activation ---------------------------------------------------------------------
+
+
+def shared_act_reference(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
+    """silu(g) * u * sigmoid(x . w_gate) in torch ops: g, u [N, F], x [N, E], w_gate [E] -> [N, F]."""
+    return F.silu(g) * u * torch.sigmoid(x @ w_gate.reshape(-1, 1))
+
+
+SHARED_ACT_BF = 1024  # h values a step of shared_act's loop
+
+
+def _shared_act_body(G, U, X, WG, OUT, nf, ne, sg, su, BE: tl.constexpr, BF: tl.constexpr):
+    # G, U f32 [N, nf] with row strides sg / su (views of the gate+up GEMV's output), X f32 [N, ne], WG f32
+    # [ne], OUT f32 [N, nf] contiguous. One program a token: the gate's dot over the whole row, then h in
+    # steps of BF.
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    live = e < ne
+    x = tl.load(X + t * ne + e, mask=live, other=0.0)
+    logit = tl.sum(x * tl.load(WG + e, mask=live, other=0.0), axis=0)
+    s = 1.0 / (1.0 + tl.exp(-logit))
+    for f0 in range(0, nf, BF):
+        f = f0 + tl.arange(0, BF)
+        lf = f < nf
+        g = tl.load(G + t * sg + f, mask=lf, other=0.0)
+        u = tl.load(U + t * su + f, mask=lf, other=0.0)
+        tl.store(OUT + t * nf + f, g / (1.0 + tl.exp(-g)) * u * s, mask=lf)
+
+
+def shared_act_fused(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
+    """shared_act_reference in one launch (float32; g and u may be row-strided views): -> [N, F] contiguous.
+    CUDA-graph capturable."""
+    n, f = g.shape
+    e = x.shape[-1]
+    if (u.shape != g.shape or x.shape != (n, e) or w_gate.numel() != e or g.stride(1) != 1 or u.stride(1) != 1
+            or not g.dtype == u.dtype == x.dtype == w_gate.dtype == torch.float32):
+        raise ValueError(f"shared_act_fused: g {g.dtype} {list(g.shape)}, u {list(u.shape)}, x {x.dtype} "
+                         f"{list(x.shape)}, w_gate {w_gate.dtype} {list(w_gate.shape)}")
+    out = torch.empty((n, f), dtype=torch.float32, device=g.device)
+    if n:
+        be = next_pow2(e)
+        _kernels()[3][(n,)](g, u, x.contiguous(), w_gate.contiguous(), out, f, e, g.stride(0), u.stride(0),
+                            BE=be, BF=min(SHARED_ACT_BF, next_pow2(f)), num_warps=4 if be <= 2048 else 8)
+    return out
+
+
 @functools.cache
 def _kernels():
-    return jit_bodies(_rms_norm_body, _combine_body)
+    return jit_bodies(_rms_norm_body, _combine_body, _add_rms_norm_body, _shared_act_body)

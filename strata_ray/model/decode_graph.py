@@ -259,8 +259,8 @@ class DecodeGraphs:
         """The mixer's residual h + mixer_out, then the MoE's normed input and routing, written straight into
         the buffers (the kernels take them as outputs: no copies in the graphs)."""
         hp, w, buf = self.hp, self.w, self.layers[layer]
-        torch.add(h, mixer_out, out=buf.h_mid)
-        ops.rms_norm(buf.h_mid, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps, out=buf.x)
+        ops.add_rms_norm(h, mixer_out, w[f"blk.{layer}.{self.model.ffn_norm}.weight"], hp.rms_eps,
+                         out=(buf.h_mid, buf.x))
         route(w[f"blk.{layer}.ffn_gate_inp.weight"], buf.x, hp.n_expert_used, out=(buf.ids, buf.weights))
 
     def _predict(self, layer: int, h: Tensor) -> Tensor:

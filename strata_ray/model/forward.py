@@ -95,8 +95,7 @@ class Model:
                 out = attention_block(hp, w, layer, x, state.kv[layer], pos0)
             if clock is not None:
                 clock.point(layer, "mixer")  # norm + attention / GDN; the router's part follows
-            h = h + out
-            x = ops.rms_norm(h, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
+            h, x = ops.add_rms_norm(h, out, w[f"{p}.{self.ffn_norm}.weight"], hp.rms_eps)
             h = h + moe_block(w, layer, x, hp.n_expert_used, self.experts)
         state.pos = pos0 + T
         return h

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.fused_small import fused_enabled, shared_act_fused
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model import ops
 
@@ -98,11 +98,15 @@ def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | 
     given)."""
     p = f"blk.{layer}"
     gate_w = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]
-    # fused: a one-row GEMV in one launch (cuBLAS took a split-K GEMV and its reduce, ~15 us, for 8 KB)
-    fused = fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32
-    gate = torch.sigmoid(router_logits(x, gate_w) if fused else ops.linear(x, gate_w))  # [N, 1]
-    y = ops.swiglu(x, w[f"{p}.ffn_gate_shexp.weight"], w[f"{p}.ffn_up_shexp.weight"],
-                   w[f"{p}.ffn_down_shexp.weight"])
+    w_gate, w_up, w_down = (w[f"{p}.ffn_{part}_shexp.weight"] for part in ("gate", "up", "down"))
+    if fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32:
+        # three launches (a decode step on CUDA): the gate+up GEMV, silu(g) * u * sigmoid(x . gate_w) in one
+        # kernel, the down GEMV into `out`. The gate scales h before the down projection: the same product
+        # up to rounding, without the seven launches of the form below
+        g, u = ops.linear_rows(x, (w_gate, w_up))  # [N, F] each
+        return ops.linear_into(shared_act_fused(g, u, x, gate_w), w_down, out)
+    gate = torch.sigmoid(ops.linear(x, gate_w))  # [N, 1]
+    y = ops.swiglu(x, w_gate, w_up, w_down)
     return torch.mul(y, gate, out=out) if out is not None else y * gate
 
 

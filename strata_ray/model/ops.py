@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
-from strata_ray.kernels.fused_small import fused_enabled, rms_norm_fused
+from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, rms_norm_fused
 
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
 # chunks whose state-free part runs in one launch (always this many on a device: fixed shapes). 16 on CUDA
@@ -48,6 +48,19 @@ def linear(x: Tensor, w) -> Tensor:
     return scaled_linear(x, w)
 
 
+def linear_into(x: Tensor, w, out: Tensor | None = None) -> Tensor:
+    """linear(x, w), into `out` when given (a decode graph's fixed buffer): the Q8_0 GEMV writes it in place
+    (the bits of linear's own GEMV launch), any other form is copied there."""
+    if out is None:
+        return linear(x, w)
+    from strata_ray.kernels.dense_q8 import GEMV_MAX_TOKENS, Q8Weight, q8_gemv
+
+    if (isinstance(w, Q8Weight) and x.device.type == "cuda" and x.dim() == 2 and out.dim() == 2
+            and x.shape[0] <= GEMV_MAX_TOKENS):
+        return q8_gemv(x.contiguous(), w, out=out)
+    return out.copy_(linear(x, w))
+
+
 def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
     """[linear(x, w) for w in ws]. Quantized views of one matrix (weights.fuse_dense_rows) run as one GEMV
     in a decode step (kernels/dense_q8.fused_linear_rows): the matrices a layer applies to the same input."""
@@ -76,6 +89,18 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Ten
         return rms_norm_fused(x, w, eps, out=out)
     y = rms_norm_reference(x, w, eps)
     return y if out is None else out.copy_(y)
+
+
+def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,
+                 out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The residual add and the RMSNorm after it: h, d [T, E] -> (h + d, rms_norm(h + d)), into `out` (two
+    tensors of h's shape: the decode graphs' buffers) when given. Where rms_norm takes its fused kernel
+    (CUDA, decode and verify windows) one launch does both (kernels/fused_small.add_rms_norm_fused: the
+    sum's bits, the fused norm's)."""
+    if h.dim() == 2 and fused_enabled(h, h.shape[0]):
+        return add_rms_norm_fused(h, d, w, eps, out=out)
+    s = torch.add(h, d, out=out[0] if out is not None else None)
+    return s, rms_norm(s, w, eps, out=out[1] if out is not None else None)
 
 
 def rms_norm_reference(x: Tensor, w: Tensor, eps: float) -> Tensor:

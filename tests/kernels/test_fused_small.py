@@ -12,11 +12,15 @@ import torch
 
 from strata_ray.kernels.fused_small import (
     FUSED_MAX_TOKENS,
+    add_rms_norm_fused,
+    add_rms_norm_reference,
     combine_fused,
     combine_reference,
     fused_enabled,
     gather_rows,
     rms_norm_fused,
+    shared_act_fused,
+    shared_act_reference,
 )
 from strata_ray.model import ops
 from strata_ray.model.moe import combine_rows
@@ -102,6 +106,73 @@ def _combine_cases(device):
 
 
 
+def _add_norm_cases(device):
+    for rows, n in [(1, 2048), (33, 256), (222, 100)]:
+        g = torch.Generator().manual_seed(rows + n)
+        h, d = (torch.randn(2, rows, n, generator=g) * 3).to(device)
+        w = (1 + 0.1 * torch.randn(n, generator=g)).to(device)
+        s, x = add_rms_norm_fused(h, d, w, 1e-6)
+        assert torch.equal(s, h + d)  # torch's add, bit for bit
+        assert torch.equal(x, rms_norm_fused(h + d, w, 1e-6))  # the fused norm's operations over the sum
+        want_s, want_x = add_rms_norm_reference(h, d, w, 1e-6)
+        assert torch.equal(s, want_s)
+        torch.testing.assert_close(x, want_x, rtol=2e-6, atol=1e-6)
+        out = (torch.full_like(h, float("nan")), torch.full_like(h, float("nan")))  # every element written
+        assert add_rms_norm_fused(h, d, w, 1e-6, out=out) is out
+        assert torch.equal(out[0], s) and torch.equal(out[1], x)
+        i = rows - 1  # a row alone gives its row of the batch
+        assert torch.equal(add_rms_norm_fused(h[i : i + 1], d[i : i + 1], w, 1e-6)[1], x[i : i + 1])
+
+
+def _shared_act_cases(device):
+    for n, f, e in [(1, 512, 2048), (3, 33, 100), (16, 1500, 256)]:  # 1500: more than one step of h
+        g = torch.Generator().manual_seed(n * f + e)
+        gu = (torch.randn(n, 2 * f, generator=g) * 4).to(device)  # the gate+up GEMV's [N, 2F] output
+        x = torch.randn(n, e, generator=g).to(device)
+        w_gate = (torch.randn(e, generator=g) / e**0.5).to(device)
+        gate, up = gu.split(f, dim=-1)  # row-strided views, as fused_linear_rows returns them
+        got = shared_act_fused(gate, up, x, w_gate)
+        assert got.shape == (n, f) and got.is_contiguous() and not got.isnan().any()
+        want = shared_act_reference(gate, up, x, w_gate)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        i = n - 1  # a token alone gives its row of the batch
+        alone = shared_act_fused(gate[i : i + 1], up[i : i + 1], x[i : i + 1], w_gate)
+        assert torch.equal(alone, got[i : i + 1])
+
+
+def test_shared_act_reference_is_the_shared_experts_scaling():
+    """The fused form scales h by the gate before the down projection: the same as scaling the output,
+    up to rounding (moe.shared_expert's unfused form)."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(2, 2, 40, generator=g)
+    x = torch.randn(2, 24, generator=g)
+    w_gate, w_down = torch.randn(24, generator=g), torch.randn(24, 40, generator=g)
+    scaled_after = (torch.nn.functional.silu(gate) * up) @ w_down.T * torch.sigmoid(x @ w_gate[:, None])
+    torch.testing.assert_close(shared_act_reference(gate, up, x, w_gate) @ w_down.T, scaled_after)
+
+
+def test_add_norm_and_shared_act_refuse_bad_shapes():
+    h = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="add_rms_norm_fused"):
+        add_rms_norm_fused(h, torch.zeros(2, 9), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm_fused: out"):
+        add_rms_norm_fused(h, h, torch.ones(8), 1e-6, out=(torch.zeros(2, 8), torch.zeros(1, 8)))
+    with pytest.raises(ValueError, match="shared_act_fused"):
+        shared_act_fused(h, h, torch.zeros(2, 4), torch.zeros(5))
+
+
+@interpret
+def test_interpreted_add_rms_norm():
+    pytest.importorskip("triton")
+    _add_norm_cases("cpu")
+
+
+@interpret
+def test_interpreted_shared_act():
+    pytest.importorskip("triton")
+    _shared_act_cases("cpu")
+
+
 @interpret
 def test_interpreted_rms_norm():
     pytest.importorskip("triton")
@@ -127,3 +198,15 @@ def test_gpu_rms_norm():
 @gpu
 def test_gpu_combine_same_bits():
     _combine_cases("cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_add_rms_norm():
+    _add_norm_cases("cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_shared_act():
+    _shared_act_cases("cuda")

@@ -1,8 +1,10 @@
-"""moe.combine_rows: weighted sum of each token's expert rows in slot order."""
+"""moe: the weighted sum of each token's expert rows in slot order (combine_rows), the shared expert."""
 
+import pytest
 import torch
 
-from strata_ray.model.moe import combine_rows
+from strata_ray.model import ops
+from strata_ray.model.moe import combine_rows, shared_expert
 
 
 def _torch_form(rows, weights):
@@ -43,3 +45,37 @@ def test_combine_rows_keeps_autograd_and_other_dtypes_in_torch():
     r64, w64 = rows.detach().double(), weights.double()
     assert combine_rows(r64, w64).dtype == torch.float64
     assert torch.equal(combine_rows(r64, w64), _torch_form(r64, w64))
+
+
+def _shared_weights(device, e=64, f=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = {f"blk.0.ffn_{p}_shexp.weight": (torch.randn(*s, generator=g) / 8).to(device)
+         for p, s in (("gate", (f, e)), ("up", (f, e)), ("down", (e, f)))}
+    w["blk.0.ffn_gate_inp_shexp.weight"] = torch.randn(e, generator=g).to(device) / 8
+    return w
+
+
+def test_shared_expert_is_the_gated_swiglu():
+    w = _shared_weights("cpu")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    want = ops.swiglu(x, *(w[f"blk.0.ffn_{p}_shexp.weight"] for p in ("gate", "up", "down")))
+    want = want * torch.sigmoid(x @ w["blk.0.ffn_gate_inp_shexp.weight"][:, None])
+    got = shared_expert(w, 0, x)
+    assert torch.equal(got, want)
+    out = torch.full_like(got, float("nan"))
+    assert shared_expert(w, 0, x, out=out) is out and torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_shared_expert_fused_matches_the_unfused_form(T, monkeypatch):
+    """The decode form (three launches, the gate scaling h before the down projection) against the seven-op
+    form, to rounding; into a buffer, every element written."""
+    w = _shared_weights("cuda")
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T)).cuda()
+    got = shared_expert(w, 0, x)
+    out = torch.full_like(got, float("nan"))
+    assert shared_expert(w, 0, x, out=out) is out and torch.equal(out, got)
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+    torch.testing.assert_close(got, shared_expert(w, 0, x), rtol=1e-5, atol=1e-6)

@@ -104,3 +104,29 @@ def test_rope_tables_are_shared_without_changing_bits():
     expected = torch.cat((x_rot * emb.cos() + rotated * emb.sin(), x[..., n_rot:]), dim=-1)
     assert torch.equal(ops.rope_neox(x, pos, n_rot, base), expected)
     assert torch.equal(ops.apply_rope(x, *ops.rope_tables(pos, n_rot, base)), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 33])  # on CUDA: the fused launch (decode), then the torch ops (a prompt)
+def test_add_rms_norm_is_the_add_then_the_norm(device, T):
+    h, d = _randn(2, T, 256, seed=T, device=device)
+    w = 1 + 0.1 * _randn(256, seed=1, device=device)
+    s, x = ops.add_rms_norm(h, d, w, 1e-6)
+    assert torch.equal(s, h + d) and torch.equal(x, ops.rms_norm(h + d, w, 1e-6))
+    out = (torch.full_like(h, float("nan")), torch.full_like(h, float("nan")))
+    got = ops.add_rms_norm(h, d, w, 1e-6, out=out)
+    assert got[0] is out[0] and got[1] is out[1] and torch.equal(out[0], s) and torch.equal(out[1], x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 33])
+def test_linear_into_has_the_linears_bits(device, T):
+    from strata_ray.kernels.dense_q8 import Q8Weight
+
+    g = torch.Generator().manual_seed(T)
+    w = Q8Weight(torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8).to(device),
+                 (torch.rand(96, 2, generator=g) / 64).half().to(device))
+    x = _randn(T, 64, seed=T, device=device)
+    out = torch.full((T, 96), float("nan"), device=device)
+    assert ops.linear_into(x, w, out) is out and torch.equal(out, ops.linear(x, w))
+    assert torch.equal(ops.linear_into(x, w), ops.linear(x, w))
