@@ -129,10 +129,11 @@ def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K: tl.constexpr, 
 
 
 def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None,
-                  gather: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+                  gather: tuple[Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> Tensor:
     """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable.
     gather = (cpu_rows, hit, inv): the rows are gather_rows(rows, *gather), read in place (cpu_rows and inv
-    may be page-locked host tensors: the pipelined decode's worker writes them there)."""
+    may be page-locked host tensors: the pipelined decode's worker writes them there). out: a contiguous
+    float32 tensor of h_mid's shape to write (a decode graph's buffer), else a new one."""
     n, k, e = rows.shape
     if h_mid.shape != (n, e) or weights.shape != (n, k) or (shared is not None and shared.shape != (n, e)):
         raise ValueError(f"combine_fused: h_mid {list(h_mid.shape)}, rows {list(rows.shape)}, weights "
@@ -142,7 +143,10 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
     if gather is not None and (hit.shape != (n, k) or inv.shape != (n, k) or cpu.shape[-1] != e):
         raise ValueError(f"combine_fused: gather hit {list(hit.shape)}, inv {list(inv.shape)}, cpu rows "
                          f"{list(cpu.shape)} for rows {list(rows.shape)}")
-    out = torch.empty_like(h_mid)
+    if out is None:
+        out = torch.empty_like(h_mid)
+    elif out.shape != (n, e) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"combine_fused: out must be contiguous float32 [{n}, {e}]")
     if n:
         block = 1024
         sh = shared.contiguous() if shared is not None else h_mid  # unread without HAS_SHARED

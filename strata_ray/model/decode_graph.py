@@ -235,14 +235,16 @@ class DecodeGraphs:
         return q.shape[0] == 2 * hp.n_head * hp.head_dim
 
     # -- the segments (plain functions over the buffers; captured on CUDA) --------------------------------
-    def _layer_input(self, layer: int) -> Tensor:
-        """h entering `layer`: the token's embedding, or the previous layer's h + (routed + shared)."""
+    def _layer_input(self, layer: int, out: Tensor | None = None) -> Tensor:
+        """h entering `layer`: the token's embedding, or the previous layer's h + (routed + shared); into
+        `out` [1, E] when given (the fused combine writes it there: no copy after)."""
         if layer == 0:
             if self.rope is not None:
                 for buf, table in zip(self.rope, ops.rope_tables(self.pos, self.hp.n_rot,
                                                                  self.hp.rope_freq_base), strict=True):
                     buf.copy_(table)
-            return ops.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
+            h = ops.embedding(self.tok, self.w["token_embd.weight"])  # [1, E]
+            return h if out is None else out.copy_(h)
         prev = self.layers[layer - 1]
         routed = prev.routed
         if self.rows is not None:  # [K, E] rows of the previous layer -> [1, E], in k order
@@ -250,10 +252,10 @@ class DecodeGraphs:
             if fused_enabled(prev.h_mid, 1):  # one launch instead of ~2K + 4 (gather, combine), the same bits
                 gpu, cpu, hit, inv = self.rows.parts()
                 return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared,
-                                     gather=(cpu, hit.view(1, K), inv.view(1, K)))
+                                     gather=(cpu, hit.view(1, K), inv.view(1, K)), out=out)
             routed = combine_rows(self.rows.rows().view(1, K, -1), prev.weights)
         moe = routed if prev.shared is None else routed + prev.shared
-        return prev.h_mid + moe
+        return torch.add(prev.h_mid, moe, out=out)
 
     def _moe_inputs(self, layer: int, h: Tensor, mixer_out: Tensor) -> None:
         """The mixer's residual h + mixer_out, then the MoE's normed input and routing, written straight into
@@ -286,7 +288,7 @@ class DecodeGraphs:
         h_in = self.layers[layer].h_in
 
         def head():
-            h_in.copy_(self._layer_input(layer))
+            self._layer_input(layer, out=h_in)
 
         return head, None, shared, (lambda: body(h_in))
 
@@ -321,8 +323,7 @@ class DecodeGraphs:
                 continue
 
             def attn_in(layer=layer, buf=buf, norm=norm):
-                h = self._layer_input(layer)
-                buf.h_in.copy_(h)  # the input the copies ahead predict from, too
+                h = self._layer_input(layer, out=buf.h_in)  # the input the copies ahead predict from, too
                 x = ops.rms_norm(h, norm, hp.rms_eps)
                 q, k, v, gate = attention_inputs(hp, w, layer, x, self.pos, self.rope)
                 buf.q.copy_(q)

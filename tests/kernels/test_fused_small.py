@@ -102,6 +102,8 @@ def _combine_cases(device):
         gather = _gather_inputs(n, k, e, device, seed=n + k)
         want = combine_reference(h, gather_rows(rows, *gather), w, sh)
         assert torch.equal(combine_fused(h, rows, w, sh, gather=gather), want), (n, k, e, shared)
+        out = torch.full_like(h, float("nan"))  # into a given buffer: every element written
+        assert combine_fused(h, rows, w, sh, gather=gather, out=out) is out and torch.equal(out, want)
 
 
 
