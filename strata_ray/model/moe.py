@@ -99,7 +99,8 @@ def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | 
     p = f"blk.{layer}"
     gate_w = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]
     w_gate, w_up, w_down = (w[f"{p}.ffn_{part}_shexp.weight"] for part in ("gate", "up", "down"))
-    if fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32:
+    if (fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32
+            and not ops.needs_grad(gate_w, w_gate, w_up, w_down)):
         # three launches (a decode step on CUDA): the gate+up GEMV, silu(g) * u * sigmoid(x . gate_w) in one
         # kernel, the down GEMV into `out`. The gate scales h before the down projection: the same product
         # up to rounding, without the seven launches of the form below

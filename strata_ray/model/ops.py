@@ -91,13 +91,19 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Ten
     return y if out is None else out.copy_(y)
 
 
+def needs_grad(*ts) -> bool:
+    """Whether autograd would track any of these (tensors, or weights of other kinds: never): the fused
+    kernels have no backward, so such a call keeps the torch ops."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in ts)
+
+
 def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,
                  out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The residual add and the RMSNorm after it: h, d [T, E] -> (h + d, rms_norm(h + d)), into `out` (two
     tensors of h's shape: the decode graphs' buffers) when given. Where rms_norm takes its fused kernel
     (CUDA, decode and verify windows) one launch does both (kernels/fused_small.add_rms_norm_fused: the
     sum's bits, the fused norm's)."""
-    if h.dim() == 2 and fused_enabled(h, h.shape[0]):
+    if h.dim() == 2 and fused_enabled(h, h.shape[0]) and not needs_grad(d, w):
         return add_rms_norm_fused(h, d, w, eps, out=out)
     s = torch.add(h, d, out=out[0] if out is not None else None)
     return s, rms_norm(s, w, eps, out=out[1] if out is not None else None)

@@ -66,13 +66,51 @@ def test_shared_expert_is_the_gated_swiglu():
     assert shared_expert(w, 0, x, out=out) is out and torch.equal(out, got)
 
 
+def _q8_shared_weights(device):
+    """The shared expert as a quantized model holds it: Q8_0 matrices, gate | up fused into one (row-strided
+    views of one GEMV's output)."""
+    from strata_ray.kernels.dense_q8 import Q8Weight
+    from strata_ray.model.weights import fuse_dense_rows
+
+    w = _shared_weights("cpu", f=64)  # Q8_0 rows: widths in 32-blocks
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in w if n.endswith(("gate_shexp.weight", "up_shexp.weight", "down_shexp.weight"))]:
+        n, k = w[name].shape
+        w[name] = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(device),
+                           (torch.rand(n, k // 32, generator=g) / 256).half().to(device))
+    w["blk.0.ffn_gate_inp_shexp.weight"] = w["blk.0.ffn_gate_inp_shexp.weight"].to(device)
+    fuse_dense_rows(w)
+    return w
+
+
+def test_q8_shared_expert_is_its_dequantized_form():
+    """The quantized fixture of the GPU test below, on the CPU: the float form of its dequantized weights."""
+    w = _q8_shared_weights("cpu")
+    assert w["blk.0.ffn_gate_shexp.weight"].fused is not None  # gate | up as views of one matrix
+    dense = {n: t.dequantize() if hasattr(t, "dequantize") else t for n, t in w.items()}
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(shared_expert(w, 0, x), shared_expert(dense, 0, x), rtol=1e-5, atol=1e-6)
+
+
+def test_needs_grad_keeps_the_torch_form():
+    w = _shared_weights("cpu")
+    x = torch.randn(1, 64)
+    assert not ops.needs_grad(x, *w.values())
+    w["blk.0.ffn_up_shexp.weight"].requires_grad_(True)
+    assert ops.needs_grad(x, *w.values())
+    with torch.no_grad():
+        assert not ops.needs_grad(*w.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("T", [1, 16])
-def test_gpu_shared_expert_fused_matches_the_unfused_form(T, monkeypatch):
+def test_gpu_shared_expert_fused_matches_the_unfused_form(T, quantized, monkeypatch):
     """The decode form (three launches, the gate scaling h before the down projection) against the seven-op
-    form, to rounding; into a buffer, every element written."""
-    w = _shared_weights("cuda")
+    form, to rounding; into a buffer, every element written. Quantized: Q8_0 matrices with gate | up fused
+    (strided views into the activation kernel, the down GEMV writing the buffer itself)."""
+    w = _q8_shared_weights("cuda") if quantized else _shared_weights("cuda")
     x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T)).cuda()
     got = shared_expert(w, 0, x)
     out = torch.full_like(got, float("nan"))
