@@ -206,25 +206,35 @@ def q8_linear_reference(x: Tensor, w: Q8Weight) -> Tensor:
     return F.linear(x, w.dequantize())
 
 
-def linear_by_gemv(x: Tensor, w, gemv: Callable[[Tensor], Tensor | None]) -> Tensor:
+def linear_by_gemv(x: Tensor, w, gemv: Callable[[Tensor, Tensor | None], Tensor | None],
+                   out: Tensor | None = None) -> Tensor:
     """x float32 [..., K] @ w.T -> float32 [..., N] for a QuantizedDense w: off CUDA F.linear of the
-    dequantized weight; on CUDA gemv(x2 float32 [T, K]) for T <= GEMV_MAX_TOKENS rows where it serves them
-    (None where not), else dequantized_linear."""
+    dequantized weight; on CUDA gemv(x2 float32 [T, K], out2) for T <= GEMV_MAX_TOKENS rows where it serves
+    them (None where not), else dequantized_linear. out: a contiguous float32 [..., N] to write (a decode
+    graph's buffer): the GEMV writes it in place (out2, its [T, N] view; None: a new tensor), any other path
+    is copied there."""
     check_linear(x, w)
     n, k = w.shape
     n_tok = x.numel() // k
+    if out is not None and (out.shape != (*x.shape[:-1], n) or out.dtype != torch.float32
+                            or not out.is_contiguous()):
+        raise ValueError(f"linear out must be contiguous float32 {[*x.shape[:-1], n]}, got {out.dtype} "
+                         f"{list(out.shape)}")
     if x.device.type != "cuda":
-        return F.linear(x, w.dequantize())
-    if n_tok <= GEMV_MAX_TOKENS:
-        out = gemv(x.reshape(n_tok, k).contiguous())  # [T, K]; a view when x is contiguous
-        if out is not None:
-            return out.reshape(*x.shape[:-1], n)
-    return dequantized_linear(x, w)
+        y = F.linear(x, w.dequantize())
+    else:
+        if n_tok <= GEMV_MAX_TOKENS:
+            y = gemv(x.reshape(n_tok, k).contiguous(), None if out is None else out.view(n_tok, n))  # [T, N]
+            if y is not None:
+                return y.reshape(*x.shape[:-1], n) if out is None else out
+        y = dequantized_linear(x, w)
+    return y if out is None else out.copy_(y)
 
 
-def q8_linear(x: Tensor, w: Q8Weight) -> Tensor:
-    """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
-    return linear_by_gemv(x, w, lambda x2: q8_gemv(x2, w))
+def q8_linear(x: Tensor, w: Q8Weight, out: Tensor | None = None) -> Tensor:
+    """x float32 [..., K] @ w.T -> float32 [..., N] (into `out` when given: linear_by_gemv); see the module
+    doc for which path runs where."""
+    return linear_by_gemv(x, w, lambda x2, out2: q8_gemv(x2, w, out=out2), out)
 
 
 def dequantized_linear(x: Tensor, w) -> Tensor:

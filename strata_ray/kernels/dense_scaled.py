@@ -107,14 +107,17 @@ class ScaledWeight(QuantizedDense):
         return f"ScaledWeight({kind}, {list(self.shape)}, device={self.device})"
 
 
-def scaled_linear(x: Tensor, w: ScaledWeight) -> Tensor:
-    """x float32 [..., K] @ w.T -> float32 [..., N]; see the module doc for which path runs where."""
-    return linear_by_gemv(x, w, lambda x2: _scaled_gemv(x2, w))
+def scaled_linear(x: Tensor, w: ScaledWeight, out: Tensor | None = None) -> Tensor:
+    """x float32 [..., K] @ w.T -> float32 [..., N] (into `out` when given: dense_q8.linear_by_gemv); see the
+    module doc for which path runs where."""
+    return linear_by_gemv(x, w, lambda x2, out2: _scaled_gemv(x2, w, out2), out)
 
 
-def _scaled_gemv(x2: Tensor, w: ScaledWeight) -> Tensor | None:
-    """The CUDA GEMV's scaled form: float32 [T, N], or None where it is off or does not serve."""
+def _scaled_gemv(x2: Tensor, w: ScaledWeight, out: Tensor | None = None) -> Tensor | None:
+    """The CUDA GEMV's scaled form: float32 [T, N] (into `out` when given), or None where it is off or does
+    not serve."""
     if not cuda_gemv_on():
         return None
-    out = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32, device=x2.device)
+    if out is None:
+        out = torch.empty((x2.shape[0], w.shape[0]), dtype=torch.float32, device=x2.device)
     return out if launch_cuda_gemv(x2, w.qs, w.scale, out, offset=w.offset) else None

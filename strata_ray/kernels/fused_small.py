@@ -12,7 +12,7 @@ in every layer:
   kernels -> `combine_fused`. Launched without FMA contraction, it performs the very roundings of the torch
   ops (one multiply, then one add, per k) and gives their bits exactly.
 - the mixer's residual add and the MoE's RMSNorm after it: `add_rms_norm_fused` (the sum written too), the
-  norm's operations those of `rms_norm_fused` over that sum.
+  kernel of `rms_norm_fused` with the add in front.
 - the shared expert's activation `silu(g) * u * sigmoid(x . w_gate)` (silu, mul, the gate's GEMV, sigmoid
   and the output's scaling: five kernels) -> `shared_act_fused`, one program a token. The gate scales h
   before the down projection instead of the projection's output: the same product up to rounding, and the
@@ -42,11 +42,17 @@ FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows t
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
+def needs_grad(*ts) -> bool:
+    """Whether autograd would track any of these (tensors, or weights of other kinds: never): the fused
+    kernels have no backward, so such a call keeps the torch ops."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in ts)
+
+
 def fused_call(x: Tensor, n_tokens: int) -> bool:
     """Whether a call of n_tokens tokens may take a fused kernel on any device: a decode or verify window
     (at most FUSED_MAX_TOKENS), STRATA_FUSED_DECODE not 0 (A/B runs), and no grad (the kernels have no
     backward)."""
-    return (n_tokens <= FUSED_MAX_TOKENS and not (x.requires_grad and torch.is_grad_enabled())
+    return (n_tokens <= FUSED_MAX_TOKENS and not needs_grad(x)
             and os.environ.get("STRATA_FUSED_DECODE", "1") != "0")
 
 
@@ -59,12 +65,16 @@ def fused_enabled(x: Tensor, n_tokens: int) -> bool:
 # ---- RMSNorm --------------------------------------------------------------------------------------------
 
 
-def _rms_norm_body(X, W, OUT, n, eps, BLOCK: tl.constexpr):
-    # X, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n).
+def _rms_norm_body(X, D, W, SUM, OUT, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    # X, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n). ADD: the row is
+    # X + D (D f32 [rows, n]), stored into SUM as well (add_rms_norm_fused); else D and SUM are unread.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < n
     x = tl.load(X + row * n + cols, mask=live, other=0.0)
+    if ADD:
+        x = x + tl.load(D + row * n + cols, mask=live, other=0.0)
+        tl.store(SUM + row * n + cols, x, mask=live)
     w = tl.load(W + cols, mask=live, other=0.0)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     tl.store(OUT + row * n + cols, x * r * w, mask=live)
@@ -82,7 +92,7 @@ def rms_norm_fused(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) 
     y = torch.empty_like(x2) if out is None else out
     if x2.shape[0]:
         block = next_pow2(n)
-        _kernels()[0][(x2.shape[0],)](x2, w.contiguous(), y, n, eps, BLOCK=block,
+        _kernels()[0][(x2.shape[0],)](x2, x2, w.contiguous(), y, y, n, eps, BLOCK=block, ADD=False,
                                       num_warps=4 if block <= 1024 else 8)
     return y.view(x.shape) if out is None else out
 
@@ -161,29 +171,19 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
 
 
 def add_rms_norm_reference(h: Tensor, d: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h + d, RMSNorm(h + d) * w) in torch ops: the reference twin of add_rms_norm_fused."""
+    """(h + d, RMSNorm(h + d) * w) in torch ops (ops.rms_norm_reference over the sum): the reference twin of
+    add_rms_norm_fused."""
+    from strata_ray.model.ops import rms_norm_reference  # model.ops imports this module
+
     s = h + d
-    return s, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def _add_rms_norm_body(H, D, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
-    # H, D, SUM, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n): the
-    # operations of _rms_norm_body over the sum, which is stored as well.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    live = cols < n
-    x = tl.load(H + row * n + cols, mask=live, other=0.0) + tl.load(D + row * n + cols, mask=live, other=0.0)
-    tl.store(SUM + row * n + cols, x, mask=live)
-    w = tl.load(W + cols, mask=live, other=0.0)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    tl.store(OUT + row * n + cols, x * r * w, mask=live)
+    return s, rms_norm_reference(s, w, eps)
 
 
 def add_rms_norm_fused(h: Tensor, d: Tensor, w: Tensor, eps: float,
                        out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """add_rms_norm_reference in one launch: h, d float32 [rows, n], w [n] -> (h + d, its norm), into `out`
     (two contiguous float32 tensors of h's shape) when given. The sum has torch's bits (one add); the norm
-    rms_norm_fused's. CUDA-graph capturable."""
+    rms_norm_fused's (the same kernel body, ADD on). CUDA-graph capturable."""
     n = h.shape[-1]
     if (h.dim() != 2 or d.shape != h.shape or w.shape != (n,)
             or not h.dtype == d.dtype == w.dtype == torch.float32):
@@ -196,8 +196,8 @@ def add_rms_norm_fused(h: Tensor, d: Tensor, w: Tensor, eps: float,
         raise ValueError(f"add_rms_norm_fused: out must be two contiguous float32 {list(h.shape)}")
     if h.shape[0]:
         block = next_pow2(n)
-        _kernels()[2][(h.shape[0],)](h.contiguous(), d.contiguous(), w.contiguous(), out[0], out[1], n, eps,
-                                     BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        _kernels()[0][(h.shape[0],)](h.contiguous(), d.contiguous(), w.contiguous(), out[0], out[1], n, eps,
+                                     BLOCK=block, ADD=True, num_warps=4 if block <= 1024 else 8)
     return out
 
 
@@ -242,11 +242,11 @@ def shared_act_fused(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
     out = torch.empty((n, f), dtype=torch.float32, device=g.device)
     if n:
         be = next_pow2(e)
-        _kernels()[3][(n,)](g, u, x.contiguous(), w_gate.contiguous(), out, f, e, g.stride(0), u.stride(0),
+        _kernels()[2][(n,)](g, u, x.contiguous(), w_gate.contiguous(), out, f, e, g.stride(0), u.stride(0),
                             BE=be, BF=min(SHARED_ACT_BF, next_pow2(f)), num_warps=4 if be <= 2048 else 8)
     return out
 
 
 @functools.cache
 def _kernels():
-    return jit_bodies(_rms_norm_body, _combine_body, _add_rms_norm_body, _shared_act_body)
+    return jit_bodies(_rms_norm_body, _combine_body, _shared_act_body)

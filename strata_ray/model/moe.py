@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled, shared_act_fused
+from strata_ray.kernels.fused_small import fused_enabled, needs_grad, shared_act_fused
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model import ops
 
@@ -47,7 +47,7 @@ def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
     as torch's ops round them (the same bits), without torch's dispatch (~25 us a decode layer on 2 cores).
     """
     if (rows.device.type == "cpu" and rows.dtype == weights.dtype == torch.float32
-            and not (torch.is_grad_enabled() and (rows.requires_grad or weights.requires_grad))):
+            and not needs_grad(rows, weights)):
         r, w = rows.detach().numpy(), weights.detach().numpy()  # views: [N, K, E], [N, K]
         acc = r[:, 0] * w[:, 0:1]
         for k in range(1, r.shape[1]):
@@ -97,16 +97,16 @@ def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | 
     """qwen3next shared expert scaled by its per-token sigmoid gate: x [N, E] -> [N, E] (into `out` when
     given)."""
     p = f"blk.{layer}"
-    gate_w = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]
+    w_gate_inp = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]: the output's sigmoid gate
     w_gate, w_up, w_down = (w[f"{p}.ffn_{part}_shexp.weight"] for part in ("gate", "up", "down"))
-    if (fused_enabled(x, x.shape[0]) and gate_w.dtype == torch.float32
-            and not ops.needs_grad(gate_w, w_gate, w_up, w_down)):
-        # three launches (a decode step on CUDA): the gate+up GEMV, silu(g) * u * sigmoid(x . gate_w) in one
-        # kernel, the down GEMV into `out`. The gate scales h before the down projection: the same product
-        # up to rounding, without the seven launches of the form below
+    if (fused_enabled(x, x.shape[0]) and w_gate_inp.dtype == torch.float32
+            and not needs_grad(w_gate_inp, w_gate, w_up, w_down)):
+        # three launches (a decode step on CUDA): the gate+up GEMV, silu(g) * u * sigmoid(x . w_gate_inp) in
+        # one kernel, the down GEMV into `out`. The gate scales h before the down projection: the same
+        # product up to rounding, without the seven launches of the form below
         g, u = ops.linear_rows(x, (w_gate, w_up))  # [N, F] each
-        return ops.linear_into(shared_act_fused(g, u, x, gate_w), w_down, out)
-    gate = torch.sigmoid(ops.linear(x, gate_w))  # [N, 1]
+        return ops.linear(shared_act_fused(g, u, x, w_gate_inp), w_down, out=out)
+    gate = torch.sigmoid(ops.linear(x, w_gate_inp))  # [N, 1]
     y = ops.swiglu(x, w_gate, w_up, w_down)
     return torch.mul(y, gate, out=out) if out is not None else y * gate
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
-from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, rms_norm_fused
+from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, needs_grad, rms_norm_fused
 
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
 # chunks whose state-free part runs in one launch (always this many on a device: fixed shapes). 16 on CUDA
@@ -28,37 +28,27 @@ def gdn_group(device: torch.device) -> int:
     return GDN_GROUP if device.type == "cuda" else GDN_GROUP_CPU
 
 
-def linear(x: Tensor, w) -> Tensor:
+def linear(x: Tensor, w, out: Tensor | None = None) -> Tensor:
     """x [..., in] @ w[out, in]^T -> [..., out] (GGUF/torch nn.Linear convention, no bias). w: a float tensor,
     a Q8Weight (a Q8_0 matrix kept quantized: kernels/dense_q8), a ScaledWeight (a Q4_K / Q6_K one on
     CUDA: kernels/dense_scaled) or a BlockMatrix (a quantized matrix as its blocks on the CPU:
-    kernels/dense_blocks)."""
+    kernels/dense_blocks). out: a tensor to write (a decode graph's fixed buffer), the same bits: the
+    quantized GEMVs write it in place (dense_q8.linear_by_gemv), the other forms are copied there."""
     if isinstance(w, Tensor):
-        return F.linear(x, w)
+        y = F.linear(x, w)
+        return y if out is None else out.copy_(y)
     from strata_ray.kernels.dense_q8 import Q8Weight, q8_linear
 
     if isinstance(w, Q8Weight):
-        return q8_linear(x, w)
+        return q8_linear(x, w, out)
     from strata_ray.kernels.dense_blocks import BlockMatrix, block_linear
 
     if isinstance(w, BlockMatrix):
-        return block_linear(x, w)
+        y = block_linear(x, w)
+        return y if out is None else out.copy_(y)
     from strata_ray.kernels.dense_scaled import scaled_linear
 
-    return scaled_linear(x, w)
-
-
-def linear_into(x: Tensor, w, out: Tensor | None = None) -> Tensor:
-    """linear(x, w), into `out` when given (a decode graph's fixed buffer): the Q8_0 GEMV writes it in place
-    (the bits of linear's own GEMV launch), any other form is copied there."""
-    if out is None:
-        return linear(x, w)
-    from strata_ray.kernels.dense_q8 import GEMV_MAX_TOKENS, Q8Weight, q8_gemv
-
-    if (isinstance(w, Q8Weight) and x.device.type == "cuda" and x.dim() == 2 and out.dim() == 2
-            and x.shape[0] <= GEMV_MAX_TOKENS):
-        return q8_gemv(x.contiguous(), w, out=out)
-    return out.copy_(linear(x, w))
+    return scaled_linear(x, w, out)
 
 
 def linear_rows(x: Tensor, ws: Sequence) -> list[Tensor]:
@@ -89,12 +79,6 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Ten
         return rms_norm_fused(x, w, eps, out=out)
     y = rms_norm_reference(x, w, eps)
     return y if out is None else out.copy_(y)
-
-
-def needs_grad(*ts) -> bool:
-    """Whether autograd would track any of these (tensors, or weights of other kinds: never): the fused
-    kernels have no backward, so such a call keeps the torch ops."""
-    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in ts)
 
 
 def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from strata_ray.kernels.fused_small import needs_grad
 from strata_ray.model import ops
 from strata_ray.model.moe import combine_rows, shared_expert
 
@@ -95,11 +96,11 @@ def test_q8_shared_expert_is_its_dequantized_form():
 def test_needs_grad_keeps_the_torch_form():
     w = _shared_weights("cpu")
     x = torch.randn(1, 64)
-    assert not ops.needs_grad(x, *w.values())
+    assert not needs_grad(x, *w.values())
     w["blk.0.ffn_up_shexp.weight"].requires_grad_(True)
-    assert ops.needs_grad(x, *w.values())
+    assert needs_grad(x, *w.values())
     with torch.no_grad():
-        assert not ops.needs_grad(*w.values())
+        assert not needs_grad(*w.values())
 
 
 @pytest.mark.gpu

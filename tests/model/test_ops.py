@@ -120,13 +120,16 @@ def test_add_rms_norm_is_the_add_then_the_norm(device, T):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 33])
-def test_linear_into_has_the_linears_bits(device, T):
+def test_linear_into_out_has_the_linears_bits(device, T):
+    """A Q8_0 matrix (on CUDA its GEMV writes `out` itself for T <= 16) and a float one (copied there)."""
     from strata_ray.kernels.dense_q8 import Q8Weight
 
     g = torch.Generator().manual_seed(T)
     w = Q8Weight(torch.randint(-127, 128, (96, 64), generator=g, dtype=torch.int8).to(device),
                  (torch.rand(96, 2, generator=g) / 64).half().to(device))
     x = _randn(T, 64, seed=T, device=device)
-    out = torch.full((T, 96), float("nan"), device=device)
-    assert ops.linear_into(x, w, out) is out and torch.equal(out, ops.linear(x, w))
-    assert torch.equal(ops.linear_into(x, w), ops.linear(x, w))
+    for weight in (w, w.dequantize()):
+        out = torch.full((T, 96), float("nan"), device=device)
+        assert ops.linear(x, weight, out=out) is out and torch.equal(out, ops.linear(x, weight))
+    with pytest.raises(ValueError, match="linear out must be contiguous float32"):
+        ops.linear(x, w, out=torch.zeros(T, 95, device=device))
