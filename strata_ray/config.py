@@ -17,6 +17,7 @@ from typing import Any
 from strata_ray.kernels.attention_decode import attn_tiles_value
 from strata_ray.kernels.contract import KERNEL_VARIANTS
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
+from strata_ray.kernels.gdn_step import gdn_columns_value
 
 LOAN_ORDERS = ("profile", "prompt")  # STRATA_LOAN_ORDER: which pairs the ring's loan takes first
 
@@ -540,7 +541,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
-# over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda)
+# over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
+# STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -569,6 +571,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_RING_SLOTS": ring_slots_value,
     "STRATA_AHEAD_LAYER": _choice("same", "next"),
     "STRATA_ROWS_ITERS": int_range(1, 64),
+    "STRATA_GDN_COLUMNS": gdn_columns_value,
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

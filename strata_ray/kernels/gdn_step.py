@@ -1,4 +1,4 @@
-"""The Gated DeltaNet's recurrent step in two launches (decode and verify windows on CUDA).
+"""The Gated DeltaNet's recurrent step in three launches (decode and verify windows on CUDA).
 
 After its three projections a GDN layer runs, per token: a depthwise causal conv + SiLU over the q|k|v
 channels, L2 norms of q and k, the gates beta = sigmoid(b) and g = ssm_a * softplus(a + dt_bias), the
@@ -8,8 +8,10 @@ kernels a layer, each a few microseconds of a one-token decode step. Here:
 - `_conv_body`: one program per head-sized block of channels (a q or k head, or dk channels of v): the
   conv over the previous K-1 inputs and the new ones, SiLU, and for q and k the L2 norm (q also scaled by
   dk^-0.5); it writes the new conv state (each channel has one owner, so it is written in place safely).
-- `_delta_body`: one program per value head, its state slice S [dk, dv] in registers for all T tokens:
-  decay, delta-rule correction, output read, gated RMSNorm.
+- `_delta_body`: one program per value head and block of its value columns (`gdn_columns`), its state slice
+  S [dk, columns] in registers for all T tokens: decay, delta-rule correction, output read;
+- `_gated_norm_body`: one program per head and token, the gated RMSNorm of the output over the head's
+  columns (with the whole head in one delta program, the setting's other form, the norm is inside it).
 
 `gdn_step` returns new tensors for the output and both states (the model's states are functional: a
 rejected speculative window falls back to the old ones). `gdn_step_reference` is the same computation in
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .env_knob import env_knob
 from .lazy_triton import jit_bodies
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
@@ -98,20 +101,22 @@ def _conv_body(MIX, STATE, W, Y, NEW_STATE, T, C, key_dim, q_scale, BC: tl.const
 
 
 def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, eps,
-                DK: tl.constexpr, DV: tl.constexpr):
+                DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     # Y f32 [T, C] (normed q | k | v), BA f32 [T, nk*2r], Z / O f32 [T, nv*DV], S_IN / S_OUT f32 [nv, DK, DV],
-    # A / DT_BIAS f32 [nv], NORM_W f32 [DV]. Program: value head j, every token in order.
-    j = tl.program_id(0)
-    nv = tl.num_programs(0)
+    # A / DT_BIAS f32 [nv], NORM_W f32 [DV]. Program: value head j, its value columns c*BV .. c*BV+BV-1 (a
+    # column's state, correction and output need no other column), every token in order. BV == DV: the whole
+    # head, and the gated norm here too; else O gets the raw outputs and _gated_norm_body follows.
+    n_col = DV // BV
+    j = tl.program_id(0) // n_col
+    nv = tl.num_programs(0) // n_col
     kh = j // r
     i = j % r
     kk = tl.arange(0, DK)
-    vv = tl.arange(0, DV)
+    vv = (tl.program_id(0) % n_col) * BV + tl.arange(0, BV)
     s_off = j.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
-    S = tl.load(S_IN + s_off)  # [DK, DV]
+    S = tl.load(S_IN + s_off)  # [DK, BV]
     a_log = tl.load(A + j)
     dt_b = tl.load(DT_BIAS + j)
-    w = tl.load(NORM_W + vv)
     for t in range(T):
         q = tl.load(Y + t * C + kh * DK + kk)
         k = tl.load(Y + t * C + key_dim + kh * DK + kk)
@@ -121,19 +126,48 @@ def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, 
         beta = 1.0 / (1.0 + tl.exp(-b))
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))  # torch's threshold
         S = S * tl.exp(a_log * softplus)
-        u = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [DV] delta-rule correction
+        u = (v - tl.sum(S * k[:, None], axis=0)) * beta  # [BV] delta-rule correction
         S = S + k[:, None] * u[None, :]
-        o = tl.sum(S * q[:, None], axis=0)  # [DV]
-        zt = tl.load(Z + t * nv * DV + j * DV + vv)
-        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
+        o = tl.sum(S * q[:, None], axis=0)  # [BV]
+        if BV == DV:
+            zt = tl.load(Z + t * nv * DV + j * DV + vv)
+            w = tl.load(NORM_W + vv)
+            o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
         tl.store(O + t * nv * DV + j * DV + vv, o)
     tl.store(S_OUT + s_off, S)
+
+
+def _gated_norm_body(O, Z, NORM_W, eps, DV: tl.constexpr):
+    # O / Z f32 [T * nv, DV]: the raw outputs, normed in place. Program: one head of one token.
+    row = tl.program_id(0).to(tl.int64) * DV
+    vv = tl.arange(0, DV)
+    o = tl.load(O + row + vv)
+    zt = tl.load(Z + row + vv)
+    w = tl.load(NORM_W + vv)
+    o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
+    tl.store(O + row + vv, o)
 
 
 @functools.cache
 def _kernels():
     # T unspecialized: a 1-token and a 16-token call run the same binaries
-    return jit_bodies(_conv_body, _delta_body, do_not_specialize=["T"])
+    return jit_bodies(_conv_body, _delta_body, _gated_norm_body, do_not_specialize=["T"])
+
+
+def gdn_columns(dv: int) -> int:
+    """The value columns a delta program takes (STRATA_GDN_COLUMNS, env only; config.py refuses a bad
+    value): 32 by default, the whole head (one program a head, the gated norm inside: the form before) where
+    the setting is at least dv. One program a head left 32 programs for the 80b-a3b's 32 heads, each loading
+    and storing a 64 KiB state: 6.7 us a layer on the H100 (session 40 trace), a quarter of the SMs busy."""
+    cols = env_knob("STRATA_GDN_COLUMNS", gdn_columns_value, 32)
+    return dv if cols >= dv else cols
+
+
+def gdn_columns_value(raw: str) -> int:
+    v = int(raw) if raw.isdigit() else 0
+    if not (16 <= v <= 1024 and _pow2(v)):
+        raise ValueError("a power of two from 16 to 1024")
+    return v
 
 
 def _pow2(v: int) -> bool:
@@ -169,9 +203,13 @@ def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv
             raise ValueError("gdn_step: state_out must be contiguous tensors of the states' shapes")
     if T == 0:
         return z.new_zeros(z.shape), new_S.copy_(S), new_conv.copy_(conv)
-    conv_k, delta_k = _kernels()
+    conv_k, delta_k, norm_k = _kernels()
     conv_k[(C // dk,)](mixed, conv.contiguous(), conv_w.contiguous(), y, new_conv, T, C, dims.key_dim,
                        dk**-0.5, BC=dk, KW=kw, num_warps=4)
-    delta_k[(nv,)](y, ba, z, S.contiguous(), ssm_a.contiguous(), dt_bias.contiguous(), norm_w.contiguous(), o,
-                   new_S, T, C, dims.key_dim, nv // nk, eps, DK=dk, DV=dv, num_warps=8)
+    bv = gdn_columns(dv)
+    delta_k[(nv * (dv // bv),)](y, ba, z, S.contiguous(), ssm_a.contiguous(), dt_bias.contiguous(),
+                                norm_w.contiguous(), o, new_S, T, C, dims.key_dim, nv // nk, eps, DK=dk,
+                                DV=dv, BV=bv, num_warps=8 if bv == dv else 4)
+    if bv < dv:
+        norm_k[(T * nv,)](o, z, norm_w.contiguous(), eps, DV=dv, num_warps=4)
     return o, new_S, new_conv

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference
+from strata_ray.kernels.gdn_step import GDNDims, gdn_columns, gdn_step, gdn_step_reference
 from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
 SMALL = GDNDims(nk=2, nv=4, dk=32, dv=32)  # r = 2: two v-heads read each k-head
 REAL = GDNDims(nk=16, nv=32, dk=128, dv=128)  # the 80b-a3b's
+SPLIT = GDNDims(nk=2, nv=4, dk=64, dv=64)  # columns of 16: four delta programs a head
 KW = 4
 
 
@@ -95,8 +96,38 @@ def test_interpreted_unsupported_dims():
         gdn_step(*_inputs(dims, 1), dims, 1e-6)
 
 
+@interpret
+@pytest.mark.parametrize("columns", ["16", "64"], ids=["4-programs-a-head", "whole-head"])
+def test_interpreted_column_blocks_match_reference(monkeypatch, columns):
+    """A head's value columns split over programs (the norm a launch of its own) or whole (the norm inside):
+    both the reference's results, with the in-place and token-by-token checks of _fused_cases."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("STRATA_GDN_COLUMNS", columns)
+    _fused_cases("cpu", SPLIT, (1, 3))
+
+
+def test_columns_setting():
+    """The default, the whole head where the setting reaches dv, and one line for a bad value."""
+    import os
+
+    old = os.environ.pop("STRATA_GDN_COLUMNS", None)
+    try:
+        assert gdn_columns(128) == 32 and gdn_columns(32) == 32 and gdn_columns(16) == 16
+        os.environ["STRATA_GDN_COLUMNS"] = "256"
+        assert gdn_columns(128) == 128
+        os.environ["STRATA_GDN_COLUMNS"] = "24"
+        with pytest.raises(ValueError, match="STRATA_GDN_COLUMNS: invalid value '24'"):
+            gdn_columns(128)
+    finally:
+        os.environ.pop("STRATA_GDN_COLUMNS", None)
+        if old is not None:
+            os.environ["STRATA_GDN_COLUMNS"] = old
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("columns", ["16", "32", "128"])
 @pytest.mark.parametrize("dims", [SMALL, REAL], ids=["small", "80b"])
-def test_gpu_fused_step_matches_reference(dims):
+def test_gpu_fused_step_matches_reference(monkeypatch, dims, columns):
+    monkeypatch.setenv("STRATA_GDN_COLUMNS", columns)
     _fused_cases("cuda", dims, (1, 3, 16, 33))
