@@ -43,7 +43,8 @@ run_one() {  # run_one ROUND SIDE SETUP[:ENV=VAL,...]
         --depths "${AB_DEPTH:-8192}" --decode "${AB_DECODE:-32}" --chunk 4096 $args --json-out "$out" \
         > "$work/$name.log" 2>&1
     echo "round $1 $2 $3: exit $? $(python -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; \
-print({k: round(v, 2) for k, v in r.items() if 'tok_s' in k or k.endswith('_ms') or k.endswith('ms_per_token')})" "$out" 2>/dev/null)"
+print({k: round(v, 3) for k, v in r.items() if isinstance(v, (int, float)) and ('tok_s' in k or k.endswith('_ms')
+       or k.endswith('ms_per_token') or k in ('hit_rate', 'of_roofline'))})" "$out" 2>/dev/null)"
     [[ -n "${OUT:-}" ]] && tar czf "$OUT/ab.tgz" -C /tmp ab
 }
 

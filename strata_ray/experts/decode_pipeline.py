@@ -299,6 +299,12 @@ class PipelinedDecodeRows:
         # device into a page-locked copy of the token's own (two, alternating: at most two tokens are
         # launched), read after the event behind that copy
         self._resident_token = False
+        # where the cache holds every expert (the token graphs on an 80 GiB card) the decode graphs capture a
+        # second set of token graphs for resident tokens (resident_graphs), captured with resident_form on:
+        # no wait for the worker's flag (a launch reading host memory, ~2 us a layer on the H100, session 41)
+        # and a combine that reads the device's rows alone (every entry a hit: the same rows, the same bits)
+        self.resident_graphs = self.token_graph and not partial
+        self.resident_form = False
         self._ids_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
         self._ids_dev = torch.zeros((tiers.n_layers, k), dtype=torch.int64, device=dev)  # [L, K]
         self._ids_snaps = [torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)
@@ -631,6 +637,11 @@ class PipelinedDecodeRows:
         token.job = tiers.cpu_thread.submit(self._run_worker, base, res)
         self._tokens.append(token)
 
+    @property
+    def resident_token(self) -> bool:
+        """Whether token_begin's token has every expert resident (it may run resident_form's graphs)."""
+        return self._resident_token
+
     def _resident_ids(self) -> None:
         """After an all-resident token's last layer: its ids [L, K] copied out of the row the next token's
         publish overwrites (through the device, in stream order) into a page-locked copy of its own, and
@@ -677,6 +688,9 @@ class PipelinedDecodeRows:
         """Capturable: everything step(layer) enqueues, in the caller's graph: the pick's join, the layer's
         rows (_layer_graph, beside on a fork), the ahead tiles, the wait for the worker's rows as a kernel
         (kernels/flag_wait: base + layer, base from the device), the tiles' join, the copies up."""
+        if self.resident_form:  # a resident token: no worker, no copies ahead; the layer's rows alone
+            self._layer_graph(layer, x, ids, beside)
+            return
         staged = bool(self.ahead) and layer in self._stage
         main = torch.cuda.current_stream(self.tiers.device)
         if staged:  # the plan and publish read the staged list

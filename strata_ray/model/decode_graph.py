@@ -209,6 +209,7 @@ class DecodeGraphs:
         self._ahead_next = self._ahead and getattr(self.rows, "ahead_next", False)
         self._owner: weakref.ref | None = None
         self._graphs: list | None = None
+        self._resident_pieces: list | None = None  # the resident tokens' token graphs (_capture_resident)
         # the chained decode (STRATA_DECODE_CHAIN, on unless 0; greedy): launch() of token N+1 before
         # complete() of token N, its input the token N's head chose on the device (argmax of its logits into
         # self.tok), so the device never waits for the host between two tokens (session 23: it idled 0.8-1.3
@@ -251,11 +252,17 @@ class DecodeGraphs:
             K = self.hp.n_expert_used
             if fused_enabled(prev.h_mid, 1):  # one launch instead of ~2K + 4 (gather, combine), the same bits
                 gpu, cpu, hit, inv = self.rows.parts()
-                return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared,
-                                     gather=(cpu, hit.view(1, K), inv.view(1, K)), out=out)
+                # a resident token's graphs (resident_form) read the device's rows alone: every entry a hit
+                gather = None if self._resident_form() else (cpu, hit.view(1, K), inv.view(1, K))
+                return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared, gather=gather,
+                                     out=out)
             routed = combine_rows(self.rows.rows().view(1, K, -1), prev.weights)
         moe = routed if prev.shared is None else routed + prev.shared
         return torch.add(prev.h_mid, moe, out=out)
+
+    def _resident_form(self) -> bool:
+        """Whether the token being captured or run is the rows backend's resident form (resident_graphs)."""
+        return bool(getattr(self.rows, "resident_form", False))
 
     def _moe_inputs(self, layer: int, h: Tensor, mixer_out: Tensor) -> None:
         """The mixer's residual h + mixer_out, then the MoE's normed input and routing, written straight into
@@ -403,7 +410,10 @@ class DecodeGraphs:
                                                            besides=[fns[2] for fns in segments],
                                                            predicts=predicts, graphs=not self.token_graph):
             if self.token_graph:
-                return self._capture_token(segments, head)
+                pieces = self._capture_token(segments, head)
+                if getattr(self.rows, "resident_graphs", False):  # and the resident tokens' set
+                    self._resident_pieces = self._capture_resident(segments, head)
+                return pieces
             # the backend took each shared expert into its layer's graph (beside the rows)
             segments = [(a, b, None, t) for a, b, _, t in segments]
             flat = [f for fns in segments for f in fns if f is not None] + [head]
@@ -458,6 +468,21 @@ class DecodeGraphs:
                     fn()
             out.append(g.replay)
         return out
+
+    def _capture_resident(self, segments, head) -> list:
+        """The token graphs again with the rows backend's resident_form on (no flag waits, the combine over
+        the device's rows alone), for the tokens whose every expert is resident; the one new kernel form (the
+        combine without its gather) warmed up first on a side stream, as _capture warms the others."""
+        self.rows.resident_form = True
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._layer_input(self.hp.n_layer, out=self.hidden)  # the head's combine: any layer count
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            return self._capture_token(segments, head)
+        finally:
+            self.rows.resident_form = False
 
     # -- the step -----------------------------------------------------------------------------------------
     def _adopt(self, state: SequenceState) -> None:
@@ -538,11 +563,18 @@ class DecodeGraphs:
         try:
             if self.token_graph:  # graphs of many layers, the eager attention cores between them
                 self.rows.token_begin()
-                for piece in pieces:
-                    if isinstance(piece, int):
-                        self._attention_core(piece, state, pos0)
-                    else:
-                        piece()
+                resident = getattr(self.rows, "resident_graphs", False) and self.rows.resident_token
+                if resident and self.capture:
+                    pieces = self._resident_pieces
+                self.rows.resident_form = resident  # uncaptured, the pieces read it as they run
+                try:
+                    for piece in pieces:
+                        if isinstance(piece, int):
+                            self._attention_core(piece, state, pos0)
+                        else:
+                            piece()
+                finally:
+                    self.rows.resident_form = False
                 self.rows.token_end()
             for layer, (before, after, shared, rest) in enumerate(segments):
                 buf = self.layers[layer]

@@ -143,6 +143,8 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
             assert (graphs_of.attn is not None) == ("device-attention" in mode or (mode == "pipeline-defaults"
                                                                                   and token))
         got[graphs] = greedy_logits(loaded.model, PROMPT, DECODE)
+        if graphs and token and mode.startswith("pipeline"):  # every expert resident: the second set too
+            assert (loaded.model.decode_graphs._resident_pieces is not None) == (cache == 32)
         tiers.finish()
         c = tiers.metrics.counts
         got[graphs, "counts"] = (c.slot_hits, c.cpu_entries + c.pcie_entries)

@@ -276,6 +276,43 @@ def test_token_pieces_split_every_n_layers_keep_the_bits(monkeypatch):
     assert backend.order == ([("begin", -1)] + layers + [("end", -1)]) * STEPS
 
 
+class _ResidentTokenRows(_TokenRows):
+    """_TokenRows whose cache holds every expert (PipelinedDecodeRows.resident_graphs): every other token is
+    a resident one, whose pieces run with resident_form on; it records the form each layer saw."""
+
+    resident_graphs = True
+    resident_form = False
+
+    def __init__(self, experts, k: int):
+        super().__init__(experts, k)
+        self.tokens = 0
+        self.forms: list[bool] = []
+
+    def token_begin(self):
+        super().token_begin()
+        self.tokens += 1
+
+    @property
+    def resident_token(self):
+        return self.tokens % 2 == 0
+
+    def token_layer(self, layer, x, ids, beside):
+        self.forms.append(self.resident_form)
+        super().token_layer(layer, x, ids, beside)
+
+
+def test_resident_tokens_run_the_resident_form_and_keep_the_bits():
+    """A backend with a resident form (resident_graphs): a token it calls resident runs its pieces with
+    resident_form on (captured on CUDA as a second set of token graphs), the others with it off; the
+    form is off again after each token, and the decode keeps the plain forward's bits."""
+    eager, graphed, backend = _backed_models(_ResidentTokenRows)
+    hp = graphed.hp
+    _assert_same_decode(eager, graphed, ref.random_prompt(PROMPT, seed=4))
+    assert backend.tokens == STEPS and not backend.resident_form
+    want = [token % 2 == 0 for token in range(1, STEPS + 1) for _ in range(hp.n_layer)]
+    assert backend.forms == want
+
+
 class _Chains:
     """A rows backend's tokens may overlap (PipelinedDecodeRows.can_chain); it counts its joins."""
 
