@@ -305,10 +305,6 @@ class PipelinedDecodeRows:
         # and a combine that reads the device's rows alone (every entry a hit: the same rows, the same bits)
         self.resident_graphs = self.token_graph and not partial
         self.resident_form = False
-        # while the decode graphs capture the token graphs with the fused combine, they set this: token_layer
-        # then leaves out its flag wait, which the next layer's combine does itself (combine_wait: one launch
-        # a layer fewer, ~2.5 us of the layer's path on the H100 at 24 GiB, session 41's trace)
-        self.waits_in_combine = False
         self._ids_all = torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)  # [L, K]
         self._ids_dev = torch.zeros((tiers.n_layers, k), dtype=torch.int64, device=dev)  # [L, K]
         self._ids_snaps = [torch.zeros((tiers.n_layers, k), dtype=torch.int64, pin_memory=True)
@@ -641,13 +637,6 @@ class PipelinedDecodeRows:
         token.job = tiers.cpu_thread.submit(self._run_worker, base, res)
         self._tokens.append(token)
 
-    def combine_wait(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """What the combine of `layer`'s rows waits for where it waits itself (waits_in_combine, not a
-        resident token): (flag, base, layer), kernels/fused_small.combine_fused's `wait`; else None."""
-        if not self.waits_in_combine or self.resident_form:
-            return None
-        return self.rows_flag.tensor, self._base_dev, layer
-
     @property
     def resident_token(self) -> bool:
         """Whether token_begin's token has every expert resident (it may run resident_form's graphs)."""
@@ -709,8 +698,7 @@ class PipelinedDecodeRows:
         self._layer_graph(layer, x, ids, beside)
         if staged:
             self._enqueue_tiles(layer, lambda: self._ahead_tiles(layer, x))
-        if not self.waits_in_combine:
-            wait_flag(self.rows_flag.tensor, self._base_dev, layer)
+        wait_flag(self.rows_flag.tensor, self._base_dev, layer)
         self._rows_landed(layer, tiles=staged)
         if staged:  # the copies' stream joined here as well (a capture ends with every fork joined to its
             # stream; the tiles already waited for the copies)

@@ -49,18 +49,13 @@ def _check(flag: Tensor, base: Tensor) -> None:
         raise ValueError("wait_flag: base must be one int64")
 
 
-def check_flag(flag: Tensor, base: Tensor, layer: int) -> None:
-    """What wait_flag refuses (a kernel that waits as it does checks its arguments here)."""
-    _check(flag, base)
-    if layer < 0:
-        raise ValueError(f"wait_flag: layer {layer} < 0")
-
-
 def wait_flag(flag: Tensor, base: Tensor, layer: int) -> None:
     """On the current stream: stop until (int32)(flag - (base + layer) mod 2^32) >= 0. flag: int32 [1],
     page-locked (or, under the Triton interpreter, a CPU tensor); base: int64 [1] on the device. No host
     sync: graph-capturable. Never released if nothing raises the flag (the worker's abort raises it)."""
-    check_flag(flag, base, layer)
+    _check(flag, base)
+    if layer < 0:
+        raise ValueError(f"wait_flag: layer {layer} < 0")
     _kernel()[(1,)](flag, base, layer, num_warps=1)
 
 

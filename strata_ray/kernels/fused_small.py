@@ -116,26 +116,12 @@ def gather_rows(rows: Tensor, cpu_rows: Tensor, hit: Tensor, inv: Tensor) -> Ten
     return torch.where(hit[..., None] != 0, rows, picked)
 
 
-def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, FLAG, BASE, layer, E, K: tl.constexpr,
-                  HAS_SHARED: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr,
-                  FENCE: tl.constexpr):
+def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                  GATHER: tl.constexpr, BLOCK: tl.constexpr):
     # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]; with GATHER, entry (t, k) reads
     # CPU f32 [M, E] row INV[t, k] where HIT[t, k] == 0 (int32 [N, K]). Program (token, column block).
     # K unrolled: every row's load is issued at once (CPU rows may be read over PCIe, page-locked memory).
-    # WAIT: first spin until the host flag FLAG int32 [1] reaches BASE int64 [1] + layer (flag_wait's
-    # test: the worker's rows are written), then read nothing before it (FENCE: an acquire fence whose 0
-    # every address below adds, so no load can be hoisted above it)
     t = tl.program_id(0).to(tl.int64)
-    if WAIT:
-        target = ((tl.load(BASE) + layer) & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-        v = tl.load(FLAG, volatile=True)
-        while v - target < 0:  # int32 arithmetic wraps: the flag's distance to the target, signed
-            v = tl.load(FLAG, volatile=True)
-        if FENCE:
-            dep = tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,r",
-                                            [tl.zeros((1,), tl.int32) + v], dtype=tl.int32, is_pure=False,
-                                            pack=1)
-            t = t + tl.sum(dep, axis=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < E
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -153,14 +139,11 @@ def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, FLAG, BASE, layer, E
 
 
 def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor | None,
-                  gather: tuple[Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
-                  wait: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
+                  gather: tuple[Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None) -> Tensor:
     """combine_reference in one launch, the same bits (no FMA contraction). CUDA-graph capturable.
     gather = (cpu_rows, hit, inv): the rows are gather_rows(rows, *gather), read in place (cpu_rows and inv
     may be page-locked host tensors: the pipelined decode's worker writes them there). out: a contiguous
-    float32 tensor of h_mid's shape to write (a decode graph's buffer), else a new one. wait = (flag, base,
-    layer): the kernel first waits as flag_wait.wait_flag(flag, base, layer) does (the worker's rows in the
-    token graphs: one launch a layer fewer than a wait kernel before the combine)."""
+    float32 tensor of h_mid's shape to write (a decode graph's buffer), else a new one."""
     n, k, e = rows.shape
     if h_mid.shape != (n, e) or weights.shape != (n, k) or (shared is not None and shared.shape != (n, e)):
         raise ValueError(f"combine_fused: h_mid {list(h_mid.shape)}, rows {list(rows.shape)}, weights "
@@ -174,19 +157,12 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
         out = torch.empty_like(h_mid)
     elif out.shape != (n, e) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"combine_fused: out must be contiguous float32 [{n}, {e}]")
-    flag, base, layer = wait if wait is not None else (hit, hit, 0)  # unread without WAIT
-    if wait is not None:
-        from .flag_wait import check_flag
-
-        check_flag(flag, base, layer)
     if n:
         block = 1024
         sh = shared.contiguous() if shared is not None else h_mid  # unread without HAS_SHARED
         _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, cpu.contiguous(), hit.contiguous(),
-                                           inv.contiguous(), out, flag, base, layer, e, K=k,
-                                           HAS_SHARED=shared is not None, GATHER=gather is not None,
-                                           BLOCK=block, WAIT=wait is not None,
-                                           FENCE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4,
+                                           inv.contiguous(), out, e, K=k, HAS_SHARED=shared is not None,
+                                           GATHER=gather is not None, BLOCK=block, num_warps=4,
                                            enable_fp_fusion=False)
     return out
 
@@ -273,5 +249,4 @@ def shared_act_fused(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
 
 @functools.cache
 def _kernels():
-    # the combine's layer (its wait's target) picks no new binary
-    return jit_bodies(_rms_norm_body, _combine_body, _shared_act_body, do_not_specialize=["layer"])
+    return jit_bodies(_rms_norm_body, _combine_body, _shared_act_body)

@@ -254,9 +254,8 @@ class DecodeGraphs:
                 gpu, cpu, hit, inv = self.rows.parts()
                 # a resident token's graphs (resident_form) read the device's rows alone: every entry a hit
                 gather = None if self._resident_form() else (cpu, hit.view(1, K), inv.view(1, K))
-                wait = getattr(self.rows, "combine_wait", lambda layer: None)(layer - 1)
                 return combine_fused(prev.h_mid, gpu.view(1, K, -1), prev.weights, prev.shared, gather=gather,
-                                     out=out, wait=wait)
+                                     out=out)
             routed = combine_rows(self.rows.rows().view(1, K, -1), prev.weights)
         moe = routed if prev.shared is None else routed + prev.shared
         return torch.add(prev.h_mid, moe, out=out)
@@ -456,34 +455,19 @@ class DecodeGraphs:
         return pieces + [(*run, head)]
 
     def _capture_token(self, segments, head) -> list:
-        """_token_pieces with each tuple captured as one graph (one memory pool: they replay in order). With
-        the fused combine and a rows backend that takes it (waits_in_combine), each layer's combine waits for
-        the worker's rows itself instead of a wait kernel before it: that form is warmed up first on a side
-        stream, over layer 0's wait (the backend's capture_all left its flag at the base: it passes)."""
-        fold = hasattr(self.rows, "waits_in_combine") and fused_enabled(self.hidden, 1)
-        if fold:
-            self.rows.waits_in_combine = True
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._layer_input(1, out=self.hidden)  # layer 0's combine (the head's where it is the last)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        try:
-            pool = torch.cuda.graph_pool_handle()
-            out: list = []
-            for piece in self._token_pieces(segments, head):
-                if isinstance(piece, int):
-                    out.append(piece)
-                    continue
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    for fn in piece:
-                        fn()
-                out.append(g.replay)
-            return out
-        finally:
-            if fold:
-                self.rows.waits_in_combine = False
+        """_token_pieces with each tuple captured as one graph (one memory pool: they replay in order)."""
+        pool = torch.cuda.graph_pool_handle()
+        out: list = []
+        for piece in self._token_pieces(segments, head):
+            if isinstance(piece, int):
+                out.append(piece)
+                continue
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                for fn in piece:
+                    fn()
+            out.append(g.replay)
+        return out
 
     def _capture_resident(self, segments, head) -> list:
         """The token graphs again with the rows backend's resident_form on (no flag waits, the combine over

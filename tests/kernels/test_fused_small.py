@@ -107,49 +107,6 @@ def _combine_cases(device):
 
 
 
-def test_combine_wait_refuses_what_wait_flag_refuses():
-    h, rows, w, sh = _combine_inputs(1, 4, 64, True, "cpu", seed=1)
-    flag, base = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="one int32"):
-        combine_fused(h, rows, w, sh, wait=(flag.long(), base, 0))
-    with pytest.raises(ValueError, match="layer -1"):
-        combine_fused(h, rows, w, sh, wait=(flag, base, -1))
-
-
-def _combine_wait_inputs(device, seed):
-    """One token's rows (K = 10 of 2048), half of them CPU rows in host memory (page-locked on CUDA) that
-    the test rewrites before it raises the flag, and what the combine gives over the rewritten rows."""
-    h, rows, w, sh = _combine_inputs(1, 10, 2048, True, device, seed=seed)
-    cpu, hit, inv = _gather_inputs(1, 10, 2048, device, seed=seed + 1)
-    cpu_host = torch.zeros(cpu.shape, dtype=torch.float32, pin_memory=device == "cuda")
-    new_cpu = torch.randn(cpu.shape, generator=torch.Generator().manual_seed(seed + 2))
-    inv_host = inv.cpu().pin_memory() if device == "cuda" else inv
-    want = combine_reference(h, gather_rows(rows, new_cpu.to(device), hit, inv), w, sh)
-    return (h, rows, w, sh, (cpu_host, hit, inv_host)), new_cpu, want
-
-
-@interpret
-def test_interpreted_combine_waits_for_the_flag_then_reads_the_rows_written_before_it():
-    pytest.importorskip("triton")
-    import threading
-    import time
-
-    args, new_cpu, want = _combine_wait_inputs("cpu", seed=3)
-    h, rows, w, sh, gather = args
-    flag, base = torch.tensor([6], dtype=torch.int32), torch.tensor([5])
-
-    def worker():  # its rows, then the flag (as the decode's worker writes them)
-        time.sleep(0.2)
-        gather[0].copy_(new_cpu)
-        flag[0] = 8
-
-    t0 = time.perf_counter()
-    thread = threading.Thread(target=worker)
-    thread.start()
-    got = combine_fused(h, rows, w, sh, gather=gather, wait=(flag, base, 3))
-    thread.join()
-    assert time.perf_counter() - t0 >= 0.2 and torch.equal(got, want)
-
 
 def _add_norm_cases(device):
     for rows, n in [(1, 2048), (33, 256), (222, 100)]:
@@ -243,45 +200,6 @@ def test_gpu_rms_norm():
 @gpu
 def test_gpu_combine_same_bits():
     _combine_cases("cuda")
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_graph_combine_waits_for_the_host_rows_at_each_base():
-    """A captured combine that waits (the token graphs' form): each replay holds until the host, having
-    written its CPU rows into page-locked memory, raises the flag to that replay's base + layer; the result
-    is the combine over those rows, bit for bit."""
-    import time
-
-    from strata_ray.kernels.stream_flags import HostFlag
-
-    dev = torch.device("cuda")
-    flag = HostFlag(dev)
-    base = torch.zeros(1, dtype=torch.int64, device=dev)
-    args, _, _ = _combine_wait_inputs("cuda", seed=5)
-    h, rows, w, sh, gather = args
-    out = torch.zeros_like(h)
-    combine_fused(h, rows, w, sh, gather=gather, out=out, wait=(flag.tensor, base, 0))  # compiled now
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        combine_fused(h, rows, w, sh, gather=gather, out=out, wait=(flag.tensor, base, 4))
-    for i, round_base in enumerate((10, (1 << 32) - 2)):
-        new_cpu = torch.randn(gather[0].shape, generator=torch.Generator().manual_seed(20 + i))
-        want = combine_reference(h, gather_rows(rows, new_cpu.to(dev), gather[1], gather[2].to(dev)), w, sh)
-        target = (round_base + 4) & 0xFFFFFFFF
-        flag.set((target - 1) & 0xFFFFFFFF)
-        base.fill_(round_base)
-        out.fill_(float("nan"))
-        graph.replay()
-        done = torch.cuda.Event()
-        done.record()
-        time.sleep(0.05)
-        assert not done.query(), "the combine ran past a flag below its target"
-        gather[0].copy_(new_cpu)  # the worker's rows, then its flag
-        flag.set(target)
-        done.synchronize()
-        assert torch.equal(out, want)
 
 
 @pytest.mark.gpu
