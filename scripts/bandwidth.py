@@ -4,26 +4,9 @@ best of a few runs. They are the physical limits of the scripts' rooflines (byte
 
 from __future__ import annotations
 
-import time
+from strata_ray.experts.pcie_share import host_copy_gbs  # the engine's own (its default PCIe share)
 
-import numpy as np
-
-from strata_ray.kernels.cpu_pool import CpuPool
-
-
-def host_copy_gbs(pool: CpuPool, n_bytes: int, repeats: int = 5) -> float:
-    """Threaded host memcpy over the pool's threads, (read + write) GB per second (best of `repeats`)."""
-    src = np.ones(n_bytes, np.uint8)
-    dst = np.empty_like(src)
-    cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
-    jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-    pool.run(np.copyto, jobs)  # first touch: page faults are not the memory's rate
-    best = 1e9
-    for _ in range(repeats):
-        t = time.perf_counter()
-        pool.run(np.copyto, jobs)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
+__all__ = ["device_copy_gbs", "host_copy_gbs"]
 
 
 def device_copy_gbs(device, n_bytes: int = 1 << 30, repeats: int = 10) -> float:

@@ -477,7 +477,7 @@ def main() -> None:
 
     rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "
-          f"PCIe share {cfg.pcie_share / 10:g}%)", flush=True)
+          f"PCIe share {tiers.pcie_share / 10:g}%)", flush=True)
     model = Model(hp, weights, experts=tiers)
     graphs = {"token_graph": False, "device_attention": False, "ahead": 0, "warm": False}
     if dev == "cuda" and not args.no_graphs:
@@ -534,7 +534,7 @@ def main() -> None:
         "decode_pipeline": cfg.decode_pipeline,
         "dense_q8": cfg.dense_q8,
         "kernel_variant": cfg.kernel_variant,
-        "pcie_share": cfg.pcie_share,
+        "pcie_share": tiers.pcie_share,
         "decode_prefetch": graphs["ahead"],  # the experts a layer copies ahead, as the decode took them
         "token_graph": graphs["token_graph"],
         "device_attention": graphs["device_attention"],

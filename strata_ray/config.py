@@ -115,9 +115,10 @@ class EngineConfig:
     # STRATA_PCIE_SHARE (env only, permille 0-1000): in the pipelined decode the GPU computes this share of
     # a layer's non-resident entries itself, copying their weights from the page-locked host store over
     # PCIe while the CPU pool computes the rest (contract.pcie_entries: those of the lowest expert ids); 0:
-    # the CPU pool computes every miss. Same bits either way (the arithmetic contract). Default 400: the best
-    # of 0/400/600/800/1000 on the H200 at 8K and a 24 GiB budget (51.9 -> 61.8 tok/s, session 10).
-    pcie_share: int = 400
+    # the CPU pool computes every miss. Same bits either way (the arithmetic contract). None (unset): from
+    # the host's memory rate measured at load, P / (P + H) (experts/pcie_share: 300 on the H200 machine's 61
+    # GB/s, 150 on the H100 machine's 140; a fixed 400 lost 6% at 8K there, session 41).
+    pcie_share: int | None = None
     # STRATA_DECODE_PREFETCH (env only, 0-8 experts): in the pipelined decode each page-locked layer routes
     # its input residual beside its attention / GDN mixer (a prediction: the mixer adds little to the
     # residual) and copies the first this-many predicted non-resident experts into staging slots while the

@@ -239,7 +239,7 @@ def test_kernel_variant_is_an_env_switch_carried_by_the_config():
 
 
 @pytest.mark.parametrize("name,field,default,good,bad,allowed", [
-    ("STRATA_PCIE_SHARE", "pcie_share", 400, "600", "0.6", "an integer from 0 to 1000"),  # permille
+    ("STRATA_PCIE_SHARE", "pcie_share", None, "600", "0.6", "an integer from 0 to 1000"),  # None: the host's
     ("STRATA_DECODE_PREFETCH", "decode_prefetch", None, "2", "9", "an integer from 0 to 8"),  # None: auto
 ])
 def test_integer_env_switches(name, field, default, good, bad, allowed):
@@ -261,6 +261,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
     ("STRATA_PROMPT_MMA", "yes", "0 or 1"),
     ("STRATA_DENSE_CUDA", "on", "0 or 1"),
     ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
+    ("STRATA_GDN_COLUMNS", "24", "a power of two from 16 to 1024"),
     ("STRATA_ATTN_TILES", "64x32x8x1", ATTN_TILES_ALLOWED),
     ("STRATA_ATTN_TILES", "64x128x8x1x64", ATTN_TILES_ALLOWED),  # a tile past its split
     ("STRATA_ATTN_TILES", "48x16x4x1x64", ATTN_TILES_ALLOWED),
@@ -288,7 +289,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee", "STRATA_ATTN_TILES": "128x16x4x2x64",
             "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole",
-            "STRATA_AHEAD_LAYER": "next"}.get(name, "1")
+            "STRATA_AHEAD_LAYER": "next", "STRATA_GDN_COLUMNS": "64"}.get(name, "1")
     config([], {name: good})  # good values pass
     with pytest.raises(ConfigError) as e:
         config([], {name: value})

@@ -150,9 +150,16 @@ class Engine:
         }
 
     def _fill_line(self) -> str | None:
-        """The cache's 'pre-filled N of S slots ...' line; None without tiers or cache slots."""
+        """The cache's 'pre-filled N of S slots ...' line (and the PCIe share picked from the host's memory
+        rate, where one was); None without tiers or cache slots."""
         has_slots = self.tiers is not None and self.tiers.cache.n_slots > 0
-        return self.tiers.cache.fill_line if has_slots else None
+        if not has_slots:
+            return None
+        line = self.tiers.cache.fill_line
+        if self.tiers.host_gbs is not None:
+            line += (f"; the GPU reads {self.tiers.pcie_share / 10:g}% of the decode's misses over PCIe "
+                     f"(host memory {self.tiers.host_gbs:.0f} GB/s)")
+        return line
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         n_vocab = self.loaded.hp.n_vocab

@@ -32,6 +32,7 @@ from strata_ray.experts.adaptive import AdaptiveTier, Swap
 from strata_ray.experts.host_store import HostStore
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.metrics import TierMetrics
+from strata_ray.experts.pcie_share import auto_pcie_share
 from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
@@ -167,7 +168,7 @@ class TieredExperts:
         ring_overlap: bool = False,
         decode_cpu_thread: bool = False,
         decode_pipeline: bool = False,
-        pcie_share: int = 0,
+        pcie_share: int | None = 0,
         decode_prefetch: int | None = None,
         loan_order: str = "profile",
     ):
@@ -180,7 +181,8 @@ class TieredExperts:
         # (PipelinedDecodeRows; the config's default; decode_cpu_thread, an explicit opt-in, wins over it)
         self.decode_pipeline = decode_pipeline
         # the pipelined decode: permille of a layer's misses the GPU reads over PCIe from the page-locked
-        # store (contract.pcie_entries; layers not page-locked: none)
+        # store (contract.pcie_entries; layers not page-locked: none); None: this host's (experts/pcie_share,
+        # set below once the pool is there), 0 without CUDA
         self.pcie_share = pcie_share
         # the pipelined decode: experts a page-locked layer copies ahead of its routing, from the routing
         # predicted beside its mixer (decode_pipeline; 0: none; None: its default, 2 in the token graphs)
@@ -191,6 +193,11 @@ class TieredExperts:
         cuda = self.device.type == "cuda"
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
+        self.host_gbs: float | None = None  # the host copy rate the default share came from (measured once)
+        if self.pcie_share is None:
+            self.pcie_share = 0
+            if cuda:
+                self.pcie_share, self.host_gbs = auto_pcie_share(self.pool)
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
