@@ -22,29 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from bandwidth import device_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
+
 SHAPES = ["12352x2048", "9216x2048", "2048x4096", "1024x2048", "2048x512", "151936x2048"]  # [N, K]
 SWEEP = [(1, 1024, 2), (2, 1024, 4), (4, 512, 4), (4, 1024, 4), (4, 1024, 8), (8, 512, 4), (8, 1024, 8),
          (16, 256, 4), (2, 2048, 4)]  # (BN, BK, warps)
 L2_BUST_BYTES = 512 << 20  # weights cycled per graph: >> the H200's 50 MB L2
 GRAPH_CALLS = 64
 REPLAYS = 21
-
-
-def copy_gbs(torch) -> float:
-    """Device-to-device copy bandwidth, read + write bytes, median of 20 copies of 1 GiB."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(20):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        dst.copy_(src)
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) / 1e3)
-    del src, dst
-    return 2 * (1 << 30) / statistics.median(times) / 1e9
 
 
 def graph_seconds(torch, calls) -> float:
@@ -200,7 +185,7 @@ def main() -> None:
         raise SystemExit("error: --tokens, --loads: comma-separated integers; --shapes: NxK,...") from None
     if any(len(sh) != 2 or min(sh) <= 0 or sh[1] % 32 for sh in shapes) or min(tokens + loads_list) <= 0:
         raise SystemExit("error: shapes NxK with K a multiple of 32, and positive token and load counts")
-    copy = copy_gbs(torch)
+    copy = device_copy_gbs("cuda", repeats=20)
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy:.0f} GB/s (read + write)")
     print(f"{'shape':>12} {'T':>3} {'kernel':>20} {'us':>9} {'GB/s':>8} {'% copy':>7}")
     for n, k in shapes:

@@ -29,7 +29,6 @@ bits, the same guarantees).
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -189,10 +188,13 @@ def _kv_append_body(ANCHOR, KVT, POS, KN, VN, ROW, BLOCK: tl.constexpr):
 def _dot_precision() -> str:
     """The key tiles' products (module docstring): STRATA_ATTN_DOT, "tf32x3" (the default) or "ieee" (the
     config refuses other values; read at each launch, so a graph keeps the form it was captured with)."""
-    prec = os.environ.get("STRATA_ATTN_DOT", "tf32x3")
-    if prec not in ("ieee", "tf32x3"):
-        raise ValueError(f"STRATA_ATTN_DOT must be tf32x3 or ieee, got {prec!r}")
-    return prec
+    return env_knob("STRATA_ATTN_DOT", _dot_value, "tf32x3")
+
+
+def _dot_value(raw: str) -> str:
+    if raw not in ("tf32x3", "ieee"):
+        raise ValueError("tf32x3 or ieee")
+    return raw
 
 
 @functools.cache
