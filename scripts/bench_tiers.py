@@ -535,6 +535,7 @@ def main() -> None:
         "dense_q8": cfg.dense_q8,
         "kernel_variant": cfg.kernel_variant,
         "pcie_share": tiers.pcie_share,
+        "share_host_gbs": tiers.host_gbs,  # the host rate an unset share came from (None: set, or none)
         "decode_prefetch": graphs["ahead"],  # the experts a layer copies ahead, as the decode took them
         "token_graph": graphs["token_graph"],
         "device_attention": graphs["device_attention"],

@@ -59,15 +59,18 @@ device sat idle between a layer's graphs. So the decode graphs capture a run of 
 (token_begin, then token_ahead / token_layer inside the capture, token_end): the same bodies, the events
 between the streams as edges inside the graph, and the wait for the worker's rows a one-thread kernel that
 spins on the host flag until it reaches base + layer, base read from the device (kernels/flag_wait), so
-the graph serves every token. With the device attention a token is one launch. A resident token gets a
-base too, its flag raised at once.
+the graph serves every token. With the device attention a token is one launch. Where the cache holds
+every expert, resident tokens replay token graphs of their own, captured without the flag waits
+(`resident_graphs`, `resident_form`: session 41, +5.5% at 8K on an H100); a resident token in the other
+graphs gets a base too, its flag raised at once.
 
 A token while every expert is resident (`tiers.all_resident`: a card that holds the model) has no CPU rows:
 no worker, no waits; a layer is its graph (whose publish also leaves the ids in a pinned row for the window
 counts). On the H200 at 8K that removed ~0.2 ms a layer of round trips (session 9). Session 11 moved the
 host's per-layer copies and flag write into the graph (one kernel) and let the combine read the worker's
 rows where it wrote them: a layer is two graphs and a wait (with STRATA_TOKEN_GRAPH=0; by default the
-token graphs make the token one launch, its flag waits released at once). Such a token has no host wait
+token graphs make the token one launch, with no flag waits: the resident graphs above). Such a token has no
+host wait
 at all, so the chained greedy decode (DecodeGraphs.chain) launches the next one before it is joined; each
 token's ids are then copied out at its end, before the next token's publish overwrites them
 (`_resident_ids`).
@@ -202,6 +205,7 @@ class PipelinedDecodeRows:
         self.staging = None
         # no share when the cache holds every expert: an all-resident token then launches no staging tiles
         partial = tiers.cache.n_slots < tiers.n_layers * tiers.n_expert
+        tiers.resolve_pcie_share()  # an unset share, where warm_up did not run first (idempotent)
         # the token graphs (token_begin ... token_end: the decode graphs capture runs of layers as one graph,
         # the worker's rows waited for inside) and the experts a layer copies ahead of its routing
         token_env = os.environ.get("STRATA_TOKEN_GRAPH", "")

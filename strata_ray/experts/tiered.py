@@ -181,9 +181,11 @@ class TieredExperts:
         # (PipelinedDecodeRows; the config's default; decode_cpu_thread, an explicit opt-in, wins over it)
         self.decode_pipeline = decode_pipeline
         # the pipelined decode: permille of a layer's misses the GPU reads over PCIe from the page-locked
-        # store (contract.pcie_entries; layers not page-locked: none); None: this host's (experts/pcie_share,
-        # set below once the pool is there), 0 without CUDA
-        self.pcie_share = pcie_share
+        # store (contract.pcie_entries; layers not page-locked: none); None: this host's (experts/pcie_share),
+        # resolved by resolve_pcie_share (warm_up: after the load's compiles, which would slow the measure)
+        self._share_setting = pcie_share
+        self.pcie_share = 0 if pcie_share is None else pcie_share
+        self.host_gbs: float | None = None  # the host copy rate an unset share came from (measured once)
         # the pipelined decode: experts a page-locked layer copies ahead of its routing, from the routing
         # predicted beside its mixer (decode_pipeline; 0: none; None: its default, 2 in the token graphs)
         self.decode_prefetch = decode_prefetch
@@ -193,11 +195,6 @@ class TieredExperts:
         cuda = self.device.type == "cuda"
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
-        self.host_gbs: float | None = None  # the host copy rate the default share came from (measured once)
-        if self.pcie_share is None:
-            self.pcie_share = 0
-            if cuda:
-                self.pcie_share, self.host_gbs = auto_pcie_share(self.pool)
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
@@ -348,11 +345,23 @@ class TieredExperts:
         experts = self.cache.layer_view(layer) if slot.size else None
         return plan_tiles_host(slot, tile_entries(n_tok, mode, self.kernel_variant, experts))
 
+    def resolve_pcie_share(self) -> None:
+        """An unset share (None): this host's (experts/pcie_share), measured once, where the decode can use
+        one: the pipelined decode on CUDA, a cache that misses, some layer page-locked; else 0."""
+        if self._share_setting is not None or self.host_gbs is not None:
+            return
+        pinned = any(self.store.pinned_addresses(layer) is not None for layer in range(self.n_layers))
+        if (self.device.type == "cuda" and self.decode_pipeline and not self.decode_cpu_thread and pinned
+                and self.cache.n_slots < self.n_layers * self.n_expert):
+            self.pcie_share, self.host_gbs = auto_pcie_share(self.pool)
+
     def warm_up(self) -> float:
         """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's
         a few seconds), so that load time includes it and the first request's timings are real ones.
         Computes one expert row on zeros through each path: CPU one thread, the CPU pool (when this model's
-        calls can reach it), and on CUDA the cache's decode kernel and the row combine. Returns seconds."""
+        calls can reach it), and on CUDA the cache's decode kernel and the row combine; first resolves an
+        unset PCIe share (the load's compiles are done by then). Returns seconds."""
+        self.resolve_pcie_share()
         t = time.perf_counter()
         layer = min(self.store.layers)
         lay = self.store.layer(layer)

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet's recurrent step in three launches (decode and verify windows on CUDA).
+"""The Gated DeltaNet's recurrent step in two or three launches (decode and verify windows on CUDA).
 
 After its three projections a GDN layer runs, per token: a depthwise causal conv + SiLU over the q|k|v
 channels, L2 norms of q and k, the gates beta = sigmoid(b) and g = ssm_a * softplus(a + dt_bias), the
@@ -33,6 +33,7 @@ from .env_knob import env_knob
 from .lazy_triton import jit_bodies
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
+gated_norm = None  # _gated_norm jitted, bound by _kernels()
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, 
     S = tl.load(S_IN + s_off)  # [DK, BV]
     a_log = tl.load(A + j)
     dt_b = tl.load(DT_BIAS + j)
+    w = tl.load(NORM_W + vv)  # [BV] (read by the whole-head form's norm alone)
     for t in range(T):
         q = tl.load(Y + t * C + kh * DK + kk)
         k = tl.load(Y + t * C + key_dim + kh * DK + kk)
@@ -130,26 +132,28 @@ def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, 
         S = S + k[:, None] * u[None, :]
         o = tl.sum(S * q[:, None], axis=0)  # [BV]
         if BV == DV:
-            zt = tl.load(Z + t * nv * DV + j * DV + vv)
-            w = tl.load(NORM_W + vv)
-            o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
+            o = gated_norm(o, tl.load(Z + t * nv * DV + j * DV + vv), w, eps, DV)
         tl.store(O + t * nv * DV + j * DV + vv, o)
     tl.store(S_OUT + s_off, S)
+
+
+def _gated_norm(o, zt, w, eps, DV: tl.constexpr):
+    # one head's output [DV]: RMSNorm(o) * w * silu(zt) (ops.gated_rms_norm)
+    return o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
 
 
 def _gated_norm_body(O, Z, NORM_W, eps, DV: tl.constexpr):
     # O / Z f32 [T * nv, DV]: the raw outputs, normed in place. Program: one head of one token.
     row = tl.program_id(0).to(tl.int64) * DV
     vv = tl.arange(0, DV)
-    o = tl.load(O + row + vv)
-    zt = tl.load(Z + row + vv)
-    w = tl.load(NORM_W + vv)
-    o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
+    o = gated_norm(tl.load(O + row + vv), tl.load(Z + row + vv), tl.load(NORM_W + vv), eps, DV)
     tl.store(O + row + vv, o)
 
 
 @functools.cache
 def _kernels():
+    global gated_norm
+    (gated_norm,) = jit_bodies(_gated_norm)  # the two bodies below call it
     # T unspecialized: a 1-token and a 16-token call run the same binaries
     return jit_bodies(_conv_body, _delta_body, _gated_norm_body, do_not_specialize=["T"])
 
@@ -182,7 +186,8 @@ def gdn_step_supports(dims: GDNDims) -> bool:
 def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv_w: Tensor, ssm_a: Tensor,
              dt_bias: Tensor, norm_w: Tensor, dims: GDNDims, eps: float,
              state_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """gdn_step_reference (all tokens in the recurrent form) in two launches; new tensors out, or the new
+    """gdn_step_reference (all tokens in the recurrent form) in two or three launches (gdn_columns); new
+    tensors out, or the new
     states into state_out = (S', conv'), which may be S and conv themselves (a program reads its head's
     state, or its channels' rows, before it writes them: in place is safe; the decode graphs' buffers).
     CUDA-graph capturable (no host sync, no data-dependent shapes)."""

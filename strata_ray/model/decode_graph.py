@@ -477,8 +477,11 @@ class DecodeGraphs:
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
+            # one combine of each form the layers take (with and without a shared expert)
+            forms = {self.layers[layer - 1].shared is None: layer for layer in range(1, self.hp.n_layer + 1)}
             with torch.cuda.stream(side):
-                self._layer_input(self.hp.n_layer, out=self.hidden)  # the head's combine: any layer count
+                for layer in forms.values():
+                    self._layer_input(layer, out=self.hidden)
             torch.cuda.current_stream(self.device).wait_stream(side)
             return self._capture_token(segments, head)
         finally:

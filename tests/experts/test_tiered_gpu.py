@@ -136,9 +136,10 @@ def test_decode_graphs_give_the_eager_bits_on_cuda(tiny_next_q4, cache, mode, mo
     got = {}
     for graphs in (True, False):
         loaded, tiers = load_tiered_model(replace(base, decode_graphs=graphs), "cuda", progress=False)
-        if pcie is None:  # the defaults: the share this host's memory rate gives (experts/pcie_share)
-            pcie = tiers.pcie_share
-            assert tiers.host_gbs > 0 and pcie % 50 == 0
+        if pcie is None:  # the defaults: the share this host's memory rate gives (experts/pcie_share),
+            pcie = tiers.pcie_share  # measured only where the cache misses
+            assert (tiers.host_gbs is not None) == (cache < 32) and pcie % 50 == 0
+            assert cache < 32 or pcie == 0
         assert (loaded.model.decode_graphs is not None) == graphs
         if graphs:
             graphs_of = loaded.model.decode_graphs
