@@ -71,21 +71,31 @@ def engine(model_path):
     return Engine(EngineConfig(model=str(model_path), device="cpu"))
 
 
+def _start_server(model_path, work: Path) -> Server:
+    """The server on a free port (a fresh one while another process takes the port between free_port and
+    the server's bind: a Ray instance of the other test worker, say, which opens ports of its own)."""
+    for attempt in range(3):
+        port = free_port()
+        config = work / f"serve-{attempt}.json"
+        config.write_text(json.dumps({"model": str(model_path), "host": "127.0.0.1", "port": port,
+                                      "api_key": API_KEY, "args": ["--device", "cpu"]}))
+        log = work / f"server-{attempt}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "serve", "--config", str(config),
+                                     "--address", "local"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+        srv = Server(f"http://127.0.0.1:{port}", API_KEY, model_path, proc, log)
+        taken = _wait_ready(srv, retry_taken=attempt < 2)
+        if not taken:
+            return srv
+    raise AssertionError("unreachable: the last attempt fails in _wait_ready")
+
+
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    config = work / "serve.json"
-    config.write_text(json.dumps({"model": str(model_path), "host": "127.0.0.1", "port": port,
-                                  "api_key": API_KEY, "args": ["--device", "cpu"]}))
-    log = work / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "serve", "--config", str(config),
-                                 "--address", "local"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
-    srv = Server(f"http://127.0.0.1:{port}", API_KEY, model_path, proc, log)
+    srv = _start_server(model_path, tmp_path_factory.mktemp("serve"))
+    proc, log = srv.proc, srv.log
     try:
-        _wait_ready(srv)
         yield srv
     finally:
         # stopped as systemd, `docker stop` or Kubernetes stop it: Ray's SIGTERM handlers (ray.init's, the
@@ -101,14 +111,19 @@ def server(model_path, tmp_path_factory):
     assert proc.returncode == 0 and "strata_ray: stopped" in tail, f"exit {proc.returncode}: {tail}"
 
 
-def _wait_ready(srv: Server) -> None:
+def _wait_ready(srv: Server, retry_taken: bool = False) -> bool:
+    """Wait until the server is loaded; True (no server) where it exited because its port was taken and the
+    caller may try another."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if srv.proc.poll() is not None:
-            pytest.fail(f"the server exited with {srv.proc.returncode}: {srv.log.read_text()[-2000:]}")
+            tail = srv.log.read_text()[-2000:]
+            if retry_taken and "Address already in use" in tail:
+                return True
+            pytest.fail(f"the server exited with {srv.proc.returncode}: {tail}")
         try:
             if requests.get(srv.url + "/health", timeout=2).json().get("loaded"):
-                return
+                return False
         except (requests.RequestException, ValueError):
             pass
         time.sleep(0.5)
