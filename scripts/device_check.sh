@@ -29,7 +29,8 @@
 #     fused     decode at 8K on it with the fused decode kernels off and on (FUSED_MODES, default "0 1")
 #     team      decode at 8K on it, the CPU team at each TEAM_SIZES size, once per TEAM_SCHEDS host wait
 #     pcie      decode at 8K on it with each PCIE_SHARES permille of the misses read by the GPU over PCIe
-#               (an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program;
+#               (auto: the engine's share from the host's memory rate;
+#               an entry share:KiB also sets STRATA_STAGE_CHUNK_KIB, the staging copy's bytes a program;
 #               share:KiB:N also STRATA_DECODE_PREFETCH, the experts a layer copies ahead of its routing;
 #               share:KiB:N:P also STRATA_AHEAD_PROGRAMS, the programs of those copies; a suffix
 #               @NAME=VALUE,NAME=VALUE sets more variables, e.g. 400:32:2@STRATA_TOKEN_GRAPH=1)
@@ -170,6 +171,7 @@ for entry in ${PCIE_SHARES:-0 500 700 1000}; do
     entry=${entry%%#*}
     [[ $entry == *@* ]] && IFS=, read -r -a envs <<< "${entry#*@}"
     IFS=: read -r ps ck pf ap <<< "${entry%%@*}"
+    [[ $ps == auto ]] && ps=""  # the engine's own: from the host's memory rate (experts/pcie_share)
     n_pcie=$((n_pcie + 1))
     step pcie 100 env GOMP_SPINCOUNT=300000 STRATA_PCIE_SHARE="$ps" STRATA_STAGE_CHUNK_KIB="${ck:-32}" \
         ${pf:+STRATA_DECODE_PREFETCH="$pf"} ${ap:+STRATA_AHEAD_PROGRAMS="$ap"} "${envs[@]}" "${decode[@]}" \
