@@ -262,6 +262,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
     ("STRATA_DENSE_CUDA", "on", "0 or 1"),
     ("STRATA_ATTN_DOT", "tf32", "tf32x3 or ieee"),
     ("STRATA_GDN_COLUMNS", "24", "a power of two from 16 to 1024"),
+    ("STRATA_GDN_COLUMNS", "\u00b2", "a power of two from 16 to 1024"),  # a digit int() refuses
     ("STRATA_ATTN_TILES", "64x32x8x1", ATTN_TILES_ALLOWED),
     ("STRATA_ATTN_TILES", "64x128x8x1x64", ATTN_TILES_ALLOWED),  # a tile past its split
     ("STRATA_ATTN_TILES", "48x16x4x1x64", ATTN_TILES_ALLOWED),

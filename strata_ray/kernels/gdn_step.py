@@ -168,7 +168,7 @@ def gdn_columns(dv: int) -> int:
 
 
 def gdn_columns_value(raw: str) -> int:
-    v = int(raw) if raw.isdigit() else 0
+    v = int(raw) if raw.isascii() and raw.isdigit() else 0  # "\u00b2".isdigit(), yet int() refuses it
     if not (16 <= v <= 1024 and _pow2(v)):
         raise ValueError("a power of two from 16 to 1024")
     return v

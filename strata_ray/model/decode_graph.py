@@ -395,12 +395,7 @@ class DecodeGraphs:
             self.kv_table[:, 0].fill_(row[0])
             self.kv_table[:, 1].fill_(row[1])
             self._kv_at = [None] * len(self.layers)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for fn in flat:
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._warm(flat)
         # layer l's routing predicted from its own input, or (a layer early) from layer l - 1's
         src = [layer - 1 if self._ahead_next and layer else layer for layer in range(len(self.layers))]
         predicts = [lambda layer=layer, buf=self.layers[src[layer]]: self._predict(layer, buf.h_in)
@@ -469,20 +464,26 @@ class DecodeGraphs:
             out.append(g.replay)
         return out
 
+    def _warm(self, fns: list[Callable[[], object]]) -> None:
+        """Run fns once on a side stream (lazy cuBLAS / Triton init and compiles: none inside a capture), the
+        current stream waiting for them."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
     def _capture_resident(self, segments, head) -> list:
         """The token graphs again with the rows backend's resident_form on (no flag waits, the combine over
         the device's rows alone), for the tokens whose every expert is resident; the one new kernel form (the
         combine without its gather) warmed up first on a side stream, as _capture warms the others."""
         self.rows.resident_form = True
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
             # one combine of each form the layers take (with and without a shared expert)
             forms = {self.layers[layer - 1].shared is None: layer for layer in range(1, self.hp.n_layer + 1)}
-            with torch.cuda.stream(side):
-                for layer in forms.values():
-                    self._layer_input(layer, out=self.hidden)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            self._warm([lambda layer=layer: self._layer_input(layer, out=self.hidden)
+                        for layer in forms.values()])
             return self._capture_token(segments, head)
         finally:
             self.rows.resident_form = False

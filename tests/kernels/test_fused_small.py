@@ -106,8 +106,6 @@ def _combine_cases(device):
         assert combine_fused(h, rows, w, sh, gather=gather, out=out) is out and torch.equal(out, want)
 
 
-
-
 def _add_norm_cases(device):
     for rows, n in [(1, 2048), (33, 256), (222, 100)]:
         g = torch.Generator().manual_seed(rows + n)

@@ -106,22 +106,17 @@ def test_interpreted_column_blocks_match_reference(monkeypatch, columns):
     _fused_cases("cpu", SPLIT, (1, 3))
 
 
-def test_columns_setting():
+def test_columns_setting(monkeypatch):
     """The default, the whole head where the setting reaches dv, and one line for a bad value."""
-    import os
-
-    old = os.environ.pop("STRATA_GDN_COLUMNS", None)
-    try:
-        assert gdn_columns(128) == 32 and gdn_columns(32) == 32 and gdn_columns(16) == 16
-        os.environ["STRATA_GDN_COLUMNS"] = "256"
-        assert gdn_columns(128) == 128
-        os.environ["STRATA_GDN_COLUMNS"] = "24"
-        with pytest.raises(ValueError, match="STRATA_GDN_COLUMNS: invalid value '24'"):
+    monkeypatch.delenv("STRATA_GDN_COLUMNS", raising=False)
+    assert gdn_columns(128) == 32 and gdn_columns(32) == 32 and gdn_columns(16) == 16
+    monkeypatch.setenv("STRATA_GDN_COLUMNS", "256")
+    assert gdn_columns(128) == 128
+    for bad in ("24", "\u00b2"):  # not a power of two; a digit int() refuses
+        monkeypatch.setenv("STRATA_GDN_COLUMNS", bad)
+        want = f"STRATA_GDN_COLUMNS: invalid value {bad!r} \\(allowed: a power of two"
+        with pytest.raises(ValueError, match=want):
             gdn_columns(128)
-    finally:
-        os.environ.pop("STRATA_GDN_COLUMNS", None)
-        if old is not None:
-            os.environ["STRATA_GDN_COLUMNS"] = old
 
 
 @pytest.mark.gpu
