@@ -18,6 +18,7 @@ from strata_ray.kernels.attention_decode import attn_tiles_value
 from strata_ray.kernels.contract import KERNEL_VARIANTS
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 from strata_ray.kernels.gdn_step import gdn_columns_value
+from strata_ray.kernels.pdl import pdl_value
 
 LOAN_ORDERS = ("profile", "prompt")  # STRATA_LOAN_ORDER: which pairs the ring's loan takes first
 
@@ -543,7 +544,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
-# STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step)
+# STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches the
+# decode chain's Triton kernels without programmatic dependent launch, kernels/pdl)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -573,6 +575,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_AHEAD_LAYER": _choice("same", "next"),
     "STRATA_ROWS_ITERS": int_range(1, 64),
     "STRATA_GDN_COLUMNS": gdn_columns_value,
+    "STRATA_PDL": pdl_value,
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

@@ -286,6 +286,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
     ("STRATA_GEMV_MIN_CTAS", "0", "an integer from 1 to 4"),
     ("STRATA_ROWS_ITERS", "0", "an integer from 1 to 64"),
     ("STRATA_AHEAD_LAYER", "early", "same or next"),
+    ("STRATA_PDL", "on", "0 or 1"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee", "STRATA_ATTN_TILES": "128x16x4x2x64",

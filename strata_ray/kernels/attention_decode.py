@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .env_knob import env_knob
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 from .tile_plan import next_pow2
 
 
@@ -94,12 +95,15 @@ tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launc
 
 def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H, Hkv, NS,
                        REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
-                       BK_: tl.constexpr, AT_DEVICE: tl.constexpr, PREC: tl.constexpr):
+                       BK_: tl.constexpr, AT_DEVICE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     # Q f32 [T, H, D]; K, V f32 [S, Hkv, D]; M, L f32 [T, H, NS]; ACC f32 [T, H, NS, D]. Program (token x kv
     # head, p): splits p, p + P, ... (P programs on axis 1) that hold keys the token sees.
     # AT_DEVICE (a graph replays it at every position): the caches sit KVT[0] and KVT[1] floats from K (= V,
     # an anchor tensor: offsets from an argument keep the pointer's known 16-byte alignment), the first
     # token's position is POS[0] and n_keys = POS[0] + the argument (the tokens of the call).
+    if PDL:  # it starts early, then waits for the kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if AT_DEVICE:
         q_offset = tl.load(POS)
         n_keys = q_offset + n_keys
@@ -139,13 +143,16 @@ def _attn_partial_body(Q, K, V, M, L, ACC, POS, KVT, q_offset, n_keys, scale, H,
 
 
 def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constexpr, SPLIT_: tl.constexpr,
-                       SC: tl.constexpr, DC: tl.constexpr, AT_DEVICE: tl.constexpr):
+                       SC: tl.constexpr, DC: tl.constexpr, AT_DEVICE: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, query head, DC of its D values): its own splits, SC at a time in increasing
     # order, each chunk added lane by lane to [SC] / [SC, DC] accumulators reduced once at the end; splits
     # past the query's keys are masked to exact zeros, so a decode step and a verify window give the same
     # bits. Each program of a head computes the head's max and sum alike (the same bits); a head's D values
     # in chunks put more programs on the splits' reads (16 heads a token: 16 programs reading 128 KiB each
     # at 8K keys, 64-key splits).
+    if PDL:  # it starts early, then waits for the kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if AT_DEVICE:  # as in the partial kernel
         q_offset = tl.load(POS)
         n_keys = q_offset + n_keys
@@ -171,9 +178,12 @@ def _attn_combine_body(M, L, ACC, O, POS, q_offset, n_keys, H, NS, D: tl.constex
     tl.store(O + pid.to(tl.int64) * D + d, tl.sum(o_lane, axis=0) / tl.sum(l_lane, axis=0))
 
 
-def _kv_append_body(ANCHOR, KVT, POS, KN, VN, ROW, BLOCK: tl.constexpr):
+def _kv_append_body(ANCHOR, KVT, POS, KN, VN, ROW, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # KVT int64 [2]: the K and V caches (f32 [S, Hkv, D]) as offsets in floats from ANCHOR; KN, VN f32
     # [T, ROW] the new rows, written at positions POS[0] + t. Program t.
+    if PDL:  # it starts early, then waits for the kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     at = (tl.load(POS) + t) * ROW
     kc = ANCHOR + tl.multiple_of(tl.load(KVT), 16)
@@ -248,10 +258,11 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, scratch: tuple[Tensor, Tensor, Tens
     partial[(T * Hkv, programs)](q.contiguous(), k, v, m, ell, acc, cell, table if at_device else m, q_offset,
                                  n_keys, scale, H, Hkv, ns, REP=H // Hkv, REP_P=max(16, next_pow2(H // Hkv)),
                                  D=D, SPLIT_=tiles.split, BK_=tiles.bk, AT_DEVICE=at_device,
-                                 PREC=_dot_precision(), num_warps=tiles.warps, num_stages=tiles.stages)
+                                 PREC=_dot_precision(), num_warps=tiles.warps, num_stages=tiles.stages,
+                                 **pdl_args(m))
     dc = min(tiles.dc, D)
     combine[(T * H, D // dc)](m, ell, acc, out, cell, q_offset, n_keys, H, ns, D=D, SPLIT_=tiles.split,
-                              SC=16, DC=dc, AT_DEVICE=at_device, num_warps=4)
+                              SC=16, DC=dc, AT_DEVICE=at_device, num_warps=4, **pdl_args(m))
 
 
 class DeviceAttention:
@@ -302,7 +313,7 @@ class DeviceAttention:
         row = Hkv * D
         _, _, append = _kernels()
         append[(T,)](self.anchor, table, pos, k.contiguous(), v.contiguous(), row,
-                     BLOCK=min(1024, next_pow2(row)), num_warps=4)
+                     BLOCK=min(1024, next_pow2(row)), num_warps=4, **pdl_args(table))
 
     def __call__(self, q: Tensor, table: Tensor, pos: Tensor, scale: float) -> Tensor:
         """Attention of q [T, H, D] at positions pos[0].. over the caches in `table` (keys 0 .. pos[0] + T

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from .contract import pcie_entries
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 from .tile_plan import next_pow2
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
@@ -125,9 +126,13 @@ def prefetch_pick_reference(table: Tensor, base: int, pred: Tensor, n_expert: in
 
 
 def _plan_body(TABLE, IDS, HIT, ORDER, SLOT, START, HSLOT, HSTART, PSLOT, ASTART, STAGED, base, K, share,
-               BLOCK: tl.constexpr, PCIE: tl.constexpr, C: tl.constexpr):
+               BLOCK: tl.constexpr, PCIE: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
     # TABLE int32 [L * X]; IDS int [K]; HIT, ORDER, SLOT, START (and with PCIE: HSLOT, HSTART, PSLOT, ASTART)
-    # int32 [K]; STAGED int32 [C] (C > 0: experts copied ahead). One program, one lane an entry.
+    # int32 [K]; STAGED int32 [C] (C > 0: experts copied ahead). One program, one lane an entry. PDL: it
+    # starts early, then waits (kernels/pdl.py)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     k = tl.arange(0, BLOCK)
     live = k < K
     expert = tl.load(IDS + k, mask=live, other=0).to(tl.int64)
@@ -224,7 +229,7 @@ def _launch(table: Tensor, base: int, ids: Tensor, n_expert: int, hit: Tensor | 
     stg = staged.contiguous() if staged is not None else hslot
     _kernels()[0][(1,)](table, ids.contiguous(), hit, order, slot, start, hslot, hstart, pslot, astart, stg,
                         base, n, share, BLOCK=next_pow2(n), PCIE=pcie,
-                        C=0 if staged is None else staged.numel(), num_warps=1)
+                        C=0 if staged is None else staged.numel(), num_warps=1, **pdl_args(hit))
     return (hit, order, slot, start, hslot, hstart, pslot, astart) if pcie else (hit, order, slot, start)
 
 

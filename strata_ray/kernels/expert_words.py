@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .contract import Q4_0, Q8_0
 from .expert_rows_cuda import launch_cuda_rows
+from .pdl import pdl_args
 from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 
 # br rows a program (gate+up: a multiple of 32, the program requantizes whole h blocks), pairs a chunk;
@@ -225,10 +226,13 @@ def _expert_words_kernel(AQ, AD, AS, ACT_ROW, ORDER, SORTED_SLOT, TILE_START, W1
 
 
 @triton.jit
-def _swiglu_quant_kernel(GU, HQ, HD, HS, R, NBB: tl.constexpr):
+def _swiglu_quant_kernel(GU, HQ, HD, HS, R, NBB: tl.constexpr, PDL: tl.constexpr):
     """The gated tile's tail for split gate / up programs: GU f32 [M, 2, R] (gate rows, then up rows) ->
     h = swiglu(gate, up) requantized into HQ int8 [M, R], HD f32 / HS int32 [M, R / 32]: the very ops of the
-    fused tile. Program (entry, NBB 32-blocks)."""
+    fused tile. Program (entry, NBB 32-blocks). PDL: it starts early, then waits (kernels/pdl.py)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     ent = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1) * NBB + tl.arange(0, NBB)  # [NBB]
     cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [NBB, 32]
@@ -243,7 +247,8 @@ def _swiglu_quant_kernel(GU, HQ, HD, HS, R, NBB: tl.constexpr):
 def _swiglu_tail(gu, hq, hd, hs, r) -> None:
     """h = swiglu(gate, up) of GU [M, 2, R] requantized into hq / hd / hs (one launch over the M entries)."""
     nbb = min(16, (r // 32) & -(r // 32))  # a power of two dividing the row's 32-blocks
-    _swiglu_quant_kernel[(hq.shape[0], r // 32 // nbb)](gu, hq, hd, hs, r, NBB=nbb, num_warps=4, **_OPTS)
+    _swiglu_quant_kernel[(hq.shape[0], r // 32 // nbb)](gu, hq, hd, hs, r, NBB=nbb, num_warps=4, **_OPTS,
+                                                         **pdl_args(gu))
 
 
 def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, gated) -> bool:

@@ -24,13 +24,18 @@ import torch
 from torch import Tensor
 
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _wait_body(FLAG, BASE, layer):
+def _wait_body(FLAG, BASE, layer, PDL: tl.constexpr):
     # FLAG int32 [1] (page-locked host memory, read over PCIe each time: volatile); BASE int64 [1] (device).
-    # One program of one warp.
+    # One program of one warp. PDL: it starts early, then waits for the kernel before (kernels/pdl.py: the
+    # kernels after this one count on everything before it having completed)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     target = ((tl.load(BASE) + layer) & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
     v = tl.load(FLAG, volatile=True)
     while v - target < 0:  # int32 arithmetic wraps: the flag's distance to the target, signed
@@ -56,7 +61,7 @@ def wait_flag(flag: Tensor, base: Tensor, layer: int) -> None:
     _check(flag, base)
     if layer < 0:
         raise ValueError(f"wait_flag: layer {layer} < 0")
-    _kernel()[(1,)](flag, base, layer, num_warps=1)
+    _kernel()[(1,)](flag, base, layer, num_warps=1, **pdl_args(base))
 
 
 def wait_flag_reference(flag: Tensor, base: Tensor, layer: int, timeout_s: float = 10.0) -> None:

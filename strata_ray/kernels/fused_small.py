@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 from .tile_plan import next_pow2
 
 FUSED_MAX_TOKENS = 16  # = dense_q8.GEMV_MAX_TOKENS: decode and verify windows take the fused kernels
@@ -65,17 +66,22 @@ def fused_enabled(x: Tensor, n_tokens: int) -> bool:
 # ---- RMSNorm --------------------------------------------------------------------------------------------
 
 
-def _rms_norm_body(X, D, W, SUM, OUT, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
+def _rms_norm_body(X, D, W, SUM, OUT, n, eps, BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     # X, OUT f32 [rows, n] contiguous, W f32 [n]. One program = one row, whole (BLOCK >= n). ADD: the row is
     # X + D (D f32 [rows, n]), stored into SUM as well (add_rms_norm_fused); else D and SUM are unread.
+    # PDL: the weights load while the kernel before finishes (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     live = cols < n
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(W + cols, mask=live, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + row * n + cols, mask=live, other=0.0)
     if ADD:
         x = x + tl.load(D + row * n + cols, mask=live, other=0.0)
         tl.store(SUM + row * n + cols, x, mask=live)
-    w = tl.load(W + cols, mask=live, other=0.0)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
     tl.store(OUT + row * n + cols, x * r * w, mask=live)
 
@@ -93,7 +99,7 @@ def rms_norm_fused(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) 
     if x2.shape[0]:
         block = next_pow2(n)
         _kernels()[0][(x2.shape[0],)](x2, x2, w.contiguous(), y, y, n, eps, BLOCK=block, ADD=False,
-                                      num_warps=4 if block <= 1024 else 8)
+                                      num_warps=4 if block <= 1024 else 8, **pdl_args(x2))
     return y.view(x.shape) if out is None else out
 
 
@@ -117,13 +123,17 @@ def gather_rows(rows: Tensor, cpu_rows: Tensor, hit: Tensor, inv: Tensor) -> Ten
 
 
 def _combine_body(H, ROWS, WTS, SHARED, CPU, HIT, INV, OUT, E, K: tl.constexpr, HAS_SHARED: tl.constexpr,
-                  GATHER: tl.constexpr, BLOCK: tl.constexpr):
+                  GATHER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # H, SHARED, OUT f32 [N, E]; ROWS f32 [N, K, E]; WTS f32 [N, K]; with GATHER, entry (t, k) reads
     # CPU f32 [M, E] row INV[t, k] where HIT[t, k] == 0 (int32 [N, K]). Program (token, column block).
     # K unrolled: every row's load is issued at once (CPU rows may be read over PCIe, page-locked memory).
+    # PDL: every input is the chain's, so the program only starts early (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < E
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK,), tl.float32)
     for k in tl.static_range(K):
         src = ROWS + (t * K + k) * E
@@ -163,7 +173,7 @@ def combine_fused(h_mid: Tensor, rows: Tensor, weights: Tensor, shared: Tensor |
         _kernels()[1][(n, -(-e // block))](h_mid, rows, weights, sh, cpu.contiguous(), hit.contiguous(),
                                            inv.contiguous(), out, e, K=k, HAS_SHARED=shared is not None,
                                            GATHER=gather is not None, BLOCK=block, num_warps=4,
-                                           enable_fp_fusion=False)
+                                           enable_fp_fusion=False, **pdl_args(out))
     return out
 
 
@@ -197,7 +207,7 @@ def add_rms_norm_fused(h: Tensor, d: Tensor, w: Tensor, eps: float,
     if h.shape[0]:
         block = next_pow2(n)
         _kernels()[0][(h.shape[0],)](h.contiguous(), d.contiguous(), w.contiguous(), out[0], out[1], n, eps,
-                                     BLOCK=block, ADD=True, num_warps=4 if block <= 1024 else 8)
+                                     BLOCK=block, ADD=True, num_warps=4 if block <= 1024 else 8, **pdl_args(h))
     return out
 
 
@@ -212,15 +222,21 @@ def shared_act_reference(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Ten
 SHARED_ACT_BF = 1024  # h values a step of shared_act's loop
 
 
-def _shared_act_body(G, U, X, WG, OUT, nf, ne, sg, su, BE: tl.constexpr, BF: tl.constexpr):
+def _shared_act_body(G, U, X, WG, OUT, nf, ne, sg, su, BE: tl.constexpr, BF: tl.constexpr,
+                     PDL: tl.constexpr):
     # G, U f32 [N, nf] with row strides sg / su (views of the gate+up GEMV's output), X f32 [N, ne], WG f32
     # [ne], OUT f32 [N, nf] contiguous. One program a token: the gate's dot over the whole row, then h in
-    # steps of BF.
+    # steps of BF. PDL: the gate's weights load while the kernel before finishes (kernels/pdl.py)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     live = e < ne
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    wg = tl.load(WG + e, mask=live, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(X + t * ne + e, mask=live, other=0.0)
-    logit = tl.sum(x * tl.load(WG + e, mask=live, other=0.0), axis=0)
+    logit = tl.sum(x * wg, axis=0)
     s = 1.0 / (1.0 + tl.exp(-logit))
     for f0 in range(0, nf, BF):
         f = f0 + tl.arange(0, BF)
@@ -243,7 +259,8 @@ def shared_act_fused(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
     if n:
         be = next_pow2(e)
         _kernels()[2][(n,)](g, u, x.contiguous(), w_gate.contiguous(), out, f, e, g.stride(0), u.stride(0),
-                            BE=be, BF=min(SHARED_ACT_BF, next_pow2(f)), num_warps=4 if be <= 2048 else 8)
+                            BE=be, BF=min(SHARED_ACT_BF, next_pow2(f)), num_warps=4 if be <= 2048 else 8,
+                            **pdl_args(out))
     return out
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .env_knob import env_knob
+from .pdl import pdl_args
 from .lazy_triton import jit_bodies
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
@@ -77,8 +78,13 @@ def gdn_step_reference(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Te
     return o, S, conv
 
 
-def _conv_body(MIX, STATE, W, Y, NEW_STATE, T, C, key_dim, q_scale, BC: tl.constexpr, KW: tl.constexpr):
+def _conv_body(MIX, STATE, W, Y, NEW_STATE, T, C, key_dim, q_scale, BC: tl.constexpr, KW: tl.constexpr,
+               PDL: tl.constexpr):
     # MIX f32 [T, C], STATE / NEW_STATE f32 [KW-1, C], W f32 [C, KW], Y f32 [T, C]. Program: channels BC.
+    # PDL: the program starts early, then waits (kernels/pdl.py; its weights load in the loop)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     c0 = tl.program_id(0) * BC
     c = c0 + tl.arange(0, BC)
     is_qk = c0 < 2 * key_dim  # a whole q or k head (BC = dk)
@@ -102,11 +108,13 @@ def _conv_body(MIX, STATE, W, Y, NEW_STATE, T, C, key_dim, q_scale, BC: tl.const
 
 
 def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, eps,
-                DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     # Y f32 [T, C] (normed q | k | v), BA f32 [T, nk*2r], Z / O f32 [T, nv*DV], S_IN / S_OUT f32 [nv, DK, DV],
     # A / DT_BIAS f32 [nv], NORM_W f32 [DV]. Program: value head j, its value columns c*BV .. c*BV+BV-1 (a
     # column's state, correction and output need no other column), every token in order. BV == DV: the whole
     # head, and the gated norm here too; else O gets the raw outputs and _gated_norm_body follows.
+    # PDL: the weights (A, DT_BIAS, NORM_W) load while the kernel before finishes, the state after the wait
+    # (kernels/pdl.py)
     n_col = DV // BV
     j = tl.program_id(0) // n_col
     nv = tl.num_programs(0) // n_col
@@ -115,10 +123,14 @@ def _delta_body(Y, BA, Z, S_IN, A, DT_BIAS, NORM_W, O, S_OUT, T, C, key_dim, r, 
     kk = tl.arange(0, DK)
     vv = (tl.program_id(0) % n_col) * BV + tl.arange(0, BV)
     s_off = j.to(tl.int64) * DK * DV + kk[:, None] * DV + vv[None, :]
-    S = tl.load(S_IN + s_off)  # [DK, BV]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     a_log = tl.load(A + j)
     dt_b = tl.load(DT_BIAS + j)
     w = tl.load(NORM_W + vv)  # [BV] (read by the whole-head form's norm alone)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    S = tl.load(S_IN + s_off)  # [DK, BV]
     for t in range(T):
         q = tl.load(Y + t * C + kh * DK + kk)
         k = tl.load(Y + t * C + key_dim + kh * DK + kk)
@@ -142,11 +154,17 @@ def _gated_norm(o, zt, w, eps, DV: tl.constexpr):
     return o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * w * (zt / (1.0 + tl.exp(-zt)))
 
 
-def _gated_norm_body(O, Z, NORM_W, eps, DV: tl.constexpr):
-    # O / Z f32 [T * nv, DV]: the raw outputs, normed in place. Program: one head of one token.
+def _gated_norm_body(O, Z, NORM_W, eps, DV: tl.constexpr, PDL: tl.constexpr):
+    # O / Z f32 [T * nv, DV]: the raw outputs, normed in place. Program: one head of one token. PDL: the
+    # weights load while the kernel before finishes (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64) * DV
     vv = tl.arange(0, DV)
-    o = gated_norm(tl.load(O + row + vv), tl.load(Z + row + vv), tl.load(NORM_W + vv), eps, DV)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(NORM_W + vv)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    o = gated_norm(tl.load(O + row + vv), tl.load(Z + row + vv), w, eps, DV)
     tl.store(O + row + vv, o)
 
 
@@ -209,12 +227,13 @@ def gdn_step(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, conv
     if T == 0:
         return z.new_zeros(z.shape), new_S.copy_(S), new_conv.copy_(conv)
     conv_k, delta_k, norm_k = _kernels()
+    pdl = pdl_args(mixed)
     conv_k[(C // dk,)](mixed, conv.contiguous(), conv_w.contiguous(), y, new_conv, T, C, dims.key_dim,
-                       dk**-0.5, BC=dk, KW=kw, num_warps=4)
+                       dk**-0.5, BC=dk, KW=kw, num_warps=4, **pdl)
     bv = gdn_columns(dv)
     delta_k[(nv * (dv // bv),)](y, ba, z, S.contiguous(), ssm_a.contiguous(), dt_bias.contiguous(),
                                 norm_w.contiguous(), o, new_S, T, C, dims.key_dim, nv // nk, eps, DK=dk,
-                                DV=dv, BV=bv, num_warps=8 if bv == dv else 4)
+                                DV=dv, BV=bv, num_warps=8 if bv == dv else 4, **pdl)
     if bv < dv:
-        norm_k[(T * nv,)](o, z, norm_w.contiguous(), eps, DV=dv, num_warps=4)
+        norm_k[(T * nv,)](o, z, norm_w.contiguous(), eps, DV=dv, num_warps=4, **pdl)
     return o, new_S, new_conv

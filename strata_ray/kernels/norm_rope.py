@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
@@ -35,10 +36,13 @@ def norm_rope_supported(head_dim: int, n_rot: int) -> bool:
 
 
 def _norm_rope_body(QG, KS, WQ, WK, COS, SIN, QO, KO, GO, H, Hkv, q_tok, q_head, k_tok, eps,
-                    D: tl.constexpr, N_ROT: tl.constexpr, GATED: tl.constexpr):
+                    D: tl.constexpr, N_ROT: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     # QG f32 [T, rows]: token t's query head j at QG + t q_tok + j q_head (its gate D values after it when
     # GATED); KS f32: kv head g at KS + t k_tok + g D; WQ, WK f32 [D]; COS, SIN f32 [T, N_ROT]; QO [T, H, D],
     # KO [T, Hkv, D], GO [T, H D] contiguous. Program (token, head): heads 0..H-1 query, then the kv heads.
+    if PDL:  # it starts early, then waits for the kernel before (kernels/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     i = tl.arange(0, D)
@@ -114,5 +118,6 @@ def norm_rope_fused(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float, c
         tables = cos.contiguous(), sin.contiguous()  # [T, 1, n_rot]
         _kernels()[0][(T, H + Hkv)](qg, k, wq.contiguous(), wk.contiguous(), *tables, q_out, k_out,
                                     gate if gated else q_out, H, Hkv, qg.stride(0), qg.stride(1), k.stride(0),
-                                    eps, D=D, N_ROT=cos.shape[-1], GATED=gated, num_warps=4, **_OPTS)
+                                    eps, D=D, N_ROT=cos.shape[-1], GATED=gated, num_warps=4, **_OPTS,
+                                    **pdl_args(q_out))
     return q_out, k_out, gate

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .contract import QK
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 from .tile_plan import next_pow2
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
@@ -44,11 +45,14 @@ class ActCodes(NamedTuple):
 
 def _publish_body(IDS, X, IDS_HOST, IDS_ALL, Q, D, S, Q_HOST, D_HOST, S_HOST, FLAG, BASE, STAGED, STAGED_HOST,
                   layer, K, NB, BK: tl.constexpr, BB: tl.constexpr, FENCE: tl.constexpr, C: tl.constexpr,
-                  BC: tl.constexpr, HAS_X: tl.constexpr):
+                  BC: tl.constexpr, HAS_X: tl.constexpr, PDL: tl.constexpr):
     # IDS int64 [K], X f32 [NB * 32] (device); IDS_HOST int64 [K], IDS_ALL int64 [L, K], FLAG int32 [1]
     # (page-locked host memory); BASE int64 [1] (device); HAS_X: X's codes Q int8 [NB * 32], D f32 [NB], S
     # int32 [NB] (device) and Q_HOST / D_HOST / S_HOST (host), else none; C > 0: STAGED int32 [C] (device) ->
-    # STAGED_HOST int64 [C]. One program.
+    # STAGED_HOST int64 [C]. One program. PDL: it starts early, then waits (kernels/pdl.py)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     k = tl.arange(0, BK)
     ids = tl.load(IDS + k, mask=k < K)
     tl.store(IDS_HOST + k, ids, mask=k < K)
@@ -145,7 +149,8 @@ def publish(ids: Tensor, x: Tensor | None, ids_host: Tensor, ids_all: Tensor, co
     _kernel()[(1,)](ids, ids if x is None else x, ids_host, ids_all, q, d, s, qh, dh, sh, flag, base,
                     staged if c else ids, staged_host if c else ids, layer, k, nb, BK=max(2, next_pow2(k)),
                     BB=max(2, next_pow2(nb)), FENCE=fence, C=c, BC=max(2, next_pow2(max(1, c))),
-                    HAS_X=x is not None, num_warps=4, enable_fp_fusion=False)  # the contract: no FMA
+                    HAS_X=x is not None, num_warps=4, enable_fp_fusion=False,  # the contract: no FMA
+                    **pdl_args(ids))
 
 
 def publish_reference(ids: Tensor, x: Tensor | None, ids_host: Tensor, ids_all: Tensor,

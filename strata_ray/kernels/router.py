@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 from .tile_plan import next_pow2
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
@@ -34,16 +35,24 @@ def route_reference(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return ids, w / w.sum(-1, keepdim=True)
 
 
-def _logits_body(X, W, OUT, N, K, BN: tl.constexpr, BK: tl.constexpr):
-    # X f32 [T, K], W f32 [N, K], OUT f32 [T, N]. Program: token t (fastest), rows BN, all of K.
+def _logits_body(X, W, OUT, N, K, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    # X f32 [T, K], W f32 [N, K], OUT f32 [T, N]. Program: token t (fastest), rows BN, all of K. PDL: the
+    # first step's weights load while the kernel before finishes (kernels/pdl.py)
     pid = tl.program_id(0)
     n_tok = tl.num_programs(0) // tl.cdiv(N, BN)
     t = pid % n_tok
     rows = (pid // n_tok) * BN + tl.arange(0, BN)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)
     cols = tl.arange(0, BK)
-    acc = tl.zeros((BN, BK), tl.float32)
-    for k0 in range(0, K, BK):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    live = cols < K
+    w = tl.load(W + rows_c[:, None] * K + cols[None, :], mask=live[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(X + t.to(tl.int64) * K + cols, mask=live, other=0.0)
+    acc = w * x[None, :]  # the loop's first step (0 + w * x: the same bits)
+    for k0 in range(BK, K, BK):
         live = k0 + cols < K
         w = tl.load(W + rows_c[:, None] * K + (k0 + cols)[None, :], mask=live[None, :], other=0.0)
         x = tl.load(X + t.to(tl.int64) * K + k0 + cols, mask=live, other=0.0)
@@ -51,8 +60,12 @@ def _logits_body(X, W, OUT, N, K, BN: tl.constexpr, BK: tl.constexpr):
     tl.store(OUT + t.to(tl.int64) * N + rows, tl.sum(acc, axis=1), mask=rows < N)
 
 
-def _topk_body(LOGITS, IDS, WTS, X, K: tl.constexpr, BX: tl.constexpr, BKP: tl.constexpr):
-    # LOGITS f32 [T, X] -> IDS int64 [T, K], WTS f32 [T, K]. One program a token.
+def _topk_body(LOGITS, IDS, WTS, X, K: tl.constexpr, BX: tl.constexpr, BKP: tl.constexpr, PDL: tl.constexpr):
+    # LOGITS f32 [T, X] -> IDS int64 [T, K], WTS f32 [T, K]. One program a token. PDL: it starts early, then
+    # waits for the logits (kernels/pdl.py)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BX)
     live = e < X
@@ -87,7 +100,8 @@ def router_logits(x: Tensor, w: Tensor) -> Tensor:
     if T:
         bn, bk = logits_tiles(n, E)
         grid = (T * -(-n // bn),)
-        _kernels()[0][grid](x.contiguous(), w.contiguous(), out, n, E, BN=bn, BK=bk, num_warps=4)
+        _kernels()[0][grid](x.contiguous(), w.contiguous(), out, n, E, BN=bn, BK=bk, num_warps=4,
+                            **pdl_args(out))
     return out
 
 
@@ -118,5 +132,6 @@ def route_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None)
         # one warp up to 1024 experts: the k arg-max passes reduce by shuffles alone (4 warps: 2k block-wide
         # reductions through shared memory, 4.6 us a layer for 512 experts on the H200, session 14)
         warps = max(1, min(8, bx // 1024))
-        _kernels()[1][(T,)](logits.contiguous(), ids, wts, X, K=k, BX=bx, BKP=bkp, num_warps=warps)
+        _kernels()[1][(T,)](logits.contiguous(), ids, wts, X, K=k, BX=bx, BKP=bkp, num_warps=warps,
+                            **pdl_args(ids))
     return ids, wts

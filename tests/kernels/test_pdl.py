@@ -1,0 +1,92 @@
+"""kernels/pdl: when the decode chain's Triton kernels take programmatic dependent launch, and (on a GPU) that
+a chain of them captured in a CUDA graph with it gives the bits of the same launches without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_ray.kernels.pdl import pdl_args, pdl_on, pdl_value
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_off_for_cpu_tensors_and_the_switch(monkeypatch):
+    monkeypatch.delenv("STRATA_PDL", raising=False)
+    t = torch.zeros(4)
+    assert not pdl_on(t) and pdl_args(t) == {"PDL": False}
+    assert pdl_value("1") and not pdl_value("0")
+    for bad in ("on", "", "2"):
+        with pytest.raises(ValueError, match="0 or 1"):
+            pdl_value(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_switch_and_device_decide_on_cuda(monkeypatch):
+    t = torch.zeros(4, device="cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    monkeypatch.delenv("STRATA_PDL", raising=False)
+    if hopper:  # the GPU machine's H100 / H200 (and a Triton with launch_pdl: 3.6 there)
+        assert pdl_on(t) and pdl_args(t) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("STRATA_PDL", "0")
+    assert not pdl_on(t) and pdl_args(t) == {"PDL": False}
+    monkeypatch.setenv("STRATA_PDL", "yes")
+    with pytest.raises(ValueError, match=r"STRATA_PDL: invalid value 'yes' \(allowed: 0 or 1\)"):
+        pdl_on(t)
+
+
+def _chain(h, d, w_norm, w_router, hit, inv, rows, cpu_rows, wts, k):
+    """A decode layer's tail in the converted kernels, each reading the one before: the combine, the norm,
+    the residual add + norm, the router's logits and top-k."""
+    from strata_ray.kernels.fused_small import add_rms_norm_fused, combine_fused, rms_norm_fused
+    from strata_ray.kernels.router import route_topk, router_logits
+
+    h_in = combine_fused(h, rows, wts, None, gather=(cpu_rows, hit, inv))  # [1, E]
+    x = rms_norm_fused(h_in, w_norm, 1e-6)
+    s, xn = add_rms_norm_fused(h_in, x + d, w_norm, 1e-6)  # d: a stand-in for the mixer's output
+    ids, weights = route_topk(router_logits(xn, w_router), k)
+    return s, xn, ids, weights
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("e", [256, 2048])
+def test_graphed_chain_with_pdl_gives_the_bits_without(monkeypatch, e):
+    """Captured once with PDL (where the GPU has it), replayed over new inputs: every output equals the same
+    launches made one by one without PDL, bit for bit (a kernel that read before its wait would not)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    K, X = 10, 512
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    w_norm, w_router = rand(e).abs(), rand(X, e) / e**0.5
+    static = [rand(1, e), rand(1, e), rand(1, K, e), rand(3, e), rand(1, K).softmax(-1)]
+    hit = torch.tensor([[1, 0] * (K // 2)], dtype=torch.int32, device="cuda")
+    inv = torch.tensor([[0, 1, 0, 2, 0, 0, 0, 1, 0, 2]], dtype=torch.int32, device="cuda")
+
+    def run():
+        h, d, rows, cpu_rows, wts = static
+        return _chain(h, d, w_norm, w_router, hit, inv, rows, cpu_rows, wts, K)
+
+    monkeypatch.delenv("STRATA_PDL", raising=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile and warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for _ in range(4):
+        for t in static:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g) if t is not static[4]
+                    else torch.randn(t.shape, device="cuda", generator=g).softmax(-1))
+        graph.replay()
+        monkeypatch.setenv("STRATA_PDL", "0")
+        want = run()
+        monkeypatch.delenv("STRATA_PDL")
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want, strict=True):
+            assert torch.equal(got, ref)
