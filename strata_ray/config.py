@@ -544,8 +544,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
-# STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches the
-# decode chain's Triton kernels without programmatic dependent launch, kernels/pdl)
+# STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches
+# the decode chain's kernels without programmatic dependent launch, kernels/pdl)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),

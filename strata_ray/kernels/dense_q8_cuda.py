@@ -41,7 +41,7 @@ TT_MAX = 4  # tokens a CTA applies each row to (a verify window of 16 runs as 4 
 X_SMEM_BYTES = 48 << 10  # activations staged a CTA: the default dynamic shared memory limit
 LOADS_A_GROUP = 4  # 16-byte loads a lane a row group (RPW * CH); the next group's go before the arithmetic
 
-_SOURCE = r"""
+_SOURCE = nvrtc.PDL_HOOKS + r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
 __device__ __forceinline__ float half_bits(unsigned short h) {
     float f;
@@ -134,8 +134,10 @@ extern "C" __global__ void GEMV_BOUNDS q8_gemv(
     const int t0 = tg * TT;
     const int tt_n = min(TT, n_tok - t0);
 
+    pdl_trigger();
     Group cur, nxt;
     if (g_begin < g_end) load_group(cur, QS, D, S, B, g_begin, N, lane);
+    pdl_wait();  // the weights' first loads are out; X (and OUT) are the kernel before's (kernels/pdl.py)
 
     // while they come: the tokens' activations into shared memory (a ragged group's missing tokens as
     // zeros: computed, never stored), four floats a load where X is 16-byte aligned
@@ -343,7 +345,7 @@ def launch_cuda_gemv(x2: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, out: t
     half, s_ptr = (null, nvrtc.ptr(d)) if scaled else (nvrtc.ptr(d), null)
     args = (nvrtc.ptr(x2), nvrtc.ptr(qs), half, s_ptr, nvrtc.ptr(offset) if has_b else null, nvrtc.ptr(out),
             np.int32(n_tok), np.int32(n), np.int32(n_tg))
-    nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared)
+    nvrtc.launch(kern, (n_tg * n_cta,), WARPS * 32, args, dev, shared_mem=shared, pdl=True)
     return True
 
 

@@ -55,7 +55,7 @@ import numpy as np
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
 
-_SOURCE = r"""
+_SOURCE = nvrtc.PDL_HOOKS + r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
 __device__ __forceinline__ float half_bits(unsigned bits) {
     float f;
@@ -102,6 +102,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
+    pdl_trigger();
+    pdl_wait();  // the plan, the codes and the slots are the chain's: it only starts early (kernels/pdl.py)
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
     const int slot_id = SORTED_SLOT[start];
@@ -555,7 +557,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
             *(nvrtc.ptr(t) for t in (order, sorted_slot, tile_start, w1, w2))]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
-    nvrtc.launch(kern, grid, warps * 32, args, dev)
+    nvrtc.launch(kern, grid, warps * 32, args, dev, pdl=True)
     return True
 
 

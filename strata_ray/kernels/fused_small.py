@@ -207,7 +207,8 @@ def add_rms_norm_fused(h: Tensor, d: Tensor, w: Tensor, eps: float,
     if h.shape[0]:
         block = next_pow2(n)
         _kernels()[0][(h.shape[0],)](h.contiguous(), d.contiguous(), w.contiguous(), out[0], out[1], n, eps,
-                                     BLOCK=block, ADD=True, num_warps=4 if block <= 1024 else 8, **pdl_args(h))
+                                     BLOCK=block, ADD=True, num_warps=4 if block <= 1024 else 8,
+                                     **pdl_args(h))
     return out
 
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .env_knob import env_knob
-from .pdl import pdl_args
 from .lazy_triton import jit_bodies
+from .pdl import pdl_args
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 gated_norm = None  # _gated_norm jitted, bound by _kernels()

@@ -8,6 +8,7 @@ its Triton twin, which gives the same bits (the expert rows) or passes the same 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import warnings
@@ -15,6 +16,8 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
+
+from .pdl import pdl_on_device
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,84 @@ def _cupy_stream(handle: int, device: int):
             return cupy.cuda.ExternalStream(handle, device)
 
 
-def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0) -> None:
-    """kernel<<<grid, block, shared_mem>>>(args) on torch's current stream of `device`."""
+# the kernels' PDL hooks (kernels/pdl.py), for a source to paste in: pdl_trigger() lets the next kernel start
+# once every CTA has passed it; pdl_wait() returns once the kernel before has completed (both no-ops without
+# PDL, and below sm_90)
+PDL_HOOKS = r"""
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+"""
+
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.int64: ctypes.c_int64,
+           np.float32: ctypes.c_float}
+
+
+@functools.cache
+def _driver():
+    """cuda.bindings' driver module, or None (no PDL launches then: cupy's launch instead)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    return driver
+
+
+def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int,
+                device: int) -> bool:
+    """The launch through cuLaunchKernelEx with programmatic stream serialization; False where cuda.bindings
+    is missing or its launch config cannot be built (logged once; cupy's launch then, for good)."""
+    cu = _driver()
+    if cu is None or "pdl" in _FAILED:
+        return False
+    try:
+        func, cfg, params = _pdl_config(cu, kernel, grid, block, args, stream, shared_mem)
+    except (AttributeError, TypeError, ValueError, KeyError) as e:  # an older or newer cuda.bindings
+        _FAILED.add("pdl")
+        log.warning("CUDA C kernels launch without PDL: cuda.bindings' launch config failed (%s)", e)
+        return False
+    with torch.cuda.device(device):  # the driver launches into the calling thread's current context
+        (err,) = cu.cuLaunchKernelEx(cfg, func, params, 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx: {err}")
+    return True
+
+
+def _pdl_config(cu, kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int):
+    """(the kernel's CUfunction, cuLaunchKernelEx's config with the PDL attribute, the kernel's parameters as
+    (values, ctypes))."""
+    func = cu.CUfunction(kernel.kernel.ptr)  # cupy's RawKernel -> its Function (built for the device)
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes = shared_mem
+    cfg.hStream = cu.CUstream(stream)
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg.attrs, cfg.numAttrs = [attr], 1
+    params = (tuple(int(a) if isinstance(a, np.integer) else float(a) for a in args),
+              tuple(_CTYPES[type(a)] for a in args))
+    return func, cfg, params
+
+
+def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """kernel<<<grid, block, shared_mem>>>(args) on torch's current stream of `device`. pdl: the kernel calls
+    pdl_wait() before it reads anything the kernel before wrote (PDL_HOOKS), so it may take programmatic
+    dependent launch where kernels/pdl.py allows it."""
     import cupy
 
-    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device)
+    handle = torch.cuda.current_stream(device).cuda_stream
+    if pdl and pdl_on_device(device) and _launch_pdl(kernel, grid, block, args, handle, shared_mem, device):
+        return
+    stream = _cupy_stream(handle, device)
     with cupy.cuda.Device(device), stream:
         kernel(grid, (block,), args, shared_mem=shared_mem)

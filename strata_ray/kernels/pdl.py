@@ -56,10 +56,14 @@ def pdl_on(t: torch.Tensor) -> bool:
     """Whether Triton launches on t's device take PDL (see the module doc)."""
     if t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if not env_knob("STRATA_PDL", pdl_value, True):
-        return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _triton_has_pdl() and _device_has_pdl(index)
+    return _triton_has_pdl() and pdl_on_device(index)
+
+
+def pdl_on_device(index: int) -> bool:
+    """Whether launches on CUDA device `index` may take PDL: sm_90 or later and STRATA_PDL not 0 (the CUDA C
+    kernels' launcher, kernels/nvrtc.py, asks this; Triton's must also have launch_pdl: pdl_on)."""
+    return env_knob("STRATA_PDL", pdl_value, True) and _device_has_pdl(index)
 
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:

@@ -127,20 +127,23 @@ def test_launch_geometry(monkeypatch):
     monkeypatch.setattr(dqc, "_wave", dqc._wave.__wrapped__)
     monkeypatch.setattr(nvrtc, "device_index", lambda t: 0)
     monkeypatch.setattr(nvrtc, "_FAILED", set())
-    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0: launched.append(
-        (kern.rpw, kern.tt, grid, block, shared_mem, int(args[6]), int(args[7]), int(args[8]))))
+    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0, pdl=False:
+                        launched.append((kern.rpw, kern.tt, grid, block, shared_mem,
+                                         *(int(a) for a in args[6:9]), pdl)))
 
     def launch(t, n, k):
         qs = torch.zeros(n, k, dtype=torch.int8)
         d = torch.zeros(n, k // 32, dtype=torch.float16)
         assert dqc.launch_cuda_gemv(torch.zeros(t, k), qs, d, torch.zeros(t, n))
-        return launched.pop()
+        *geometry, pdl = launched.pop()
+        assert pdl  # the kernel waits for the kernel before (pdl_wait): it may start early
+        return tuple(geometry)
 
     def launch_scaled(t, n, k):  # dense_scaled's form with offsets: each token's chunk sums staged too
         qs = torch.zeros(n, k, dtype=torch.int8)
         s_, b = torch.zeros(n, k // 16), torch.zeros(n, k // 16)
         assert dqc.launch_cuda_gemv(torch.zeros(t, k), qs, s_, torch.zeros(t, n), offset=b)
-        return launched.pop()
+        return launched.pop()[:-1]
 
     # (RPW, TT, grid, block, shared bytes, n_tok, N, token groups)
     assert launch(1, 12352, 2048) == (1, 1, (396,), 256, 8192, 1, 12352, 1)  # 3 CTAs an SM by registers
@@ -158,8 +161,8 @@ def test_launch_geometry(monkeypatch):
     assert not dqc.launch_cuda_gemv(torch.zeros(1, 48), torch.zeros(2, 48, dtype=torch.int8),
                                     torch.zeros(2, 1, dtype=torch.float16), torch.zeros(1, 2))  # K % 32
     # STRATA_GEMV_MIN_CTAS reaches the kernel's build (and its wave, from that kernel's registers)
-    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0: launched.append(
-        kern.ctas))
+    monkeypatch.setattr(nvrtc, "launch", lambda kern, grid, block, args, dev, shared_mem=0, pdl=False:
+                        launched.append(kern.ctas))
     monkeypatch.setenv("STRATA_GEMV_MIN_CTAS", "3")
     dqc.launch_cuda_gemv(torch.zeros(1, 2048), torch.zeros(8, 2048, dtype=torch.int8),
                          torch.zeros(8, 64, dtype=torch.float16), torch.zeros(1, 8))

@@ -36,17 +36,21 @@ def test_switch_and_device_decide_on_cuda(monkeypatch):
         pdl_on(t)
 
 
-def _chain(h, d, w_norm, w_router, hit, inv, rows, cpu_rows, wts, k):
+def _chain(h, d, w_norm, w_router, w_q8, hit, inv, rows, cpu_rows, wts, k):
     """A decode layer's tail in the converted kernels, each reading the one before: the combine, the norm,
-    the residual add + norm, the router's logits and top-k."""
+    a Q8_0 GEMV (CUDA C, where cupy builds it: the nvrtc launcher's PDL), the residual add + norm, the
+    router's logits and top-k."""
+    from strata_ray.kernels.dense_q8_cuda import launch_cuda_gemv
     from strata_ray.kernels.fused_small import add_rms_norm_fused, combine_fused, rms_norm_fused
     from strata_ray.kernels.router import route_topk, router_logits
 
     h_in = combine_fused(h, rows, wts, None, gather=(cpu_rows, hit, inv))  # [1, E]
     x = rms_norm_fused(h_in, w_norm, 1e-6)
-    s, xn = add_rms_norm_fused(h_in, x + d, w_norm, 1e-6)  # d: a stand-in for the mixer's output
+    y = torch.zeros_like(x)
+    launch_cuda_gemv(x, w_q8.qs, w_q8.d, y)  # [1, E] (left zeros where the CUDA C GEMV cannot run)
+    s, xn = add_rms_norm_fused(h_in, y + d, w_norm, 1e-6)  # d: a stand-in for the mixer's output
     ids, weights = route_topk(router_logits(xn, w_router), k)
-    return s, xn, ids, weights
+    return y, s, xn, ids, weights
 
 
 @pytest.mark.gpu
@@ -61,14 +65,18 @@ def test_graphed_chain_with_pdl_gives_the_bits_without(monkeypatch, e):
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=g)
 
+    from strata_ray.kernels.dense_q8 import Q8Weight
+
     w_norm, w_router = rand(e).abs(), rand(X, e) / e**0.5
+    w_q8 = Q8Weight(torch.randint(-127, 128, (e, e), device="cuda", generator=g, dtype=torch.int8),
+                    (rand(e, e // 32) / (30 * e**0.5)).half())
     static = [rand(1, e), rand(1, e), rand(1, K, e), rand(3, e), rand(1, K).softmax(-1)]
     hit = torch.tensor([[1, 0] * (K // 2)], dtype=torch.int32, device="cuda")
     inv = torch.tensor([[0, 1, 0, 2, 0, 0, 0, 1, 0, 2]], dtype=torch.int32, device="cuda")
 
     def run():
         h, d, rows, cpu_rows, wts = static
-        return _chain(h, d, w_norm, w_router, hit, inv, rows, cpu_rows, wts, K)
+        return _chain(h, d, w_norm, w_router, w_q8, hit, inv, rows, cpu_rows, wts, K)
 
     monkeypatch.delenv("STRATA_PDL", raising=False)
     side = torch.cuda.Stream()
