@@ -145,9 +145,14 @@ def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: 
         return False
     with torch.cuda.device(device):  # the driver launches into the calling thread's current context
         (err,) = cu.cuLaunchKernelEx(cfg, func, params, 0)
-    if err != cu.CUresult.CUDA_SUCCESS:
+    if err == cu.CUresult.CUDA_SUCCESS:
+        return True
+    if torch.cuda.is_current_stream_capturing():  # a graph half captured: no way back
         raise RuntimeError(f"cuLaunchKernelEx: {err}")
-    return True
+    # the kernels' first launches are eager (warm-ups): a driver that refuses PDL is found there
+    _FAILED.add("pdl")
+    log.warning("CUDA C kernels launch without PDL: cuLaunchKernelEx returned %s", err)
+    return False
 
 
 def _pdl_config(cu, kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int):

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the decode chain's small Triton kernels (Hopper and later).
+"""Programmatic dependent launch (PDL) for the decode chain's small kernels (Hopper and later).
 
 A decode layer is a chain of ~12 small kernels (norms, the GDN step, the router, the publish, the combine),
 each 1.3-6 us on an H100, and in a CUDA graph each still pays its launch and its programs' ramp after the
@@ -13,12 +13,17 @@ loaded before the wait (2.09 after it).
 The rule every body with a PDL constexpr keeps: before `gdc_wait()` it loads only model weights and stores
 nothing. Then a kernel that started early can neither read what the kernel before has not yet written nor
 overwrite what it still reads, and since every such kernel waits, "the kernel before has completed" holds
-down the whole chain. A kernel launched without PDL (the CUDA C GEMVs and expert rows) waits for the kernel
-before as always; one after it that has PDL starts once it ends (it never calls the trigger).
+down the whole chain (a kernel may start while several before it still run: only weights are safe to read
+early). The CUDA C dense GEMV and expert rows keep the same rule with nvrtc.PDL_HOOKS (`pdl_trigger()`,
+`pdl_wait()`), launched through cuda.bindings' cuLaunchKernelEx (nvrtc.launch(..., pdl=True)). A kernel
+launched without PDL waits for the kernel before as always; one after it that has PDL starts once it ends
+(it never calls the trigger). On an H100 (session 42, 8K): every expert resident 263 -> 284 tok/s with the
+Triton kernels, 315 with the CUDA C ones too; a 24 GiB card 163 -> 183 tok/s over 256 tokens.
 
 Off where the GPU is older than Hopper (sm_90), under the Triton interpreter (the CPU tests: the bodies'
-PDL branches are then never taken), where the installed Triton has no `launch_pdl`, and with
-STRATA_PDL=0 (A/B runs). The same bits either way: only when a kernel starts moves.
+PDL branches are then never taken), where the installed Triton has no `launch_pdl` (Triton launches) or
+cuda.bindings is missing (CUDA C launches), and with STRATA_PDL=0 (A/B runs). The same bits either way: only
+when a kernel starts moves.
 """
 
 from __future__ import annotations
