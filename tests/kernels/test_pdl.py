@@ -98,3 +98,87 @@ def test_graphed_chain_with_pdl_gives_the_bits_without(monkeypatch, e):
         torch.cuda.synchronize()
         for got, ref in zip(outs, want, strict=True):
             assert torch.equal(got, ref)
+
+
+# each converted body and the parameters it may load before its wait: model weights only (kernels/pdl.py)
+_WEIGHTS_BEFORE_WAIT = {
+    ("fused_small", "_rms_norm_body"): {"W"},
+    ("fused_small", "_combine_body"): set(),
+    ("fused_small", "_shared_act_body"): {"WG"},
+    ("gdn_step", "_conv_body"): set(),
+    ("gdn_step", "_delta_body"): {"A", "DT_BIAS", "NORM_W"},
+    ("gdn_step", "_gated_norm_body"): {"NORM_W"},
+    ("router", "_logits_body"): {"W"},
+    ("router", "_topk_body"): set(),
+    ("publish", "_publish_body"): set(),
+    ("flag_wait", "_wait_body"): set(),
+    ("decode_plan", "_plan_body"): set(),
+    ("expert_words", "_swiglu_quant_kernel"): set(),
+    ("norm_rope", "_norm_rope_body"): set(),
+    ("attention_decode", "_attn_partial_body"): set(),
+    ("attention_decode", "_attn_combine_body"): set(),
+    ("attention_decode", "_kv_append_body"): set(),
+}
+
+
+def _calls(node) -> list:
+    """Every call node under node."""
+    import ast
+
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _root(expr) -> str:
+    """The parameter a pointer expression starts from: `W + rows * K + cols` -> W."""
+    import ast
+
+    while not isinstance(expr, ast.Name):
+        expr = expr.left if isinstance(expr, ast.BinOp) else expr.value
+    return expr.id
+
+
+@pytest.mark.parametrize("module,body", sorted(_WEIGHTS_BEFORE_WAIT), ids=lambda v: v)
+def test_bodies_keep_the_rule(module, body):
+    """Each converted body takes PDL, triggers its dependents and waits once in its top-level statements (not
+    in a loop), and before the wait stores nothing and loads only its weights (the source as written: a new
+    body or load that breaks the rule fails here, without a GPU)."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    fn = getattr(importlib.import_module(f"strata_ray.kernels.{module}"), body)
+    fn = getattr(fn, "fn", fn)  # a triton.jit-decorated body (expert_words) -> its function
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    assert "PDL" in [a.arg for a in tree.args.args]
+    name = ast.unparse
+    waits = [(i, c) for i, stmt in enumerate(tree.body) for c in _calls(stmt)
+             if name(c.func) == "tl.extra.cuda.gdc_wait"]
+    assert len(waits) == 1 and isinstance(tree.body[waits[0][0]], ast.If), f"{body}: one wait, in `if PDL:`"
+    wait = waits[0][1]
+    triggers = [c for c in _calls(tree) if name(c.func) == "tl.extra.cuda.gdc_launch_dependents"]
+    assert len(triggers) == 1 and triggers[0].lineno < wait.lineno, f"{body}: trigger once, before the wait"
+    for c in _calls(tree):
+        if c.lineno > wait.lineno:
+            continue
+        assert not name(c.func).startswith(("tl.store", "tl.atomic", "tl.inline_asm")), \
+            f"{body}: {name(c.func)} before the wait"
+        if name(c.func) == "tl.load":
+            assert _root(c.args[0]) in _WEIGHTS_BEFORE_WAIT[(module, body)], \
+                f"{body} loads {name(c.args[0])} before its wait: not one of its weights"
+
+
+@pytest.mark.parametrize("module,kernel", [("dense_q8_cuda", "q8_gemv"), ("expert_rows_cuda", "expert_rows")])
+def test_cuda_c_kernels_wait_before_their_inputs(module, kernel):
+    """The CUDA C kernels launched with pdl=True: the hooks pasted in, the trigger, then the wait before the
+    first read of an activation or plan input (X; TILE_START) and before any store."""
+    import importlib
+
+    src = importlib.import_module(f"strata_ray.kernels.{module}")._SOURCE
+    assert "void pdl_wait()" in src and "griddepcontrol.wait" in src
+    body = src[src.index(f" {kernel}(") :]
+    body = body[body.index("{") :]
+    first_input = {"q8_gemv": "X + ", "expert_rows": "TILE_START["}[kernel]
+    assert body.index("pdl_trigger();") < body.index("pdl_wait();") < body.index(first_input)
+    head = body[: body.index("pdl_wait();")]
+    assert "OUT[" not in head and "OUT +" not in head
