@@ -102,7 +102,8 @@ def _cupy_stream(handle: int, device: int):
 
 # the kernels' PDL hooks (kernels/pdl.py), for a source to paste in: pdl_trigger() lets the next kernel start
 # once every CTA has passed it; pdl_wait() returns once the kernel before has completed (both no-ops without
-# PDL, and below sm_90)
+# PDL, and below sm_90: there a launch never asks for PDL, pdl_on_device, and NVRTC builds for the device's
+# own architecture, so a PDL launch always runs code that waits)
 PDL_HOOKS = r"""
 __device__ __forceinline__ void pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
@@ -133,25 +134,30 @@ def _driver():
 def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int,
                 device: int) -> bool:
     """The launch through cuLaunchKernelEx with programmatic stream serialization; False where cuda.bindings
-    is missing or its launch config cannot be built (logged once; cupy's launch then, for good)."""
+    is missing, or where its config or launch fails outside a graph capture (logged once; cupy's launch then,
+    for good: the kernels' first launches are eager warm-ups, so a cuda.bindings or a driver that cannot is
+    found there). Inside a capture a failure raises: a graph half captured has no way back."""
     cu = _driver()
     if cu is None or "pdl" in _FAILED:
         return False
+    import cupy
+
+    err = None
     try:
-        func, cfg, params = _pdl_config(cu, kernel, grid, block, args, stream, shared_mem)
-    except (AttributeError, TypeError, ValueError, KeyError) as e:  # an older or newer cuda.bindings
-        _FAILED.add("pdl")
-        log.warning("CUDA C kernels launch without PDL: cuda.bindings' launch config failed (%s)", e)
-        return False
-    with torch.cuda.device(device):  # the driver launches into the calling thread's current context
-        (err,) = cu.cuLaunchKernelEx(cfg, func, params, 0)
+        # the device current for cupy's Function (built for it) and for the driver's launch context
+        with cupy.cuda.Device(device), torch.cuda.device(device):
+            func, cfg, params = _pdl_config(cu, kernel, grid, block, args, stream, shared_mem)
+            (err,) = cu.cuLaunchKernelEx(cfg, func, params, 0)
+    except Exception as e:  # an older or newer cuda.bindings (its config, its packing), cupy's build
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        err = e
     if err == cu.CUresult.CUDA_SUCCESS:
         return True
-    if torch.cuda.is_current_stream_capturing():  # a graph half captured: no way back
+    if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"cuLaunchKernelEx: {err}")
-    # the kernels' first launches are eager (warm-ups): a driver that refuses PDL is found there
     _FAILED.add("pdl")
-    log.warning("CUDA C kernels launch without PDL: cuLaunchKernelEx returned %s", err)
+    log.warning("CUDA C kernels launch without PDL: cuLaunchKernelEx failed (%s)", err)
     return False
 
 

@@ -51,7 +51,7 @@ def _logits_body(X, W, OUT, N, K, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.co
     if PDL:
         tl.extra.cuda.gdc_wait()
     x = tl.load(X + t.to(tl.int64) * K + cols, mask=live, other=0.0)
-    acc = w * x[None, :]  # the loop's first step (0 + w * x: the same bits)
+    acc = w * x[None, :]  # the loop's first step (0 + w * x: the same bits, but for an exact zero's sign)
     for k0 in range(BK, K, BK):
         live = k0 + cols < K
         w = tl.load(W + rows_c[:, None] * K + (k0 + cols)[None, :], mask=live[None, :], other=0.0)
