@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
     ap.add_argument("--json-out", default=None, help="also write the results here")
     args = ap.parse_args()
+    if args.chain < 1 or args.reps < 1:
+        ap.error("--chain and --reps must be at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl: needs a CUDA GPU (programmatic dependent launch is Hopper's)")
     from strata_ray.kernels.lazy_triton import jit_bodies
