@@ -176,6 +176,24 @@ def test_bodies_keep_the_rule(module, body):
                 f"{body} loads {name(c.args[0])} before its wait: not one of its weights"
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU machine compiles and runs the PDL branches for real")
+def test_pdl_branches_compile_for_sm90():
+    """Every converted Triton kernel, launched through its wrapper with PDL forced on, compiles for an H100
+    and holds griddepcontrol (tests/kernels/pdl_compile_probe.py, a process without the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "tests/kernels/pdl_compile_probe.py"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "19 launches, 0 failed" in out.stdout
+
+
 @pytest.mark.parametrize("module,kernel", [("dense_q8_cuda", "q8_gemv"), ("expert_rows_cuda", "expert_rows")])
 def test_cuda_c_kernels_wait_before_their_inputs(module, kernel):
     """The CUDA C kernels launched with pdl=True: the hooks pasted in, the trigger, then the wait before the
