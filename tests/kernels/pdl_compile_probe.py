@@ -2,7 +2,7 @@
 
 The CPU tests run the kernel bodies under Triton's interpreter with PDL off, so a PDL branch that no longer
 compiles would only show on the GPU machine. Here each launch wrapper runs over CPU tensors of decode shapes
-with `pdl_args` forced on and Triton's launch replaced by a recorder; each recorded launch is then compiled
+with `pdl_on` forced true and Triton's launch replaced by a recorder; each recorded launch is then compiled
 ahead of time for an H100 (`triton.compile`, ptxas from Triton's wheel), and its PTX must hold
 griddepcontrol.wait. Run by tests/kernels/test_pdl.py in a process of its own: TRITON_INTERPRET must be off
 before triton is imported (the test process has it on).
@@ -17,7 +17,6 @@ import sys
 
 import torch
 
-PDL_ON = {"PDL": True, "launch_pdl": True}
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.int8: "i8", torch.uint8: "u8",
            torch.int32: "i32", torch.int64: "i64"}
 
@@ -36,21 +35,10 @@ def _record_launches() -> list:
 
 
 def _force_pdl() -> None:
-    from strata_ray.kernels import (
-        attention_decode,
-        decode_plan,
-        expert_words,
-        flag_wait,
-        fused_small,
-        gdn_step,
-        norm_rope,
-        publish,
-        router,
-    )
+    """pdl_on True for every tensor: each module's pdl_args looks it up in kernels/pdl at each call."""
+    from strata_ray.kernels import pdl
 
-    for module in (attention_decode, decode_plan, expert_words, flag_wait, fused_small, gdn_step, norm_rope,
-                   publish, router):
-        module.pdl_args = lambda t: dict(PDL_ON)
+    pdl.pdl_on = lambda t: True
 
 
 def _launch_all() -> None:
