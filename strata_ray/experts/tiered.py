@@ -350,9 +350,9 @@ class TieredExperts:
         one: the pipelined decode on CUDA, a cache that misses, some layer page-locked; else 0."""
         if self._share_setting is not None or self.host_gbs is not None:
             return
-        pinned = any(self.store.pinned_addresses(layer) is not None for layer in range(self.n_layers))
-        if (self.device.type == "cuda" and self.decode_pipeline and not self.decode_cpu_thread and pinned
-                and self.cache.n_slots < self.n_layers * self.n_expert):
+        if (self.device.type == "cuda" and self.decode_pipeline and not self.decode_cpu_thread
+                and self.cache.n_slots < self.n_layers * self.n_expert
+                and any(self.store.pinned_addresses(layer) is not None for layer in range(self.n_layers))):
             self.pcie_share, self.host_gbs = auto_pcie_share(self.pool)
 
     def warm_up(self) -> float:
