@@ -38,7 +38,7 @@ from strata_ray.config import (
 )
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
-from strata_ray.experts.build import build_expert_backend
+from strata_ray.experts.build import build_expert_backend, join_precompile, precompile_in_background
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.profile import ProfileError
 from strata_ray.kernels.cpu_pool import CpuPool
@@ -434,6 +434,11 @@ def main() -> None:
     reserve = 700 * 2**20
     prompt = chunk_bytes(hp, args.chunk) if dev == "cuda" else 0
     share = max(0.0, (args.card_gib * 2**30 - reserve - prompt - full_dense) / full_experts)
+    # the CPU kernels' cold forms compile beside the load, as the engine's load does: without it the decode
+    # worker's team compiled inside the first timed decode (minutes on a fresh numba cache, no output: session
+    # 43's H200 runs were cut there and looked like a hang)
+    t_pre = time.perf_counter()
+    background = precompile_in_background(dev)
     # dense weights first, to learn the device memory they take; then the budget that leaves the share
     t = time.perf_counter()
     with torch.inference_mode():
@@ -474,6 +479,11 @@ def main() -> None:
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
     from strata_ray.kernels.expert_rows_cuda import cuda_rows_on
+
+    if background is not None:
+        join_precompile(background)
+        print(f"CPU kernels compiled beside the load: {time.perf_counter() - t_pre:.1f} s from its start",
+              flush=True)
 
     rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "

@@ -53,8 +53,9 @@
 #   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
 # With $OUT set and a numba cache in .nbc/nbc.tar.xz (made for that machine), the cache is unpacked first and
 # the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end. A warm
-# machine's cache is kept: unpacking over it would drop what an earlier call compiled for a host the tarball
-# has no index for (session 39: every call on the H100 host compiled ~100 s again).
+# machine's files are kept, the tarball adding only what they lack: overwriting them would drop what an earlier
+# call compiled for a host the tarball has no index for (session 39: every call on the H100 host compiled
+# ~100 s again).
 set -uo pipefail
 work=$([[ -n "${OUT:-}" ]] && echo /tmp/device-out || echo out/device)
 mkdir -p "$work"
@@ -63,7 +64,9 @@ M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
 if [[ -n "${OUT:-}" && -f .nbc/nbc.tar.xz ]]; then  # on the device machine only: never touch a dev checkout
     find strata_ray scripts tests -name '*.py' -exec touch -d '2026-01-01 00:00:00' {} +
-    [[ -d "$NUMBA_CACHE_DIR" ]] || tar xJf .nbc/nbc.tar.xz -C "$(dirname "$NUMBA_CACHE_DIR")"
+    # --skip-old-files: a warm machine's files stay, and what the tarball has beyond them is added (session 43:
+    # a call without the tarball left a partial cache, and the next call's runs compiled the decode team again)
+    tar xJf .nbc/nbc.tar.xz --skip-old-files -C "$(dirname "$NUMBA_CACHE_DIR")"
 fi
 
 if [[ -n "${OUT:-}" ]]; then  # this host's numba target, for scripts/numba_targets/ (a host without its index

@@ -141,7 +141,7 @@ def precompile_in_background(device: str):
     return precompile.start(cold, n_threads)
 
 
-def _join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -> None:
+def join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -> None:
     """Wait for precompile_in_background's processes, the load stage counting the forms done; a failed one
     only means that form compiles here."""
     if background is None:
@@ -204,7 +204,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
                                          blocks=blocks)
         tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
         stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
-        _join_precompile(background, stage)
+        join_precompile(background, stage)
     except BaseException:  # a failed load leaves no compiler running behind it
         if background is not None:
             background.kill()

@@ -92,7 +92,7 @@ def test_the_engine_precompiles_in_the_background_only_where_it_gains(monkeypatc
     background = build.precompile_in_background("cuda")
     assert sorted(background.procs) == ["rows-one", "worker"]
     stages = []
-    build._join_precompile(background, stages.append, poll_s=0.01)
+    build.join_precompile(background, stages.append, poll_s=0.01)
     assert stages[0] == "compiling kernels (0 of 2 forms)" and set(stages) <= {
         f"compiling kernels ({i} of 2 forms)" for i in range(2)}  # the load's bar counts the forms done
     assert background.failed == {} and all(p.returncode == 0 for p in background.procs.values())
