@@ -49,7 +49,7 @@
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
-#   LIMIT_TESTS=240 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
+#   LIMIT_TESTS=420 LIMIT_KERNELS=180 LIMIT_CPU=90 LIMIT_TIERS=300 LIMIT_M80=120 LIMIT_PREFILL=120 (each run)
 #   LIMIT_SPIN=100 (each run) LIMIT_OURS=300   per-step time limits in seconds
 # With $OUT set and a numba cache in .nbc/nbc.tar.xz (made for that machine), the cache is unpacked first and
 # the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end. A warm
@@ -107,10 +107,10 @@ nvidia-smi -L 2>/dev/null | tee "$work/gpu.txt"
 } 2>&1 | tee -a "$work/gpu.txt"
 # shellcheck disable=SC2086
 if [[ -n "${BACKGROUND_TESTS:-}" ]]; then  # the GPU tests beside the CPU-bound steps (joined before packing)
-    step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-} > "$work/tests-step.txt" 2>&1 &
+    step tests 420 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-} > "$work/tests-step.txt" 2>&1 &
     tests_pid=$!
 else
-    step tests 240 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
+    step tests 420 python -m pytest -m gpu -q -p no:cacheprovider -rs ${TESTS:-}
 fi
 [[ -f "$M80" ]] || step m80 120 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b \
     --expert-type Q4_0 -o "$M80" --no-progress
