@@ -37,7 +37,7 @@ from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
 from strata_ray.kernels.cpu_pool import SINGLE_THREAD_BYTES, CpuPool, cpu_count, default_pool, spin_default
-from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.expert_cpu import TokenLayer, expert_ffn_cpu, expert_ffn_cpu_token, token_layer
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
 
@@ -196,6 +196,7 @@ class TieredExperts:
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
+        self._token_layers: dict[int, TokenLayer] = {}  # _token_layer's, by layer
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
         self.prior = prior
@@ -289,7 +290,10 @@ class TieredExperts:
             # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
             # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
             t1 = time.perf_counter()
-            cpu_rows = expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=self.pool_for(ids_h))
+            pool = self.pool_for(ids_h)
+            one = self._token_layer(layer) if n_tok == 1 and pool is self._one_thread else None
+            cpu_rows = (expert_ffn_cpu_token(x_h, ids_h, one) if one is not None  # the same bits, less Python
+                        else expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=pool))
             self.count_cpu_seconds(time.perf_counter() - t1, decode)
             out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
             if trunk:
@@ -419,6 +423,17 @@ class TieredExperts:
         small = (experts.size * self._blob_bytes < SINGLE_THREAD_BYTES
                  or np.unique(experts).size * self._blob_bytes < SINGLE_THREAD_BYTES)
         return self._one_thread if small else self.pool
+
+    def _token_layer(self, layer: int) -> TokenLayer | None:
+        """The layer's token_layer (expert_ffn_cpu_token's views, checked once), kept while the store holds
+        the same layer object; None for float experts, which take expert_ffn_cpu."""
+        lay = self.store.layer(layer)
+        kept = self._token_layers.get(layer)
+        if kept is None or kept.layer is not lay:
+            if lay.is_float:
+                return None
+            kept = self._token_layers[layer] = token_layer(lay)
+        return kept
 
     def _timed_cpu(self, x_h, tok, exp, layer):
         t = time.perf_counter()

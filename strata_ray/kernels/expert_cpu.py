@@ -12,6 +12,7 @@ tokens routed to its expert. Row results do not depend on the split (batch invar
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -137,6 +138,57 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
 
 
 _NO_FLAG = np.zeros(0, np.uint32)  # ffn_parallel's "no flag to raise"
+
+
+class TokenLayer(NamedTuple):
+    """A quantized ExpertLayer checked once for expert_ffn_cpu_token: its blocks as the kernels take them."""
+
+    layer: ExpertLayer  # the layer these views are of (a caller that keeps them checks it is still its own)
+    gate: np.ndarray  # uint8 [X, n_ff, RB], read-only
+    up: np.ndarray
+    down: np.ndarray  # uint8 [X, E, RB]
+    types: tuple[int, int, int]  # gate, up, down as plain ints
+
+
+def token_layer(layer: ExpertLayer) -> TokenLayer:
+    """The checks and views expert_ffn_cpu makes at every call, made once (KernelError for a float layer:
+    the token form is the quantized kernels')."""
+    layer.validate()
+    if layer.is_float:
+        raise KernelError("the one-token CPU rows take quantized experts only")
+    blocks = (readonly_blocks(layer.gate), readonly_blocks(layer.up), readonly_blocks(layer.down))
+    return TokenLayer(layer, *blocks, (int(layer.gate_type), int(layer.up_type), int(layer.down_type)))
+
+
+def expert_ffn_cpu_token(x: np.ndarray, exp: np.ndarray, tl: TokenLayer) -> np.ndarray:
+    """rows f32 [K, E] of one token x f32 [1, E] routed to the experts exp int [K], on the calling thread:
+    expert_ffn_cpu's kernels on a one-thread pool, so its bits, without its grouping, checks and dispatch.
+
+    Each entry is a group of its own, in entry order: a token's top-k experts are distinct, and wherever
+    they are not, an entry's rows still do not depend on which entries share its group (batch invariance),
+    so nothing is sorted. For a small model's decode that Python was most of a layer's expert call: on the
+    embedded model ~110 -> ~35 us a layer (session 43, the 2-core VM)."""
+    k = exp.shape[0]
+    e_max = tl.gate.shape[0]
+    ids = exp.tolist()
+    if x.shape != (1, tl.layer.n_embd) or not k or min(ids) < 0 or max(ids) >= e_max:
+        raise KernelError(f"one token [1, {tl.layer.n_embd}] and expert ids in [0, {e_max}) expected, got x "
+                          f"{tuple(x.shape)} and ids {ids}")
+    n_embd, n_ff = tl.layer.n_embd, tl.layer.n_ff
+    xq, xd, xs = quantize_act_sums(x)
+    h = np.empty((k, n_ff), f32)
+    hq = np.empty((k, n_ff), np.int8)
+    hd = np.empty((k, n_ff // QK), f32)
+    hs = np.empty((k, n_ff // QK), np.int32)
+    out = np.empty((k, n_embd), f32)
+    ents = np.arange(k, dtype=np.int64)  # entry i: group i, expert exp[i], token 0
+    g_start = np.arange(k + 1, dtype=np.int64)
+    g_exp = np.ascontiguousarray(exp, dtype=np.int64)  # the C-contiguous int64 every caller passes
+    gtype, utype, dtype = tl.types
+    gate_up_share(tl.gate, gtype, tl.up, utype, xq, xd, xs, np.zeros(k, np.int64), ents, g_start, g_exp, 0, 1,
+                  h, hq, hd, hs)
+    down_share(tl.down, dtype, hq, hd, hs, ents, g_start, g_exp, 0, 1, out)
+    return out
 
 
 def _output(out: np.ndarray | None, m: int, n_embd: int) -> np.ndarray:

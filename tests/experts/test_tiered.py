@@ -61,6 +61,26 @@ def test_rows_match_the_kernel_reference(tiny_next):
     assert torch.equal(got, cpu_only(layer, x, ids, w))
 
 
+def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next, monkeypatch):
+    """A decode token whose entries all go to the one-thread CPU tier runs expert_ffn_cpu_token (checked
+    once a layer) and gives expert_ffn_cpu's bits; two tokens keep the general form."""
+    import strata_ray.experts.tiered as tiered_module
+
+    _, tiers = load_tiered_model(config(tiny_next, expert_cache=0, adapt_every=0), "cpu", progress=False)
+    layer, n_embd = 1, tiers.store.layer(1).n_embd
+    x = torch.randn(2, n_embd, generator=torch.Generator().manual_seed(3))
+    ids, w = torch.tensor([[4, 6], [6, 2]]), torch.tensor([[0.7, 0.3], [0.55, 0.45]])
+    calls = []
+    token_form = tiered_module.expert_ffn_cpu_token
+    monkeypatch.setattr(tiered_module, "expert_ffn_cpu_token", lambda *a: calls.append(1) or token_form(*a))
+    one = tiers(layer, x[:1], ids[:1], w[:1])
+    assert calls == [1] and tiers._token_layers[layer].layer is tiers.store.layer(layer)
+    both = tiers(layer, x, ids, w)  # two tokens: expert_ffn_cpu, whose first row is the same token's
+    assert calls == [1] and torch.equal(one, both[:1])
+    tiers(layer, x[:1], ids[:1], w[:1])
+    assert calls == [1, 1] and len(tiers._token_layers) == 1  # kept, not checked again
+
+
 def test_greedy_tokens_do_not_depend_on_placement(tiny_next, tmp_path):
     hp = GGUFFile(tiny_next).hparams
     n_pairs = hp.n_layer * hp.n_expert

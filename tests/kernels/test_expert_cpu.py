@@ -8,7 +8,13 @@ import pytest
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import Q4_0, Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.cpu_pool import CpuPool
-from strata_ray.kernels.expert_cpu import expert_ffn_cpu, group_arrays, group_entries
+from strata_ray.kernels.expert_cpu import (
+    expert_ffn_cpu,
+    expert_ffn_cpu_token,
+    group_arrays,
+    group_entries,
+    token_layer,
+)
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.kernels.spec import expert_ffn_spec
 from tests.kernels.layers import FLOAT_SETS, N_EMBD, TYPE_SETS, entries, layer_for
@@ -222,3 +228,40 @@ def test_a_nan_in_x_gives_nan_rows_for_its_token_only(name, rng):
     for pool in (CpuPool(1), CpuPool(2, numba_parallel=True)):
         with pool:
             assert _bits_equal(expert_ffn_cpu(x, tok, exp, layer, pool=pool), want)
+
+
+@pytest.mark.parametrize("name", list(AWKWARD))
+@pytest.mark.parametrize("ids", [[5], [3, 30], [36, 0, 17, 9, 21, 2, 11, 28], [4, 4, 19]])
+def test_the_token_form_gives_expert_ffn_cpus_bits(name, ids, rng):
+    """expert_ffn_cpu_token (a decode step's one token on the calling thread, each entry a group of its own)
+    gives expert_ffn_cpu's rows to the bit, in entry order, at awkward widths and 1, 2 and 8 experts; a
+    repeated expert (never from a top-k, but allowed) too."""
+    from strata_ray.kernels.random_weights import random_layer
+
+    n_embd, n_ff = AWKWARD[name]
+    types = TYPE_SETS[name]
+    layer = random_layer(np.random.default_rng(n_embd + n_ff), 37, n_embd, n_ff, types,
+                         from_floats=types[0] in (Q8_0, Q4_0))
+    x = rng.standard_normal((1, n_embd)).astype(np.float32)
+    exp = np.array(ids, np.int64)
+    rows = expert_ffn_cpu_token(x, exp, token_layer(layer))
+    assert rows.shape == (len(ids), n_embd) and rows.dtype == np.float32
+    with CpuPool(1) as one:
+        assert _bits_equal(rows, expert_ffn_cpu(x, np.zeros(len(ids), np.int64), exp, layer, pool=one))
+    assert _bits_equal(rows, expert_ffn_spec(x, np.zeros(len(ids), np.int64), exp, layer))
+
+
+def test_the_token_form_refuses_in_one_line(rng):
+    layer = layer_for("Q8_0")
+    one = token_layer(layer)
+    x = np.zeros((1, N_EMBD), np.float32)
+    for exp in ([37], [-1], []):
+        with pytest.raises(KernelError, match=r"expert ids in \[0, 37\)"):
+            expert_ffn_cpu_token(x, np.array(exp, np.int64), one)
+    with pytest.raises(KernelError, match=r"one token \[1, 256\]"):
+        expert_ffn_cpu_token(np.zeros((2, N_EMBD), np.float32), np.array([0], np.int64), one)
+    with pytest.raises(KernelError, match="quantized experts only"):
+        token_layer(layer_for("F16"))
+    bad = ExpertLayer(layer.gate, layer.up, layer.down, Q8_0, Q8_0, 99)
+    with pytest.raises(KernelError, match="type 99"):
+        token_layer(bad)
