@@ -15,6 +15,7 @@ applied to the sample's expert bytes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import dataclasses
 import json
@@ -439,6 +440,8 @@ def main() -> None:
     # 43's H200 runs were cut there and looked like a hang)
     t_pre = time.perf_counter()
     background = precompile_in_background(dev)
+    if background is not None:  # a run that ends before the join (a refused flag, a bad profile) kills them
+        atexit.register(background.kill)
     # dense weights first, to learn the device memory they take; then the budget that leaves the share
     t = time.perf_counter()
     with torch.inference_mode():
@@ -482,6 +485,7 @@ def main() -> None:
 
     if background is not None:
         join_precompile(background)
+        atexit.unregister(background.kill)
         print(f"CPU kernels compiled beside the load: {time.perf_counter() - t_pre:.1f} s from its start",
               flush=True)
 

@@ -64,8 +64,10 @@ M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
 if [[ -n "${OUT:-}" && -f .nbc/nbc.tar.xz ]]; then  # on the device machine only: never touch a dev checkout
     find strata_ray scripts tests -name '*.py' -exec touch -d '2026-01-01 00:00:00' {} +
-    # --skip-old-files: a warm machine's files stay, and what the tarball has beyond them is added (session 43:
-    # a call without the tarball left a partial cache, and the next call's runs compiled the decode team again)
+    # --skip-old-files: a warm machine's files stay and the tarball adds the files they lack, so the functions
+    # an earlier call never compiled come from it (session 43: a call without the tarball left a partial cache,
+    # and the next call's runs compiled the decode team again); a function whose index the warm cache already
+    # has keeps that index (numba's one file a function), with only the entries compiled there
     tar xJf .nbc/nbc.tar.xz --skip-old-files -C "$(dirname "$NUMBA_CACHE_DIR")"
 fi
 

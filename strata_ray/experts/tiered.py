@@ -37,7 +37,13 @@ from strata_ray.experts.profile import Profile, learned_profile, write_profile
 from strata_ray.experts.slot_cache import SlotCache
 from strata_ray.kernels.contract import DECODE_MAX_TOKENS
 from strata_ray.kernels.cpu_pool import SINGLE_THREAD_BYTES, CpuPool, cpu_count, default_pool, spin_default
-from strata_ray.kernels.expert_cpu import TokenLayer, expert_ffn_cpu, expert_ffn_cpu_token, token_layer
+from strata_ray.kernels.expert_cpu import (
+    TokenLayer,
+    expert_ffn_cpu,
+    expert_ffn_cpu_token,
+    token_form_fits,
+    token_layer,
+)
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.model.moe import combine_rows
 
@@ -196,7 +202,7 @@ class TieredExperts:
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
-        self._token_layers: dict[int, TokenLayer] = {}  # _token_layer's, by layer
+        self._token_layers: dict[int, tuple] = {}  # _token_layer's (layer, TokenLayer or None), by layer
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
         self.prior = prior
@@ -425,15 +431,14 @@ class TieredExperts:
         return self._one_thread if small else self.pool
 
     def _token_layer(self, layer: int) -> TokenLayer | None:
-        """The layer's token_layer (expert_ffn_cpu_token's views, checked once), kept while the store holds
-        the same layer object; None for float experts, which take expert_ffn_cpu."""
+        """The layer's token_layer (expert_ffn_cpu_token's views, checked once), or None where the token form
+        does not fit it (float experts, a fused gate_up's strided halves): decided once while the store holds
+        the same layer object."""
         lay = self.store.layer(layer)
         kept = self._token_layers.get(layer)
-        if kept is None or kept.layer is not lay:
-            if lay.is_float:
-                return None
-            kept = self._token_layers[layer] = token_layer(lay)
-        return kept
+        if kept is None or kept[0] is not lay:
+            kept = self._token_layers[layer] = (lay, token_layer(lay) if token_form_fits(lay) else None)
+        return kept[1]
 
     def _timed_cpu(self, x_h, tok, exp, layer):
         t = time.perf_counter()

@@ -150,12 +150,21 @@ class TokenLayer(NamedTuple):
     types: tuple[int, int, int]  # gate, up, down as plain ints
 
 
+def token_form_fits(layer: ExpertLayer) -> bool:
+    """Whether token_layer takes this layer: quantized, its three matrices C-contiguous numpy arrays."""
+    return not layer.is_float and all(isinstance(w, np.ndarray) and w.flags.c_contiguous
+                                      for w in (layer.gate, layer.up, layer.down))
+
+
 def token_layer(layer: ExpertLayer) -> TokenLayer:
-    """The checks and views expert_ffn_cpu makes at every call, made once (KernelError for a float layer:
-    the token form is the quantized kernels')."""
+    """The checks and views expert_ffn_cpu makes at every call, made once. KernelError for a float layer
+    (the token form is the quantized kernels') or a matrix that is not C-contiguous (a fused gate_up's
+    halves: its read-only view would be a copy of the whole layer, kept as long as the TokenLayer)."""
     layer.validate()
     if layer.is_float:
         raise KernelError("the one-token CPU rows take quantized experts only")
+    if not token_form_fits(layer):
+        raise KernelError("the one-token CPU rows read contiguous expert matrices only")
     blocks = (readonly_blocks(layer.gate), readonly_blocks(layer.up), readonly_blocks(layer.down))
     return TokenLayer(layer, *blocks, (int(layer.gate_type), int(layer.up_type), int(layer.down_type)))
 
@@ -167,13 +176,15 @@ def expert_ffn_cpu_token(x: np.ndarray, exp: np.ndarray, tl: TokenLayer) -> np.n
     Each entry is a group of its own, in entry order: a token's top-k experts are distinct, and wherever
     they are not, an entry's rows still do not depend on which entries share its group (batch invariance),
     so nothing is sorted. For a small model's decode that Python was most of a layer's expert call: on the
-    embedded model ~110 -> ~35 us a layer (session 43, the 2-core VM)."""
-    k = exp.shape[0]
-    e_max = tl.gate.shape[0]
-    ids = exp.tolist()
-    if x.shape != (1, tl.layer.n_embd) or not k or min(ids) < 0 or max(ids) >= e_max:
-        raise KernelError(f"one token [1, {tl.layer.n_embd}] and expert ids in [0, {e_max}) expected, got x "
-                          f"{tuple(x.shape)} and ids {ids}")
+    embedded model the call went ~110 -> ~65 us a layer, this function ~36 of them (session 43, 2-core VM)."""
+    # a writable C int64 copy, as group_arrays makes: the kernels' signature (a read-only or strided ids array
+    # would be another numba compile), and ids checked after the cast (a NaN must not pass as INT64_MIN)
+    g_exp = np.array(exp, dtype=np.int64).reshape(-1)
+    k, e_max = g_exp.shape[0], min(tl.gate.shape[0], tl.up.shape[0], tl.down.shape[0])
+    if (x.shape != (1, tl.layer.n_embd) or np.ndim(exp) != 1 or not k or int(g_exp.min()) < 0
+            or int(g_exp.max()) >= e_max):
+        raise KernelError(f"one token [1, {tl.layer.n_embd}] and expert ids [K] in [0, {e_max}) expected, "
+                          f"got x {tuple(x.shape)} and ids {np.asarray(exp).tolist()}")
     n_embd, n_ff = tl.layer.n_embd, tl.layer.n_ff
     xq, xd, xs = quantize_act_sums(x)
     h = np.empty((k, n_ff), f32)
@@ -183,7 +194,6 @@ def expert_ffn_cpu_token(x: np.ndarray, exp: np.ndarray, tl: TokenLayer) -> np.n
     out = np.empty((k, n_embd), f32)
     ents = np.arange(k, dtype=np.int64)  # entry i: group i, expert exp[i], token 0
     g_start = np.arange(k + 1, dtype=np.int64)
-    g_exp = np.ascontiguousarray(exp, dtype=np.int64)  # the C-contiguous int64 every caller passes
     gtype, utype, dtype = tl.types
     gate_up_share(tl.gate, gtype, tl.up, utype, xq, xd, xs, np.zeros(k, np.int64), ents, g_start, g_exp, 0, 1,
                   h, hq, hd, hs)

@@ -70,15 +70,16 @@ def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next
     layer, n_embd = 1, tiers.store.layer(1).n_embd
     x = torch.randn(2, n_embd, generator=torch.Generator().manual_seed(3))
     ids, w = torch.tensor([[4, 6], [6, 2]]), torch.tensor([[0.7, 0.3], [0.55, 0.45]])
-    calls = []
-    token_form = tiered_module.expert_ffn_cpu_token
+    calls, checks = [], []
+    token_form, checked = tiered_module.expert_ffn_cpu_token, tiered_module.token_layer
     monkeypatch.setattr(tiered_module, "expert_ffn_cpu_token", lambda *a: calls.append(1) or token_form(*a))
+    monkeypatch.setattr(tiered_module, "token_layer", lambda lay: checks.append(1) or checked(lay))
     one = tiers(layer, x[:1], ids[:1], w[:1])
-    assert calls == [1] and tiers._token_layers[layer].layer is tiers.store.layer(layer)
+    assert calls == [1] and checks == [1]
     both = tiers(layer, x, ids, w)  # two tokens: expert_ffn_cpu, whose first row is the same token's
     assert calls == [1] and torch.equal(one, both[:1])
-    tiers(layer, x[:1], ids[:1], w[:1])
-    assert calls == [1, 1] and len(tiers._token_layers) == 1  # kept, not checked again
+    assert torch.equal(tiers(layer, x[:1], ids[:1], w[:1]), one)
+    assert calls == [1, 1] and checks == [1]  # the layer's views kept, not checked again
 
 
 def test_greedy_tokens_do_not_depend_on_placement(tiny_next, tmp_path):

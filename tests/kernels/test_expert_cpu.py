@@ -13,6 +13,7 @@ from strata_ray.kernels.expert_cpu import (
     expert_ffn_cpu_token,
     group_arrays,
     group_entries,
+    token_form_fits,
     token_layer,
 )
 from strata_ray.kernels.reference import expert_ffn_ref
@@ -255,9 +256,10 @@ def test_the_token_form_refuses_in_one_line(rng):
     layer = layer_for("Q8_0")
     one = token_layer(layer)
     x = np.zeros((1, N_EMBD), np.float32)
-    for exp in ([37], [-1], []):
-        with pytest.raises(KernelError, match=r"expert ids in \[0, 37\)"):
-            expert_ffn_cpu_token(x, np.array(exp, np.int64), one)
+    bad_ids = (np.array([37]), np.array([-1]), np.array([], np.int64), np.array([[1, 2]]), np.array([np.nan]))
+    for exp in bad_ids:  # a NaN id casts to INT64_MIN (numpy warns: silenced), then is refused
+        with pytest.raises(KernelError, match=r"ids \[K\] in \[0, 37\)"), np.errstate(invalid="ignore"):
+            expert_ffn_cpu_token(x, exp, one)
     with pytest.raises(KernelError, match=r"one token \[1, 256\]"):
         expert_ffn_cpu_token(np.zeros((2, N_EMBD), np.float32), np.array([0], np.int64), one)
     with pytest.raises(KernelError, match="quantized experts only"):
@@ -265,3 +267,40 @@ def test_the_token_form_refuses_in_one_line(rng):
     bad = ExpertLayer(layer.gate, layer.up, layer.down, Q8_0, Q8_0, 99)
     with pytest.raises(KernelError, match="type 99"):
         token_layer(bad)
+    # a fused gate_up's halves are strided views: their read-only copy would hold the whole layer
+    fused = np.concatenate([layer.gate, layer.up], axis=1)  # [X, 2 n_ff, RB]
+    n_ff = layer.gate.shape[1]
+    halves = ExpertLayer(fused[:, :n_ff], fused[:, n_ff:], layer.down, Q8_0, Q8_0, Q8_0)
+    assert token_form_fits(layer) and not token_form_fits(halves) and not token_form_fits(layer_for("F16"))
+    with pytest.raises(KernelError, match="contiguous expert matrices only"):
+        token_layer(halves)
+
+
+def test_the_token_form_compiles_nothing_new():
+    """expert_ffn_cpu_token calls the kernels with expert_ffn_cpu's argument types: in a fresh process, after
+    expert_ffn_cpu on a one-thread pool, it adds no numba signature (another would be a cold compile of
+    minutes on a new machine). Read-only or strided expert ids are copied to those types too."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np
+from strata_ray.kernels.contract import Q4_0
+from strata_ray.kernels.cpu_pool import CpuPool
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu, expert_ffn_cpu_token, token_layer
+from strata_ray.kernels.expert_cpu_kernels import down_share, gate_up_share
+from strata_ray.kernels.random_weights import random_layer
+lay = random_layer(np.random.default_rng(0), 8, 256, 256, (Q4_0,) * 3, from_floats=True)
+x = np.ones((1, 256), np.float32)
+with CpuPool(1) as one:
+    expert_ffn_cpu(x, np.zeros(2, np.int64), np.array([1, 3]), lay, pool=one)
+before = (len(gate_up_share.signatures), len(down_share.signatures))
+ids = np.array([[1, 3, 5, 7]])[0, ::2]
+ids.flags.writeable = False
+expert_ffn_cpu_token(x, ids, token_layer(lay))
+print(before, (len(gate_up_share.signatures), len(down_share.signatures)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = out.stdout.strip().rsplit(") (", 1)
+    assert before + ")" == "(" + after and before == "(1, 1", out.stdout
