@@ -17,7 +17,7 @@ from strata_ray.config import parse_value, ring_slots_value
 from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
-from strata_ray.experts.prefault import available_memory, physical_memory
+from strata_ray.experts.prefault import SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE, spare_memory_gib
 from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
@@ -36,7 +36,7 @@ RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 1024, 32
 RING_BYTES = 1 << 30
 # auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
 # of physical memory (the OS, the page cache of the dense weights, other processes)
-PIN_LEAVE_GIB, PIN_LEAVE_SHARE = 8.0, 0.2
+PIN_LEAVE_GIB, PIN_LEAVE_SHARE = SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE  # what pinning leaves the host
 
 
 def _warm_gdn_step(hp, device) -> None:
@@ -114,9 +114,7 @@ def auto_pin_gib() -> float:
     page cache, so the GGUF's own pages) less what is left for everything else. Pinned layers stream to
     the device at ~50 GB/s instead of ~7-15 GB/s through staging buffers (an 8K prompt at a 24 GiB budget
     on the H200: 7.0 s instead of 14.4 s), at ~0.2 s of load time per GiB."""
-    available = available_memory()
-    leave = max(PIN_LEAVE_GIB * 2**30, PIN_LEAVE_SHARE * physical_memory())
-    return max(0.0, (available - leave) / 2**30)
+    return spare_memory_gib()
 
 
 def precompile_in_background(device: str):

@@ -38,6 +38,17 @@ def physical_memory() -> int:
         return 0
 
 
+# what the host keeps for everything else when expert layers move into anonymous memory (pinned or split)
+SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE = 8.0, 0.2
+
+
+def spare_memory_gib() -> float:
+    """GiB the host can give expert layers moved out of the file map: its available memory (which counts the
+    page cache, so the GGUF's own pages) less max(SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE of physical memory)."""
+    leave = max(SPARE_LEAVE_GIB * 2**30, SPARE_LEAVE_SHARE * physical_memory())
+    return max(0.0, (available_memory() - leave) / 2**30)
+
+
 def available_memory() -> int:
     """Bytes the kernel could hand out now, page cache included (MemAvailable; 0 when unknown)."""
     try:

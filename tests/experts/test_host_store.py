@@ -107,3 +107,57 @@ def test_float_expert_tensor_is_refused_by_name(tmp_path, float_part):
         HostStore(GGUFFile(tmp_path / "m.gguf"))
     assert str(err.value) == (f"blk.0.ffn_{float_part}_exps.weight is F16; the expert tiers need "
                               "Q8_0, Q4_0, Q4_K or Q6_K experts")
+
+
+def _fused_file(tmp_path):
+    """Layer 0's gate and up as one fused ffn_gate_up_exps tensor, layer 1's apart (Q8_0, random values)."""
+    hp = preset_hparams("qwen3moe", "tiny")
+    mw = ModelWriter(tmp_path / "fused.gguf", hp, byte_level_tokenizer_spec().padded(hp.n_vocab))
+    x, e, f = hp.n_expert, hp.n_embd, hp.n_ff_exp
+    rng = np.random.default_rng(7)
+    parts = {"blk.0.ffn_gate_up_exps.weight": (x, 2 * f, e), "blk.0.ffn_down_exps.weight": (x, e, f),
+             "blk.1.ffn_gate_exps.weight": (x, f, e), "blk.1.ffn_up_exps.weight": (x, f, e),
+             "blk.1.ffn_down_exps.weight": (x, e, f)}
+    for name, shape in parts.items():
+        values = rng.standard_normal(shape).astype(np.float32)
+        mw.add(name, shape, Q8_0, lambda values=values: values)
+    mw.write()
+    return GGUFFile(tmp_path / "fused.gguf")
+
+
+def test_a_fused_gate_up_layer_is_split_into_contiguous_memory(tmp_path, caplog):
+    """A fused gate_up layer's halves are strided views of the map, which the CPU kernels would copy whole at
+    every call: the store moves that layer into memory of its own (the same bytes, C-contiguous, the same
+    rows), and leaves the unfused layer in the map."""
+    from strata_ray.kernels.contract import ExpertLayer
+    from strata_ray.kernels.cpu_pool import CpuPool
+    from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+
+    file = _fused_file(tmp_path)
+    fused = file.tensor("blk.0.ffn_gate_up_exps.weight").data
+    n_ff = fused.shape[1] // 2
+    with caplog.at_level("INFO", logger="strata_ray.experts"):
+        store = HostStore(file, pin_gib=0)
+    lay = store.layer(0)
+    assert all(a.flags.c_contiguous for a in (lay.gate, lay.up, lay.down))
+    assert not np.shares_memory(lay.gate, fused) and store.arena_bytes == sum(a.nbytes for a in
+                                                                             (lay.gate, lay.up, lay.down))
+    assert np.array_equal(lay.gate, fused[:, :n_ff]) and np.array_equal(lay.up, fused[:, n_ff:])
+    assert np.shares_memory(store.layer(1).gate, file.tensor("blk.1.ffn_gate_exps.weight").data)
+    assert "1 fused gate_up layers split into their own memory" in caplog.text
+    strided = ExpertLayer(fused[:, :n_ff], fused[:, n_ff:], lay.down, Q8_0, Q8_0, Q8_0)
+    x = np.random.default_rng(1).standard_normal((3, lay.n_embd)).astype(np.float32)
+    tok, exp = np.array([0, 1, 2, 2]), np.array([5, 0, 5, 3])
+    with CpuPool(1) as one:
+        assert np.array_equal(expert_ffn_cpu(x, tok, exp, lay, pool=one).view(np.int32),
+                              expert_ffn_cpu(x, tok, exp, strided, pool=one).view(np.int32))
+
+
+def test_a_fused_layer_without_room_stays_strided_and_says_so(tmp_path, monkeypatch, caplog):
+    import strata_ray.experts.host_store as host_store
+
+    monkeypatch.setattr(host_store, "spare_memory_gib", lambda: 0.0)
+    with caplog.at_level("WARNING", logger="strata_ray.experts"):
+        store = HostStore(_fused_file(tmp_path), pin_gib=0)
+    assert not store.layer(0).gate.flags.c_contiguous and store.arena_bytes == 0
+    assert "1 fused gate_up layers stay in the file map" in caplog.text
