@@ -89,6 +89,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata_ray.experts.host_store import contiguous_layer
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import QK, ExpertLayer
@@ -832,8 +833,11 @@ def token_graph_and_ahead(partial: bool, token_env: str, prefetch: int | None) -
 
 
 def pipeline_supported(tiers) -> bool:
-    """Quantized expert layers of one width in every trunk layer (the worker's kernels)."""
+    """Quantized expert layers of one width in every trunk layer (the worker's kernels), each C-contiguous:
+    the worker keeps read-only C views of every layer for the run, which of a strided one (a fused gate_up
+    the host store had no memory to split) would be a copy of the whole layer."""
     layers = [tiers.store.layer(layer) for layer in range(tiers.n_layers)]
     widths = {lay.n_embd for lay in layers}
-    return bool(layers) and not any(lay.is_float for lay in layers) and len(widths) == 1
+    return (bool(layers) and not any(lay.is_float for lay in layers) and len(widths) == 1
+            and all(contiguous_layer(lay) for lay in layers))
 

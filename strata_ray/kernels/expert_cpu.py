@@ -108,6 +108,15 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
             _float_ffn(x, tok, group_entries(exp), layer, pool, out)
         _set_done(done)
         return out
+    gate, up, down = layer.gate, layer.up, layer.down
+    if not all(isinstance(w, np.ndarray) and w.flags.c_contiguous for w in (gate, up, down)):
+        # a strided layer (a fused gate_up's halves left in the file map, the CPU slot tier's views of its
+        # store): the routed experts alone as C blocks, their ids renumbered in the same order.
+        # readonly_blocks of the whole layer copied every expert of it at every call (a fused 80b-a3b layer:
+        # ~600 MB; a CPU slot tier of 1,000 slots: 1.8 GB)
+        routed, exp = np.unique(exp, return_inverse=True)
+        exp = exp.reshape(-1).astype(np.int64)
+        gate, up, down = (np.asarray(w)[routed] for w in (gate, up, down))
     ents, g_start, g_exp = group_arrays(exp)
     n_groups = len(g_exp)
     xq, xd, xs = quantize_act_sums(x)
@@ -115,7 +124,7 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
     hq = np.empty((m, n_ff), np.int8)
     hd = np.empty((m, n_ff // QK), f32)
     hs = np.empty((m, n_ff // QK), np.int32)
-    gate, up, down = readonly_blocks(layer.gate), readonly_blocks(layer.up), readonly_blocks(layer.down)
+    gate, up, down = readonly_blocks(gate), readonly_blocks(up), readonly_blocks(down)
     # plain ints: an IntEnum type (gguf's GGMLQuantizationType) is another numba signature
     gtype, utype, dtype = int(layer.gate_type), int(layer.up_type), int(layer.down_type)
     # One share per thread, never more shares than 32-row tiles.

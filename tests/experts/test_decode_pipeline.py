@@ -18,6 +18,7 @@ from strata_ray.experts.decode_pipeline import (
     decode_warm,
     down_prefetch,
     pinned_block,
+    pipeline_supported,
     team_unit_rows,
     token_graph_and_ahead,
 )
@@ -140,3 +141,25 @@ def test_copies_ahead_are_picked_a_layer_early_unless_asked(monkeypatch, env, wa
 def test_team_units_are_half_tiles_unless_asked(monkeypatch, env, want):
     monkeypatch.setenv("STRATA_TEAM_UNITS", env)
     assert team_unit_rows() == want
+
+
+def test_the_pipelined_decode_takes_contiguous_quantized_layers_of_one_width():
+    """The worker keeps read-only C views of every trunk layer for the run: a strided layer (a fused gate_up
+    the host store could not split) would be a copy of the whole layer, so such a model takes the decode
+    without the pipeline; float layers, or none, too."""
+    from types import SimpleNamespace
+
+    from strata_ray.kernels.contract import ExpertLayer
+
+    q8 = layer_for("Q8_0")
+    fused = np.concatenate([q8.gate, q8.up], axis=1)
+    n_ff = q8.gate.shape[1]
+    strided = ExpertLayer(fused[:, :n_ff], fused[:, n_ff:], q8.down, q8.gate_type, q8.up_type, q8.down_type)
+
+    def tiers(*layers):
+        return SimpleNamespace(n_layers=len(layers), store=SimpleNamespace(layer=lambda b: layers[b]))
+
+    assert pipeline_supported(tiers(q8, q8))
+    assert not pipeline_supported(tiers(q8, strided))
+    assert not pipeline_supported(tiers(q8, layer_for("F16")))
+    assert not pipeline_supported(tiers())

@@ -304,3 +304,28 @@ print(before, (len(gate_up_share.signatures), len(down_share.signatures)))
     assert out.returncode == 0, out.stderr[-2000:]
     before, after = out.stdout.strip().rsplit(") (", 1)
     assert before + ")" == "(" + after and before == "(1, 1", out.stdout
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K+Q6_K"])
+def test_a_strided_layer_reads_only_its_routed_experts_with_the_same_bits(name, rng, monkeypatch):
+    """A layer whose matrices are strided views (a fused gate_up's halves, the CPU slot tier's views of its
+    store) gives the contiguous layer's bits in every driver, and only the routed experts are made C blocks:
+    not the whole layer at every call."""
+    import strata_ray.kernels.expert_cpu as expert_cpu
+
+    layer = layer_for(name)
+    fused = np.concatenate([layer.gate, layer.up], axis=1)  # [X, 2 n_ff, RB]
+    n_ff = layer.gate.shape[1]
+    halves = ExpertLayer(fused[:, :n_ff], fused[:, n_ff:], layer.down, *TYPE_SETS[name])
+    x = rng.standard_normal((5, N_EMBD)).astype(np.float32)
+    tok, exp = entries(rng, 5, 0, 37, k=3)
+    exp[:3] = exp[3:6]  # repeats across tokens
+    blocks = []
+    readonly = expert_cpu.readonly_blocks
+    monkeypatch.setattr(expert_cpu, "readonly_blocks", lambda w: blocks.append(w.shape[0]) or readonly(w))
+    for pool in (CpuPool(1), CpuPool(2, numba_parallel=True), CpuPool(2, numba_parallel=False)):
+        with pool:
+            blocks.clear()
+            assert _bits_equal(expert_ffn_cpu(x, tok, exp, halves, pool=pool),
+                               expert_ffn_cpu(x, tok, exp, layer, pool=pool)), pool.n_threads
+            assert blocks == [len(np.unique(exp))] * 3 + [37] * 3  # the strided call's, then the whole's
