@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -108,7 +110,24 @@ def load_dense_weights(
     check_weights(hp, out, include_experts)
     if quantized:
         fuse_dense_rows(out)
+        warn_without_scaled_gemv(out, device)
     return out
+
+
+def warn_without_scaled_gemv(weights: dict, device: torch.device) -> bool:
+    """On CUDA, one warning where Q4_K / Q6_K matrices stay quantized but the CUDA C GEMV that reads them is
+    off (cupy missing, or STRATA_DENSE_CUDA=0): they have no Triton twin, so every decode step dequantizes
+    each of them (kernels/dense_scaled), several times the GEMV's reads. Q8_0 has one. True: it warned."""
+    from strata_ray.kernels.dense_q8_cuda import cuda_gemv_on
+    from strata_ray.kernels.dense_scaled import ScaledWeight
+
+    n = sum(isinstance(w, ScaledWeight) for w in weights.values())
+    if device.type != "cuda" or not n or cuda_gemv_on():
+        return False
+    logging.getLogger("strata_ray.model").warning(
+        "%d Q4_K / Q6_K dense matrices and no CUDA C GEMV for them (cupy missing or STRATA_DENSE_CUDA=0): "
+        "each decode step dequantizes them (slow); install the cuda extra (pip install -e \".[cuda]\")", n)
+    return True
 
 
 # the matrices a layer applies to one input, in the order the forward reads them (kernels/dense_q8.fuse_rows)

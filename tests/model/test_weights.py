@@ -179,3 +179,26 @@ def test_dense_k_quants_kept_quantized_give_the_dequantized_bits(tmp_path, dense
     assert kept["blk.0.ffn_gate_shexp.weight"].fused is not None  # gate | up: one GEMV in a decode step
     hp = file.hparams
     _assert_same_logits(Model(hp, flat), Model(hp, kept))
+
+
+def test_k_quant_dense_without_the_cuda_gemv_is_warned_once_on_cuda(tmp_path, monkeypatch, caplog):
+    """Q4_K / Q6_K matrices kept quantized have no Triton GEMV: on CUDA without the CUDA C one (cupy missing,
+    STRATA_DENSE_CUDA=0) every decode step dequantizes them, which the load says in one warning. Q8_0 alone,
+    the CPU, or the GEMV on: nothing."""
+    import strata_ray.kernels.dense_q8_cuda as dense_q8_cuda
+    from strata_ray.model.synth import write_synth
+    from strata_ray.model.weights import warn_without_scaled_gemv
+
+    path = tmp_path / "k.gguf"
+    write_synth(path, arch="qwen3next", preset="tiny", layers=2, expert_type="Q4_0", progress=False,
+                dense_type="Q4_K")
+    kept = load_dense_weights(GGUFFile(path), "cpu", include_experts=False, quantized=True)
+    q8_only = {n: w for n, w in kept.items() if type(w).__name__ != "ScaledWeight"}
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for gemv_on in (False, True):
+        monkeypatch.setattr(dense_q8_cuda, "cuda_gemv_on", lambda on=gemv_on: on)
+        with caplog.at_level("WARNING", logger="strata_ray.model"):
+            caplog.clear()
+            assert warn_without_scaled_gemv(kept, cuda) is not gemv_on
+            assert not warn_without_scaled_gemv(kept, cpu) and not warn_without_scaled_gemv(q8_only, cuda)
+        assert (len(caplog.records) == 1 and "Q4_K / Q6_K dense matrices" in caplog.text) is not gemv_on
