@@ -212,16 +212,47 @@ class SynthModel:
 
 
 def build_writer(
-    path, hp: HParams, expert_type: int, seed: int = 0, name: str = "strata-synth", dense_type: int = T.Q8_0
+    path, hp: HParams, expert_type: int, seed: int = 0, name: str = "strata-synth", dense_type: int = T.Q8_0,
+    fused_gate_up: bool = False,
 ) -> ModelWriter:
+    """fused_gate_up: each layer's gate and up experts as one ffn_gate_up_exps [X, 2I, E] (gate rows first),
+    the same rows as the unfused file's (model-format.md's optional fused form)."""
     tok = byte_level_tokenizer_spec().padded(hp.n_vocab)
     mw = ModelWriter(path, hp, tok)
     mw.extra_fields["general.name"] = name
     model = SynthModel(hp, seed)
+    gates: dict[str, tuple] = {}
     for tname, shape in tensor_layout(hp):
         t = synth_type(tname, shape, expert_type, dense_type)
-        mw.add(tname, shape, t, model.producer(tname, shape, t))
+        produce = model.producer(tname, shape, t)
+        if fused_gate_up and tname.endswith(".ffn_gate_exps.weight"):
+            gates[tname[: -len("gate_exps.weight")]] = (shape, t, produce)  # added with its up half
+            continue
+        if fused_gate_up and tname.endswith(".ffn_up_exps.weight"):
+            prefix = tname[: -len("up_exps.weight")]
+            g_shape, g_type, g_produce = gates.pop(prefix)
+            if g_shape != shape or g_type != t:
+                raise SynthError(f"{prefix}: gate and up experts differ ({g_shape}, {shape}): not fused")
+            x, n_ff, n_in = shape
+            mw.add(f"{prefix}gate_up_exps.weight", (x, 2 * n_ff, n_in), t,
+                   lambda gp=g_produce, up=produce, x=x, n_ff=n_ff: _fused_rows(gp, up, x, n_ff))
+            continue
+        mw.add(tname, shape, t, produce)
+    if gates:
+        raise SynthError(f"gate experts without up experts to fuse with: {', '.join(sorted(gates))}")
     return mw
+
+
+def _fused_rows(gate, up, x: int, n_ff: int) -> Iterator[np.ndarray]:
+    """Producers of gate and up [X, I, ...] rows -> one expert's I gate rows then its I up rows at a time."""
+    g = np.concatenate([np.asarray(c) for c in _chunks(gate())]).reshape(x, n_ff, -1)
+    u = np.concatenate([np.asarray(c) for c in _chunks(up())]).reshape(x, n_ff, -1)
+    for e in range(x):
+        yield np.concatenate([g[e], u[e]])  # [2I, row]
+
+
+def _chunks(made) -> list:
+    return [made] if isinstance(made, np.ndarray) else list(made)
 
 
 def write_synth(
@@ -233,8 +264,10 @@ def write_synth(
     seed: int = 0,
     progress: bool = True,
     dense_type: str = "Q8_0",
+    fused_gate_up: bool = False,
 ) -> HParams:
-    """Write a synthetic model; returns its HParams. Raises SynthError (one line) on a bad request."""
+    """Write a synthetic model; returns its HParams. Raises SynthError (one line) on a bad request.
+    fused_gate_up: gate and up experts as one ffn_gate_up_exps tensor a layer (build_writer)."""
     if expert_type not in EXPERT_TYPES:
         raise SynthError(f"unknown expert type {expert_type!r} (choose from {', '.join(EXPERT_TYPES)})")
     if dense_type not in DENSE_TYPES:
@@ -249,7 +282,7 @@ def write_synth(
         raise SynthError(f"-o {path}: exists and is not a regular file")
     _check_writable(path)
     mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}",
-                      dense_type=T[dense_type])
+                      dense_type=T[dense_type], fused_gate_up=fused_gate_up)
     free = shutil.disk_usage(path.parent).free
     if mw.total_bytes > free:
         raise SynthError(f"not enough disk space: the model needs {_human_bytes(mw.total_bytes)}, "
@@ -329,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
                         "projection stay Q8_0, rows not a multiple of 256 fall back to Q8_0)")
     p.add_argument("--seed", type=_seed, default=0, help="random seed >= 0 (same seed, same file)")
+    p.add_argument("--fused-gate-up", action="store_true",
+                   help="each layer's gate and up experts as one ffn_gate_up_exps tensor (the GGUF's "
+                        "optional fused form; the same rows as without it)")
     p.add_argument("-o", "--output", required=True, help="output .gguf path (an existing file is refused)")
     p.add_argument("--force", action="store_true", help="overwrite an existing GGUF file at -o")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -361,6 +397,7 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
             args.seed,
             progress=not args.no_progress,
             dense_type=args.dense_type,
+            fused_gate_up=args.fused_gate_up,
         )
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)

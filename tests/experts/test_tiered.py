@@ -82,6 +82,30 @@ def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next
     assert calls == [1, 1] and checks == [1]  # the layer's views kept, not checked again
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_a_fused_gate_up_file_gives_the_unfused_files_tokens(tiny_next, tmp_path, monkeypatch, room):
+    """The same model written with ffn_gate_up_exps (synth --fused-gate-up: the same rows) decodes the same
+    greedy tokens as the unfused file with every expert on the CPU (the one-token form) and with CPU slots
+    (the slot tier's strided views): its layers split into memory of their own where the host has room, read
+    through their routed experts where it has none."""
+    import strata_ray.experts.host_store as host_store
+    from strata_ray.model.synth import write_synth
+
+    fused = tmp_path / "fused.gguf"
+    write_synth(fused, arch="qwen3next", preset="tiny", progress=False, fused_gate_up=True)
+    file = GGUFFile(fused)
+    assert file.has("blk.0.ffn_gate_up_exps.weight") and not file.has("blk.0.ffn_gate_exps.weight")
+    if not room:
+        monkeypatch.setattr(host_store, "spare_memory_gib", lambda: 0.0)
+    for cache in (0, 12):
+        want = greedy(load_tiered_model(config(tiny_next, expert_cache=cache, adapt_every=0), "cpu",
+                                        progress=False)[0])
+        loaded, tiers = load_tiered_model(config(str(fused), expert_cache=cache, adapt_every=0), "cpu",
+                                          progress=False)
+        assert (tiers.store.arena_bytes > 0) is room
+        assert greedy(loaded) == want, (cache, room)
+
+
 def test_greedy_tokens_do_not_depend_on_placement(tiny_next, tmp_path):
     hp = GGUFFile(tiny_next).hparams
     n_pairs = hp.n_layer * hp.n_expert

@@ -199,6 +199,27 @@ def test_expert_types(tmp_path, expert_type):
     assert np.isfinite(dequantize_tensor(info)).all()
 
 
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen3moe"])
+def test_fused_gate_up_holds_the_unfused_rows(tmp_path, arch):
+    """--fused-gate-up: each layer's gate and up experts as one ffn_gate_up_exps [X, 2I, E], gate rows first,
+    byte for byte the unfused file's rows (MTP layer included); the other tensors unchanged."""
+    argv = ["--arch", arch, "--preset", "tiny", "--layers", "2", "--expert-type", "Q4_0", "--no-progress"]
+    assert synth_main([*argv, "-o", str(tmp_path / "u.gguf")]) == 0
+    assert synth_main([*argv, "--fused-gate-up", "-o", str(tmp_path / "f.gguf")]) == 0
+    plain, fused = GGUFFile(tmp_path / "u.gguf"), GGUFFile(tmp_path / "f.gguf")
+    n_fused = 0
+    for name, info in plain.tensors.items():
+        if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            both = fused.tensor(name.rsplit(".ffn_", 1)[0] + ".ffn_gate_up_exps.weight").data
+            n_ff = both.shape[1] // 2
+            half = both[:, :n_ff] if "gate_exps" in name else both[:, n_ff:]
+            assert not fused.has(name) and np.array_equal(half, info.data), name
+            n_fused += 1
+        else:
+            assert np.array_equal(fused.tensor(name).data, info.data), name
+    assert n_fused == 2 * len([n for n in plain.tensors if n.endswith("ffn_down_exps.weight")]) > 0
+
+
 def test_dense_type(tmp_path):
     """--dense-type Q6_K: the projections Q6_K where their rows are whole super-blocks, the embedding and
     MTP projection Q8_0 (their values carry the shared direction), norms and the router float."""
