@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 6's two targets on ONE host, in one GPU-machine call: llama.cpp's budget setup and our standard
+# measure side by side, so "2x llama.cpp on the same machine" and "70% of this machine's roofline" are read
+# from the same host (the pool's hosts differ up to 1.5x in their CPU rows and PCIe copies).
+#
+#   run tool, carry [".devbundle", "third_party/llama.cpp"] (no room left for .nbc: the numba forms compile
+#   here, in parallel with the llama-bench build):
+#   source .devbundle/env.sh && bash scripts/same_host_measure.sh 2>&1 | tail -40
+#
+# Steps: build llama-bench (compare_llamacpp.sh build) ‖ the m80 synth (80b-a3b, Q4_0 experts) ‖ numba's
+# precompile of the CPU forms; llama-bench's budget setup (24 GiB: --n-cpu-moe from the GGUF) at 1K and 8K,
+# GEN=128, 2 repeats; then bench_tiers' standard measure (24 GiB card, 1K then 8K in one process, 256
+# tokens each) as many times as SAME_HOST_BUDGET_S (585) leaves room for. JSON and logs in $OUT (or
+# out/same-host without it); the llama-bench build stays in third_party/ for a warm machine's next call.
+set -u
+out=${OUT:-out/same-host}
+mkdir -p "$out"
+budget=${SAME_HOST_BUDGET_S:-585}
+model=${M80:-/tmp/m80.gguf}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
+export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-300000}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+t0=$SECONDS
+(timeout 360 bash scripts/compare_llamacpp.sh build > "$out/build.log" 2>&1; echo "build rc $?" >> "$out/build.log") &
+build_pid=$!
+(timeout 360 python -m strata_ray.kernels.precompile --threads 15 --jobs 4 > "$out/precompile.log" 2>&1) &
+precompile_pid=$!
+[[ -f $model ]] || timeout 150 python -m strata_ray.run synth --arch qwen3next --preset 80b-a3b --expert-type Q4_0 \
+    -o "$model" --no-progress > "$out/synth.log" 2>&1
+echo "synth done at $((SECONDS - t0)) s"
+wait "$precompile_pid"; echo "precompile done at $((SECONDS - t0)) s: $(tail -1 "$out/precompile.log")"
+wait "$build_pid"; tail -2 "$out/build.log"; echo "build done at $((SECONDS - t0)) s"
+timeout 150 env MODEL="$model" CONTEXTS=1024,8192 GEN=128 REPEATS=2 SETUPS=budget OUT="$out/cmp" \
+    bash scripts/compare_llamacpp.sh llama > "$out/llama.log" 2>&1
+echo "llama done at $((SECONDS - t0)) s"
+python - "$out" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(sys.argv[1] + "/cmp/llama-*.json")):
+    try:
+        for r in json.load(open(f)):
+            print(os.path.basename(f), "prompt", r.get("n_prompt"), "gen", r.get("n_gen"), "depth", r.get("n_depth"),
+                  round(r.get("avg_ts", 0), 1), "+-", round(r.get("stddev_ts", 0), 1), "tok/s")
+    except (OSError, ValueError) as e:
+        print(f, "unreadable:", e)
+PY
+for i in 1 2 3; do
+    left=$((budget - (SECONDS - t0)))
+    [[ $left -gt 45 ]] || break
+    timeout "$left" python scripts/bench_tiers.py --model "$model" --depths 1024,8192 --decode 256 --chunk 4096 \
+        --card-gib 24 --json-out "$out/std-$i.json" > "$out/std-$i.log" 2>&1
+    grep -h "copy rates\|CPU kernels compiled\|kernels ready" "$out/std-$i.log" | cut -c1-150
+    python - "$out/std-$i.json" "$i" <<'PY' || echo "run $i cut"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print("ours", sys.argv[2], r["depth"], round(r["decode_tok_s"], 1), "tok/s, hit", round(r["hit_rate"], 3),
+          "of the H200 roofline", round(r["of_roofline"], 3), "of this host's", round(r["of_roofline_here"], 3),
+          "cpu ms", round(r["cpu_ms_per_token"], 2), "wait ms", round(r["wait_ms_per_token"], 2))
+PY
+done
+echo "end at $((SECONDS - t0)) s"
