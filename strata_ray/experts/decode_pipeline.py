@@ -89,7 +89,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from strata_ray.experts.host_store import contiguous_layer
 from strata_ray.experts.slot_cache import blob_views
 from strata_ray.kernels.block_dots import HALF_ROWS, ROWS
 from strata_ray.kernels.contract import QK, ExpertLayer
@@ -839,5 +838,5 @@ def pipeline_supported(tiers) -> bool:
     layers = [tiers.store.layer(layer) for layer in range(tiers.n_layers)]
     widths = {lay.n_embd for lay in layers}
     return (bool(layers) and not any(lay.is_float for lay in layers) and len(widths) == 1
-            and all(contiguous_layer(lay) for lay in layers))
+            and all(lay.c_contiguous for lay in layers))
 

@@ -68,11 +68,6 @@ class BlobLayout:
         return self.gate_bytes + self.up_bytes + self.down_bytes
 
 
-def contiguous_layer(layer: ExpertLayer) -> bool:
-    """Whether the layer's three matrices are C-contiguous (what the CPU kernels read in place)."""
-    return all(a.flags.c_contiguous for a in (layer.gate, layer.up, layer.down))
-
-
 def expert_layers_of(file) -> list[int]:
     """Block indices (trunk and MTP) that hold routed experts, in order."""
     hp = file.hparams
@@ -213,7 +208,7 @@ class HostStore:
         map) into anonymous memory, as far as spare_memory_gib allows. The CPU kernels take C-contiguous
         blocks: on a strided view each expert call copied the whole layer's gate and up first (a 64-expert
         test layer: 1.8 -> 23 ms a call), and the decode worker kept such copies for the run."""
-        strided = {b for b, lay in self.layers.items() if b not in self._blocks and not contiguous_layer(lay)}
+        strided = {b for b, lay in self.layers.items() if b not in self._blocks and not lay.c_contiguous}
         if not strided:
             return
         t0, before = time.perf_counter(), self.arena_bytes

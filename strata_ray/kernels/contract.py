@@ -175,5 +175,12 @@ class ExpertLayer:
             raise KernelError("an expert layer mixes float and quantized weight types")
 
     @property
+    def c_contiguous(self) -> bool:
+        """Whether gate, up and down are C-contiguous numpy arrays: what the CPU kernels read in place (a
+        fused gate_up's halves and the CPU slot tier's views of its store are strided)."""
+        return all(isinstance(w, np.ndarray) and w.flags.c_contiguous
+                   for w in (self.gate, self.up, self.down))
+
+    @property
     def is_float(self) -> bool:
         return self.gate_type in FLOAT_TYPES

@@ -109,7 +109,7 @@ def expert_ffn_cpu(x: np.ndarray, tok: np.ndarray, exp: np.ndarray, layer: Exper
         _set_done(done)
         return out
     gate, up, down = layer.gate, layer.up, layer.down
-    if not all(isinstance(w, np.ndarray) and w.flags.c_contiguous for w in (gate, up, down)):
+    if not layer.c_contiguous:
         # a strided layer (a fused gate_up's halves left in the file map, the CPU slot tier's views of its
         # store): the routed experts alone as C blocks, their ids renumbered in the same order.
         # readonly_blocks of the whole layer copied every expert of it at every call (a fused 80b-a3b layer:
@@ -161,8 +161,7 @@ class TokenLayer(NamedTuple):
 
 def token_form_fits(layer: ExpertLayer) -> bool:
     """Whether token_layer takes this layer: quantized, its three matrices C-contiguous numpy arrays."""
-    return not layer.is_float and all(isinstance(w, np.ndarray) and w.flags.c_contiguous
-                                      for w in (layer.gate, layer.up, layer.down))
+    return not layer.is_float and layer.c_contiguous
 
 
 def token_layer(layer: ExpertLayer) -> TokenLayer:

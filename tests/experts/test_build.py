@@ -37,11 +37,11 @@ def test_float_experts_load_without_tiers(tmp_path):
 
 
 def test_auto_pinning_leaves_memory_for_everything_else():
-    from strata_ray.experts.build import PIN_LEAVE_GIB, auto_pin_gib
-    from strata_ray.experts.prefault import available_memory
+    from strata_ray.experts.build import auto_pin_gib
+    from strata_ray.experts.prefault import SPARE_LEAVE_GIB, available_memory
 
     gib = auto_pin_gib()
-    assert 0.0 <= gib <= max(0.0, available_memory() / 2**30 - PIN_LEAVE_GIB + 1e-6)
+    assert 0.0 <= gib <= max(0.0, available_memory() / 2**30 - SPARE_LEAVE_GIB + 1e-6)
 
 
 def test_ring_slots_fill_ring_bytes_within_bounds(monkeypatch):
