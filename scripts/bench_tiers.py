@@ -15,7 +15,6 @@ applied to the sample's expert bytes.
 from __future__ import annotations
 
 import argparse
-import atexit
 import cProfile
 import dataclasses
 import json
@@ -39,7 +38,7 @@ from strata_ray.config import (
 )
 from strata_ray.engine.prefill import chunk_bytes
 from strata_ray.engine.sampling import Sampler, SamplingParams
-from strata_ray.experts.build import build_expert_backend, join_precompile, precompile_in_background
+from strata_ray.experts.build import build_expert_backend, precompiling
 from strata_ray.experts.layer_clock import LayerClock
 from strata_ray.experts.profile import ProfileError
 from strata_ray.kernels.cpu_pool import CpuPool
@@ -439,55 +438,50 @@ def main() -> None:
     # worker's team compiled inside the first timed decode (minutes on a fresh numba cache, no output: session
     # 43's H200 runs were cut there and looked like a hang)
     t_pre = time.perf_counter()
-    background = precompile_in_background(dev)
-    if background is not None:  # a run that ends before the join (a refused flag, a bad profile) kills them
-        atexit.register(background.kill)
-    # dense weights first, to learn the device memory they take; then the budget that leaves the share
-    t = time.perf_counter()
-    with torch.inference_mode():
-        weights = load_dense_weights(file, device=dev, include_experts=False, quantized=dense_q8)
-    dense_s = time.perf_counter() - t
-    used = 0  # a CPU dry run: the budget is host memory for the cache alone
-    if dev == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-    budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
-    print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
-    # STRATA_KERNEL_VARIANT, STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH, STRATA_RING_LOAN and STRATA_LOAN_ORDER
-    # as the engine reads them (EngineConfig alone ignores the environment)
-    env = _env_config()
-    cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
-                       prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
-                       kernel_variant=env.kernel_variant, pcie_share=env.pcie_share,
-                       decode_prefetch=env.decode_prefetch, ring_loan=env.ring_loan,
-                       loan_order=env.loan_order)
-    if args.decode_cpu_thread is not None:
-        cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
-    if args.decode_pipeline is not None:
-        cfg = dataclasses.replace(cfg, decode_pipeline=args.decode_pipeline == "1")
-    if args.adapt_every is not None:
-        if args.adapt_every < 0:
-            raise SystemExit(f"error: --adapt-every must be >= 0, got {args.adapt_every}")
-        cfg = dataclasses.replace(cfg, adapt_every=args.adapt_every)
-    if args.expert_profile is not None:
-        cfg = dataclasses.replace(cfg, expert_profile=args.expert_profile)
-    t = time.perf_counter()
-    try:
-        tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
-    except ProfileError as e:
-        raise SystemExit(f"error: {e}") from None
-    if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
-        n = args.cpu_threads or tiers.pool.n_threads
-        tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
+    with precompiling(dev) as background:  # joined at the block's end, killed where it raises
+        # dense weights first, to learn the device memory they take; then the budget that leaves the share
+        t = time.perf_counter()
+        with torch.inference_mode():
+            weights = load_dense_weights(file, device=dev, include_experts=False, quantized=dense_q8)
+        dense_s = time.perf_counter() - t
+        used = 0  # a CPU dry run: the budget is host memory for the cache alone
+        if dev == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+        budget_mib = int((used + reserve + prompt + share * expert_bytes + 64 * 2**20) / 2**20)
+        print(f"dense weights: {dense_s:.1f} s, {used / 2**30:.1f} GiB on the device", flush=True)
+        # STRATA_KERNEL_VARIANT, STRATA_PCIE_SHARE, STRATA_DECODE_PREFETCH, STRATA_RING_LOAN and
+        # STRATA_LOAN_ORDER as the engine reads them (EngineConfig alone ignores the environment)
+        env = _env_config()
+        cfg = EngineConfig(model=path, device=dev, vram_budget_mib=budget_mib, arena_pin_gib=args.pin_gib,
+                           prefill=args.chunk, ring_overlap=args.ring_overlap == "1", dense_q8=dense_q8,
+                           kernel_variant=env.kernel_variant, pcie_share=env.pcie_share,
+                           decode_prefetch=env.decode_prefetch, ring_loan=env.ring_loan,
+                           loan_order=env.loan_order)
+        if args.decode_cpu_thread is not None:
+            cfg = dataclasses.replace(cfg, decode_cpu_thread=args.decode_cpu_thread == "1")
+        if args.decode_pipeline is not None:
+            cfg = dataclasses.replace(cfg, decode_pipeline=args.decode_pipeline == "1")
+        if args.adapt_every is not None:
+            if args.adapt_every < 0:
+                raise SystemExit(f"error: --adapt-every must be >= 0, got {args.adapt_every}")
+            cfg = dataclasses.replace(cfg, adapt_every=args.adapt_every)
+        if args.expert_profile is not None:
+            cfg = dataclasses.replace(cfg, expert_profile=args.expert_profile)
+        t = time.perf_counter()
+        try:
+            tiers = build_expert_backend(cfg, file, hp, dev, progress=False)
+        except ProfileError as e:
+            raise SystemExit(f"error: {e}") from None
+        if args.cpu_threads is not None or args.cpu_driver != "numba":  # else the engine's own pool
+            n = args.cpu_threads or tiers.pool.n_threads
+            tiers.pool = CpuPool(n, numba_parallel=args.cpu_driver == "numba")
+    if background is not None:
+        print(f"CPU kernels compiled beside the load: {time.perf_counter() - t_pre:.1f} s from its start",
+              flush=True)
     # compile (or load from numba's cache) every kernel the run calls, as the engine's load does: in session 3
     # a profiled decode spent 0.4 s of its 2.5 s in llvmlite loading them
     from strata_ray.kernels.expert_rows_cuda import cuda_rows_on
-
-    if background is not None:
-        join_precompile(background)
-        atexit.unregister(background.kill)
-        print(f"CPU kernels compiled beside the load: {time.perf_counter() - t_pre:.1f} s from its start",
-              flush=True)
 
     rows_note = " (Q4_0 one-token rows: CUDA C)" if dev == "cuda" and cuda_rows_on() else ""
     print(f"kernels ready in {tiers.warm_up():.1f} s (GPU expert kernels: {cfg.kernel_variant}{rows_note}, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -17,7 +18,7 @@ from strata_ray.config import parse_value, ring_slots_value
 from strata_ray.engine.progress import LoadProgress
 from strata_ray.experts.adaptive import AdaptiveTier
 from strata_ray.experts.host_store import HostStore, experts_block_quantized
-from strata_ray.experts.prefault import SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE, spare_memory_gib
+from strata_ray.experts.prefault import spare_memory_gib
 from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
@@ -36,7 +37,6 @@ RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 1024, 32
 RING_BYTES = 1 << 30
 # auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
 # of physical memory (the OS, the page cache of the dense weights, other processes)
-PIN_LEAVE_GIB, PIN_LEAVE_SHARE = SPARE_LEAVE_GIB, SPARE_LEAVE_SHARE  # what pinning leaves the host
 
 
 def _warm_gdn_step(hp, device) -> None:
@@ -139,7 +139,7 @@ def precompile_in_background(device: str):
     return precompile.start(cold, n_threads)
 
 
-def join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -> None:
+def _join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -> None:
     """Wait for precompile_in_background's processes, the load stage counting the forms done; a failed one
     only means that form compiles here."""
     if background is None:
@@ -152,6 +152,21 @@ def join_precompile(background, stage=lambda _name: None, poll_s: float = 0.5) -
     log.info("CPU kernels precompiled: %s", "; ".join(f"{s.label} {s.seconds:.1f} s" for s in steps))
     for form, why in background.failed.items():
         log.warning("the %s kernels' precompile process failed (%s); they compile in this process", form, why)
+
+
+@contextmanager
+def precompiling(device: str, stage=lambda _name: None):
+    """precompile_in_background for the block (the load beside it): joined as the block ends, the stage
+    counting the forms done; killed where the block raises, so a failed load leaves no compiler behind.
+    Yields the Background, or None where nothing was started."""
+    background = precompile_in_background(device)
+    try:
+        yield background
+    except BaseException:
+        if background is not None:
+            background.kill()
+        raise
+    _join_precompile(background, stage)
 
 
 def _decode_graphs(config, model, stage) -> None:
@@ -191,8 +206,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
         _decode_graphs(config, loaded.model, stage)
         return loaded, None
     stage("dense weights")
-    background = precompile_in_background(device)
-    try:
+    with precompiling(device, stage):
         with torch.inference_mode():
             # on CUDA the dense Q8_0 matrices stay Q8_0 (config.dense_q8): VRAM for the expert cache instead
             quantized = config.dense_q8 and torch.device(device).type == "cuda"
@@ -202,11 +216,6 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
                                          blocks=blocks)
         tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
         stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
-        join_precompile(background, stage)
-    except BaseException:  # a failed load leaves no compiler running behind it
-        if background is not None:
-            background.kill()
-        raise
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
     _warm_gdn_step(file.hparams, device)
     stage("tokenizer")

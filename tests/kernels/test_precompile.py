@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from strata_ray.kernels import expert_cpu_kernels, expert_cpu_token
 from strata_ray.kernels.cpu_token_rows import team_layer_ok
 from strata_ray.kernels.precompile import FORMS, cold_forms, forms_for, precompile, run_parallel, start
@@ -92,12 +94,31 @@ def test_the_engine_precompiles_in_the_background_only_where_it_gains(monkeypatc
     background = build.precompile_in_background("cuda")
     assert sorted(background.procs) == ["rows-one", "worker"]
     stages = []
-    build.join_precompile(background, stages.append, poll_s=0.01)
+    build._join_precompile(background, stages.append, poll_s=0.01)
     assert stages[0] == "compiling kernels (0 of 2 forms)" and set(stages) <= {
         f"compiling kernels ({i} of 2 forms)" for i in range(2)}  # the load's bar counts the forms done
     assert background.failed == {} and all(p.returncode == 0 for p in background.procs.values())
     monkeypatch.setenv("STRATA_PRECOMPILE", "0")
     assert build.precompile_in_background("cuda") is None
+
+
+def test_precompiling_joins_at_the_blocks_end_and_kills_where_it_raises(monkeypatch):
+    """build.precompiling, the load's and bench_tiers' one way to run the forms beside their work: a block
+    that ends joins the processes (each exited 0); one that raises (a bad flag, a refused profile) kills them
+    and passes the exception on."""
+    from strata_ray.experts import build
+
+    precompile(2)
+    monkeypatch.setattr("strata_ray.kernels.cpu_pool.cpu_count", lambda: 16)
+    monkeypatch.setattr("strata_ray.kernels.precompile.cold_forms", lambda forms: ("rows-one", "worker"))
+    with build.precompiling("cuda") as background:
+        pass
+    assert all(p.returncode == 0 for p in background.procs.values())
+    with pytest.raises(SystemExit, match="a refused flag"), build.precompiling("cuda") as background:
+        raise SystemExit("a refused flag")
+    assert all(p.returncode is not None and p.returncode != 0 for p in background.procs.values())
+    with build.precompiling("cpu") as background:  # nothing to start: None, and nothing to join
+        assert background is None
 
 
 def test_a_killed_background_leaves_no_process():
