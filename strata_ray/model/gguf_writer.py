@@ -191,6 +191,11 @@ def _add_field(w: gguf.GGUFWriter, key: str, value: Any) -> None:
 Producer = Callable[[], "np.ndarray | Iterable[np.ndarray]"]
 
 
+def produced_chunks(made) -> Iterable[np.ndarray]:
+    """What a Producer made, as chunks of rows: one array is one chunk."""
+    return [made] if isinstance(made, np.ndarray) else made
+
+
 @dataclass
 class _Entry:
     name: str
@@ -304,8 +309,7 @@ class ModelWriter:
                 bar.close()
 
     def _write_tensor(self, behind: _WriteBehind, e: _Entry, bar) -> None:
-        made = e.producer()
-        chunks = [made] if isinstance(made, np.ndarray) else made
+        chunks = produced_chunks(e.producer())
         written = 0
         for chunk in chunks:
             blocks = self._as_blocks(e, np.asarray(chunk))

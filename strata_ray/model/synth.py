@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from .gguf_writer import GGUFWriteError, ModelWriter, byte_level_tokenizer_spec
+from .gguf_writer import GGUFWriteError, ModelWriter, byte_level_tokenizer_spec, produced_chunks
 from .hparams import HParams
 from .quants import BLOCK, type_name
 from .synth_blocks import Q8_0_SD, RandomBlocks
@@ -245,14 +245,10 @@ def build_writer(
 
 def _fused_rows(gate, up, x: int, n_ff: int) -> Iterator[np.ndarray]:
     """Producers of gate and up [X, I, ...] rows -> one expert's I gate rows then its I up rows at a time."""
-    g = np.concatenate([np.asarray(c) for c in _chunks(gate())]).reshape(x, n_ff, -1)
-    u = np.concatenate([np.asarray(c) for c in _chunks(up())]).reshape(x, n_ff, -1)
+    g = np.concatenate([np.asarray(c) for c in produced_chunks(gate())]).reshape(x, n_ff, -1)
+    u = np.concatenate([np.asarray(c) for c in produced_chunks(up())]).reshape(x, n_ff, -1)
     for e in range(x):
         yield np.concatenate([g[e], u[e]])  # [2I, row]
-
-
-def _chunks(made) -> list:
-    return [made] if isinstance(made, np.ndarray) else list(made)
 
 
 def write_synth(

@@ -186,6 +186,7 @@ def test_k_quant_dense_without_the_cuda_gemv_is_warned_once_on_cuda(tmp_path, mo
     STRATA_DENSE_CUDA=0) every decode step dequantizes them, which the load says in one warning. Q8_0 alone,
     the CPU, or the GEMV on: nothing."""
     import strata_ray.kernels.dense_q8_cuda as dense_q8_cuda
+    from strata_ray.kernels.dense_scaled import ScaledWeight
     from strata_ray.model.synth import write_synth
     from strata_ray.model.weights import warn_without_scaled_gemv
 
@@ -193,7 +194,7 @@ def test_k_quant_dense_without_the_cuda_gemv_is_warned_once_on_cuda(tmp_path, mo
     write_synth(path, arch="qwen3next", preset="tiny", layers=2, expert_type="Q4_0", progress=False,
                 dense_type="Q4_K")
     kept = load_dense_weights(GGUFFile(path), "cpu", include_experts=False, quantized=True)
-    q8_only = {n: w for n, w in kept.items() if type(w).__name__ != "ScaledWeight"}
+    q8_only = {n: w for n, w in kept.items() if not isinstance(w, ScaledWeight)}
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for gemv_on in (False, True):
         monkeypatch.setattr(dense_q8_cuda, "cuda_gemv_on", lambda on=gemv_on: on)
