@@ -275,8 +275,13 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
                     for t, s_ in calls:
                         expert_ffn_gpu(x, t, s_, slots, mode="decode", variant=variant)
 
-                dev_s, kern_s = device_seconds(run_all, reps)
+                parts: dict = {}
+                dev_s, kern_s = device_seconds(run_all, reps, parts)
                 dt = kern_s / len(calls)
+                # each expert kernel's share of a call: what a fused launch would take away
+                print(f"decode {variant} {type_name(wtype)} {n_tok} tok: "
+                      + ", ".join(f"{name[:40]} {sec / len(calls) * 1e6:.1f} us"
+                                  for name, sec in sorted(parts.items(), key=lambda kv: -kv[1])))
                 graph_note = ""
                 if use_graphs:
                     graph_note = f", graph {graph_seconds(run_all, reps) / len(calls) * 1e6:.1f} us"

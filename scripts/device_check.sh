@@ -62,14 +62,7 @@ mkdir -p "$work"
 steps=${STEPS:-tests kernels cpu tiers}
 M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
-if [[ -n "${OUT:-}" && -f .nbc/nbc.tar.xz ]]; then  # on the device machine only: never touch a dev checkout
-    find strata_ray scripts tests -name '*.py' -exec touch -d '2026-01-01 00:00:00' {} +
-    # --skip-old-files: a warm machine's files stay and the tarball adds the files they lack, so the functions
-    # an earlier call never compiled come from it (session 43: a call without the tarball left a partial cache,
-    # and the next call's runs compiled the decode team again); a function whose index the warm cache already
-    # has keeps that index (numba's one file a function), with only the entries compiled there
-    tar xJf .nbc/nbc.tar.xz --skip-old-files -C "$(dirname "$NUMBA_CACHE_DIR")"
-fi
+source scripts/numba_cache_unpack.sh
 
 if [[ -n "${OUT:-}" ]]; then  # this host's numba target, for scripts/numba_targets/ (a host without its index
     # there compiles the CPU kernels at its first engine run, ~110 s: session 38's Intel H100 host)

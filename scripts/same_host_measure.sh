@@ -3,8 +3,9 @@
 # measure side by side, so "2x llama.cpp on the same machine" and "70% of this machine's roofline" are read
 # from the same host (the pool's hosts differ up to 1.5x in their CPU rows and PCIe copies).
 #
-#   run tool, carry [".devbundle", "third_party/llama.cpp"] (no room left for .nbc: the numba forms compile
-#   here, in parallel with the llama-bench build):
+#   run tool, carry [".devbundle", "third_party/llama.cpp.tar.xz", ".nbc"] (the source packed here by
+#   `tar cJf third_party/llama.cpp.tar.xz -C third_party llama.cpp`: 2 MiB against 21 unpacked, which with the
+#   bundle and the tree passes the call's 64 MiB; without .nbc the numba forms compile here, beside the build):
 #   source .devbundle/env.sh && bash scripts/same_host_measure.sh 2>&1 | tail -40
 #
 # Steps: build llama-bench (compare_llamacpp.sh build) ‖ the m80 synth (80b-a3b, Q4_0 experts) ‖ numba's
@@ -19,6 +20,10 @@ budget=${SAME_HOST_BUDGET_S:-585}
 model=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
 export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-300000}
+source scripts/numba_cache_unpack.sh  # the carried .nbc
+if [[ -f third_party/llama.cpp.tar.xz && ! -f third_party/llama.cpp/CMakeLists.txt ]]; then
+    tar xJf third_party/llama.cpp.tar.xz -C third_party
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$SECONDS
 (timeout 360 bash scripts/compare_llamacpp.sh build > "$out/build.log" 2>&1; echo "build rc $?" >> "$out/build.log") &

@@ -326,3 +326,36 @@ def test_a_short_prompt_counts_as_a_prompt_on_cuda(tiny_next_q4, prompt_len, cac
     rows = getattr(loaded.model.decode_graphs, "rows", None)  # the pipelined decode (None: all resident)
     generate_and_check_prompt_counts(loaded.model, tiers, PROMPT[:prompt_len], DECODE,
                                      ahead=getattr(rows, "ahead", 0))
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_fused_gate_up_file_gives_the_unfused_files_logits_on_cuda(tiny_next_q4, tmp_path, monkeypatch,
+                                                                     room):
+    """A Q4_0 model written with ffn_gate_up_exps (synth --fused-gate-up: the same rows) decodes the unfused
+    file's logits bit for bit on CUDA at three cache sizes, with the engine's decode defaults. With host
+    memory its layers are split (or pinned) into memory of their own and the pipelined decode takes them;
+    with none (no spare memory, no pinning) they stay strided views of the file map, and the decode keeps
+    the per-layer form (decode_pipeline.pipeline_supported: the worker would copy every such layer)."""
+    import strata_ray.experts.host_store as host_store
+    from strata_ray.experts.decode_pipeline import PipelinedDecodeRows, pipeline_supported
+    from strata_ray.model.synth import write_synth
+
+    fused = tmp_path / "fused.gguf"
+    write_synth(fused, arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False,
+                fused_gate_up=True)
+    if not room:
+        monkeypatch.setattr(host_store, "spare_memory_gib", lambda: 0.0)
+    for cache in (0, 10, 32):
+        got = []
+        for path in (tiny_next_q4, str(fused)):
+            cfg = EngineConfig(model=path, device="cuda", expert_cache=cache, adapt_every=0,
+                               arena_pin_gib=None if room else 0.0)
+            loaded, tiers = load_tiered_model(cfg, "cuda", progress=False)
+            got.append(greedy_logits(loaded.model, PROMPT, DECODE))
+            rows = getattr(loaded.model.decode_graphs, "rows", None)
+            if path != tiny_next_q4:
+                assert pipeline_supported(tiers) is room
+                assert (tiers.store.arena_bytes > 0) is room
+            assert isinstance(rows, PipelinedDecodeRows) is pipeline_supported(tiers), (cache, path)
+            tiers.finish()
+        assert torch.equal(got[0], got[1]), (cache, room)
