@@ -132,6 +132,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_iters": 2}, {"cuda": True, "cuda_iters": 4}, {"cuda": True, "cuda_iters": 8},
     {"cuda": True, "cuda_iters": 16},  # CTAs walking row blocks, the next one's words loaded ahead
     {"cuda": True, "cuda_down_iters": 2}, {"cuda": True, "cuda_down_iters": 4},  # the down launch walking too
+    {"cuda": True, "cuda_swiglu": False},  # the SwiGLU kernel between the launches (the default folds it in)
 ]
 
 

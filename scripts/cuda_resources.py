@@ -132,10 +132,13 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
                 # each tile size in its one-block form, and in the walking form where the engine walks
                 forms_bt = [(bt, False) for bt in (1, 2, 4, 8)]
                 forms_bt += [(bt, True) for bt in (1, 2, 4, 8) if expert_rows_cuda.rows_iters(bt, two) > 1]
-                for bt, prefetch in forms_bt:
+                # a down launch's forms with the SwiGLU folded in (WORDS["cuda_swiglu"]) beside the plain ones
+                for (bt, prefetch), swiglu in [(f, s) for f in forms_bt for s in ((False, True) if not two
+                                                                                  else (False,))]:
                     yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
-                           f"{' prefetch' if prefetch else ''}", expert_rows_cuda._SOURCE, "expert_rows",
-                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch),
+                           f"{' prefetch' if prefetch else ''}{' swiglu' if swiglu else ''}",
+                           expert_rows_cuda._SOURCE, "expert_rows",
+                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu),
                            warps * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:

@@ -37,7 +37,7 @@ import triton.language as tl
 from .contract import DECODE_MAX_TOKENS, KERNEL_VARIANTS, QK, ExpertLayer, KernelError
 from .expert_mma_cuda import launch_mma_rows, mma_on, mma_serves
 from .expert_rows_cuda import cuda_rows_on, cuda_rows_tile_cap
-from .expert_words import launch_rows_kernel, launch_words
+from .expert_words import launch_rows_kernel, launch_words, launch_words_swiglu
 from .triton_blocks import block_step, block_term, float_block_step, quant_blocks, row_offsets, swiglu
 from .triton_chunks import mm_chunked
 
@@ -455,6 +455,9 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
                    False, True, mode, variant)
         return out
     xq, xd, xs = act if act is not None else quantize_act_gpu(x)
+    if (variant == "words" and mode == "decode"  # the SwiGLU in the down launch, where the CUDA C rows serve
+            and launch_words_swiglu((xq, xd, xs, x), tok32, plan, gate_up, down, out, n_ff, n_embd)):
+        return out
     hq = torch.empty((m, n_ff), dtype=torch.int8, device=dev)
     hd = torch.empty((m, n_ff // QK), dtype=torch.float32, device=dev)
     hs = torch.empty((m, n_ff // QK), dtype=torch.int32, device=dev)

@@ -33,8 +33,10 @@ fold's terms sit at a pitch whose quarter is odd, read 16 bytes at a time withou
 ncu had the shared-memory pipe at 73% and DRAM at 29% for tiles of several entries before). The integers
 are exact in any order and the fp32
 steps are the contract's (compiled with --fmad=false), so the rows are the simple tile's, the CPU's, to the
-bit. Gate and up rows come out as [M, 2, R] and expert_words' SwiGLU + requantization launch follows, as for
-the split words tile.
+bit. Gate and up rows come out as [M, 2, R]. The down launch then makes the SwiGLU's codes from them itself
+(SWIGLU, expert_words.WORDS["cuda_swiglu"]: eight lanes a 32-block, contract_c's SwiGLU and quant_blocks'
+steps while the weight words are in flight), or expert_words' SwiGLU + requantization launch runs between,
+as for the split words tile (the same codes).
 
 Where a launch's tiles hold several entries, a CTA walks several row blocks (rows_iters: the gate / up launch
 at tiles of 4 and 8), each block's successor's words loaded while its entries are computed, a form of its
@@ -54,8 +56,9 @@ import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
+from .contract_c import swiglu_source
 
-_SOURCE = nvrtc.PDL_HOOKS + r"""
+_SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
 __device__ __forceinline__ float half_bits(unsigned bits) {
     float f;
@@ -136,6 +139,55 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA (no barrier
     // before: each thread finds its entries' rows itself; session 38's ncu had the down launch's warps
     // stalled at barriers 4.1 cycles an issue, the most of any reason)
+#if SWIGLU
+    // the down launch with the SwiGLU folded in: AQ is the gate / up launch's GU f32 [M, 2, K] (gate rows,
+    // then up rows), and each CTA makes its entries' h = swiglu(gate, up) codes itself, contract steps 3 and
+    // 1 as triton_blocks' swiglu and quant_blocks compute them (one launch fewer a layer than the SwiGLU
+    // kernel between). Eight lanes a 32-block, a code word (4 values) a lane: the block's amax, finite test
+    // and code sum over the eight by three shuffles (a max and an integer sum: exact in any order); four
+    // values a lane keep the form within a few registers of the plain down launch's (ptxas)
+    for (int qi = threadIdx.x; qi < n_ent * NB * 8; qi += WARPS * 32) {
+        const int e = qi / (NB * 8), b = (qi >> 3) % NB, k = qi & 7;
+        const unsigned octet = 0xFFu << (lane & 24);  // an octet's lanes are all in the loop or all out
+        const float* gp = (const float*)AQ + act_row_of(ACT_ROW, ORDER, start + e) * (2LL * K) + 32 * b
+                          + 4 * k;  // gate values 32 b + 4 k.. of the entry's GU row; its up values K on
+        const float4 g4 = *(const float4*)gp, u4 = *(const float4*)(gp + K);
+        const float h[4] = {c_swiglu(g4.x, u4.x), c_swiglu(g4.y, u4.y), c_swiglu(g4.z, u4.z),
+                            c_swiglu(g4.w, u4.w)};
+        float amax = 0.0f;  // over the finite values; a NaN or an infinity poisons the block
+        int fin = 1;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float a = fabsf(h[i]);
+            const bool ok = a <= C_F32_MAX;
+            fin &= ok;
+            amax = ok ? fmaxf(amax, a) : amax;
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(octet, amax, o));
+            fin &= __shfl_xor_sync(octet, fin, o);
+        }
+        const bool live = fin && amax >= C_TINY;
+        const float dq = !fin ? __uint_as_float(0x7FC00000u) : live ? __fdiv_rn(amax, C_Q_MAX) : 0.0f;
+        const float safe = live ? dq : 1.0f;
+        unsigned word = 0u;
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int code = live ? (int)c_rint(__fdiv_rn(h[i], safe)) : 0;
+            sum += code;
+            word |= (unsigned)(code & 0xFF) << (8 * i);
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(octet, sum, o);
+        act_s[e][k][b] = (int)word;  // code word k of block b
+        if (k == 0) {
+            ad_s[e][b] = dq;
+            as_s[e][b] = sum;
+        }
+    }
+#else
     if (((unsigned long long)AQ & 15) == 0) {
         // a block's 8 code words as two 16-byte loads: lanes 2 apart store 2 words apart (2-way), where one
         // word a lane stored 8 rows of NB apart: an 8-way conflict
@@ -160,6 +212,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         ad_s[e][b] = AD[arow * NB + b];
         as_s[e][b] = AS[arow * NB + b];
     }
+#endif
     __syncthreads();
 
     // PREFETCH: the CTA's row blocks blockIdx.x + gridDim.x i (rows_iters of them on the host's grid): the
@@ -500,54 +553,82 @@ def _lanes(nu: int) -> int:
 
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
-                  prefetch: bool = False) -> tuple[str, ...]:
+                  prefetch: bool = False, swiglu: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
-    row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks)."""
+    row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
+    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU)."""
+    if swiglu and two:
+        raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
     geo = geometry(k, wtype)
     wpr, nb, g, wl, npl = geo
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
     return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
-            f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}")
+            f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
+            f"-DSWIGLU={int(swiglu)}")
 
 
 @functools.cache
-def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool):
-    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch), device)
+def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
+            swiglu: bool = False):
+    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu),
+                       device)
 
 
-def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False):
+def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False,
+                     swiglu: bool = False):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
-    `device`, or None where it cannot be built (an NVRTC or driver too old for the GPU, say): a Triton tile
-    then, with the same bits, after one warning."""
+    `device` (swiglu: the down form that makes its codes from the gate / up rows), or None where it cannot be
+    built (an NVRTC or driver too old for the GPU, say): a Triton tile then, with the same bits, after one
+    warning."""
     from .expert_words import WORDS
 
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch)
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu)
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows",
                                "a Triton tile takes their launches (the same bits)")
 
 
-def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0) -> bool:
+def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool):
+    """(the kernel or None, CTAs a tile) of a launch of r rows (2r: two) of k values in tiles of bt."""
+    from .expert_words import WORDS
+
+    rows_cta = WORDS["cuda_warps"] * (32 // geometry(k, wtype)[2]) * WORDS["cuda_rpw"]
+    n_blocks = -(-(2 * r if two else r) // rows_cta)
+    ctas = row_block_ctas(n_blocks, rows_iters(bt, two))
+    # the walking form exactly where a CTA gets more than one block: the one-block form covers only
+    # grid.x = n_blocks (and keeps its fewer registers where a walk would be one block anyway)
+    return cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu), ctas
+
+
+def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
+                    swiglu: bool = False) -> bool:
+    """Whether launch_cuda_rows of that form would launch (its kernel built, or buildable, here)."""
+    return (cuda_rows_serves(k, bt, wtype)
+            and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
+
+
+def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0,
+                     swiglu: bool = False) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows), weights of type wtype, over
     the plan's tiles (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the
-    current torch stream; act_row None: each entry's own activation row. False (nothing launched) where the
-    kernel cannot be built here."""
+    current torch stream; act_row None: each entry's own activation row. swiglu (a down launch): act[0] is
+    the gate / up launch's rows f32 [M, 2, k], whose SwiGLU the kernel requantizes itself. False (nothing
+    launched) where the kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
     if not cuda_rows_serves(k, bt, wtype):
         raise KernelError(f"the CUDA expert rows do not serve rows of {k} values of type {wtype} in tiles "
                           f"of {bt} entries")
+    if swiglu and (not aq.is_floating_point() or aq.element_size() != 4 or tuple(aq.shape[1:]) != (2, k)
+                   or not aq.is_contiguous()):
+        raise KernelError(f"the SwiGLU form reads the gate / up rows as contiguous f32 [M, 2, {k}], got "
+                          f"{aq.dtype} {list(aq.shape)}")
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)
-    rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
-    rows_cta = warps * (32 // geometry(k, wtype)[2]) * rpw
-    n_blocks = -(-(2 * r if two else r) // rows_cta)
-    ctas = row_block_ctas(n_blocks, rows_iters(bt, two))
-    # the walking form exactly where a CTA gets more than one block: the one-block form covers only
-    # grid.x = n_blocks (and keeps its fewer registers where a walk would be one block anyway)
-    kern = cuda_rows_kernel(k, two, dev, bt, wtype, prefetch=ctas < n_blocks)
+    warps = WORDS["cuda_warps"]
+    kern, ctas = _launch_form(r, k, two, bt, wtype, dev, swiglu)
     if kern is None:
         return False
     grid = (ctas, tile_start.numel())

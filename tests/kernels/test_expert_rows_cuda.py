@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from strata_ray.kernels.act_quant import quantize_act_sums
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.expert_rows_cuda import (
     STATIC_SHARED,
+    build_options,
     cuda_rows_serves,
     cuda_rows_tile_cap,
     geometry,
@@ -218,11 +219,13 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_of
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
+@pytest.mark.parametrize("swiglu", [True, False])  # the SwiGLU in the down launch (the default), or its own
+def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
     pytest.importorskip("cupy")
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_swiglu": swiglu})
     wide = _layer(2048, 512, 12)  # the 80b-a3b's widths
     _check(wide, 10)
     _check(wide, 40, n_tok=4, act_offset=4)  # codes off a 16-byte boundary: staged a word at a time
@@ -268,6 +271,53 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch):
         # row, 32 row groups a warp, rpw 2, 4 warps), and one partial down block of 64 rows
         _check(_layer(64, 192, 4), 9)
         _check(_layer(64, 192, 4), 9, n_tok=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("wtype", [Q4_0, Q8_0, Q4_K, Q6_K])
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wtype, n_tok):
+    """The down launch that makes its codes from the gate / up rows (SWIGLU) writes the rows of the SwiGLU
+    kernel's codes through the plain down launch, bit for bit, blocks the quantization treats apart
+    included: an infinity and a NaN (poisoned: d NaN, codes 0), all zeros and all below TINY (d 0), a
+    SwiGLU that overflows (g u past the float range)."""
+    pytest.importorskip("cupy")
+    from strata_ray.kernels.expert_gpu import plan_tiles, tile_entries
+    from strata_ray.kernels.expert_rows_cuda import cuda_rows_ready, launch_cuda_rows
+    from strata_ray.kernels.expert_words import _swiglu_tail
+
+    layer = _layer(2048, 512, 12, down=wtype, gate_up=wtype)
+    wd = torch.from_numpy(np.ascontiguousarray(layer.down)).cuda()
+    n_ent = 10 * n_tok
+    gen = torch.Generator(device="cuda").manual_seed(n_tok)
+    gu = torch.randn((n_ent, 2, 512), device="cuda", generator=gen) * 3  # [M, 2, n_ff]
+    gu[0, 0, 5] = float("inf")
+    gu[1, 1, 40] = float("nan")
+    gu[2, :, 64:96] = 0.0
+    gu[3, :, 96:128] = 1e-12  # h ~1e-24: below TINY
+    gu[4, 0, 130], gu[4, 1, 130] = 60.0, 1e38  # h = 6e39: an infinity
+    bt = tile_entries(n_tok, "decode", "words", layer)
+    slot = torch.randint(0, 12, (n_ent,), device="cuda", generator=gen, dtype=torch.int32)
+    plan = (*plan_tiles(slot, bt, 12), bt)
+    assert cuda_rows_ready(2048, 512, False, bt, wtype, torch.cuda.current_device(), swiglu=True)
+    hq = torch.empty((n_ent, 512), dtype=torch.int8, device="cuda")
+    hd = torch.empty((n_ent, 16), dtype=torch.float32, device="cuda")
+    hs = torch.empty((n_ent, 16), dtype=torch.int32, device="cuda")
+    _swiglu_tail(gu, hq, hd, hs, 512)
+    assert hd[0, 0].isnan() and hd[1, 1].isnan() and hd[4, 4].isnan() and hd[2, 2] == 0 and hd[3, 3] == 0
+    want = torch.full((n_ent, 2048), 7.0, device="cuda")
+    got = torch.full((n_ent, 2048), 7.0, device="cuda")
+    assert launch_cuda_rows((hq, hd, hs), None, plan, wd, wd, want, 2048, 512, two=False, wtype=wtype)
+    assert launch_cuda_rows((gu, gu, gu), None, plan, wd, wd, got, 2048, 512, two=False, wtype=wtype,
+                            swiglu=True)
+    assert not (got == 7.0).any()  # every element written
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_the_swiglu_form_is_a_down_launchs():
+    with pytest.raises(KernelError, match="down launch"):
+        build_options(2048, True, 1, 2, 4, Q4_0, swiglu=True)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
