@@ -132,7 +132,8 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_iters": 2}, {"cuda": True, "cuda_iters": 4}, {"cuda": True, "cuda_iters": 8},
     {"cuda": True, "cuda_iters": 16},  # CTAs walking row blocks, the next one's words loaded ahead
     {"cuda": True, "cuda_down_iters": 2}, {"cuda": True, "cuda_down_iters": 4},  # the down launch walking too
-    {"cuda": True, "cuda_swiglu": False},  # the SwiGLU kernel between the launches (the default folds it in)
+    {"cuda": True, "cuda_swiglu": 0}, {"cuda": True, "cuda_swiglu": 8},  # the SwiGLU kernel between the
+    # launches at every tile size, or folded into the down launch at every one (the default: one-entry tiles)
 ]
 
 

@@ -58,12 +58,16 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 1 (72 registers, 7 CTAs an SM) against 23.2 at 4 (123, 4 CTAs); gate / up 42.7 against 33.5.
 # Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
 # faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
-# cuda_swiglu: where the CUDA C form takes both launches of a layer, its down launch makes the h codes from
-# the gate / up rows itself (expert_rows_cuda's SWIGLU form), and the SwiGLU kernel between goes: session
-# 44's H100 bench had it at 1.7-2.1 us of a layer's 17-63 us of expert kernels, plus a launch boundary.
+# cuda_swiglu: in launches of tiles of at most this many entries (0: none) where the CUDA C form takes both
+# launches of a layer, the down launch makes the h codes from the gate / up rows itself (expert_rows_cuda's
+# SWIGLU form), and the SwiGLU kernel between goes. Session 44 on an H100 (bench_kernels, the SwiGLU kernel
+# 1.7-2.1 us a layer): one token x top-10, kernels 16.9 / 17.8 / 25.1 / 21.8 us against 17.6 / 18.4 / 26.2 /
+# 22.9 (Q4_0 / Q4_K / Q6_K / Q8_0), graphed 53.6 / 54.8 / 58.9 / 58.5 against 56.7 / 55.4 / 64.9 / 61.5; but
+# each CTA of a tile makes its entries' codes itself, so tiles of 4 and 8 entries were 1-3 us slower (Q4_0
+# 8 tokens 46.4 against 43.2): one-entry tiles only (the decode step's), the rest keep the kernel between.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=True)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -270,14 +274,15 @@ def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, ga
 
 
 def launch_words_swiglu(act, act_row, plan, gate_up, down, out, n_ff: int, n_embd: int) -> bool:
-    """A quantized layer's two decode launches where the CUDA C form takes both (and WORDS["cuda_swiglu"]):
+    """A quantized layer's two decode launches where the CUDA C form takes both, in tiles of at most
+    WORDS["cuda_swiglu"] entries:
     gate and up rows into GU f32 [M, 2, n_ff], then the down rows, whose launch makes the SwiGLU's codes from
     GU itself, into out [M, n_embd]: the rows of the three launches (gate / up, SwiGLU, down) to the bit.
     False (nothing launched) where it does not serve: the caller then launches them one by one."""
     (w1, t), (w2, t2) = gate_up
     (wd, td), _ = down
     bt, dev = plan[3], act[0].device
-    if not (WORDS["cuda_swiglu"] and cuda_words_serve(t, t2, n_embd, bt, (w1, w2), dev)
+    if not (bt <= WORDS["cuda_swiglu"] and cuda_words_serve(t, t2, n_embd, bt, (w1, w2), dev)
             and cuda_words_serve(td, td, n_ff, bt, (wd, wd), dev)):
         return False
     index = nvrtc.device_index(act[0])
