@@ -379,6 +379,10 @@ def main() -> None:
     ap.add_argument("--gather-copy", choices=["0", "1"], default=None,
                     help="1: the prompt path's pinned expert copies as one gather kernel a batch; 0: three "
                     "copies an expert (default: STRATA_GATHER_COPY, 1)")
+    ap.add_argument("--swiglu-fold", choices=["0", "1"], default=None,
+                    help="1: one-entry decode tiles make the SwiGLU's codes in the CUDA C down launch; "
+                    "0: the SwiGLU kernel between the launches (default: expert_words.WORDS['cuda_swiglu'], "
+                    "1)")
     ap.add_argument("--layer-times", action="store_true",
                     help="time each layer's expert call and the dense part before it during prefill (events)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
@@ -409,6 +413,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float_arg(0.0, 100.0), default=0.0,
                     help="the timed decode draws seeded samples at this temperature (0: greedy)")
     args = ap.parse_args()
+    if args.swiglu_fold is not None:  # read at each launch (expert_words.launch_words_swiglu)
+        from strata_ray.kernels.expert_words import WORDS
+
+        WORDS["cuda_swiglu"] = int(args.swiglu_fold)
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
         os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)

@@ -11,7 +11,7 @@
 # Steps: build llama-bench (compare_llamacpp.sh build) ‖ the m80 synth (80b-a3b, Q4_0 experts) ‖ numba's
 # precompile of the CPU forms; llama-bench's budget setup (24 GiB: --n-cpu-moe from the GGUF) at 1K and 8K,
 # GEN=128, 2 repeats; then bench_tiers' standard measure (24 GiB card, 1K then 8K in one process, 256
-# tokens each) as many times as SAME_HOST_BUDGET_S (585) leaves room for. JSON and logs in $OUT (or
+# tokens each), three runs or SAME_HOST_RUN_ARGS' (below), as many as SAME_HOST_BUDGET_S (585) leaves room for. JSON and logs in $OUT (or
 # out/same-host without it); the llama-bench build stays in third_party/ for a warm machine's next call.
 set -u
 out=${OUT:-out/same-host}
@@ -48,11 +48,16 @@ for f in sorted(glob.glob(sys.argv[1] + "/cmp/llama-*.json")):
     except (OSError, ValueError) as e:
         print(f, "unreadable:", e)
 PY
-for i in 1 2 3; do
+# SAME_HOST_RUN_ARGS: each run's extra bench_tiers flags, runs split by ';' (an A/B, e.g.
+# "--swiglu-fold=1;--swiglu-fold=0;--swiglu-fold=1"); by default three runs with none
+IFS=";" read -r -a run_args <<< "${SAME_HOST_RUN_ARGS:-;;;}"  # ";;;": three empty fields
+for i in "${!run_args[@]}"; do
     left=$((budget - (SECONDS - t0)))
     [[ $left -gt 45 ]] || break
+    echo "run $i: ${run_args[$i]:-(defaults)}"
+    # shellcheck disable=SC2086  # a run's flags split on spaces
     timeout "$left" python scripts/bench_tiers.py --model "$model" --depths 1024,8192 --decode 256 --chunk 4096 \
-        --card-gib 24 --json-out "$out/std-$i.json" > "$out/std-$i.log" 2>&1
+        --card-gib 24 --json-out "$out/std-$i.json" ${run_args[$i]} > "$out/std-$i.log" 2>&1
     grep -h "copy rates\|CPU kernels compiled\|kernels ready" "$out/std-$i.log" | cut -c1-150
     python - "$out/std-$i.json" "$i" <<'PY' || echo "run $i cut"
 import json, sys
