@@ -2,7 +2,9 @@
 SwiGLU into a launch of their own (expert_rows_cuda's SWIGLU form). It is act_quant.swiglu / fexp and
 triton_blocks.swiglu / fexp operation for operation, every constant the contract's fp32 value written as its
 bits, so with the compiler's contraction off (NVRTC --fmad=false; a host compiler's -ffp-contract=off) each
-step is one rounded fp32 operation, as everywhere else.
+step is one rounded fp32 operation, as everywhere else. Only a NaN input goes its own way inside: the clamp
+(fminf / fmaxf) takes it to EXP_LO where numpy's keeps it, so c_fexp(NaN) is finite; the SwiGLU of a NaN is a
+NaN either way, and its block is poisoned all the same.
 
 The same text compiles as host C++ (`host=True`: the division and the bit casts of the host), which is how
 tests/kernels/test_contract_c.py holds it to the numpy twin (spec.swiglu_ref) without a GPU.
@@ -19,7 +21,8 @@ def _bits(v) -> str:
     return f"0x{int(np.float32(v).view(np.uint32)):08X}u"
 
 
-# C_F32_MAX: |x| <= it is "finite" (a NaN compares false); C_TINY and C_Q_MAX: contract step 1's
+# C_F32_MAX: |x| <= it is "finite" (a NaN compares false); C_TINY and C_Q_MAX: contract step 1's zero-block
+# bound and code range, for the quantization the kernels run on the SwiGLU's values
 _CONSTANTS = {"RINT_MAGIC": RINT_MAGIC, "EXP_LO": EXP_LO, "EXP_HI": EXP_HI, "LOG2E": LOG2E, "LN2_HI": LN2_HI,
               "LN2_LO": LN2_LO, **{f"P{i}": p for i, p in enumerate(EXP_POLY)}, "TINY": TINY, "Q_MAX": Q_MAX,
               "F32_MAX": np.finfo(np.float32).max}

@@ -584,8 +584,9 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
     from .expert_words import WORDS
 
     key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu)
-    return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows",
-                               "a Triton tile takes their launches (the same bits)")
+    fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
+                else "a Triton tile takes their launches (the same bits)")
+    return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)
 
 
 def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool):
@@ -602,7 +603,8 @@ def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, sw
 
 def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
                     swiglu: bool = False) -> bool:
-    """Whether launch_cuda_rows of that form would launch (its kernel built, or buildable, here)."""
+    """Whether launch_cuda_rows of that form would launch here: it builds the kernel (once, cached) to
+    know."""
     return (cuda_rows_serves(k, bt, wtype)
             and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
 
@@ -621,9 +623,9 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
         raise KernelError(f"the CUDA expert rows do not serve rows of {k} values of type {wtype} in tiles "
                           f"of {bt} entries")
     if swiglu and (not aq.is_floating_point() or aq.element_size() != 4 or tuple(aq.shape[1:]) != (2, k)
-                   or not aq.is_contiguous()):
-        raise KernelError(f"the SwiGLU form reads the gate / up rows as contiguous f32 [M, 2, {k}], got "
-                          f"{aq.dtype} {list(aq.shape)}")
+                   or not aq.is_contiguous() or aq.data_ptr() % 16):
+        raise KernelError(f"the SwiGLU form reads the gate / up rows as contiguous, 16-byte aligned f32 "
+                          f"[M, 2, {k}] (float4 loads), got {aq.dtype} {list(aq.shape)}")
     from .expert_words import WORDS
 
     dev = nvrtc.device_index(aq)

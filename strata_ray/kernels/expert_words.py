@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import nvrtc
-from .contract import Q4_0, Q8_0
+from .contract import Q4_0, Q8_0, KernelError
 from .expert_rows_cuda import cuda_rows_ready, launch_cuda_rows
 from .pdl import pdl_args
 from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
@@ -290,8 +290,11 @@ def launch_words_swiglu(act, act_row, plan, gate_up, down, out, n_ff: int, n_emb
             and cuda_rows_ready(n_embd, n_ff, False, bt, td, index, swiglu=True)):
         return False
     gu = torch.empty((act_row.numel(), 2, n_ff), dtype=torch.float32, device=dev)  # [M, 2, n_ff]
-    launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t)
-    launch_cuda_rows((gu, gu, gu), None, plan, wd, wd, out, n_embd, n_ff, two=False, wtype=td, swiglu=True)
+    # both kernels are built (cuda_rows_ready): a False now would leave out unwritten, so it raises
+    if not (launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t)
+            and launch_cuda_rows((gu, gu, gu), None, plan, wd, wd, out, n_embd, n_ff, two=False, wtype=td,
+                                 swiglu=True)):
+        raise KernelError("the CUDA C rows declined a launch they were ready for (a knob changed between?)")
     return True
 
 

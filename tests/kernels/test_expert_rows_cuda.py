@@ -222,10 +222,19 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_of
 @pytest.mark.parametrize("swiglu", [8, 0])  # the SwiGLU in the down launch at every tile size, or its own
 def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
     pytest.importorskip("cupy")
+    import strata_ray.kernels.expert_gpu as eg
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_swiglu": swiglu})
+    folded = Counter()
+
+    def recorded(*args):  # which launches the fold took: it must take some with the cap, none without
+        took = ew.launch_words_swiglu(*args)
+        folded[took] += 1
+        return took
+
+    monkeypatch.setattr(eg, "launch_words_swiglu", recorded)
     wide = _layer(2048, 512, 12)  # the 80b-a3b's widths
     _check(wide, 10)
     _check(wide, 40, n_tok=4, act_offset=4)  # codes off a 16-byte boundary: staged a word at a time
@@ -271,6 +280,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
         # row, 32 row groups a warp, rpw 2, 4 warps), and one partial down block of 64 rows
         _check(_layer(64, 192, 4), 9)
         _check(_layer(64, 192, 4), 9, n_tok=3)
+    assert (folded[True] > 0) == (swiglu > 0) and folded[False] > 0, folded
 
 
 @pytest.mark.gpu
@@ -313,6 +323,20 @@ def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wt
                             swiglu=True)
     assert not (got == 7.0).any()  # every element written
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog):
+    """A refused SwiGLU form: not ready (launch_words_swiglu then launches the SwiGLU kernel between, the
+    same bits), one warning naming that, and no second try."""
+    import strata_ray.kernels.expert_rows_cuda as erc
+
+    tries = refusing_nvrtc(erc)
+    with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
+        assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
+        assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
+    assert len(tries) == 1 and tries[0][-1] is True  # the swiglu key
+    assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
+        "the SwiGLU kernel between the two launches takes its place (the same bits)"]
 
 
 def test_the_swiglu_form_is_a_down_launchs():
