@@ -11,11 +11,19 @@
 # Steps: build llama-bench (compare_llamacpp.sh build) ‖ the m80 synth (80b-a3b, Q4_0 experts) ‖ numba's
 # precompile of the CPU forms; llama-bench's budget setup (24 GiB: --n-cpu-moe from the GGUF) at 1K and 8K,
 # GEN=128, 2 repeats; then bench_tiers' standard measure (24 GiB card, 1K then 8K in one process, 256
-# tokens each), three runs or SAME_HOST_RUN_ARGS' (below), as many as SAME_HOST_BUDGET_S (585) leaves room for. JSON and logs in $OUT (or
-# out/same-host without it); the llama-bench build stays in third_party/ for a warm machine's next call.
+# tokens each), three runs or SAME_HOST_RUN_ARGS' (below), as many as SAME_HOST_BUDGET_S (585) leaves room
+# for. JSON and logs in /tmp/same-host, packed into $OUT/same-host.tgz after each step (the tool brings back a
+# few files of $OUT, and a cut run keeps what it did), with this host's numba target (numba-target/: add it
+# to scripts/numba_targets/ where it is new); out/same-host without $OUT. The llama-bench build stays in
+# third_party/ for a warm machine's next call.
 set -u
-out=${OUT:-out/same-host}
+out=$([[ -n "${OUT:-}" ]] && echo /tmp/same-host || echo out/same-host)
 mkdir -p "$out"
+pack() {
+    [[ -n "${OUT:-}" ]] || return 0
+    tar czf "$OUT/.same-host.tgz" -C "$(dirname "$out")" "$(basename "$out")" && mv -f "$OUT/.same-host.tgz" \
+        "$OUT/same-host.tgz"
+}
 budget=${SAME_HOST_BUDGET_S:-585}
 model=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
@@ -26,6 +34,9 @@ if [[ -f third_party/llama.cpp.tar.xz && ! -f third_party/llama.cpp/CMakeLists.t
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$SECONDS
+if [[ -n "${OUT:-}" ]]; then  # this host's numba target (session 44's H100 host lacked one: 305 s compiling)
+    python scripts/numba_cache_for.py --probe-to "$out/numba-target" > "$out/numba-target.log" 2>&1 || true
+fi
 (timeout 360 bash scripts/compare_llamacpp.sh build > "$out/build.log" 2>&1; echo "build rc $?" >> "$out/build.log") &
 build_pid=$!
 (timeout 360 python -m strata_ray.kernels.precompile --threads 15 --jobs 4 > "$out/precompile.log" 2>&1) &
@@ -38,6 +49,7 @@ wait "$build_pid"; tail -2 "$out/build.log"; echo "build done at $((SECONDS - t0
 timeout 150 env MODEL="$model" CONTEXTS=1024,8192 GEN=128 REPEATS=2 SETUPS=budget OUT="$out/cmp" \
     bash scripts/compare_llamacpp.sh llama > "$out/llama.log" 2>&1
 echo "llama done at $((SECONDS - t0)) s"
+pack
 python - "$out" <<'PY'
 import glob, json, os, sys
 for f in sorted(glob.glob(sys.argv[1] + "/cmp/llama-*.json")):
@@ -66,5 +78,6 @@ for r in json.load(open(sys.argv[1]))["results"]:
           "of the H200 roofline", round(r["of_roofline"], 3), "of this host's", round(r["of_roofline_here"], 3),
           "cpu ms", round(r["cpu_ms_per_token"], 2), "wait ms", round(r["wait_ms_per_token"], 2))
 PY
+    pack
 done
 echo "end at $((SECONDS - t0)) s"
