@@ -280,7 +280,7 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
         # row, 32 row groups a warp, rpw 2, 4 warps), and one partial down block of 64 rows
         _check(_layer(64, 192, 4), 9)
         _check(_layer(64, 192, 4), 9, n_tok=3)
-    assert (folded[True] > 0) == (swiglu > 0) and folded[False] > 0, folded
+    assert (folded[True] > 0) == (swiglu > 0), folded  # with the cap every launch it serves is folded
 
 
 @pytest.mark.gpu
