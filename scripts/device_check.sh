@@ -4,7 +4,7 @@
 # Logs and JSON go to a work folder; at the end it is packed into $OUT/device.tgz (the device tool brings
 # back at most 8 files, so one tarball), or kept in out/device without $OUT.
 #
-#   run tool, carry [".devbundle", ".nbc"]:  source .devbundle/env.sh && bash scripts/device_check.sh
+#   run tool, carry [".devbundle", ".nbc", ".tcache"]:  source .devbundle/env.sh && bash scripts/device_check.sh
 #   STEPS="tests kernels cpu tiers"   which steps, in this order (default: those four). Also:
 #     cpustore  the CPU kernels over 8 of its expert layers as the host store holds them (file map, arena)
 #     m80       write the full synthetic 80b-a3b (Q4_0 experts, 47 GB, ~50 s) to $M80 (/tmp/m80.gguf)
@@ -55,14 +55,15 @@
 # the sources touched to a fixed time, so numba's stamps match; the cache is packed again at the end. A warm
 # machine's files are kept, the tarball adding only what they lack: overwriting them would drop what an earlier
 # call compiled for a host the tarball has no index for (session 39: every call on the H100 host compiled
-# ~100 s again).
+# ~100 s again). Triton's kernels likewise from .tcache/triton.tar.xz (scripts/device_caches.sh); TRITON_BACK=1
+# brings this call's back as $OUT/triton.tar.xz (a fresh machine compiles them for 200-260 s otherwise).
 set -uo pipefail
 work=$([[ -n "${OUT:-}" ]] && echo /tmp/device-out || echo out/device)
 mkdir -p "$work"
 steps=${STEPS:-tests kernels cpu tiers}
 M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
-source scripts/numba_cache_unpack.sh
+source scripts/device_caches.sh
 
 if [[ -n "${OUT:-}" ]]; then  # this host's numba target, for scripts/numba_targets/ (a host without its index
     # there compiles the CPU kernels at its first engine run, ~110 s: session 38's Intel H100 host)
@@ -249,6 +250,7 @@ if [[ -n "${OUT:-}" ]]; then
     # tarball past what the device tool brings back (session 6, call 1)
     [[ -n "${NBC_BACK:-}" && -d "$NUMBA_CACHE_DIR" ]] && tar czf "$OUT/nbc.tgz" -C "$(dirname "$NUMBA_CACHE_DIR")" \
         "$(basename "$NUMBA_CACHE_DIR")"
+    [[ -n "${TRITON_BACK:-}" ]] && pack_triton_cache  # $OUT/triton.tar.xz: keep it as .tcache/triton.tar.xz
     pack
     echo "packed $work into \$OUT/device.tgz"
 fi

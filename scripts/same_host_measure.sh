@@ -3,9 +3,10 @@
 # measure side by side, so "2x llama.cpp on the same machine" and "70% of this machine's roofline" are read
 # from the same host (the pool's hosts differ up to 1.5x in their CPU rows and PCIe copies).
 #
-#   run tool, carry [".devbundle", "third_party/llama.cpp.tar.xz", ".nbc"] (the source packed here by
-#   `tar cJf third_party/llama.cpp.tar.xz -C third_party llama.cpp`: 2 MiB against 21 unpacked, which with the
-#   bundle and the tree passes the call's 64 MiB; without .nbc the numba forms compile here, beside the build):
+#   run tool, carry [".devbundle", "third_party/llama.cpp.tar.xz", ".nbc", ".tcache"] (llama.cpp's source
+#   packed here by `tar cJf third_party/llama.cpp.tar.xz -C third_party llama.cpp`: 2 MiB against 21 unpacked,
+#   which with the bundle and the tree passes the call's 64 MiB; without .nbc the numba forms compile here,
+#   beside the build; .tcache: scripts/device_caches.sh, TRITON_BACK=1 brings this call's Triton kernels back):
 #   source .devbundle/env.sh && bash scripts/same_host_measure.sh 2>&1 | tail -40
 #
 # Steps: build llama-bench (compare_llamacpp.sh build) ‖ the m80 synth (80b-a3b, Q4_0 experts) ‖ numba's
@@ -28,7 +29,7 @@ budget=${SAME_HOST_BUDGET_S:-585}
 model=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
 export GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-300000}
-source scripts/numba_cache_unpack.sh  # the carried .nbc
+source scripts/device_caches.sh  # the carried .nbc and .tcache
 if [[ -f third_party/llama.cpp.tar.xz && ! -f third_party/llama.cpp/CMakeLists.txt ]]; then
     tar xJf third_party/llama.cpp.tar.xz -C third_party
 fi
@@ -80,4 +81,5 @@ for r in json.load(open(sys.argv[1]))["results"]:
 PY
     pack
 done
+[[ -n "${TRITON_BACK:-}" ]] && pack_triton_cache  # $OUT/triton.tar.xz: keep it as .tcache/triton.tar.xz
 echo "end at $((SECONDS - t0)) s"
