@@ -285,15 +285,15 @@ def launch_words_swiglu(act, act_row, plan, gate_up, down, out, n_ff: int, n_emb
     if not (bt <= WORDS["cuda_swiglu"] and cuda_words_serve(t, t2, n_embd, bt, (w1, w2), dev)
             and cuda_words_serve(td, td, n_ff, bt, (wd, wd), dev)):
         return False
-    index = nvrtc.device_index(act[0])
-    if not (cuda_rows_ready(n_ff, n_embd, True, bt, t, index)
-            and cuda_rows_ready(n_embd, n_ff, False, bt, td, index, swiglu=True)):
+    # the down form is built first (cuda_rows_ready): once the gate / up launch has run, the down launch
+    # must too; a gate / up form that cannot be built declines before anything is launched
+    if not cuda_rows_ready(n_embd, n_ff, False, bt, td, nvrtc.device_index(act[0]), swiglu=True):
         return False
     gu = torch.empty((act_row.numel(), 2, n_ff), dtype=torch.float32, device=dev)  # [M, 2, n_ff]
-    # both kernels are built (cuda_rows_ready): a False now would leave out unwritten, so it raises
-    if not (launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t)
-            and launch_cuda_rows((gu, gu, gu), None, plan, wd, wd, out, n_embd, n_ff, two=False, wtype=td,
-                                 swiglu=True)):
+    if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t):
+        return False
+    if not launch_cuda_rows((gu, gu, gu), None, plan, wd, wd, out, n_embd, n_ff, two=False, wtype=td,
+                            swiglu=True):  # ready above: a False now would leave out unwritten
         raise KernelError("the CUDA C rows declined a launch they were ready for (a knob changed between?)")
     return True
 
