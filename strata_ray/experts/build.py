@@ -35,8 +35,6 @@ RING_SLOTS = 32  # prompt-path ring on CUDA (~57 MB at the 80b-a3b Q4_0 blob), S
 # 8K prefill at that budget: 1,140 tok/s with 64 slots and a layer at a time, 1,728 with 256).
 RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 1024, 32
 RING_BYTES = 1 << 30
-# auto pinning leaves this much of the host's available memory unpinned: the larger of 8 GiB and a fifth
-# of physical memory (the OS, the page cache of the dense weights, other processes)
 
 
 def _warm_gdn_step(hp, device) -> None:
