@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -133,8 +134,8 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
                 forms_bt = [(bt, False) for bt in (1, 2, 4, 8)]
                 forms_bt += [(bt, True) for bt in (1, 2, 4, 8) if expert_rows_cuda.rows_iters(bt, two) > 1]
                 # a down launch's forms with the SwiGLU folded in (WORDS["cuda_swiglu"]) beside the plain ones
-                for (bt, prefetch), swiglu in [(f, s) for f in forms_bt for s in ((False, True) if not two
-                                                                                  else (False,))]:
+                folds = (False,) if two else (False, True)
+                for (bt, prefetch), swiglu in itertools.product(forms_bt, folds):
                     yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
                            f"{' prefetch' if prefetch else ''}{' swiglu' if swiglu else ''}",
                            expert_rows_cuda._SOURCE, "expert_rows",

@@ -3,7 +3,9 @@
 # never touch a dev checkout's mtimes or environment.
 #   .nbc/nbc.tar.xz        numba's CPU kernels, made here for that machine (scripts/numba_cache_for.py)
 #   .tcache/triton.tar.xz  Triton's kernels, packed on an earlier call (scripts/triton_cache.py)
-# and pack_triton_cache, for a call's end: this call's Triton kernels into $OUT/triton.tar.xz, to carry next.
+# and, for the call to use: probe_numba_target DIR (this host's numba target into DIR/numba-target, for
+# scripts/numba_targets/) and pack_triton_cache (at a call's end: its Triton kernels into $OUT/triton.tar.xz,
+# to carry next).
 if [[ -n "${OUT:-}" ]]; then
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}  # one path for every process of the call
     if [[ -f .nbc/nbc.tar.xz ]]; then
@@ -26,4 +28,10 @@ fi
 pack_triton_cache() {
     [[ -n "${OUT:-}" ]] || return 0
     python scripts/triton_cache.py pack --out "$OUT/triton.tar.xz" || true
+}
+
+probe_numba_target() {  # a host without its index in numba_targets/ compiles the CPU kernels at its first
+    # engine run: ~110 s on session 38's Intel H100 host, 305 s (the decode team) on session 44's
+    [[ -n "${OUT:-}" ]] || return 0
+    python scripts/numba_cache_for.py --probe-to "$1/numba-target" > "$1/numba-target.log" 2>&1 || true
 }

@@ -65,10 +65,7 @@ M80=${M80:-/tmp/m80.gguf}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/nbc}
 source scripts/device_caches.sh
 
-if [[ -n "${OUT:-}" ]]; then  # this host's numba target, for scripts/numba_targets/ (a host without its index
-    # there compiles the CPU kernels at its first engine run, ~110 s: session 38's Intel H100 host)
-    python scripts/numba_cache_for.py --probe-to "$work/numba-target" > "$work/numba-target.log" 2>&1 || true
-fi
+probe_numba_target "$work"  # this host's numba target, for scripts/numba_targets/
 
 pack() {  # the work folder into $OUT/device.tgz, after every step: a run cut by the tool's limit loses nothing
     [[ -n "${OUT:-}" ]] || return 0

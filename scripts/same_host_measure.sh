@@ -35,9 +35,7 @@ if [[ -f third_party/llama.cpp.tar.xz && ! -f third_party/llama.cpp/CMakeLists.t
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$SECONDS
-if [[ -n "${OUT:-}" ]]; then  # this host's numba target (session 44's H100 host lacked one: 305 s compiling)
-    python scripts/numba_cache_for.py --probe-to "$out/numba-target" > "$out/numba-target.log" 2>&1 || true
-fi
+probe_numba_target "$out"  # this host's numba target, for scripts/numba_targets/
 (timeout 360 bash scripts/compare_llamacpp.sh build > "$out/build.log" 2>&1; echo "build rc $?" >> "$out/build.log") &
 build_pid=$!
 (timeout 360 python -m strata_ray.kernels.precompile --threads 15 --jobs 4 > "$out/precompile.log" 2>&1) &
