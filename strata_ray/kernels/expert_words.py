@@ -67,7 +67,7 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 8 tokens 46.4 against 43.2): one-entry tiles only (the decode step's), the rest keep the kernel between.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_stages=0)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
