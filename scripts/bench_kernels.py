@@ -138,6 +138,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_stages": 2}, {"cuda": True, "cuda_stages": 3}, {"cuda": True, "cuda_stages": 4},
     {"cuda": True, "cuda_stages": 3, "cuda_iters": 4, "cuda_down_iters": 2},
     {"cuda": True, "cuda_stages": 3, "cuda_iters": 8, "cuda_down_iters": 4},
+    {"cuda": True, "cuda_stages": 3, "cuda_swiglu": 8},  # the fold's SwiGLU beside the ring's copies
 ]
 
 
