@@ -744,12 +744,18 @@ def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, sw
     return cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu), ctas, 0
 
 
+def weights_aligned(*mats) -> bool:
+    """Whether the weight tensors (uint8 [slots, rows, row bytes]) start and stride on 16-byte multiples: the
+    ring form's 16-byte copies."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 for t in mats)
+
+
 def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
-                    swiglu: bool = False) -> bool:
-    """Whether launch_cuda_rows of that form would launch here: it builds the kernel (once, cached) to
-    know."""
+                    swiglu: bool = False, aligned: bool = True) -> bool:
+    """Whether launch_cuda_rows of that form would launch here (aligned: weights_aligned of the weights it
+    would be given, which picks the ring's copies): it builds the kernel (once, cached) to know."""
     return (cuda_rows_serves(k, bt, wtype)
-            and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
+            and _launch_form(r, k, two, bt, wtype, device, swiglu, aligned)[0] is not None)
 
 
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0,
@@ -773,9 +779,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
 
     dev = nvrtc.device_index(aq)
     warps = WORDS["cuda_warps"]
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0
-                  for t in (w1, w2))  # uint8 [slots, rows, row bytes]: strides in bytes
-    kern, ctas, ring = _launch_form(r, k, two, bt, wtype, dev, swiglu, aligned)
+    kern, ctas, ring = _launch_form(r, k, two, bt, wtype, dev, swiglu, weights_aligned(w1, w2))
     if kern is None:
         return False
     grid = (ctas, tile_start.numel())

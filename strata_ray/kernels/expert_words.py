@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import nvrtc
 from .contract import Q4_0, Q8_0, KernelError
-from .expert_rows_cuda import cuda_rows_ready, launch_cuda_rows
+from .expert_rows_cuda import cuda_rows_ready, launch_cuda_rows, weights_aligned
 from .pdl import pdl_args
 from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 
@@ -287,7 +287,8 @@ def launch_words_swiglu(act, act_row, plan, gate_up, down, out, n_ff: int, n_emb
         return False
     # the down form is built first (cuda_rows_ready): once the gate / up launch has run, the down launch
     # must too; a gate / up form that cannot be built declines before anything is launched
-    if not cuda_rows_ready(n_embd, n_ff, False, bt, td, nvrtc.device_index(act[0]), swiglu=True):
+    if not cuda_rows_ready(n_embd, n_ff, False, bt, td, nvrtc.device_index(act[0]), swiglu=True,
+                           aligned=weights_aligned(wd)):
         return False
     gu = torch.empty((act_row.numel(), 2, n_ff), dtype=torch.float32, device=dev)  # [M, 2, n_ff]
     if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t):

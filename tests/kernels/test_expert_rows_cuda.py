@@ -33,6 +33,7 @@ from strata_ray.kernels.expert_rows_cuda import (
     shared_bytes,
     stage_pitch,
     staged_pitch,
+    weights_aligned,
 )
 from strata_ray.kernels.random_weights import random_layer
 
@@ -193,6 +194,16 @@ def test_the_ring_forms_options_and_refusals():
         build_options(512, False, 1, 2, 4, Q6_K, stages=3, vec=4)  # 105 words a row: word copies only
     with pytest.raises(KernelError, match="1 or 4 words"):
         build_options(512, False, 1, 2, 4, Q4_0, stages=3, vec=2)
+
+
+def test_weights_aligned_asks_16_bytes_of_the_start_and_both_strides():
+    buf = torch.zeros(16 + 3 * 4 * 288, dtype=torch.uint8)
+    base = (-buf.data_ptr()) % 16  # the first 16-byte boundary in buf
+    slots = buf[base:base + 3 * 4 * 288].view(3, 4, 288)  # 288-byte rows: 16-byte multiples
+    assert weights_aligned(slots) and weights_aligned(slots, slots)
+    assert not weights_aligned(buf[base + 4:base + 4 + 3 * 4 * 288].view(3, 4, 288))  # a word past it
+    assert not weights_aligned(buf[base:base + 3 * 4 * 292].view(3, 4, 292)[:, :, :288])  # a 292-byte row
+    assert not weights_aligned(slots, buf[base + 4:base + 4 + 288].view(1, 1, 288))  # one of two
 
 
 def test_rows_stages_follows_the_switch_the_device_and_its_shared_memory(monkeypatch):
