@@ -197,7 +197,7 @@ def test_the_ring_forms_options_and_refusals():
 
 
 def test_weights_aligned_asks_16_bytes_of_the_start_and_both_strides():
-    buf = torch.zeros(16 + 3 * 4 * 288, dtype=torch.uint8)
+    buf = torch.zeros(16 + 3 * 4 * 292, dtype=torch.uint8)
     base = (-buf.data_ptr()) % 16  # the first 16-byte boundary in buf
     slots = buf[base:base + 3 * 4 * 288].view(3, 4, 288)  # 288-byte rows: 16-byte multiples
     assert weights_aligned(slots) and weights_aligned(slots, slots)
