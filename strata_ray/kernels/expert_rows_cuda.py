@@ -642,13 +642,14 @@ def rows_stages_value(raw: str) -> int:
 
 
 def rows_stages(geo: tuple[int, int, int, int, int], bt: int, device: int, wtype: int) -> int:
-    """STAGES of a launch: STRATA_ROWS_STAGES, else WORDS["cuda_stages"] (0: the register form), as many of
-    them as the device's shared memory holds beside the static part (at least 2, else 0), and 0 below sm_80
-    (no cp.async)."""
+    """STAGES of a launch in tiles of up to bt entries: STRATA_ROWS_STAGES, else WORDS["cuda_stages"] (0: the
+    register form; a number, or a number by bt as rows_iters reads WORDS["cuda_iters"]), as many of them as
+    the device's shared memory holds beside the static part (at least 2, else 0), and 0 below sm_80 (no
+    cp.async)."""
     from .expert_words import WORDS
 
     value = os.environ.get("STRATA_ROWS_STAGES", "")
-    stages = rows_stages_value(value) if value else WORDS["cuda_stages"]
+    stages = rows_stages_value(value) if value else _by_tile(WORDS["cuda_stages"], bt)
     if stages < 2:
         return 0
     capability, optin = nvrtc.device_limits(device)
@@ -803,10 +804,15 @@ def rows_iters(bt: int, two: bool = True) -> int:
     value = os.environ.get("STRATA_ROWS_ITERS", "")
     if value:
         return int(value)
-    iters = WORDS["cuda_iters" if two else "cuda_down_iters"]
-    if isinstance(iters, int):
-        return iters
-    return iters[max((t for t in iters if t <= bt), default=min(iters))]
+    return _by_tile(WORDS["cuda_iters" if two else "cuda_down_iters"], bt)
+
+
+def _by_tile(value: int | dict[int, int], bt: int) -> int:
+    """A knob's value for tiles of up to bt entries: a number for every size, or a number by tile size (the
+    largest listed size at most bt; below them all, the smallest's)."""
+    if isinstance(value, int):
+        return value
+    return value[max((t for t in value if t <= bt), default=min(value))]
 
 
 def row_block_ctas(n_blocks: int, iters: int) -> int:

@@ -216,6 +216,8 @@ def test_rows_stages_follows_the_switch_the_device_and_its_shared_memory(monkeyp
     geo = geometry(2048, Q4_0)
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_stages": 3})
     assert rows_stages(geo, 8, 0, Q4_0) == 3
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_stages": {1: 0, 4: 3}})  # by tile size
+    assert [rows_stages(geo, bt, 0, Q4_0) for bt in (1, 2, 4, 8)] == [0, 0, 3, 3]
     monkeypatch.setenv("STRATA_ROWS_STAGES", "0")  # the switch over the default: the register form
     assert rows_stages(geo, 8, 0, Q4_0) == 0
     monkeypatch.setenv("STRATA_ROWS_STAGES", "8")
