@@ -38,13 +38,16 @@ class PromptScores:
     scores: tuple
 
 
-def prompt_text(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
+def prompt_text(tokenizer, ids: Sequence[int], skip: int = 0) -> tuple[str, list[int]]:
     """An echoed prompt: its text and where each token's text starts in it (a token that ends inside a
-    character starts where that character does)."""
+    character starts where that character does); the first `skip` tokens (a BOS the server put before a text
+    prompt) add no text and start at 0."""
     decoder = tokenizer.stream_decoder()
     offsets, parts, n = [], [], 0
-    for i in ids:
+    for j, i in enumerate(ids):
         offsets.append(n)
+        if j < skip:
+            continue
         parts.append(decoder.push(i))
         n += len(parts[-1])
     parts.append(decoder.flush())
@@ -126,11 +129,13 @@ class EngineRunner:
 
     async def stream(self, rec: status.RequestRecord, prompt_ids: Sequence[int], max_tokens: int,
                      sampling: Sampling, stop: Sequence[str], logprobs: int = 0,
-                     echo: bool = False) -> AsyncIterator[Piece | Finished]:
+                     echo: bool = False, added_bos: bool = False) -> AsyncIterator[Piece | Finished]:
         """Yields Pieces, then one Finished. Closing it (aclose) cancels; callers must close it. rec must come
         from metrics.enqueue (it counts as queued until the engine takes it). logprobs > 0: each piece's
         tokens carry their top-`logprobs` log-probabilities. echo: the first piece is the prompt's text (with
-        logprobs, its tokens scored, the first one without a logprob), and the later offsets count it."""
+        logprobs, its tokens scored, the first one without a logprob), and the later offsets count it;
+        added_bos: the first prompt token is a BOS the server put before the request's text, whose echo
+        leaves it out of the text (as vLLM's: the prompt as sent), still listed first among the scores."""
         from strata_ray.engine.engine import GenerationRequest
         from strata_ray.engine.sampling import SamplingParams
 
@@ -147,14 +152,14 @@ class EngineRunner:
                                             sampling=params, logprobs=logprobs,
                                             prompt_logprobs=logprobs if echo else 0)
                 self.metrics.begin(rec, len(prompt_ids), max_tokens)
-                async for event in self._generate(rec, request, stop, echo):
+                async for event in self._generate(rec, request, stop, echo, added_bos):
                     yield event
         finally:
             if not started:
                 self.metrics.dequeue_unstarted()
 
-    async def _generate(self, rec, request, stop: Sequence[str],
-                        echo: bool) -> AsyncIterator[Piece | Finished]:
+    async def _generate(self, rec, request, stop: Sequence[str], echo: bool,
+                        added_bos: bool = False) -> AsyncIterator[Piece | Finished]:
         from strata_ray.engine.engine import GenerationStopped, RequestError
 
         engine = self.engine
@@ -174,7 +179,8 @@ class EngineRunner:
         job = loop.run_in_executor(self._executor, engine.generate, request, on_token, on_prompt)
         job.add_done_callback(lambda _: tokens.put_nowait(None))
         text = TextStream(engine.tokenizer, stop)
-        echoed, offsets = prompt_text(engine.tokenizer, request.prompt_ids) if echo else ("", [])
+        echoed, offsets = (prompt_text(engine.tokenizer, request.prompt_ids, skip=int(added_bos)) if echo
+                           else ("", []))
         shift = len(echoed)  # the generated text's offsets count the echoed prompt before it
         finish, error = "cancelled", None
         try:

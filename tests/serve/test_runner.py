@@ -23,10 +23,11 @@ def runner(model_path):
     return r
 
 
-async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False, echo=False):
+async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False, echo=False,
+                  added_bos=False):
     """(text, Finished); whole: (the pieces, Finished)."""
     rec = runner.metrics.enqueue(name, "test")
-    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs, echo)
+    events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs, echo, added_bos)
     pieces = []
     async with contextlib.aclosing(events):
         async for event in events:
@@ -98,6 +99,24 @@ def test_an_echo_sends_the_prompt_first_with_its_scores_and_counts_it_in_the_off
     assert "".join(p.text for p in rest) == plain
     only, done = asyncio.run(collect(runner, "only", ids, max_tokens=0, echo=True))
     assert only == tok.decode(ids) and done.completion_tokens == 0 and done.finish_reason == "length"
+
+
+def test_an_echo_leaves_out_the_text_of_a_bos_the_server_added(runner):
+    """A model that adds a BOS before text prompts: the echo is the prompt's own text, the BOS still scored
+    first (no logprob, no text: its offset 0), and the generated offsets count the text alone."""
+    tok = runner.engine.tokenizer
+    text = "import os\nimport sys"
+    bos = tok.eos_id  # any special token stands in: this model adds none
+    ids = [bos, *tok.encode(text)]
+    assert tok.decode(ids) != text  # echoed whole, the stand-in's text would lead
+    pieces, done = asyncio.run(collect(runner, "bos", ids, max_tokens=3, logprobs=1, whole=True, echo=True,
+                                       added_bos=True))
+    first, *rest = pieces
+    assert first.text == text and [t.token_id for t in first.tokens] == ids
+    assert [t.offset for t in first.tokens[:2]] == [0, 0] and first.tokens[0].logprob is None
+    assert all(t.offset >= len(text) for p in rest for t in p.tokens)
+    only, _ = asyncio.run(collect(runner, "bos-only", ids, max_tokens=0, echo=True, added_bos=True))
+    assert only == text
 
 
 def test_an_echo_that_ends_on_a_stop_id_lists_it_last(runner):
