@@ -134,11 +134,6 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_down_iters": 2}, {"cuda": True, "cuda_down_iters": 4},  # the down launch walking too
     {"cuda": True, "cuda_swiglu": 0}, {"cuda": True, "cuda_swiglu": 8},  # the SwiGLU kernel between the
     # launches at every tile size, or folded into the down launch at every one (the default: one-entry tiles)
-    # the ring form (cp.async into shared memory, stages - 1 row blocks in flight), with longer walks
-    {"cuda": True, "cuda_stages": 2}, {"cuda": True, "cuda_stages": 3}, {"cuda": True, "cuda_stages": 4},
-    {"cuda": True, "cuda_stages": 3, "cuda_iters": 4, "cuda_down_iters": 2},
-    {"cuda": True, "cuda_stages": 3, "cuda_iters": 8, "cuda_down_iters": 4},
-    {"cuda": True, "cuda_stages": 3, "cuda_swiglu": 8},  # the fold's SwiGLU beside the ring's copies
 ]
 
 

@@ -383,10 +383,6 @@ def main() -> None:
                     help="1: one-entry decode tiles make the SwiGLU's codes in the CUDA C down launch; "
                     "0: the SwiGLU kernel between the launches (default: expert_words.WORDS['cuda_swiglu'], "
                     "1)")
-    ap.add_argument("--rows-stages", choices=["0", *map(str, range(2, 9))], default=None,
-                    help="the CUDA C decode expert rows' ring form: 2-8 stages (cp.async, stages - 1 row "
-                    "blocks in flight); 0: the register form (default: STRATA_ROWS_STAGES, else "
-                    "expert_words.WORDS['cuda_stages'])")
     ap.add_argument("--layer-times", action="store_true",
                     help="time each layer's expert call and the dense part before it during prefill (events)")
     ap.add_argument("--no-graphs", action="store_true", help="one-token forwards without CUDA graphs")
@@ -421,8 +417,6 @@ def main() -> None:
         from strata_ray.kernels.expert_words import WORDS
 
         WORDS["cuda_swiglu"] = int(args.swiglu_fold)
-    if args.rows_stages is not None:  # read at each launch (expert_rows_cuda.rows_stages)
-        os.environ["STRATA_ROWS_STAGES"] = args.rows_stages
     if args.fused_decode is not None:  # read where each op runs (kernels/fused_small.fused_enabled)
         os.environ["STRATA_FUSED_DECODE"] = args.fused_decode
     if args.gather_copy is not None:  # read at each copy (experts/slot_cache.SlotCache.copy_blobs)

@@ -119,9 +119,9 @@ def ctas_an_sm(regs: int, threads: int, smem: int) -> tuple[int, str]:
     return bounds[limit], limit
 
 
-def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas: int = 1, stages: int = 0):
+def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas: int = 1):
     """(kernel, what, source, name, options, threads, dynamic shared bytes) of each form the engine launches
-    at Qwen3-Next-80B-A3B's shapes; stages: the decode rows' ring forms of that many stages beside them."""
+    at Qwen3-Next-80B-A3B's shapes."""
     names = {v: k for k, v in TYPES.items()}
     rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
     # decode rows: gate + up (two) over E values, then down over N_FF; 1, 4, 8 entries a tile
@@ -141,14 +141,6 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
                            expert_rows_cuda._SOURCE, "expert_rows",
                            expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu),
                            warps * 32, 0)
-                geo = expert_rows_cuda.geometry(k, wt)
-                vec = expert_rows_cuda.ring_vec(geo, True, wt)
-                for bt, swiglu in itertools.product((1, 2, 4, 8) if stages else (), folds):
-                    yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt} ring {stages}x"
-                           f"{vec}{' swiglu' if swiglu else ''}", expert_rows_cuda._SOURCE, "expert_rows",
-                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, False, swiglu, stages,
-                                                          vec),
-                           warps * 32, expert_rows_cuda.ring_bytes(geo, rpw, warps, stages, wt))
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:
             for k, two in ((E, True), (N_FF, False)):
@@ -181,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
                     "default 1: the compiler's choice)")
     ap.add_argument("--gemv-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="the dense GEMV compiled for N CTAs an SM (STRATA_GEMV_MIN_CTAS; default 1)")
-    ap.add_argument("--ring-stages", type=int, default=0, choices=(0, *range(2, 9)), metavar="N",
-                    help="also the decode rows' ring forms of N stages (STRATA_ROWS_STAGES; default 0: none)")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"sm_\d+a?", args.arch):
         ap.error(f"--arch: invalid value {args.arch!r} (e.g. sm_90)")
@@ -192,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'CTAs/SM':>7s} {'warps/SM':>8s}  bound")
     types = [TYPES[t] for t in args.types]
     for kernel, what, source, name, options, threads, dyn in forms(kernels, types, args.kquant_ctas,
-                                                                   args.gemv_ctas, args.ring_stages):
+                                                                   args.gemv_ctas):
         res = comp.resources(source, name, options)
         smem = res["smem"] + dyn
         ctas, bound = ctas_an_sm(res["regs"], threads, smem)

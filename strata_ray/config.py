@@ -16,7 +16,6 @@ from typing import Any
 
 from strata_ray.kernels.attention_decode import attn_tiles_value
 from strata_ray.kernels.contract import KERNEL_VARIANTS
-from strata_ray.kernels.expert_rows_cuda import rows_stages_value
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 from strata_ray.kernels.gdn_step import gdn_columns_value
 from strata_ray.kernels.pdl import pdl_value
@@ -545,8 +544,6 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
-# STRATA_ROWS_STAGES: the same rows' ring form (cp.async, stages - 1 row blocks in flight; 0: the register
-# form), over WORDS["cuda_stages"], kernels/expert_rows_cuda;
 # STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches
 # the decode chain's kernels without programmatic dependent launch, kernels/pdl)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
@@ -577,7 +574,6 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_RING_SLOTS": ring_slots_value,
     "STRATA_AHEAD_LAYER": _choice("same", "next"),
     "STRATA_ROWS_ITERS": int_range(1, 64),
-    "STRATA_ROWS_STAGES": rows_stages_value,
     "STRATA_GDN_COLUMNS": gdn_columns_value,
     "STRATA_PDL": pdl_value,
 }

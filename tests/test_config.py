@@ -285,15 +285,13 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
     ("STRATA_MMA_KQUANT_CTAS", "5", "an integer from 1 to 4"),
     ("STRATA_GEMV_MIN_CTAS", "0", "an integer from 1 to 4"),
     ("STRATA_ROWS_ITERS", "0", "an integer from 1 to 64"),
-    ("STRATA_ROWS_STAGES", "1", "0 or an integer from 2 to 8"),
     ("STRATA_AHEAD_LAYER", "early", "same or next"),
     ("STRATA_PDL", "on", "0 or 1"),
 ])
 def test_switches_read_where_used_are_refused_with_one_line(name, value, allowed):
     good = {"STRATA_STAGE_CHUNK_KIB": "64", "STRATA_ATTN_DOT": "ieee", "STRATA_ATTN_TILES": "128x16x4x2x64",
             "STRATA_TEAM_FORM": "counter", "STRATA_TEAM_UNITS": "whole",
-            "STRATA_AHEAD_LAYER": "next", "STRATA_GDN_COLUMNS": "64",
-            "STRATA_ROWS_STAGES": "3"}.get(name, "1")
+            "STRATA_AHEAD_LAYER": "next", "STRATA_GDN_COLUMNS": "64"}.get(name, "1")
     config([], {name: good})  # good values pass
     with pytest.raises(ConfigError) as e:
         config([], {name: value})

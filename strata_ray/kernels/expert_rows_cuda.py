@@ -67,28 +67,6 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-#if STAGES
-// the ring's copies (STAGES: a warp's rows of each row block straight from global to shared memory,
-// STAGES - 1 blocks in flight while one is computed; sm_80 and up). A dead row's copy reads nothing and
-// fills zeros (src-size 0), as the register form loads 0u for it. VEC 4: 16 bytes a copy, L2 only (.cg: the
-// words are read once); VEC 1: a word a copy, for rows, strides or a pitch that are not 16-byte multiples
-__device__ __forceinline__ void ring_copy(unsigned* dst, const unsigned char* src, bool live) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-#if VEC == 4
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(src), "r"(live ? 16 : 0)
-                 : "memory");
-#else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(d), "l"(src), "r"(live ? 4 : 0)
-                 : "memory");
-#endif
-}
-__device__ __forceinline__ void ring_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// every group but the newest n landed (this thread's copies; a __syncwarp after it shows the warp's)
-template <int n> __device__ __forceinline__ void ring_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(n) : "memory");
-}
-#endif
-
 // entry i's activation row (i in the sorted order): ACT_ROW[ORDER[i]], or ORDER[i] itself where ACT_ROW is
 // null (the down launch: each entry reads its own h row, one dependent load fewer). Every thread looks up the
 // entries it stages itself (a few cached words) rather than wait at a barrier for one warp's lookups
@@ -118,14 +96,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // (+1: Q6_K's realigning reads) and G mod 32, so the GROUPS row groups of a warp sit G banks apart: their
     // stores (lane g of group grp at g + G (j + grp)) and their unit reads (9 or 17 words a lane) hit 32
     // distinct banks (at WPR + 1 a 512-value Q4_0 down row's reads were 4-way conflicts: session 37)
-#if STAGES
-    // the ring (dynamic shared memory, ring_bytes on the host): slot s of warp w holds its RPW x GROUPS rows
-    // of one row block, row r of group grp at ((s WARPS + w) RPW + r) GROUPS + grp, SP words apart as stage_s
-    extern __shared__ __align__(16) unsigned ring_s[];
-#define RING_ROW(SLOT, R_, GRP) (ring_s + ((((SLOT) * WARPS + warp) * RPW + (R_)) * GROUPS + (GRP)) * SP)
-#else
     __shared__ unsigned stage_s[WARPS][GROUPS][SP];
-#endif
     // each (entry, row)'s blocks' fp32 terms: slot c = e RPW + r of row group grp at [grp][c], TP apart:
     // a multiple of 4 whose quarter is odd, so the fold's lanes, each reading its own slot's blocks 4 at a
     // time, hit distinct banks within each 8-lane phase of a 16-byte load (NB apart they all hit one bank, a
@@ -149,28 +120,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const int n_rows = TWO ? 2 * R : R;
     const int n_blocks = (n_rows + ROWS_CTA - 1) / ROWS_CTA;  // row blocks of ROWS_CTA rows
 
-#if STAGES
-    // a row block's rows of the warp's GROUPS x RPW into ring slot SLOT: the warp's copy ci is row ci / CPR
-    // (group, then row of the group), words VEC (ci % CPR).. of it, the warp's 32 lanes side by side
-#define CPR (WPR / VEC)
-#define ISSUE_ROWS(BLOCK, SLOT)                                                                            \
-    for (int ci = lane; ci < GROUPS * RPW * CPR; ci += 32) {                                              \
-        const int ri = ci / CPR, cc = ci - ri * CPR, cg = ri / RPW, cr = ri - cg * RPW;                    \
-        const int row = (BLOCK) * ROWS_CTA + (warp * GROUPS + cg) * RPW + cr;                             \
-        const bool live = row < n_rows;                                                                   \
-        const int which = TWO && row >= R;                                                                \
-        const int rr = live ? row - which * R : 0;                                                        \
-        const unsigned char* wrow = which ? W2 + slot * stride2 + rr * rb2 : W1 + slot * stride1 + rr * rb1; \
-        ring_copy(RING_ROW(SLOT, cr, cg) + VEC * cc, wrow + 4 * VEC * cc, live);                          \
-    }
-    // the first STAGES - 1 blocks of the CTA's walk in flight before the activations are staged (one commit
-    // a block, empty past the walk's end, so the wait below counts blocks)
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (blockIdx.x + s * gridDim.x < n_blocks) ISSUE_ROWS(blockIdx.x + s * gridDim.x, s)
-        ring_commit();
-    }
-#else
     // a row block's rows of this row group: every word of them loaded (coalesced: lane g takes words g + G j)
     // before any arithmetic that needs them
     unsigned words[RPW][WL];
@@ -186,7 +135,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             words[r][j] = live && (WPR % G == 0 || g + G * j < WPR) ? __ldg(wrow + g + G * j) : 0u;       \
     }
     LOAD_ROWS(blockIdx.x)
-#endif
 
     // while they come: each entry's activation codes, four a word as dp4a takes them, once a CTA (no barrier
     // before: each thread finds its entries' rows itself; session 38's ncu had the down launch's warps
@@ -272,17 +220,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // entries are computed and folded, so a warp's loads stay in flight through its arithmetic (one block a
     // CTA leaves every CTA loads, then arithmetic: the gate / up launch at 8 entries a tile 42.6 -> 31.6 us
     // under ncu, session 37). Otherwise one block a CTA (grid.x = n_blocks).
-#if STAGES
-    // STAGES: the same walk from the ring, block i's successor STAGES - 1 on issued into the slot block i - 1
-    // left (each warp alone: its rows, its slots, its waits)
-    for (int blk = blockIdx.x, it = 0; blk < n_blocks; blk += gridDim.x, ++it) {
-        if (blk + (STAGES - 1) * gridDim.x < n_blocks)
-            ISSUE_ROWS(blk + (STAGES - 1) * gridDim.x, (it + STAGES - 1) % STAGES)
-        ring_commit();
-        ring_wait<STAGES - 1>();  // block it's rows landed, this lane's copies
-        __syncwarp();             // and the warp's
-        const int ring_slot = it % STAGES;
-#elif PREFETCH
+#if PREFETCH
     for (int blk = blockIdx.x; blk < n_blocks; blk += gridDim.x) {
 #else
     {  // one row block a CTA: no loop, whose live values took registers from the occupancy (ptxas: 40 -> 56)
@@ -312,15 +250,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
         // the row's words to the lanes of its units: lane g holds units g + G q
-#if STAGES
-        const unsigned* srow = RING_ROW(ring_slot, r, grp);  // staged by the copies
-#else
 #pragma unroll
         for (int j = 0; j < WL; ++j)
             if (WPR % G == 0 || g + G * j < WPR) stage_s[warp][grp][g + G * j] = words[r][j];
         __syncwarp();
-        const unsigned* srow = stage_s[warp][grp];
-#endif
 #if Q4K
         // super-block bytes [d d dmin dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes]: code
         // bytes 32 h .. 32 h + 31 hold sub-block 2 h in their low nibbles and 2 h + 1 in their high ones.
@@ -330,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const int c = g + G * q, h = c & 3;
-            const unsigned* pw = srow + 36 * (c >> 2);
+            const unsigned* pw = &stage_s[warp][grp][36 * (c >> 2)];
             const unsigned w0 = pw[0];
             d[r][q][0] = half_bits(w0 & 0xFFFFu);
             d[r][q][1] = half_bits(w0 >> 16);
@@ -354,7 +287,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
             const int c = g + G * q, u = c >> 2, jj = c & 3, h = jj >> 1, base = 210 * u;
-            const unsigned* sw = srow;
+            const unsigned* sw = stage_s[warp][grp];
             const unsigned sel = (base & 2) ? 0x5432u : 0x3210u;  // the word at base + o, realigned
 #define Q6_WORD(o) __byte_perm(sw[(base + (o)) >> 2], sw[((base + (o)) >> 2) + 1], sel)
             d[r][q] = half_bits(Q6_WORD(208) & 0xFFFFu);
@@ -379,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
         // pair bytes [d0 d0 c0..c31 d1 d1 c0..c31] (int8 codes): the first block's sit two bytes into a word
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
-            const unsigned* pw = srow + 17 * (g + G * q);
+            const unsigned* pw = &stage_s[warp][grp][17 * (g + G * q)];
             unsigned w[17];
 #pragma unroll
             for (int i = 0; i < 17; ++i) w[i] = pw[i];
@@ -394,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #else
 #pragma unroll
         for (int q = 0; q < NPL; ++q) {
-            const unsigned* pw = srow + 9 * (g + G * q);
+            const unsigned* pw = &stage_s[warp][grp][9 * (g + G * q)];
             unsigned w[9];
 #pragma unroll
             for (int i = 0; i < 9; ++i) w[i] = pw[i];
@@ -411,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             d[r][q][1] = half_bits(w[4] >> 16);
         }
 #endif
-        __syncwarp();  // stage_s is the next row's (the ring's slot the next block's copies)
+        __syncwarp();  // stage_s is the next row's
     }
 #if PREFETCH
     if (blk + gridDim.x < n_blocks) {  // the next row block's words, in flight through its arithmetic
@@ -492,7 +425,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 
     // the fold: lane c of the row group adds the terms of (entry, row) c / RPW, c % RPW in block order, the
     // tile's entries and rows side by side
-#if (PREFETCH || STAGES) && !TWO
+#if PREFETCH && !TWO
     // a down launch walking row blocks: the fold's loop kept rolled, which holds the form at 94 registers
     // against 123 (ptxas, sm_90, tiles of 8; the gate / up form gains nothing from it: 95 either way). Not
     // yet timed: the down launch walks only where WORDS["cuda_down_iters"] > 1 (a bench sweep knob)
@@ -516,14 +449,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
     }
-#if PREFETCH || STAGES
+#if PREFETCH
     __syncwarp();  // a safeguard: the next block's unpack syncs the warp before its terms are written
 #endif
     }
 #undef LOAD_ROWS
-#undef ISSUE_ROWS
-#undef RING_ROW
-#undef CPR
 }
 """
 
@@ -587,13 +517,11 @@ def cuda_rows_tile_cap(kinds, bt: int) -> int:
 STATIC_SHARED = 48 << 10  # the most static shared memory a kernel may declare
 
 
-def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int, pitch: int = 0,
-                 ring: bool = False) -> int:
+def shared_bytes(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: int, pitch: int = 0) -> int:
     """The kernel's static shared memory for rows of that geometry: stage_s (row groups pitch words apart; 0:
-    the least, WPR + 1; none in the ring form, whose rows are in dynamic shared memory: ring_bytes), term_s,
-    act_s, ad_s and as_s (4-byte elements)."""
+    the least, WPR + 1), term_s, act_s, ad_s and as_s (4-byte elements)."""
     wpr, nb, g = geo[:3]
-    stage = 0 if ring else -(-warps * (32 // g) * (pitch or wpr + 1) // 4) * 4  # term_s 16-byte aligned
+    stage = -(-warps * (32 // g) * (pitch or wpr + 1) // 4) * 4  # term_s after it starts 16-byte aligned
     terms = warps * (32 // g) * bt * rpw * term_pitch(nb)
     return 4 * (stage + terms + bt * (8 * nb + 2 * nb))
 
@@ -612,56 +540,6 @@ def staged_pitch(geo: tuple[int, int, int, int, int], bt: int, rpw: int, warps: 
     return pitch if shared_bytes(geo, bt, rpw, warps, pitch) <= STATIC_SHARED else wpr + 1
 
 
-def ring_pitch(wpr: int, g: int, wtype: int) -> int:
-    """SP of the ring form: the row's words (and the word past them that Q6_K's realigning reads touch), up
-    to G mod 32 as stage_pitch keeps the groups' banks apart; a multiple of 4 where a row has a warp to
-    itself (G = 32), so each row's 16-byte copies land 16-byte aligned. (stage_pitch's WPR + 1 for every
-    type: a 512-value Q4_0 row 104 words apart against 72.)"""
-    need = wpr + (wtype == Q6_K)
-    return -(-need // 4) * 4 if g == 32 else need + (g - need) % 32
-
-
-def ring_bytes(geo: tuple[int, int, int, int, int], rpw: int, warps: int, stages: int, wtype: int) -> int:
-    """The ring form's dynamic shared memory: stages slots of every warp's RPW x GROUPS rows, SP apart."""
-    wpr, g = geo[0], geo[2]
-    return 4 * stages * warps * rpw * (32 // g) * ring_pitch(wpr, g, wtype)
-
-
-def ring_vec(geo: tuple[int, int, int, int, int], aligned: bool, wtype: int) -> int:
-    """VEC, the words a ring copy takes: 4 (16 bytes) where the weights' rows, strides and addresses are
-    16-byte multiples (aligned, from the launch) and so are a row's words and the pitch; else 1."""
-    wpr, g = geo[0], geo[2]
-    return 4 if aligned and wpr % 4 == 0 and ring_pitch(wpr, g, wtype) % 4 == 0 else 1
-
-
-def rows_stages_value(raw: str) -> int:
-    """STRATA_ROWS_STAGES's value: 0 (the register form) or the ring's stages, 2 to 8."""
-    if raw not in ("0", *map(str, range(2, 9))):
-        raise ValueError("0 or an integer from 2 to 8")
-    return int(raw)
-
-
-def rows_stages(geo: tuple[int, int, int, int, int], bt: int, device: int, wtype: int) -> int:
-    """STAGES of a launch in tiles of up to bt entries: STRATA_ROWS_STAGES, else WORDS["cuda_stages"] (0: the
-    register form; a number, or a number by bt as rows_iters reads WORDS["cuda_iters"]), as many of them as
-    the device's shared memory holds beside the static part (at least 2, else 0), and 0 below sm_80 (no
-    cp.async)."""
-    from .expert_words import WORDS
-
-    value = os.environ.get("STRATA_ROWS_STAGES", "")
-    stages = rows_stages_value(value) if value else _by_tile(WORDS["cuda_stages"], bt)
-    if stages < 2:
-        return 0
-    capability, optin = nvrtc.device_limits(device)
-    if capability < 80:
-        return 0
-    rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
-    static = shared_bytes(geo, bt, rpw, warps, ring=True)
-    while stages >= 2 and static + ring_bytes(geo, rpw, warps, stages, wtype) > optin:
-        stages -= 1
-    return stages if stages >= 2 else 0
-
-
 def term_pitch(nb: int) -> int:
     """TP, the floats between two (entry, row) term slots of nb blocks: nb rounded up to a multiple of 4 whose
     quarter is odd, so the fold's 16-byte loads of 8 lanes' slots hit distinct banks."""
@@ -675,88 +553,60 @@ def _lanes(nu: int) -> int:
 
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
-                  prefetch: bool = False, swiglu: bool = False, stages: int = 0,
-                  vec: int = 4) -> tuple[str, ...]:
+                  prefetch: bool = False, swiglu: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
-    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU); stages (2 or more): the
-    ring form, the rows copied to shared memory stages - 1 blocks ahead, vec words a copy (ring_vec)."""
+    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU)."""
     if swiglu and two:
         raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
-    if stages and (stages < 2 or prefetch):
-        raise KernelError(f"the ring form takes 2 or more stages and no register prefetch (got {stages})")
     geo = geometry(k, wtype)
     wpr, nb, g, wl, npl = geo
-    if stages and (vec not in (1, 4) or vec == 4 and ring_vec(geo, True, wtype) != 4):
-        raise KernelError(f"the ring form's copies are 1 or 4 words where rows and pitch allow (got {vec})")
-    pitch = ring_pitch(wpr, g, wtype) if stages else staged_pitch(geo, bt, rpw, warps)
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
-    return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={pitch}", f"-DNB={nb}",
+    return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
-            f"-DSWIGLU={int(swiglu)}", f"-DSTAGES={stages}", f"-DVEC={vec if stages else 1}")
+            f"-DSWIGLU={int(swiglu)}")
 
 
 @functools.cache
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
-            swiglu: bool = False, stages: int = 0, vec: int = 4):
-    kern = nvrtc.build(_SOURCE, "expert_rows",
-                       build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, stages, vec), device)
-    if stages:  # the ring past 48 KiB of dynamic shared memory needs the kernel's opt-in
-        import cupy
-
-        with cupy.cuda.Device(device):
-            kern.max_dynamic_shared_size_bytes = ring_bytes(geometry(k, wtype), rpw, warps, stages, wtype)
-    return kern
+            swiglu: bool = False):
+    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu),
+                       device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False,
-                     swiglu: bool = False, stages: int = 0, vec: int = 4):
+                     swiglu: bool = False):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
-    `device` (swiglu: the down form that makes its codes from the gate / up rows; stages: the ring form), or
-    None where it cannot be built (an NVRTC or driver too old for the GPU, say): a Triton tile then, with the
-    same bits, after one warning."""
+    `device` (swiglu: the down form that makes its codes from the gate / up rows), or None where it cannot be
+    built (an NVRTC or driver too old for the GPU, say): a Triton tile then, with the same bits, after one
+    warning."""
     from .expert_words import WORDS
 
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu, stages, vec)
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu)
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)
 
 
-def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool,
-                 aligned: bool = True):
-    """(the kernel or None, CTAs a tile, dynamic shared bytes) of a launch of r rows (2r: two) of k values in
-    tiles of bt; aligned: the weights' addresses and strides are 16-byte multiples (the ring's wide
-    copies)."""
+def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool):
+    """(the kernel or None, CTAs a tile) of a launch of r rows (2r: two) of k values in tiles of bt."""
     from .expert_words import WORDS
 
-    geo = geometry(k, wtype)
-    rows_cta = WORDS["cuda_warps"] * (32 // geo[2]) * WORDS["cuda_rpw"]
+    rows_cta = WORDS["cuda_warps"] * (32 // geometry(k, wtype)[2]) * WORDS["cuda_rpw"]
     n_blocks = -(-(2 * r if two else r) // rows_cta)
     ctas = row_block_ctas(n_blocks, rows_iters(bt, two))
-    stages = rows_stages(geo, bt, device, wtype)
-    if stages:  # the ring form walks any number of blocks (one a CTA: copies, then arithmetic)
-        vec = ring_vec(geo, aligned, wtype)
-        kern = cuda_rows_kernel(k, two, device, bt, wtype, swiglu=swiglu, stages=stages, vec=vec)
-        return kern, ctas, ring_bytes(geo, WORDS["cuda_rpw"], WORDS["cuda_warps"], stages, wtype)
     # the walking form exactly where a CTA gets more than one block: the one-block form covers only
     # grid.x = n_blocks (and keeps its fewer registers where a walk would be one block anyway)
-    return cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu), ctas, 0
-
-
-def weights_aligned(*mats) -> bool:
-    """Whether the weight tensors (uint8 [slots, rows, row bytes]) start and stride on 16-byte multiples: the
-    ring form's 16-byte copies."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 for t in mats)
+    return cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu), ctas
 
 
 def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
-                    swiglu: bool = False, aligned: bool = True) -> bool:
-    """Whether launch_cuda_rows of that form would launch here (aligned: weights_aligned of the weights it
-    would be given, which picks the ring's copies): it builds the kernel (once, cached) to know."""
+                    swiglu: bool = False) -> bool:
+    """Whether launch_cuda_rows of that form would launch here: it builds the kernel (once, cached) to
+    know."""
     return (cuda_rows_serves(k, bt, wtype)
-            and _launch_form(r, k, two, bt, wtype, device, swiglu, aligned)[0] is not None)
+            and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
 
 
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0,
@@ -780,7 +630,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
 
     dev = nvrtc.device_index(aq)
     warps = WORDS["cuda_warps"]
-    kern, ctas, ring = _launch_form(r, k, two, bt, wtype, dev, swiglu, weights_aligned(w1, w2))
+    kern, ctas = _launch_form(r, k, two, bt, wtype, dev, swiglu)
     if kern is None:
         return False
     grid = (ctas, tile_start.numel())
@@ -790,7 +640,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
             *(nvrtc.ptr(t) for t in (order, sorted_slot, tile_start, w1, w2))]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
             np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
-    nvrtc.launch(kern, grid, warps * 32, args, dev, shared_mem=ring, pdl=True)
+    nvrtc.launch(kern, grid, warps * 32, args, dev, pdl=True)
     return True
 
 
@@ -804,15 +654,10 @@ def rows_iters(bt: int, two: bool = True) -> int:
     value = os.environ.get("STRATA_ROWS_ITERS", "")
     if value:
         return int(value)
-    return _by_tile(WORDS["cuda_iters" if two else "cuda_down_iters"], bt)
-
-
-def _by_tile(value: int | dict[int, int], bt: int) -> int:
-    """A knob's value for tiles of up to bt entries: a number for every size, or a number by tile size (the
-    largest listed size at most bt; below them all, the smallest's)."""
-    if isinstance(value, int):
-        return value
-    return value[max((t for t in value if t <= bt), default=min(value))]
+    iters = WORDS["cuda_iters" if two else "cuda_down_iters"]
+    if isinstance(iters, int):
+        return iters
+    return iters[max((t for t in iters if t <= bt), default=min(iters))]
 
 
 def row_block_ctas(n_blocks: int, iters: int) -> int:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import nvrtc
 from .contract import Q4_0, Q8_0, KernelError
-from .expert_rows_cuda import cuda_rows_ready, launch_cuda_rows, weights_aligned
+from .expert_rows_cuda import cuda_rows_ready, launch_cuda_rows
 from .pdl import pdl_args
 from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 
@@ -67,7 +67,7 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 8 tokens 46.4 against 43.2): one-entry tiles only (the decode step's), the rest keep the kernel between.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_stages=0)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -287,8 +287,7 @@ def launch_words_swiglu(act, act_row, plan, gate_up, down, out, n_ff: int, n_emb
         return False
     # the down form is built first (cuda_rows_ready): once the gate / up launch has run, the down launch
     # must too; a gate / up form that cannot be built declines before anything is launched
-    if not cuda_rows_ready(n_embd, n_ff, False, bt, td, nvrtc.device_index(act[0]), swiglu=True,
-                           aligned=weights_aligned(wd)):
+    if not cuda_rows_ready(n_embd, n_ff, False, bt, td, nvrtc.device_index(act[0]), swiglu=True):
         return False
     gu = torch.empty((act_row.numel(), 2, n_ff), dtype=torch.float32, device=dev)  # [M, 2, n_ff]
     if not launch_cuda_rows(act, act_row, plan, w1, w2, gu, n_ff, n_embd, two=True, wtype=t):

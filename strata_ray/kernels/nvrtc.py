@@ -42,19 +42,6 @@ def build(source: str, name: str, options: tuple[str, ...], device: int):
         return cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function(name)
 
 
-@functools.cache
-def device_limits(device: int) -> tuple[int, int]:
-    """(compute capability as 10 major + minor, the shared memory a CTA may opt in to) of CUDA device
-    `device`."""
-    props = torch.cuda.get_device_properties(device)
-    optin = getattr(props, "shared_memory_per_block_optin", 0)
-    if not optin:  # a torch without the field: cupy's view of the device
-        import cupy
-
-        optin = cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
-    return 10 * props.major + props.minor, int(optin)
-
-
 def min_ctas_option(n: int) -> tuple[str, ...]:
     """The NVRTC option that caps a kernel's registers for n CTAs an SM (its source's
     `__launch_bounds__(threads, MIN_CTAS)` under `#ifdef MIN_CTAS`); none for n = 1, so the kernel is
