@@ -100,9 +100,9 @@ class StrataServer:
         max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
         rid = oa.new_id(job.chat)
         rec = self.metrics.enqueue(rid, endpoint)
-        # a BOS the server put before a text prompt (the model's add_bos_token): not echoed as text
-        bos = runner.engine.tokenizer.bos_id
-        added_bos = job.prompt_ids is None and runner.add_bos and bos is not None and ids[0] == bos
+        # a BOS the server put before a text prompt (oa.encode with the model's add_bos_token): not echoed as
+        # text
+        added_bos = job.prompt_ids is None and runner.add_bos and runner.engine.tokenizer.bos_id is not None
         events = runner.stream(rec, ids, max_tokens, job.sampling, job.stop, job.engine_logprobs, job.echo,
                                added_bos)
         if job.stream:
