@@ -134,6 +134,8 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_down_iters": 2}, {"cuda": True, "cuda_down_iters": 4},  # the down launch walking too
     {"cuda": True, "cuda_swiglu": 0}, {"cuda": True, "cuda_swiglu": 8},  # the SwiGLU kernel between the
     # launches at every tile size, or folded into the down launch at every one (the default: one-entry tiles)
+    {"cuda": True, "cuda_bt": 0}, {"cuda": True, "cuda_bt": 1}, {"cuda": True, "cuda_bt": 2},  # tiles cut
+    {"cuda": True, "cuda_bt": 1, "cuda_swiglu": 0},  # one-entry tiles with the SwiGLU kernel between
 ]
 
 

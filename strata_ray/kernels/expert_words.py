@@ -65,9 +65,12 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 22.9 (Q4_0 / Q4_K / Q6_K / Q8_0), graphed 53.6 / 54.8 / 58.9 / 58.5 against 56.7 / 55.4 / 64.9 / 61.5; but
 # each CTA of a tile makes its entries' codes itself, so tiles of 4 and 8 entries were 1-3 us slower (Q4_0
 # 8 tokens 46.4 against 43.2): one-entry tiles only (the decode step's), the rest keep the kernel between.
+# cuda_bt: decode tiles of the CUDA C form cut to at most this many entries (a power of two; 0: no cut, the
+# tile cap alone): one-entry tiles read an expert's words once an entry (a tile's twins run side by side,
+# so mostly from L2), keep the one-block form's registers and the SwiGLU fold (a bench sweep knob).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 

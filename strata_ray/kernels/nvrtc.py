@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -35,11 +36,13 @@ def has_cupy() -> bool:
 
 def build(source: str, name: str, options: tuple[str, ...], device: int):
     """The compiled kernel `name` of `source` on CUDA device `device` (cupy RawKernel; cupy caches the
-    binary on disk too)."""
+    binary on disk too). STRATA_NVRTC_LINEINFO=1 adds the source lines for a profiler (ncu's source page:
+    line n is line n of `source`), which leaves the code as it is."""
     import cupy
 
+    lines = ("-lineinfo",) if os.environ.get("STRATA_NVRTC_LINEINFO") == "1" else ()
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=source, options=("-std=c++17", *options)).get_function(name)
+        return cupy.RawModule(code=source, options=("-std=c++17", *options, *lines)).get_function(name)
 
 
 def min_ctas_option(n: int) -> tuple[str, ...]:
