@@ -473,14 +473,15 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // row of the tile's entries and makes their codes (h_codes, eight lanes a block: each entry's h once,
     // where the SWIGLU form makes it once a down CTA), and sets the count back to -1 (a second launch over
     // the same plan counts from there too)
+    __shared__ int last_s;
     __threadfence();
     __syncthreads();
-    int last = 0;
     if (threadIdx.x == 0) {
-        last = atomicAdd(CNT + blockIdx.y, 1u) == gridDim.x - 2u;  // -1 + gridDim.x - 1, wrapped
-        if (last) CNT[blockIdx.y] = 0xFFFFFFFFu;  // every CTA of the tile has counted
+        last_s = atomicAdd(CNT + blockIdx.y, 1u) == gridDim.x - 2u;  // -1 + gridDim.x - 1, wrapped
+        if (last_s) CNT[blockIdx.y] = 0xFFFFFFFFu;  // every CTA of the tile has counted
     }
-    if (__syncthreads_or(last)) {  // to every thread, without a shared word (the static 48 KiB are sized)
+    __syncthreads();
+    if (last_s) {
         __threadfence();
         const int NBH = R / 32;
         for (int qi = threadIdx.x; qi < n_ent * NBH * 8; qi += WARPS * 32) {
