@@ -269,13 +269,11 @@ def quantize_act_gpu(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, tor
     return q, d, s
 
 
-def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int, counts: bool = False):
+def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int):
     """Sort entries by slot and cut each slot's run into tiles of <= bt entries, on the device.
 
     Returns (order int32 [M], sorted_slot int32 [M], tile_start int32 [n_tiles]) where unused tiles
-    hold -1; n_tiles = ceil(M / bt) + min(M, n_slots) bounds the real count without a host sync. counts:
-    a fourth, int32 [n_tiles] of -1, the tile counts of a gate / up launch that makes the h codes
-    (expert_rows_cuda's LASTH form): made by tile_start's own fill, so no launch of their own.
+    hold -1; n_tiles = ceil(M / bt) + min(M, n_slots) bounds the real count without a host sync.
     """
     m = slot.numel()
     sorted_slot, order = torch.sort(slot.to(torch.int32), stable=True)
@@ -286,12 +284,9 @@ def plan_tiles(slot: torch.Tensor, bt: int, n_slots: int, counts: bool = False):
     first = (idx - group_start) % bt == 0
     tile_id = torch.cumsum(first.to(torch.int64), 0) - 1
     n_tiles = triton.cdiv(m, bt) + min(m, n_slots)
-    # [n_tiles] starts, a slot for the scatter's non-starts, [n_tiles] counts where asked
-    tile_start = torch.full((2 * n_tiles + 1 if counts else n_tiles + 1,), -1, dtype=torch.int32,
-                            device=slot.device)
+    tile_start = torch.full((n_tiles + 1,), -1, dtype=torch.int32, device=slot.device)
     tile_start.scatter_(0, torch.where(first, tile_id, n_tiles), torch.where(first, idx, -1).to(torch.int32))
-    plan = order.to(torch.int32), sorted_slot, tile_start[:n_tiles]
-    return (*plan, tile_start[n_tiles + 1:]) if counts else plan
+    return order.to(torch.int32), sorted_slot, tile_start[:n_tiles]
 
 
 def tile_entries(n_tok: int, mode: str, variant: str, layer: ExpertLayer | None) -> int:
@@ -322,7 +317,7 @@ def _float_view(w: torch.Tensor, t: int) -> torch.Tensor:
 
 def _launch_split(act, act_row, plan, mats, out, hq, hd, hs, m, r, k, gated):
     """The split decode tile (two passes: block terms, then ordered sums); same bits as the simple one."""
-    order, sorted_slot, tile_start, bt = plan[:4]
+    order, sorted_slot, tile_start, bt = plan
     (w1, t1), (w2, t2) = mats
     aq, ad, asum, _ = act
     n_blocks = k // QK
@@ -449,11 +444,7 @@ def expert_ffn_gpu(x: torch.Tensor, tok: torch.Tensor, slot: torch.Tensor, slots
         return out
     x = x.contiguous().float()
     bt = tile_entries(x.shape[0], mode, variant, slots)
-    if plan is None:  # with the tile counts of the LASTH form (expert_words.WORDS["cuda_lasth"])
-        order, sorted_slot, tile_start, counts = plan_tiles(slot, bt, slots.gate.shape[0], counts=True)
-        plan = (order, sorted_slot, tile_start, bt, counts)
-    else:
-        plan = (*plan, bt)
+    plan = (*(plan if plan is not None else plan_tiles(slot, bt, slots.gate.shape[0])), bt)
     tok32 = tok.to(torch.int32).contiguous()
     if ident is None:
         ident = torch.arange(m, dtype=torch.int32, device=dev)

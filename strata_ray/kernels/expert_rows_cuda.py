@@ -469,16 +469,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #if LASTH
     // a gate / up launch that makes its tiles' h codes (HQ int8 [M, R], HD f32 / HS int32 [M, R / 32], the
     // SwiGLU kernel's outputs) itself, so no kernel runs between it and the down launch: each CTA fences its
-    // rows and counts itself in CNT[tile] (the plan's, -1 from its fill); the one that counts last has every
-    // row of the tile's entries and makes their codes (h_codes, eight lanes a block: each entry's h once,
-    // where the SWIGLU form makes it once a down CTA), and sets the count back to -1 (a second launch over
-    // the same plan counts from there too)
+    // rows and counts itself in CNT[tile]; the one that counts last has every row of the tile's entries and
+    // makes their codes (h_codes, eight lanes a block: each entry's h once, where the SWIGLU form makes it
+    // once a down CTA), and sets the count back to 0 for the next launch (a launch's counts are all 0 when it
+    // completes, and a launch that counts after it waits for it: pdl_wait)
     __shared__ int last_s;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last_s = atomicAdd(CNT + blockIdx.y, 1u) == gridDim.x - 2u;  // -1 + gridDim.x - 1, wrapped
-        if (last_s) CNT[blockIdx.y] = 0xFFFFFFFFu;  // every CTA of the tile has counted
+        last_s = atomicAdd(CNT + blockIdx.y, 1u) == gridDim.x - 1;
+        if (last_s) CNT[blockIdx.y] = 0u;  // every CTA of the tile has counted
     }
     __syncthreads();
     if (last_s) {
@@ -661,6 +661,23 @@ def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
             and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
 
 
+TILE_COUNTS = 65536  # a launch's most tiles (grid.y <= 65535)
+_tile_counts: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> uint32 [TILE_COUNTS], zeros
+
+
+def tile_counts(device: int) -> torch.Tensor | None:
+    """The LASTH form's per-tile CTA counts for launches on the current stream of `device`: zeros between
+    launches (each launch's last CTA of a tile sets its count back), one buffer a stream, since launches on
+    two streams may run at once; kept for good (a captured graph holds its address). None while a graph is
+    being captured and the stream has none yet (its zeros would be the graph's: the caller declines)."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    counts = _tile_counts.get((device, stream))
+    if counts is None and not torch.cuda.is_current_stream_capturing():
+        counts = _tile_counts[device, stream] = torch.zeros(TILE_COUNTS, dtype=torch.int32,
+                                                            device=f"cuda:{device}")
+    return counts
+
+
 def _check_h(out, h, r: int) -> None:
     """The LASTH form's operands: GU rows f32 [M, 2, r] (16-byte loads of other CTAs' rows) and the h codes
     int8 [M, r], f32 / int32 [M, r / 32], contiguous."""
@@ -682,9 +699,8 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     current torch stream; act_row None: each entry's own activation row. swiglu (a down launch): act[0] is
     the gate / up launch's rows f32 [M, 2, k], whose SwiGLU the kernel requantizes itself. h (a gate / up
     launch): (hq, hd, hs), the codes of h = swiglu(gate, up) that the launch makes too (LASTH), as the
-    SwiGLU kernel between would, counting each tile's CTAs in the plan's fifth element (plan_tiles' counts:
-    -1 each, as each launch leaves them). False (nothing launched) where the kernel cannot be built here, or
-    with h where the plan has no counts."""
+    SwiGLU kernel between would. False (nothing launched) where the kernel cannot be built here (or, with h,
+    while a graph is captured on a stream that has no tile counts yet)."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
@@ -704,11 +720,9 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
         if not two:
             raise KernelError("the h codes' form is a gate / up launch's (two=True)")
         _check_h(out, h, r)
-        if len(plan) < 5:
+        counts = tile_counts(dev)
+        if counts is None:
             return False
-        counts = plan[4]
-        if counts.dtype != torch.int32 or counts.numel() < tile_start.numel() or not counts.is_contiguous():
-            raise KernelError("the h codes' form counts a tile's CTAs in int32 [tiles] (plan_tiles' counts)")
     kern, ctas = _launch_form(r, k, two, bt, wtype, dev, swiglu, lasth=h is not None)
     if kern is None:
         return False

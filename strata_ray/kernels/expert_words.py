@@ -318,7 +318,7 @@ def launch_words(act, act_row, plan, mats, out, hq, hd, hs, r, k, gated, row_til
         return True
     if not words_supported(t, t2, k, bt, (w1, w2)):
         return False
-    order, sorted_slot, tile_start = plan[:3]
+    order, sorted_slot, tile_start, _ = plan
     aq, ad, asum, _ = act
     wp, wpp, s, bb, db = _PAIR[t]
     n_blocks = k // 32

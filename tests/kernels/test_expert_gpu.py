@@ -116,4 +116,3 @@ def test_a_host_made_plan_gives_the_same_rows(name):
                                  plan=[torch.from_numpy(p).cuda() for p in plan], out=out)
             assert not torch.isnan(got).any()
             assert np.array_equal(got.cpu().numpy().view(np.int32), want.view(np.int32)), (n_tok, mode)
-

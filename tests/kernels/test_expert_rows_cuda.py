@@ -340,11 +340,11 @@ def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wt
 @pytest.mark.parametrize("n_tok", [1, 3, 8])
 def test_gpu_the_lasth_gate_up_launch_makes_the_swiglu_kernels_codes(wtype, n_tok):
     """A gate / up launch that makes the h codes (LASTH) writes the plain launch's rows and the SwiGLU
-    kernel's codes of them, bit for bit, every element written; its tile counts are all -1 after it, as the
-    plan made them, so a second launch over the plan makes them again; a plan without counts declines."""
+    kernel's codes of them, bit for bit, every element written; its tile counts are all 0 after it, so a
+    second launch makes them again."""
     pytest.importorskip("cupy")
     from strata_ray.kernels.expert_gpu import plan_tiles, quantize_act_gpu, tile_entries
-    from strata_ray.kernels.expert_rows_cuda import launch_cuda_rows
+    from strata_ray.kernels.expert_rows_cuda import launch_cuda_rows, tile_counts
     from strata_ray.kernels.expert_words import _swiglu_tail
 
     layer = _layer(2048, 512, 12, down=wtype, gate_up=wtype)
@@ -355,8 +355,7 @@ def test_gpu_the_lasth_gate_up_launch_makes_the_swiglu_kernels_codes(wtype, n_to
     act_row = torch.randint(0, n_tok, (n_ent,), device="cuda", generator=gen, dtype=torch.int32)
     bt = tile_entries(n_tok, "decode", "words", layer)
     slot = torch.randint(0, 12, (n_ent,), device="cuda", generator=gen, dtype=torch.int32)
-    order, sorted_slot, tile_start, counts = plan_tiles(slot, bt, 12, counts=True)
-    plan = (order, sorted_slot, tile_start, bt, counts)
+    plan = (*plan_tiles(slot, bt, 12), bt)
     want = torch.full((n_ent, 2, 512), 7.0, device="cuda")
     assert launch_cuda_rows(act, act_row, plan, w1, w2, want, 512, 2048, two=True, wtype=wtype)
     hq_want = torch.empty((n_ent, 512), dtype=torch.int8, device="cuda")
@@ -372,8 +371,7 @@ def test_gpu_the_lasth_gate_up_launch_makes_the_swiglu_kernels_codes(wtype, n_to
         assert not (got == 7.0).any() and torch.equal(got.view(torch.int32), want.view(torch.int32))
         assert torch.equal(h[0], hq_want) and torch.equal(h[2], hs_want)
         assert torch.equal(h[1].view(torch.int32), hd_want.view(torch.int32))
-        assert (counts == -1).all()
-    assert not launch_cuda_rows(act, act_row, plan[:4], w1, w2, got, 512, 2048, two=True, wtype=wtype, h=h)
+        assert not tile_counts(torch.cuda.current_device()).any()
 
 
 def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog):
@@ -415,16 +413,3 @@ def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrt
     assert [r.getMessage() for r in caplog.records] == [
         "the CUDA C expert rows could not be built (RuntimeError: nvrtc: error: invalid value for "
         "--gpu-architecture); a Triton tile takes their launches (the same bits)"]
-
-
-def test_plan_tiles_counts_come_from_the_same_fill():
-    """counts=True adds the LASTH form's tile counts, -1 each, without changing the plan (CPU tensors: the
-    same torch ops as on the device)."""
-    from strata_ray.kernels.expert_gpu import plan_tiles
-
-    slot = torch.tensor([3, 1, 3, 3, 0, 1, 3], dtype=torch.int32)
-    plain = plan_tiles(slot, 2, 4)
-    *counted, counts = plan_tiles(slot, 2, 4, counts=True)
-    assert all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))
-    assert counts.shape == plain[2].shape and (counts == -1).all()
-    assert plain[2][:4].tolist() == [0, 1, 3, 5] and (plain[2][4:] == -1).all()  # sorted 0 1 1 3 3 3 3 by two
