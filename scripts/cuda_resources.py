@@ -133,15 +133,13 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
                 # each tile size in its one-block form, and in the walking form where the engine walks
                 forms_bt = [(bt, False) for bt in (1, 2, 4, 8)]
                 forms_bt += [(bt, True) for bt in (1, 2, 4, 8) if expert_rows_cuda.rows_iters(bt, two) > 1]
-                # beside the plain forms, the SwiGLU's codes made in the launch: a down launch's SWIGLU form
-                # (WORDS["cuda_swiglu"]), a gate / up launch's LASTH form (WORDS["cuda_lasth"])
-                for (bt, prefetch), fold in itertools.product(forms_bt, (False, True)):
-                    what = ("lasth" if two else "swiglu") if fold else ""
+                # a down launch's forms with the SwiGLU folded in (WORDS["cuda_swiglu"]) beside the plain ones
+                folds = (False,) if two else (False, True)
+                for (bt, prefetch), swiglu in itertools.product(forms_bt, folds):
                     yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
-                           f"{' prefetch' if prefetch else ''}{' ' + what if what else ''}",
+                           f"{' prefetch' if prefetch else ''}{' swiglu' if swiglu else ''}",
                            expert_rows_cuda._SOURCE, "expert_rows",
-                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch,
-                                                          swiglu=fold and not two, lasth=fold and two),
+                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu),
                            warps * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:

@@ -53,7 +53,6 @@ import functools
 import os
 
 import numpy as np
-import torch
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
@@ -66,44 +65,6 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     unsigned short h = (unsigned short)bits;
     asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
     return f;
-}
-
-// contract steps 3 and 1 for four values of a 32-block, as triton_blocks' swiglu and quant_blocks compute
-// them: h = swiglu(g, u), then the block's codes; eight lanes (an octet, all in the caller's loop or all
-// out) a block and a code word (4 values) a lane. The block's amax, finite test and code sum over the octet
-// by three shuffles each (a max and an integer sum: exact in any order). Returns the lane's code word; dq
-// and sum: the block's scale and code sum (every lane of the octet)
-__device__ __forceinline__ unsigned h_codes(float4 g4, float4 u4, unsigned octet, float& dq, int& sum) {
-    const float h[4] = {c_swiglu(g4.x, u4.x), c_swiglu(g4.y, u4.y), c_swiglu(g4.z, u4.z),
-                        c_swiglu(g4.w, u4.w)};
-    float amax = 0.0f;  // over the finite values; a NaN or an infinity poisons the block
-    int fin = 1;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float a = fabsf(h[i]);
-        const bool ok = a <= C_F32_MAX;
-        fin &= ok;
-        amax = ok ? fmaxf(amax, a) : amax;
-    }
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(octet, amax, o));
-        fin &= __shfl_xor_sync(octet, fin, o);
-    }
-    const bool live = fin && amax >= C_TINY;
-    dq = !fin ? __uint_as_float(0x7FC00000u) : live ? __fdiv_rn(amax, C_Q_MAX) : 0.0f;
-    const float safe = live ? dq : 1.0f;
-    unsigned word = 0u;
-    sum = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int code = live ? (int)c_rint(__fdiv_rn(h[i], safe)) : 0;
-        sum += code;
-        word |= (unsigned)(code & 0xFF) << (8 * i);
-    }
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(octet, sum, o);
-    return word;
 }
 
 // entry i's activation row (i in the sorted order): ACT_ROW[ORDER[i]], or ORDER[i] itself where ACT_ROW is
@@ -129,8 +90,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
-    float* __restrict__ OUT, int R, int M, signed char* __restrict__ HQ, float* __restrict__ HD,
-    int* __restrict__ HS, unsigned* __restrict__ CNT)
+    float* __restrict__ OUT, int R, int M)
 {
     // a row's words, from the coalesced loads to unit lanes: SP (stage_pitch on the host) at least WPR + 1
     // (+1: Q6_K's realigning reads) and G mod 32, so the GROUPS row groups of a warp sit G banks apart: their
@@ -183,16 +143,44 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // the down launch with the SwiGLU folded in: AQ is the gate / up launch's GU f32 [M, 2, K] (gate rows,
     // then up rows), and each CTA makes its entries' h = swiglu(gate, up) codes itself, contract steps 3 and
     // 1 as triton_blocks' swiglu and quant_blocks compute them (one launch fewer a layer than the SwiGLU
-    // kernel between): h_codes, eight lanes a 32-block and four values a lane, which keeps the form within
-    // a few registers of the plain down launch's (ptxas)
+    // kernel between). Eight lanes a 32-block, a code word (4 values) a lane: the block's amax, finite test
+    // and code sum over the eight by three shuffles (a max and an integer sum: exact in any order); four
+    // values a lane keep the form within a few registers of the plain down launch's (ptxas)
     for (int qi = threadIdx.x; qi < n_ent * NB * 8; qi += WARPS * 32) {
         const int e = qi / (NB * 8), b = (qi >> 3) % NB, k = qi & 7;
         const unsigned octet = 0xFFu << (lane & 24);  // an octet's lanes are all in the loop or all out
         const float* gp = (const float*)AQ + act_row_of(ACT_ROW, ORDER, start + e) * (2LL * K) + 32 * b
                           + 4 * k;  // gate values 32 b + 4 k.. of the entry's GU row; its up values K on
-        float dq;
-        int sum;
-        const unsigned word = h_codes(*(const float4*)gp, *(const float4*)(gp + K), octet, dq, sum);
+        const float4 g4 = *(const float4*)gp, u4 = *(const float4*)(gp + K);
+        const float h[4] = {c_swiglu(g4.x, u4.x), c_swiglu(g4.y, u4.y), c_swiglu(g4.z, u4.z),
+                            c_swiglu(g4.w, u4.w)};
+        float amax = 0.0f;  // over the finite values; a NaN or an infinity poisons the block
+        int fin = 1;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float a = fabsf(h[i]);
+            const bool ok = a <= C_F32_MAX;
+            fin &= ok;
+            amax = ok ? fmaxf(amax, a) : amax;
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(octet, amax, o));
+            fin &= __shfl_xor_sync(octet, fin, o);
+        }
+        const bool live = fin && amax >= C_TINY;
+        const float dq = !fin ? __uint_as_float(0x7FC00000u) : live ? __fdiv_rn(amax, C_Q_MAX) : 0.0f;
+        const float safe = live ? dq : 1.0f;
+        unsigned word = 0u;
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int code = live ? (int)c_rint(__fdiv_rn(h[i], safe)) : 0;
+            sum += code;
+            word |= (unsigned)(code & 0xFF) << (8 * i);
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(octet, sum, o);
         act_s[e][k][b] = (int)word;  // code word k of block b
         if (k == 0) {
             ad_s[e][b] = dq;
@@ -466,41 +454,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #endif
     }
 #undef LOAD_ROWS
-#if LASTH
-    // a gate / up launch that makes its tiles' h codes (HQ int8 [M, R], HD f32 / HS int32 [M, R / 32], the
-    // SwiGLU kernel's outputs) itself, so no kernel runs between it and the down launch: each CTA fences its
-    // rows and counts itself in CNT[tile]; the one that counts last has every row of the tile's entries and
-    // makes their codes (h_codes, eight lanes a block: each entry's h once, where the SWIGLU form makes it
-    // once a down CTA), and sets the count back to 0 for the next launch (a launch's counts are all 0 when it
-    // completes, and a launch that counts after it waits for it: pdl_wait)
-    __shared__ int last_s;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last_s = atomicAdd(CNT + blockIdx.y, 1u) == gridDim.x - 1;
-        if (last_s) CNT[blockIdx.y] = 0u;  // every CTA of the tile has counted
-    }
-    __syncthreads();
-    if (last_s) {
-        __threadfence();
-        const int NBH = R / 32;
-        for (int qi = threadIdx.x; qi < n_ent * NBH * 8; qi += WARPS * 32) {
-            const int e = qi / (NBH * 8), b = (qi >> 3) % NBH, k = qi & 7;
-            const unsigned octet = 0xFFu << (lane & 24);  // an octet's lanes are all in the loop or all out
-            const long long ent = ORDER[start + e];
-            const float* gp = OUT + ent * (2LL * R) + 32 * b + 4 * k;  // gate values 32 b + 4 k..; up R on
-            float dq;  // other CTAs' rows: from L2 (__ldcg), past this SM's L1
-            int sum;
-            const float4 g4 = __ldcg((const float4*)gp), u4 = __ldcg((const float4*)(gp + R));
-            const unsigned word = h_codes(g4, u4, octet, dq, sum);
-            ((unsigned*)(HQ + ent * R))[8 * b + k] = word;  // code word k of block b
-            if (k == 0) {
-                HD[ent * NBH + b] = dq;
-                HS[ent * NBH + b] = sum;
-            }
-        }
-    }
-#endif
 }
 """
 
@@ -600,47 +553,43 @@ def _lanes(nu: int) -> int:
 
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
-                  prefetch: bool = False, swiglu: bool = False, lasth: bool = False) -> tuple[str, ...]:
+                  prefetch: bool = False, swiglu: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
-    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU); lasth: a gate / up launch
-    whose tiles' last CTAs make the h codes (LASTH)."""
+    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU)."""
     if swiglu and two:
         raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
-    if lasth and not two:
-        raise KernelError("the h codes' form is a gate / up launch's (two=True)")
     geo = geometry(k, wtype)
     wpr, nb, g, wl, npl = geo
     kinds = (f"-DQ4K={int(wtype == Q4_K)}", f"-DQ80={int(wtype == Q8_0)}", f"-DQ6K={int(wtype == Q6_K)}")
     return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
-            f"-DSWIGLU={int(swiglu)}", f"-DLASTH={int(lasth)}")
+            f"-DSWIGLU={int(swiglu)}")
 
 
 @functools.cache
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
-            swiglu: bool = False, lasth: bool = False):
-    return nvrtc.build(_SOURCE, "expert_rows",
-                       build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, lasth), device)
+            swiglu: bool = False):
+    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu),
+                       device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False,
-                     swiglu: bool = False, lasth: bool = False):
+                     swiglu: bool = False):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
-    `device` (swiglu: the down form that makes its codes from the gate / up rows; lasth: the gate / up form
-    that makes the h codes), or None where it cannot be built (an NVRTC or driver too old for the GPU, say):
-    a Triton tile then, with the same bits, after one warning."""
+    `device` (swiglu: the down form that makes its codes from the gate / up rows), or None where it cannot be
+    built (an NVRTC or driver too old for the GPU, say): a Triton tile then, with the same bits, after one
+    warning."""
     from .expert_words import WORDS
 
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu, lasth)
-    fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)"
-                if swiglu or lasth else "a Triton tile takes their launches (the same bits)")
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu)
+    fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
+                else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)
 
 
-def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool,
-                 lasth: bool = False):
+def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, swiglu: bool):
     """(the kernel or None, CTAs a tile) of a launch of r rows (2r: two) of k values in tiles of bt."""
     from .expert_words import WORDS
 
@@ -649,8 +598,7 @@ def _launch_form(r: int, k: int, two: bool, bt: int, wtype: int, device: int, sw
     ctas = row_block_ctas(n_blocks, rows_iters(bt, two))
     # the walking form exactly where a CTA gets more than one block: the one-block form covers only
     # grid.x = n_blocks (and keeps its fewer registers where a walk would be one block anyway)
-    return (cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu, lasth=lasth),
-            ctas)
+    return cuda_rows_kernel(k, two, device, bt, wtype, prefetch=ctas < n_blocks, swiglu=swiglu), ctas
 
 
 def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
@@ -661,46 +609,13 @@ def cuda_rows_ready(r: int, k: int, two: bool, bt: int, wtype: int, device: int,
             and _launch_form(r, k, two, bt, wtype, device, swiglu)[0] is not None)
 
 
-TILE_COUNTS = 65536  # a launch's most tiles (grid.y <= 65535)
-_tile_counts: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> uint32 [TILE_COUNTS], zeros
-
-
-def tile_counts(device: int) -> torch.Tensor | None:
-    """The LASTH form's per-tile CTA counts for launches on the current stream of `device`: zeros between
-    launches (each launch's last CTA of a tile sets its count back), one buffer a stream, since launches on
-    two streams may run at once; kept for good (a captured graph holds its address). None while a graph is
-    being captured and the stream has none yet (its zeros would be the graph's: the caller declines)."""
-    stream = torch.cuda.current_stream(device).cuda_stream
-    counts = _tile_counts.get((device, stream))
-    if counts is None and not torch.cuda.is_current_stream_capturing():
-        counts = _tile_counts[device, stream] = torch.zeros(TILE_COUNTS, dtype=torch.int32,
-                                                            device=f"cuda:{device}")
-    return counts
-
-
-def _check_h(out, h, r: int) -> None:
-    """The LASTH form's operands: GU rows f32 [M, 2, r] (16-byte loads of other CTAs' rows) and the h codes
-    int8 [M, r], f32 / int32 [M, r / 32], contiguous."""
-    hq, hd, hs = h
-    m = out.shape[0]
-    if (r % 32 or out.dtype != torch.float32 or tuple(out.shape[1:]) != (2, r) or not out.is_contiguous()
-            or out.data_ptr() % 16):
-        raise KernelError(f"the h codes' form writes contiguous, 16-byte aligned f32 [M, 2, {r}] rows (r a "
-                          f"multiple of 32), got {out.dtype} {list(out.shape)}")
-    want = ((hq, torch.int8, r), (hd, torch.float32, r // 32), (hs, torch.int32, r // 32))
-    if any(t.dtype != dt or tuple(t.shape) != (m, n) or not t.is_contiguous() for t, dt, n in want):
-        raise KernelError(f"the h codes' form writes contiguous int8 [M, {r}], f32 and int32 [M, {r // 32}]")
-
-
 def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool, wtype: int = Q4_0,
-                     swiglu: bool = False, h=None) -> bool:
+                     swiglu: bool = False) -> bool:
     """OUT [M, 2, R] (two: gate rows of w1, up rows of w2) or [M, R] (w1's rows), weights of type wtype, over
     the plan's tiles (order, sorted_slot, tile_start, bt: up to bt entries of one slot a tile), on the
     current torch stream; act_row None: each entry's own activation row. swiglu (a down launch): act[0] is
-    the gate / up launch's rows f32 [M, 2, k], whose SwiGLU the kernel requantizes itself. h (a gate / up
-    launch): (hq, hd, hs), the codes of h = swiglu(gate, up) that the launch makes too (LASTH), as the
-    SwiGLU kernel between would. False (nothing launched) where the kernel cannot be built here (or, with h,
-    while a graph is captured on a stream that has no tile counts yet)."""
+    the gate / up launch's rows f32 [M, 2, k], whose SwiGLU the kernel requantizes itself. False (nothing
+    launched) where the kernel cannot be built here."""
     order, sorted_slot, tile_start = plan[:3]
     bt = plan[3] if len(plan) > 3 else 1
     aq, ad, asum = act[:3]
@@ -715,15 +630,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
 
     dev = nvrtc.device_index(aq)
     warps = WORDS["cuda_warps"]
-    counts = None
-    if h is not None:
-        if not two:
-            raise KernelError("the h codes' form is a gate / up launch's (two=True)")
-        _check_h(out, h, r)
-        counts = tile_counts(dev)
-        if counts is None:
-            return False
-    kern, ctas = _launch_form(r, k, two, bt, wtype, dev, swiglu, lasth=h is not None)
+    kern, ctas = _launch_form(r, k, two, bt, wtype, dev, swiglu)
     if kern is None:
         return False
     grid = (ctas, tile_start.numel())
@@ -732,9 +639,7 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     ptrs = [nvrtc.ptr(aq), nvrtc.ptr(ad), nvrtc.ptr(asum), nvrtc.ptr_or_null(act_row),  # None: own rows
             *(nvrtc.ptr(t) for t in (order, sorted_slot, tile_start, w1, w2))]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
-            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()),
-            *(nvrtc.ptr_or_null(t) for t in (h if h is not None else (None, None, None))),
-            nvrtc.ptr_or_null(counts))
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
     nvrtc.launch(kern, grid, warps * 32, args, dev, pdl=True)
     return True
 

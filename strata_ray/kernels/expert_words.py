@@ -68,13 +68,9 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # cuda_bt: decode tiles of the CUDA C form cut to at most this many entries (a power of two; 0: no cut, the
 # tile cap alone): one-entry tiles read an expert's words once an entry (a tile's twins run side by side,
 # so mostly from L2), keep the one-block form's registers and the SwiGLU fold (a bench sweep knob).
-# cuda_lasth: where the SwiGLU kernel would run between the launches (tiles of more entries than
-# cuda_swiglu), the gate / up launch's last CTA of each tile makes the tile's h codes instead
-# (expert_rows_cuda's LASTH form: each entry's h once, not once a down CTA as the fold): one kernel fewer.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0,
-             cuda_lasth=False)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
@@ -274,9 +270,6 @@ def launch_rows_kernel(rows, act, act_row, plan, mats, out, hq, hd, hs, r, k, ga
     if not gated:  # each entry's own h row (act_row is 0..M-1 here): None spares the kernels that lookup
         return rows(act, None, plan, w1, w2, out, r, k, two=False, wtype=t)
     gu = torch.empty((hq.shape[0], 2, r), dtype=torch.float32, device=hq.device)  # [M, 2, n_ff]
-    if (rows is launch_cuda_rows and WORDS["cuda_lasth"] and r % 32 == 0
-            and rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t, h=(hq, hd, hs))):
-        return True  # the launch's last CTA of each tile made its entries' h codes
     if not rows(act, act_row, plan, w1, w2, gu, r, k, two=True, wtype=t):
         return False
     _swiglu_tail(gu, hq, hd, hs, r)

@@ -226,16 +226,14 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_of
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# the SwiGLU in the down launch at every tile size, or its own kernel, or (past one-entry tiles) the h codes
-# made by the gate / up launch
-@pytest.mark.parametrize("swiglu, lasth", [(8, False), (0, False), (1, True)])
-def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu, lasth):
+@pytest.mark.parametrize("swiglu", [8, 0])  # the SwiGLU in the down launch at every tile size, or its own
+def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
     pytest.importorskip("cupy")
     import strata_ray.kernels.expert_gpu as eg
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_swiglu": swiglu, "cuda_lasth": lasth})
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_swiglu": swiglu})
     folded = Counter()
 
     def recorded(*args):  # which launches the fold took: it must take some with the cap, none without
@@ -334,46 +332,6 @@ def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wt
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("wtype", [Q4_0, Q8_0, Q4_K, Q6_K])
-@pytest.mark.parametrize("n_tok", [1, 3, 8])
-def test_gpu_the_lasth_gate_up_launch_makes_the_swiglu_kernels_codes(wtype, n_tok):
-    """A gate / up launch that makes the h codes (LASTH) writes the plain launch's rows and the SwiGLU
-    kernel's codes of them, bit for bit, every element written; its tile counts are all 0 after it, so a
-    second launch makes them again."""
-    pytest.importorskip("cupy")
-    from strata_ray.kernels.expert_gpu import plan_tiles, quantize_act_gpu, tile_entries
-    from strata_ray.kernels.expert_rows_cuda import launch_cuda_rows, tile_counts
-    from strata_ray.kernels.expert_words import _swiglu_tail
-
-    layer = _layer(2048, 512, 12, down=wtype, gate_up=wtype)
-    w1, w2 = (torch.from_numpy(np.ascontiguousarray(w)).cuda() for w in (layer.gate, layer.up))
-    n_ent = 10 * n_tok
-    gen = torch.Generator(device="cuda").manual_seed(n_tok)
-    act = quantize_act_gpu(torch.randn((n_tok, 2048), device="cuda", generator=gen))
-    act_row = torch.randint(0, n_tok, (n_ent,), device="cuda", generator=gen, dtype=torch.int32)
-    bt = tile_entries(n_tok, "decode", "words", layer)
-    slot = torch.randint(0, 12, (n_ent,), device="cuda", generator=gen, dtype=torch.int32)
-    plan = (*plan_tiles(slot, bt, 12), bt)
-    want = torch.full((n_ent, 2, 512), 7.0, device="cuda")
-    assert launch_cuda_rows(act, act_row, plan, w1, w2, want, 512, 2048, two=True, wtype=wtype)
-    hq_want = torch.empty((n_ent, 512), dtype=torch.int8, device="cuda")
-    hd_want = torch.empty((n_ent, 16), dtype=torch.float32, device="cuda")
-    hs_want = torch.empty((n_ent, 16), dtype=torch.int32, device="cuda")
-    _swiglu_tail(want, hq_want, hd_want, hs_want, 512)
-    for _ in range(2):
-        got = torch.full((n_ent, 2, 512), 7.0, device="cuda")
-        h = (torch.full((n_ent, 512), 7, dtype=torch.int8, device="cuda"),
-             torch.full((n_ent, 16), 7.0, device="cuda"), torch.full((n_ent, 16), 7, dtype=torch.int32,
-                                                                   device="cuda"))
-        assert launch_cuda_rows(act, act_row, plan, w1, w2, got, 512, 2048, two=True, wtype=wtype, h=h)
-        assert not (got == 7.0).any() and torch.equal(got.view(torch.int32), want.view(torch.int32))
-        assert torch.equal(h[0], hq_want) and torch.equal(h[2], hs_want)
-        assert torch.equal(h[1].view(torch.int32), hd_want.view(torch.int32))
-        assert not tile_counts(torch.cuda.current_device()).any()
-
-
 def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog):
     """A refused SwiGLU form: not ready (launch_words_swiglu then launches the SwiGLU kernel between, the
     same bits), one warning naming that, and no second try."""
@@ -383,7 +341,7 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
-    assert len(tries) == 1 and tries[0][-2] is True  # the swiglu key (lasth last)
+    assert len(tries) == 1 and tries[0][-1] is True  # the swiglu key
     assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
         "the SwiGLU kernel between the two launches takes its place (the same bits)"]
 
@@ -391,13 +349,6 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
 def test_the_swiglu_form_is_a_down_launchs():
     with pytest.raises(KernelError, match="down launch"):
         build_options(2048, True, 1, 2, 4, Q4_0, swiglu=True)
-
-
-def test_the_h_codes_form_is_a_gate_up_launchs():
-    with pytest.raises(KernelError, match="gate / up launch"):
-        build_options(512, False, 1, 2, 4, Q4_0, lasth=True)
-    assert "-DLASTH=1" in build_options(2048, True, 4, 2, 4, Q4_0, prefetch=True, lasth=True)
-    assert "-DLASTH=0" in build_options(2048, True, 4, 2, 4, Q4_0, prefetch=True)
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_launch_to_triton(refusing_nvrtc, caplog):
