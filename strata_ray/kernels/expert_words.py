@@ -66,8 +66,10 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # each CTA of a tile makes its entries' codes itself, so tiles of 4 and 8 entries were 1-3 us slower (Q4_0
 # 8 tokens 46.4 against 43.2): one-entry tiles only (the decode step's), the rest keep the kernel between.
 # cuda_bt: decode tiles of the CUDA C form cut to at most this many entries (a power of two; 0: no cut, the
-# tile cap alone): one-entry tiles read an expert's words once an entry (a tile's twins run side by side,
-# so mostly from L2), keep the one-block form's registers and the SwiGLU fold (a bench sweep knob).
+# tile cap alone; a bench sweep knob). Session 46 on an H100 (bench_kernels, us a layer, no cut / 2 / 1):
+# Q4_0 4 tokens 31.6 / 34.5 / 38.2, 8 tokens 43.3 / 56.2 / 67.8; Q4_K and Q6_K alike. An entry's own tile
+# unpacks the expert's rows again, which costs more than the one-block form's registers and the SwiGLU fold
+# save, so tiles stay as large as the cap.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
              cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0)
