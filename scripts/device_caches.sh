@@ -4,8 +4,8 @@
 #   .nbc/nbc.tar.xz        numba's CPU kernels, made here for that machine (scripts/numba_cache_for.py)
 #   .tcache/triton.tar.xz  Triton's kernels, packed on an earlier call (scripts/triton_cache.py)
 # and, for the call to use: probe_numba_target DIR (this host's numba target into DIR/numba-target, for
-# scripts/numba_targets/) and pack_triton_cache (at a call's end: its Triton kernels into $OUT/triton.tar.xz,
-# to carry next).
+# scripts/numba_targets/), pack_triton_cache (at a call's end: its Triton kernels into $OUT/triton.tar.xz,
+# to carry next) and pack_dir DIR NAME (a work folder into $OUT/NAME.tgz).
 if [[ -n "${OUT:-}" ]]; then
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}  # one path for every process of the call
     if [[ -f .nbc/nbc.tar.xz ]]; then
@@ -24,6 +24,13 @@ if [[ -n "${OUT:-}" ]]; then
         python scripts/triton_cache.py unpack .tcache/triton.tar.xz || true
     fi
 fi
+
+pack_dir() {  # pack_dir DIR NAME: DIR into $OUT/NAME.tgz under a name of this process's own, then renamed, so
+    # a run the tool cuts keeps the last whole archive and background steps that pack too never share a file
+    [[ -n "${OUT:-}" ]] || return 0
+    local part="$OUT/.$2-$BASHPID.tgz"
+    tar czf "$part" -C "$(dirname "$1")" "$(basename "$1")" && mv -f "$part" "$OUT/$2.tgz"
+}
 
 pack_triton_cache() {
     [[ -n "${OUT:-}" ]] || return 0

@@ -68,9 +68,7 @@ source scripts/device_caches.sh
 probe_numba_target "$work"  # this host's numba target, for scripts/numba_targets/
 
 pack() {  # the work folder into $OUT/device.tgz, after every step: a run cut by the tool's limit loses nothing
-    [[ -n "${OUT:-}" ]] || return 0
-    local part="$OUT/.device-$BASHPID.tgz"  # the background tests pack too: a name of their own
-    tar czf "$part" -C "$(dirname "$work")" "$(basename "$work")" && mv -f "$part" "$OUT/device.tgz"
+    pack_dir "$work" device  # (scripts/device_caches.sh; the background tests pack too)
 }
 
 step() {  # step NAME LIMIT_S CMD...: run, keep the log, show its tail

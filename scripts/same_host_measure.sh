@@ -21,9 +21,7 @@ set -u
 out=$([[ -n "${OUT:-}" ]] && echo /tmp/same-host || echo out/same-host)
 mkdir -p "$out"
 pack() {
-    [[ -n "${OUT:-}" ]] || return 0
-    tar czf "$OUT/.same-host.tgz" -C "$(dirname "$out")" "$(basename "$out")" && mv -f "$OUT/.same-host.tgz" \
-        "$OUT/same-host.tgz"
+    pack_dir "$out" same-host  # (scripts/device_caches.sh)
 }
 budget=${SAME_HOST_BUDGET_S:-585}
 model=${M80:-/tmp/m80.gguf}
