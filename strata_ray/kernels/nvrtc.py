@@ -12,17 +12,20 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import warnings
 from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
 
+from .contract import KernelError
 from .pdl import pdl_on_device
 
 log = logging.getLogger(__name__)
 
 _FAILED: set[Hashable] = set()  # kernels that could not be built here (not tried again)
+_ARITY: dict[int, tuple[object, str, int]] = {}  # id(kernel) -> (kernel, its name, its parameters)
 
 
 @functools.cache
@@ -42,7 +45,31 @@ def build(source: str, name: str, options: tuple[str, ...], device: int):
 
     lines = ("-lineinfo",) if os.environ.get("STRATA_NVRTC_LINEINFO") == "1" else ()
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=source, options=("-std=c++17", *options, *lines)).get_function(name)
+        kernel = cupy.RawModule(code=source, options=("-std=c++17", *options, *lines)).get_function(name)
+    n = kernel_params(source, name)
+    if n is not None:  # held with the kernel (the kernels are cached for good): its id stays its own
+        _ARITY[id(kernel)] = (kernel, name, n)
+    return kernel
+
+
+def kernel_params(source: str, name: str) -> int | None:
+    """How many parameters `extern "C" __global__ void ... name(...)` of source takes: its list's top-level
+    commas + 1; None where the source has no such signature or a directive inside its list (unknown). A
+    launch with another count would read past its arguments (a segfault, not an error): launch() checks."""
+    m = re.search(r'extern\s+"C"\s+__global__\s+void\s+[^;{]*?\b' + re.escape(name) + r"\s*\(", source)
+    if m is None:
+        return None
+    depth, commas, body = 1, 0, []
+    for ch in source[m.end():]:
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+            break
+        commas += ch == "," and depth == 1
+        body.append(ch)
+    text = "".join(body)
+    if "#" in text:
+        return None
+    return commas + 1 if text.strip() and text.strip() != "void" else 0
 
 
 def min_ctas_option(n: int) -> tuple[str, ...]:
@@ -187,6 +214,10 @@ def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, 
     """kernel<<<grid, block, shared_mem>>>(args) on torch's current stream of `device`. pdl: the kernel calls
     pdl_wait() before it reads anything the kernel before wrote (PDL_HOOKS), so it may take programmatic
     dependent launch where kernels/pdl.py allows it."""
+    known = _ARITY.get(id(kernel))
+    if known is not None and known[0] is kernel and known[2] != len(args):
+        raise KernelError(f"the CUDA C kernel {known[1]} takes {known[2]} arguments, the launch passes "
+                          f"{len(args)}")
     import cupy
 
     handle = torch.cuda.current_stream(device).cuda_stream

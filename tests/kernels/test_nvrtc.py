@@ -50,3 +50,30 @@ def test_launch_needs_cuda():
         pytest.skip("cupy installed: the kernels' GPU tests launch through it")
     with pytest.raises(ImportError):
         nvrtc.launch(None, (1,), 32, (), 0)
+
+
+def test_kernel_params_counts_each_kernels_signature():
+    """The parameters of each CUDA C kernel as its launch passes them (launch_cuda_rows and launch_mma_rows:
+    9 pointers, 4 strides, out, R, M; the dense GEMV: 6 pointers and 3 counts), and the signatures the parser
+    declines."""
+    from strata_ray.kernels import dense_q8_cuda, expert_mma_cuda, expert_rows_cuda
+
+    assert nvrtc.kernel_params(expert_rows_cuda._SOURCE, "expert_rows") == 16
+    assert nvrtc.kernel_params(expert_mma_cuda._SOURCE, "expert_mma") == 16
+    assert nvrtc.kernel_params(dense_q8_cuda._SOURCE, "q8_gemv") == 9
+    one = 'extern "C" __global__ void __launch_bounds__(4 * 32) k(const int* __restrict__ a, float f(int)) {}'
+    assert nvrtc.kernel_params(one, "k") == 2  # a parenthesis inside the list is no comma
+    assert nvrtc.kernel_params('extern "C" __global__ void k(void) {}', "k") == 0
+    assert nvrtc.kernel_params('extern "C" __global__ void k( ) {}', "k") == 0
+    directive = 'extern "C" __global__ void k(int a,\n#if X\n int b\n#endif\n) {}'
+    assert nvrtc.kernel_params(directive, "k") is None
+    assert nvrtc.kernel_params('extern "C" __global__ void kk(int a) {}', "k") is None  # not its name
+
+
+def test_a_launch_with_the_wrong_argument_count_is_one_line(monkeypatch):
+    """A kernel built here whose launch passes another count of arguments: a KernelError naming both counts,
+    before anything reaches the driver (cupy would read past the arguments: a segfault, session 46)."""
+    kernel = object()  # what build returned (a cupy Function on a GPU machine); only its identity counts
+    monkeypatch.setitem(nvrtc._ARITY, id(kernel), (kernel, "expert_rows", 16))
+    with pytest.raises(nvrtc.KernelError, match="expert_rows takes 16 arguments, the launch passes 15"):
+        nvrtc.launch(kernel, (1,), 32, (0,) * 15, 0)
