@@ -85,7 +85,12 @@ __device__ __forceinline__ long long act_row_of(const int* __restrict__ ACT_ROW,
 #define GROUPS (32 / G)
 #define ROWS_CTA (WARPS * GROUPS * RPW)
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
+#ifdef MIN_CTAS  // a minimum of 1 is not "none": ptxas then took 60 registers where it takes 40 without
+#define ROWS_BOUNDS __launch_bounds__(WARPS * 32, MIN_CTAS)
+#else
+#define ROWS_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+extern "C" __global__ void ROWS_BOUNDS expert_rows(
     const signed char* __restrict__ AQ, const float* __restrict__ AD, const int* __restrict__ AS,
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
@@ -102,6 +107,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // time, hit distinct banks within each 8-lane phase of a 16-byte load (NB apart they all hit one bank, a
     // 16-way conflict for a tile of 8 entries, a block at a time)
     __shared__ __align__(16) float term_s[WARPS][GROUPS][BT * RPW][TP];
+    // CTAFOLD: (entry, row) chains numbered across the CTA, ch = (e RPW + r) WARPS GROUPS + row group (warp
+    // GROUPS + grp), their slots side by side in term_s (flat, ch TP floats in), and thread ch folds chain
+    // ch after a CTA barrier: a one-entry tile's 2 chains a warp become 8 in one warp, whose fold serves the
+    // CTA's rows where each warp folded its own (64 dependent adds issued once for 8 rows, not 4 times for 2)
+    float (*const term_f)[TP] = (float (*)[TP])&term_s[0][0][0][0];
     __shared__ __align__(16) int act_s[BT][8][NB];  // entry e's codes of block b: lo words k, hi words 4 + k
     __shared__ __align__(8) float ad_s[BT][NB];      // each entry's activation block scales
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
@@ -368,7 +378,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
 #endif
 #pragma unroll
             for (int r = 0; r < RPW; ++r) {
-                float* term = term_s[warp][grp][e * RPW + r];  // b0 even: its two terms one 8-byte store
+                // b0 even: its two terms one 8-byte store
+                float* term = CTAFOLD ? term_f[(e * RPW + r) * (WARPS * GROUPS) + warp * GROUPS + grp]
+                                      : term_s[warp][grp][e * RPW + r];
                 float2 tt;
 #if Q4K
 #pragma unroll
@@ -421,7 +433,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             }
         }
     }
+#if CTAFOLD
+    __syncthreads();
+#else
     __syncwarp();
+#endif
 
     // the fold: lane c of the row group adds the terms of (entry, row) c / RPW, c % RPW in block order, the
     // tile's entries and rows side by side
@@ -431,11 +447,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
     // yet timed: the down launch walks only where WORDS["cuda_down_iters"] > 1 (a bench sweep knob)
 #pragma unroll 1
 #endif
+#if CTAFOLD
+#pragma unroll 1
+    for (int ch = threadIdx.x; ch < WARPS * GROUPS * n_ent * RPW; ch += WARPS * 32) {
+        const int c = ch / (WARPS * GROUPS), e = c / RPW, r = c % RPW;
+        const int row = blk * ROWS_CTA + ch % (WARPS * GROUPS) * RPW + r;  // its row group's row r
+        const float4* t4 = (const float4*)term_f[ch];
+#else
     for (int c = g; c < n_ent * RPW; c += G) {
         const int e = c / RPW, r = c % RPW, row = row0 + r;
+        const float4* t4 = (const float4*)term_s[warp][grp][c];
+#endif
         if (row < n_rows) {
             float acc = 0.0f;
-            const float4* t4 = (const float4*)term_s[warp][grp][c];
 #pragma unroll
             for (int b4 = 0; b4 < (NB + 3) / 4; ++b4) {  // block order: a 16-byte load, its terms in turn
                 const float4 v = t4[b4];
@@ -449,7 +473,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) expert_rows(
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
     }
-#if PREFETCH
+#if PREFETCH && CTAFOLD
+    __syncthreads();  // every chain folded before any warp writes the next block's terms
+#elif PREFETCH
     __syncwarp();  // a safeguard: the next block's unpack syncs the warp before its terms are written
 #endif
     }
@@ -553,10 +579,11 @@ def _lanes(nu: int) -> int:
 
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
-                  prefetch: bool = False, swiglu: bool = False) -> tuple[str, ...]:
+                  prefetch: bool = False, swiglu: bool = False, cta_fold: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
-    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU)."""
+    swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU); cta_fold: the CTA's chains
+    folded by its first threads after a barrier (CTAFOLD), not each warp's by its own lanes."""
     if swiglu and two:
         raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
     geo = geometry(k, wtype)
@@ -565,14 +592,17 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
     return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
-            f"-DSWIGLU={int(swiglu)}")
+            f"-DSWIGLU={int(swiglu)}", f"-DCTAFOLD={int(cta_fold)}",
+            # the walking form with the CTA's fold: ptxas gave it 117-119 registers against the per-warp
+            # fold's 95 (Q4_0, sm_90), held at the CTAs 96 registers allow with no spill
+            *((f"-DMIN_CTAS={max(1, 65536 // (96 * 32 * warps))}",) if cta_fold and prefetch else ()))
 
 
 @functools.cache
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
-            swiglu: bool = False):
-    return nvrtc.build(_SOURCE, "expert_rows", build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu),
-                       device)
+            swiglu: bool = False, cta_fold: bool = False):
+    opts = build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, cta_fold)
+    return nvrtc.build(_SOURCE, "expert_rows", opts, device)
 
 
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False,
@@ -583,7 +613,8 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
     warning."""
     from .expert_words import WORDS
 
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu)
+    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu,
+           bool(WORDS["cuda_cta_fold"]))
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)

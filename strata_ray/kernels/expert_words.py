@@ -70,9 +70,12 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # Q4_0 4 tokens 31.6 / 34.5 / 38.2, 8 tokens 43.3 / 56.2 / 67.8; Q4_K and Q6_K alike. An entry's own tile
 # unpacks the expert's rows again, which costs more than the one-block form's registers and the SwiGLU fold
 # save, so tiles stay as large as the cap.
+# cuda_cta_fold: the CUDA C form's fold done by the CTA's first threads after a barrier, one chain a thread,
+# rather than by each warp's own lanes (expert_rows_cuda's CTAFOLD; a bench sweep knob, not yet measured).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0)
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0,
+             cuda_cta_fold=False)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 

@@ -292,6 +292,35 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("iters", ["", "3"])  # the engine's walks, and an uneven walk of every tile size
+def test_gpu_cta_fold_rows_equal_cpu_rows(monkeypatch, iters):
+    """The fold by the CTA's first threads (WORDS["cuda_cta_fold"]: chains numbered across the CTA's warps,
+    one barrier) gives the CPU's rows: one- and several-entry tiles, 4-32 lanes a row, partial row blocks,
+    every weight type, other row groups and warps."""
+    pytest.importorskip("cupy")
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
+    monkeypatch.setenv("STRATA_ROWS_ITERS", iters)
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_cta_fold": True})
+    wide = _layer(2048, 512, 12)
+    for n_tok, n_ent in [(1, 1), (1, 10), (4, 40), (8, 222)]:
+        _check(wide, n_ent, n_tok=n_tok)
+    _check(_layer(256, 768, 5), 33, n_tok=5)  # 4 lanes a gate row: 8 row groups a warp
+    _check(_layer(256, 192, 4), 9)
+    _check(_layer(64, 192, 4), 9, n_tok=3)  # partial last row blocks
+    for gate_up, down in [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q8_0, Q8_0)]:
+        layer = _layer(1024, 512, 5, down=down, gate_up=gate_up)
+        _check(layer, 10)
+        _check(layer, 33, n_tok=3)
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_cta_fold": True, "cuda_rpw": 4,
+                                               "cuda_warps": 8})
+    _check(wide, 10)
+    _check(wide, 40, n_tok=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wtype", [Q4_0, Q8_0, Q4_K, Q6_K])
 @pytest.mark.parametrize("n_tok", [1, 3, 8])
 def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wtype, n_tok):
@@ -341,7 +370,7 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
-    assert len(tries) == 1 and tries[0][-1] is True  # the swiglu key
+    assert len(tries) == 1 and tries[0][-2:] == (True, False)  # the swiglu key (and no CTA fold)
     assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
         "the SwiGLU kernel between the two launches takes its place (the same bits)"]
 
