@@ -136,7 +136,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     # launches at every tile size, or folded into the down launch at every one (the default: one-entry tiles)
     {"cuda": True, "cuda_bt": 0}, {"cuda": True, "cuda_bt": 1}, {"cuda": True, "cuda_bt": 2},  # tiles cut
     {"cuda": True, "cuda_bt": 1, "cuda_swiglu": 0},  # one-entry tiles with the SwiGLU kernel between
-    {"cuda": True, "cuda_cta_fold": True},  # the fold by the CTA's first threads, one chain each
+    {"cuda": True, "cuda_cta_fold": False},  # each warp's rows folded by its own lanes (CTAFOLD's before)
 ]
 
 

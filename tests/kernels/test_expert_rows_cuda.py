@@ -293,16 +293,16 @@ def test_gpu_cuda_rows_equal_cpu_rows(monkeypatch, swiglu):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("iters", ["", "3"])  # the engine's walks, and an uneven walk of every tile size
-def test_gpu_cta_fold_rows_equal_cpu_rows(monkeypatch, iters):
-    """The fold by the CTA's first threads (WORDS["cuda_cta_fold"]: chains numbered across the CTA's warps,
-    one barrier) gives the CPU's rows: one- and several-entry tiles, 4-32 lanes a row, partial row blocks,
-    every weight type, other row groups and warps."""
+def test_gpu_the_other_fold_form_gives_the_cpu_rows(monkeypatch, iters):
+    """The fold form the default does not take (WORDS["cuda_cta_fold"]: the CTA's chains by its first threads
+    after one barrier, or each warp's by its own lanes) gives the CPU's rows too: one- and several-entry
+    tiles, 4-32 lanes a row, partial row blocks, every weight type, other row groups and warps."""
     pytest.importorskip("cupy")
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
     monkeypatch.setenv("STRATA_ROWS_ITERS", iters)
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_cta_fold": True})
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_cta_fold": not ew.WORDS["cuda_cta_fold"]})
     wide = _layer(2048, 512, 12)
     for n_tok, n_ent in [(1, 1), (1, 10), (4, 40), (8, 222)]:
         _check(wide, n_ent, n_tok=n_tok)
@@ -313,8 +313,7 @@ def test_gpu_cta_fold_rows_equal_cpu_rows(monkeypatch, iters):
         layer = _layer(1024, 512, 5, down=down, gate_up=gate_up)
         _check(layer, 10)
         _check(layer, 33, n_tok=3)
-    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_cta_fold": True, "cuda_rpw": 4,
-                                               "cuda_warps": 8})
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": 4, "cuda_warps": 8})
     _check(wide, 10)
     _check(wide, 40, n_tok=4)
 
@@ -370,7 +369,7 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
-    assert len(tries) == 1 and tries[0][-2:] == (True, False)  # the swiglu key (and no CTA fold)
+    assert len(tries) == 1 and tries[0][-2] is True  # the swiglu key
     assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
         "the SwiGLU kernel between the two launches takes its place (the same bits)"]
 
