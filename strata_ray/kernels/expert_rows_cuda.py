@@ -95,7 +95,7 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
     const int* __restrict__ ACT_ROW, const int* __restrict__ ORDER, const int* __restrict__ SORTED_SLOT,
     const int* __restrict__ TILE_START, const unsigned char* __restrict__ W1,
     const unsigned char* __restrict__ W2, long long stride1, long long stride2, long long rb1, long long rb2,
-    float* __restrict__ OUT, int R, int M)
+    float* __restrict__ OUT, int R, int M, int one_row)
 {
     // a row's words, from the coalesced loads to unit lanes: SP (stage_pitch on the host) at least WPR + 1
     // (+1: Q6_K's realigning reads) and G mod 32, so the GROUPS row groups of a warp sit G banks apart: their
@@ -117,9 +117,34 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
     __shared__ __align__(8) int as_s[BT][NB];        // and code sums
     pdl_trigger();
     pdl_wait();  // the plan, the codes and the slots are the chain's: it only starts early (kernels/pdl.py)
-    const int start = TILE_START[blockIdx.y];
+    // EARLY: a tile of one entry (BT 1) is the plan's entry y = blockIdx.y wherever it starts at y, as both
+    // plans make them (plan_tiles, decode_plan), so its slot and order are loaded beside TILE_START instead
+    // of after it, and a launch of one activation row (one_row: the one-token decode) reads row 0 with no
+    // lookup at all. Without it each CTA waited on TILE_START -> ORDER -> ACT_ROW -> the codes, four trips
+    // through L2 before its first barrier (session 47's ncu: 39% of the one-token gate / up launch's stall
+    // samples on that chain, the whole launch one wave)
+    const int y = blockIdx.y;
+#if EARLY && BT == 1
+    const int slot_y = y < M ? __ldg(SORTED_SLOT + y) : 0, order_y = y < M ? __ldg(ORDER + y) : 0;
+#endif
+    const int start = TILE_START[y];
     if (start < 0) return;
+#if EARLY && BT == 1
+    const bool at_y = start == y;
+    const int slot_id = at_y ? slot_y : SORTED_SLOT[start];
+    const int order0 = at_y ? order_y : __ldg(ORDER + start);  // entry 0's (the tile's only) place
+    const long long arow0 = one_row ? 0LL : ACT_ROW ? (long long)__ldg(ACT_ROW + order0) : (long long)order0;
+#define ENTRY_OF(e) ((long long)order0)
+#define ACT_ROW_OF(e) arow0
+#elif EARLY
     const int slot_id = SORTED_SLOT[start];
+#define ENTRY_OF(e) ((long long)ORDER[start + (e)])
+#define ACT_ROW_OF(e) (one_row ? 0LL : act_row_of(ACT_ROW, ORDER, start + (e)))
+#else
+    const int slot_id = SORTED_SLOT[start];
+#define ENTRY_OF(e) ((long long)ORDER[start + (e)])
+#define ACT_ROW_OF(e) act_row_of(ACT_ROW, ORDER, start + (e))
+#endif
     const long long slot = slot_id;
     // the tile: the sorted entries from start that share its slot, at most BT (plan_tiles cut them so)
     int n_ent = 1;
@@ -159,7 +184,7 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
     for (int qi = threadIdx.x; qi < n_ent * NB * 8; qi += WARPS * 32) {
         const int e = qi / (NB * 8), b = (qi >> 3) % NB, k = qi & 7;
         const unsigned octet = 0xFFu << (lane & 24);  // an octet's lanes are all in the loop or all out
-        const float* gp = (const float*)AQ + act_row_of(ACT_ROW, ORDER, start + e) * (2LL * K) + 32 * b
+        const float* gp = (const float*)AQ + ACT_ROW_OF(e) * (2LL * K) + 32 * b
                           + 4 * k;  // gate values 32 b + 4 k.. of the entry's GU row; its up values K on
         const float4 g4 = *(const float4*)gp, u4 = *(const float4*)(gp + K);
         const float h[4] = {c_swiglu(g4.x, u4.x), c_swiglu(g4.y, u4.y), c_swiglu(g4.z, u4.z),
@@ -203,7 +228,7 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
         // word a lane stored 8 rows of NB apart: an 8-way conflict
         for (int qi = threadIdx.x; qi < n_ent * (K / 16); qi += WARPS * 32) {
             const int e = qi / (K / 16), wq = qi % (K / 16), b = wq >> 1, k0 = 4 * (wq & 1);
-            const int4 v = ((const int4*)(AQ + act_row_of(ACT_ROW, ORDER, start + e) * K))[wq];
+            const int4 v = ((const int4*)(AQ + ACT_ROW_OF(e) * K))[wq];
             act_s[e][k0][b] = v.x;
             act_s[e][k0 + 1][b] = v.y;
             act_s[e][k0 + 2][b] = v.z;
@@ -212,13 +237,13 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
     } else {
         for (int ei = threadIdx.x; ei < n_ent * (K / 4); ei += WARPS * 32) {
             const int e = ei / (K / 4), wi = ei % (K / 4);
-            const int* aq = (const int*)(AQ + act_row_of(ACT_ROW, ORDER, start + e) * K);
+            const int* aq = (const int*)(AQ + ACT_ROW_OF(e) * K);
             act_s[e][wi & 7][wi >> 3] = aq[wi];
         }
     }
     for (int eb = threadIdx.x; eb < n_ent * NB; eb += WARPS * 32) {
         const int e = eb / NB, b = eb % NB;
-        const long long arow = act_row_of(ACT_ROW, ORDER, start + e);
+        const long long arow = ACT_ROW_OF(e);
         ad_s[e][b] = AD[arow * NB + b];
         as_s[e][b] = AS[arow * NB + b];
     }
@@ -468,7 +493,7 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
                 if (4 * b4 + 2 < NB) acc = acc + v.z;
                 if (4 * b4 + 3 < NB) acc = acc + v.w;
             }
-            const long long ent = ORDER[start + e];
+            const long long ent = ENTRY_OF(e);
             const int which = TWO && row >= R;
             OUT[(TWO ? (ent * 2 + which) : ent) * R + (row - which * R)] = acc;
         }
@@ -480,6 +505,8 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
 #endif
     }
 #undef LOAD_ROWS
+#undef ENTRY_OF
+#undef ACT_ROW_OF
 }
 """
 
@@ -579,11 +606,14 @@ def _lanes(nu: int) -> int:
 
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
-                  prefetch: bool = False, swiglu: bool = False, cta_fold: bool = False) -> tuple[str, ...]:
+                  prefetch: bool = False, swiglu: bool = False, cta_fold: bool = False,
+                  early: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
     swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU); cta_fold: the CTA's chains
-    folded by its first threads after a barrier (CTAFOLD), not each warp's by its own lanes."""
+    folded by its first threads after a barrier (CTAFOLD), not each warp's by its own lanes; early: a
+    one-entry tile's slot and order loaded beside TILE_START, and one activation row read with no lookup
+    (EARLY)."""
     if swiglu and two:
         raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
     geo = geometry(k, wtype)
@@ -592,7 +622,7 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
     return ("--fmad=false", f"-DWPR={wpr}", f"-DSP={staged_pitch(geo, bt, rpw, warps)}", f"-DNB={nb}",
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
-            f"-DSWIGLU={int(swiglu)}", f"-DCTAFOLD={int(cta_fold)}",
+            f"-DSWIGLU={int(swiglu)}", f"-DCTAFOLD={int(cta_fold)}", f"-DEARLY={int(early)}",
             # the walking form with the CTA's fold: ptxas gave it 117-119 registers against the per-warp
             # fold's 95 (Q4_0, sm_90), held at the CTAs 96 registers allow with no spill
             *((f"-DMIN_CTAS={max(1, 65536 // (96 * 32 * warps))}",) if cta_fold and prefetch else ()))
@@ -600,8 +630,8 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
 
 @functools.cache
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
-            swiglu: bool = False, cta_fold: bool = False):
-    opts = build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, cta_fold)
+            swiglu: bool = False, cta_fold: bool = False, early: bool = False):
+    opts = build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, cta_fold, early)
     return nvrtc.build(_SOURCE, "expert_rows", opts, device)
 
 
@@ -614,7 +644,7 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
     from .expert_words import WORDS
 
     key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu,
-           bool(WORDS["cuda_cta_fold"]))
+           bool(WORDS["cuda_cta_fold"]), bool(WORDS["cuda_early"]))
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)
@@ -670,7 +700,8 @@ def launch_cuda_rows(act, act_row, plan, w1, w2, out, r: int, k: int, two: bool,
     ptrs = [nvrtc.ptr(aq), nvrtc.ptr(ad), nvrtc.ptr(asum), nvrtc.ptr_or_null(act_row),  # None: own rows
             *(nvrtc.ptr(t) for t in (order, sorted_slot, tile_start, w1, w2))]
     args = (*ptrs, np.int64(w1.stride(0)), np.int64(w2.stride(0)), np.int64(w1.stride(1)),
-            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()))
+            np.int64(w2.stride(1)), nvrtc.ptr(out), np.int32(r), np.int32(order.numel()),
+            np.int32(aq.shape[0] == 1))  # one activation row: every entry's is row 0 (EARLY reads it so)
     nvrtc.launch(kern, grid, warps * 32, args, dev, pdl=True)
     return True
 

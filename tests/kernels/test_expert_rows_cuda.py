@@ -194,10 +194,13 @@ def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
     assert eg.tile_entries(300, "prompt", "words", q40) == 64
 
 
-def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_offset: int = 0) -> None:
+def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_offset: int = 0,
+           tiles_reversed: bool = False) -> None:
     """n_ent entries of n_tok tokens (tiles of up to next_pow2(n_tok) entries of one expert) over the layer's
     experts: the GPU rows, every element written, equal the CPU rows bit for bit. act_offset: the activation
-    codes handed in at that many bytes past a 16-byte boundary (the kernel's 4-byte staging path)."""
+    codes handed in at that many bytes past a 16-byte boundary (the kernel's 4-byte staging path);
+    tiles_reversed: a host plan of one-entry tiles in reverse order (tile y then starts at M - 1 - y, not at
+    y as the engine's plans do)."""
     from strata_ray.kernels.expert_gpu import expert_ffn_gpu, quantize_act_gpu
 
     rng = np.random.default_rng(seed + n_ent)
@@ -220,7 +223,15 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_of
         assert moved.data_ptr() % 16 == act_offset
         act = (moved, xd, xs)
     tok_gpu, exp_gpu = (torch.from_numpy(a).cuda() for a in (tok, exp))
-    got = expert_ffn_gpu(x_gpu, tok_gpu, exp_gpu, slots, mode="decode", out=out, variant="words", act=act)
+    plan = None
+    if tiles_reversed:
+        from strata_ray.kernels.tile_plan import plan_tiles_host
+
+        order, sorted_slot, tile_start = plan_tiles_host(exp, 1)
+        plan = [torch.from_numpy(np.ascontiguousarray(a)).cuda()
+                for a in (order, sorted_slot, tile_start[::-1])]
+    got = expert_ffn_gpu(x_gpu, tok_gpu, exp_gpu, slots, mode="decode", out=out, variant="words", act=act,
+                         plan=plan)
     assert np.array_equal(got.cpu().numpy().view(np.int32), want), n_ent
 
 
@@ -316,6 +327,35 @@ def test_gpu_the_other_fold_form_gives_the_cpu_rows(monkeypatch, iters):
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_rpw": 4, "cuda_warps": 8})
     _check(wide, 10)
     _check(wide, 40, n_tok=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("early", [True, False])
+def test_gpu_the_early_prologue_gives_the_cpu_rows(monkeypatch, early):
+    """EARLY (WORDS["cuda_early"]): one-entry tiles whose slot and order were loaded beside TILE_START, one
+    activation row read with no lookup, and a tile that does not start at its own index (the fallback) give
+    the CPU's rows; tiles of several entries take the lookups as before. Both settings, so either default is
+    tested."""
+    pytest.importorskip("cupy")
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_early": early})
+    wide = _layer(2048, 512, 12)
+    for n_ent in (1, 10, 33):  # one token: one activation row
+        _check(wide, n_ent)
+        _check(wide, n_ent, tiles_reversed=True)
+    _check(wide, 10, act_offset=4)
+    _check(_layer(256, 192, 4), 9)  # 4 lanes a gate row, 8 a down row
+    _check(wide, 40, n_tok=4)  # tiles of up to 4 entries: no EARLY there
+    for gate_up, down in [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q8_0, Q8_0)]:
+        _check(_layer(1024, 512, 5, down=down, gate_up=gate_up), 10)
+    # several activation rows in one-entry tiles: the tile cut to one entry (a bench knob)
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_early": early, "cuda_bt": 1})
+    _check(wide, 40, n_tok=4)
+    _check(wide, 40, n_tok=4, tiles_reversed=True)
+    _check(wide, 40, n_tok=4, act_offset=4)
 
 
 @pytest.mark.gpu

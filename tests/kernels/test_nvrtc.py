@@ -58,7 +58,7 @@ def test_kernel_params_counts_each_kernels_signature():
     declines."""
     from strata_ray.kernels import dense_q8_cuda, expert_mma_cuda, expert_rows_cuda
 
-    assert nvrtc.kernel_params(expert_rows_cuda._SOURCE, "expert_rows") == 16
+    assert nvrtc.kernel_params(expert_rows_cuda._SOURCE, "expert_rows") == 17
     assert nvrtc.kernel_params(expert_mma_cuda._SOURCE, "expert_mma") == 16
     assert nvrtc.kernel_params(dense_q8_cuda._SOURCE, "q8_gemv") == 9
     one = 'extern "C" __global__ void __launch_bounds__(4 * 32) k(const int* __restrict__ a, float f(int)) {}'
