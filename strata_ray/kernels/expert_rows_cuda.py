@@ -623,9 +623,11 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
             f"-DSWIGLU={int(swiglu)}", f"-DCTAFOLD={int(cta_fold)}", f"-DEARLY={int(early)}",
-            # the walking form with the CTA's fold: ptxas gave it 117-119 registers against the per-warp
-            # fold's 95 (Q4_0, sm_90), held at the CTAs 96 registers allow with no spill
-            *((f"-DMIN_CTAS={max(1, 65536 // (96 * 32 * warps))}",) if cta_fold and prefetch else ()))
+            # the walking form with the CTA's fold: ptxas gave it 115-125 registers against the per-warp
+            # fold's 91-96 (sm_90, RPW 2), held at the CTAs 96 registers allow with no spill there. Only at
+            # RPW <= 2: at 4 and 8 rows a group that cap spills 128-1,860 bytes (session 47's review)
+            *(nvrtc.min_ctas_option(65536 // (96 * 32 * warps)) if cta_fold and prefetch and rpw <= 2
+              else ()))
 
 
 @functools.cache

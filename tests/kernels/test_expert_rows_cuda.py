@@ -409,7 +409,8 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
-    assert len(tries) == 1 and tries[0][-2] is True  # the swiglu key
+    # the key: (k, two, bt, rpw, warps, device, wtype, prefetch, swiglu, cta_fold, early)
+    assert len(tries) == 1 and tries[0][8] is True
     assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
         "the SwiGLU kernel between the two launches takes its place (the same bits)"]
 
