@@ -3,7 +3,8 @@ of each form, for a kernel profiler:
 `ncu --kernel-name regex:expert_rows python scripts/profile_expert_rows.py`. Where the warps wait, line by
 line: `STRATA_NVRTC_LINEINFO=1 ncu --kernel-name regex:expert_rows --launch-skip 2 --launch-count 2 --section
 WarpStateStats --section SourceCounters -o r python scripts/profile_expert_rows.py --tokens 4`, then `ncu
---import r.ncu-rep --page source --csv --print-source sass` (line n is line n of expert_rows_cuda._SOURCE).
+--import r.ncu-rep --page source --csv --print-source sass > r.csv` (a row a SASS instruction: the CSV has
+no source lines; the report keeps them for ncu's UI), read by `python scripts/ncu_stalls.py r.csv`.
 With --tokens T > 1 the tokens' experts overlap, so the CUDA rows take tiles of several entries of an expert
 (a verify window's case: issue 5's "16+ experts a launch").
 
