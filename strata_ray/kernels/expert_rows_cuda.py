@@ -21,8 +21,10 @@ entries (tokens of a verify window) routed to one expert, each entry's rows from
                 __byte_perm a word; then per block and entry, exact integers and the contract's fp32:
                 dot = sum of 4 words' dp4a(w & 0x0F0F0F0F, codes lo) + dp4a((w >> 4) & 0x0F0F0F0F, codes hi)
                 term = float(dot - 8 * asum) * (d * ad)
-    per row:    one lane adds the terms to 0.0 in block order (lane c of a row group folds (entry, row) c,
-                the tile's entries and rows side by side)
+    per row:    one thread adds the terms to 0.0 in block order: after a CTA barrier thread ch folds the
+                CTA's chain ch, its row groups' (entry, row) side by side (CTAFOLD, the default since
+                session 47: 0-3% faster than each warp's lanes folding its own rows, which at one-entry tiles
+                kept 30 of a warp's 32 lanes idle through 64 dependent adds)
 
 Session 15's form kept the coalesced words on their lanes and summed each block's word products through
 shared memory (a division by 9 and a 4-or-5-term sum per word): ncu found it instruction bound (0.60 issued a
