@@ -138,14 +138,10 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
     const long long arow0 = one_row ? 0LL : ACT_ROW ? (long long)__ldg(ACT_ROW + order0) : (long long)order0;
 #define ENTRY_OF(e) ((long long)order0)
 #define ACT_ROW_OF(e) arow0
-#elif EARLY
-    const int slot_id = SORTED_SLOT[start];
-#define ENTRY_OF(e) ((long long)ORDER[start + (e)])
-#define ACT_ROW_OF(e) (one_row ? 0LL : act_row_of(ACT_ROW, ORDER, start + (e)))
 #else
     const int slot_id = SORTED_SLOT[start];
 #define ENTRY_OF(e) ((long long)ORDER[start + (e)])
-#define ACT_ROW_OF(e) act_row_of(ACT_ROW, ORDER, start + (e))
+#define ACT_ROW_OF(e) (EARLY && one_row ? 0LL : act_row_of(ACT_ROW, ORDER, start + (e)))
 #endif
     const long long slot = slot_id;
     // the tile: the sorted entries from start that share its slot, at most BT (plan_tiles cut them so)

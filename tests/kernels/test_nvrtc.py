@@ -53,9 +53,9 @@ def test_launch_needs_cuda():
 
 
 def test_kernel_params_counts_each_kernels_signature():
-    """The parameters of each CUDA C kernel as its launch passes them (launch_cuda_rows and launch_mma_rows:
-    9 pointers, 4 strides, out, R, M; the dense GEMV: 6 pointers and 3 counts), and the signatures the parser
-    declines."""
+    """The parameters of each CUDA C kernel as its launch passes them (launch_mma_rows: 9 pointers, 4
+    strides, out, R, M; launch_cuda_rows the same and one_row; the dense GEMV: 6 pointers and 3 counts), and
+    the signatures the parser declines."""
     from strata_ray.kernels import dense_q8_cuda, expert_mma_cuda, expert_rows_cuda
 
     assert nvrtc.kernel_params(expert_rows_cuda._SOURCE, "expert_rows") == 17
