@@ -52,13 +52,13 @@ def summary(rows: list[dict], top: int) -> list[str]:
     """The report's lines for one launch."""
     samples = [_int(r.get(SAMPLES)) for r in rows]
     total = sum(samples) or 1
-    executed = sum(_int(r.get(EXECUTED)) for r in rows) or 1
     reasons = [c for c in (rows[0] if rows else {}) if c.startswith("stall_") and "Not Issued" not in c]
     by_reason = Counter({c[6:]: sum(_int(r.get(c)) for r in rows) for c in reasons})
     by_op, ex_op = Counter(), Counter()
     for r, n in zip(rows, samples, strict=True):
         by_op[opcode(r["Source"])] += n
         ex_op[opcode(r["Source"])] += _int(r.get(EXECUTED))
+    executed = sum(ex_op.values())
     bar = next((i for i, r in enumerate(rows) if "BAR.SYNC" in r["Source"]), None)
     before_bar = f"{100 * sum(samples[: bar + 1]) / total:.1f}%" if bar is not None else "-"
 
@@ -68,7 +68,7 @@ def summary(rows: list[dict], top: int) -> list[str]:
     lines = [f"{len(rows)} instructions, {sum(samples)} samples, {executed} executed",
              f"  stall reasons: {pct(by_reason, total)}",
              f"  samples by opcode: {pct(by_op, total, 10)}",
-             f"  executed by opcode: {pct(ex_op, executed, 10)}",
+             f"  executed by opcode: {pct(ex_op, executed or 1, 10)}",
              f"  up to the first barrier (instruction {bar}): {before_bar} of samples" if bar is not None
              else "  no CTA barrier"]
     lines.append("  most samples (index, share, instruction, top reasons; the instruction before it):")
