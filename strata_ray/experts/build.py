@@ -37,16 +37,21 @@ RING_SLOTS_OVERLAP, RING_SLOTS_OVERLAP_MIN = 1024, 32
 RING_BYTES = 1 << 30
 
 
-def _warm_gdn_step(hp, device) -> None:
-    """On the CPU, a qwen3next's decode GDN core runs as a numba kernel (kernels/gdn_step_cpu) where its state
-    is small: compiled at load (float-expert files too), not at the first decode step."""
+def _warm_cpu_steps(hp, device) -> None:
+    """On the CPU, a decode step's RMSNorms (kernels/norm_cpu) and a qwen3next's GDN core where its state is
+    small (kernels/gdn_step_cpu) run as numba kernels: compiled at load (float-expert files too), not at the
+    first decode step."""
+    from strata_ray.kernels import norm_cpu
     from strata_ray.kernels.gdn_step import GDNDims
     from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, warm_up
 
+    probe = torch.zeros(1, 1, device=device)
+    if norm_cpu.cpu_norm_serves(probe, torch.ones(1, device=device), 1):
+        norm_cpu.warm_up()
     if not any(hp.recurrent):
         return
     dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
-    if cpu_step_serves(torch.zeros(1, device=device), 1, dims):
+    if cpu_step_serves(probe, 1, dims):
         warm_up(dims, hp.ssm_conv_kernel)
 
 
@@ -200,7 +205,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
     if not experts_block_quantized(file):
         stage("weights")
         loaded = load_model_file(file, device=device)  # the file is open: no second header parse
-        _warm_gdn_step(file.hparams, device)
+        _warm_cpu_steps(file.hparams, device)
         _decode_graphs(config, loaded.model, stage)
         return loaded, None
     stage("dense weights")
@@ -215,7 +220,7 @@ def load_tiered_model(config, device: str, progress: LoadProgress | bool | None 
         tiers = build_expert_backend(config, file, file.hparams, device, progress=reporter or False)
         stage("compiling kernels")  # numba caches them: minutes on a first run, about a second after
     log.info("expert kernels compiled in %.1f s", tiers.warm_up())
-    _warm_gdn_step(file.hparams, device)
+    _warm_cpu_steps(file.hparams, device)
     stage("tokenizer")
     model = Model(file.hparams, weights, experts=tiers)
     _decode_graphs(config, model, stage)

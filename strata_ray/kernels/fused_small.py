@@ -60,7 +60,7 @@ def fused_call(x: Tensor, n_tokens: int) -> bool:
 def fused_enabled(x: Tensor, n_tokens: int) -> bool:
     """Whether a call of n_tokens tokens on x's device takes the fused Triton kernels: a fused_call on
     CUDA."""
-    return x.device.type == "cuda" and fused_call(x, n_tokens)
+    return x.is_cuda and fused_call(x, n_tokens)  # is_cuda: 0.1 us where device.type is 0.6 (CPU decode)
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------------------
