@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from strata_ray.kernels.fused_small import fused_enabled, needs_grad, shared_act_fused
+from strata_ray.kernels.fused_small_cpu import shared_act_cpu, shared_act_cpu_serves
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model import ops
 
@@ -106,6 +107,10 @@ def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | 
         # product up to rounding, without the seven launches of the form below
         g, u = ops.linear_rows(x, (w_gate, w_up))  # [N, F] each
         return ops.linear(shared_act_fused(g, u, x, w_gate_inp), w_down, out=out)
+    if shared_act_cpu_serves(x, w_gate_inp, x.shape[0]) and not needs_grad(w_gate, w_up, w_down):
+        # the same form on the CPU: the activation one numba call instead of five torch ops
+        g, u = ops.linear_rows(x, (w_gate, w_up))  # [N, F] each
+        return ops.linear(shared_act_cpu(g, u, x, w_gate_inp), w_down, out=out)
     gate = torch.sigmoid(ops.linear(x, w_gate_inp))  # [N, 1]
     y = ops.swiglu(x, w_gate, w_up, w_down)
     return torch.mul(y, gate, out=out) if out is not None else y * gate

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
 from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, needs_grad, rms_norm_fused
-from strata_ray.kernels.norm_cpu import add_rms_norm_cpu, cpu_norm_serves, rms_norm_cpu
+from strata_ray.kernels.fused_small_cpu import add_rms_norm_cpu, cpu_norm_serves, rms_norm_cpu
 
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
 # chunks whose state-free part runs in one launch (always this many on a device: fixed shapes). 16 on CUDA
@@ -76,8 +76,8 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Ten
     On CUDA, calls of at most 16 tokens (decode, verify windows) run one fused kernel instead (its sum in
     another order: rounding-level differences, batch invariant among those calls). out: a tensor of x's
     shape to write into (the decode graphs' buffers: the fused kernel writes it without a copy). On the CPU
-    those calls run one numba call instead of six torch ops (kernels/norm_cpu: rounding-level differences
-    as well, batch invariant)."""
+    those calls run one numba call instead of six torch ops (kernels/fused_small_cpu: rounding-level
+    differences as well, batch invariant)."""
     if x.dim() >= 2 and fused_enabled(x, x.shape[0]):
         return rms_norm_fused(x, w, eps, out=out)
     if x.dim() >= 2 and _cpu_norm(x, w, out):
@@ -91,7 +91,8 @@ def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,
     """The residual add and the RMSNorm after it: h, d [T, E] -> (h + d, rms_norm(h + d)), into `out` (two
     tensors of h's shape: the decode graphs' buffers) when given. Where rms_norm takes its fused kernel
     (CUDA, decode and verify windows) one launch does both (kernels/fused_small.add_rms_norm_fused: the
-    sum's bits, the fused norm's); on the CPU, one numba call (kernels/norm_cpu: the sum's bits too)."""
+    sum's bits, the fused norm's); on the CPU, one numba call (kernels/fused_small_cpu: the sum's bits
+    too)."""
     if h.dim() == 2 and fused_enabled(h, h.shape[0]) and not needs_grad(d, w):
         return add_rms_norm_fused(h, d, w, eps, out=out)
     if (h.dim() == 2 and d.shape == h.shape and d.dtype == torch.float32 and not needs_grad(d)
@@ -103,8 +104,8 @@ def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,
 
 
 def _cpu_norm(x: Tensor, w, out: Tensor | None) -> bool:
-    """Whether a norm of x [T, ...] takes kernels/norm_cpu (a CPU decode or verify window), out (when given)
-    contiguous."""
+    """Whether a norm of x [T, ...] takes kernels/fused_small_cpu (a CPU decode or verify window), out
+    (when given) contiguous."""
     return cpu_norm_serves(x, w, x.shape[0]) and (out is None or out.is_contiguous())
 
 

@@ -1,13 +1,22 @@
-"""The numba RMSNorm rows (strata_ray/kernels/norm_cpu.py) against their torch reference twin at awkward
-sizes, batch invariance, the add's exact sum, the out buffers; which calls take them."""
+"""The CPU twins of fused_small (strata_ray/kernels/fused_small_cpu.py) against their torch references at
+awkward sizes: the RMSNorm rows (batch invariance, the add's exact sum, the out buffers) and the shared
+expert's activation; which calls take them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from strata_ray.kernels.norm_cpu import add_rms_norm_cpu, cpu_norm_serves, rms_norm_cpu
+from strata_ray.kernels.fused_small import shared_act_reference
+from strata_ray.kernels.fused_small_cpu import (
+    add_rms_norm_cpu,
+    cpu_norm_serves,
+    rms_norm_cpu,
+    shared_act_cpu,
+    shared_act_cpu_serves,
+)
 from strata_ray.model import ops
+from strata_ray.model.moe import shared_expert
 
 EPS = 1e-6
 
@@ -105,3 +114,50 @@ def test_ops_take_it_for_decode_windows_only(monkeypatch):
     monkeypatch.delenv("STRATA_FUSED_DECODE")
     ops.rms_norm(xg, w, EPS).sum().backward()
     assert xg.grad is not None
+
+
+@pytest.mark.parametrize("N", [1, 5, 33, 222])
+def test_shared_act_equals_the_reference_to_rounding(N):
+    g = torch.Generator().manual_seed(N)
+    gu = torch.randn(N, 2 * 97, generator=g) * 4  # gate and up as row-strided views of one product
+    x, w_gate = torch.randn(N, 130, generator=g), torch.randn(130, generator=g) * 0.1
+    gate, up = gu[:, :97], gu[:, 97:]
+    got = shared_act_cpu(gate, up, x, w_gate)
+    assert got.shape == (N, 97) and got.is_contiguous()
+    _close(got, shared_act_reference(gate, up, x, w_gate))
+    assert torch.equal(got, shared_act_cpu(gate.contiguous(), up.contiguous(), x, w_gate.reshape(1, -1)))
+    assert torch.equal(got[-1:], shared_act_cpu(gate[-1:], up[-1:], x[-1:], w_gate))  # batch invariant
+
+
+def test_shared_act_refuses_shapes_that_do_not_match():
+    with pytest.raises(ValueError, match="shared_act_cpu"):
+        shared_act_cpu(torch.zeros(1, 8), torch.zeros(1, 9), torch.zeros(1, 4), torch.zeros(4))
+    with pytest.raises(ValueError, match="shared_act_cpu"):
+        shared_act_cpu(torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, 4), torch.zeros(5))
+
+
+def test_the_shared_expert_takes_it_for_decode_windows(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    E, F = 48, 40
+    w = {"blk.0.ffn_gate_inp_shexp.weight": torch.randn(E, generator=g) * 0.1,
+         "blk.0.ffn_gate_shexp.weight": torch.randn(F, E, generator=g) * 0.2,
+         "blk.0.ffn_up_shexp.weight": torch.randn(F, E, generator=g) * 0.2,
+         "blk.0.ffn_down_shexp.weight": torch.randn(E, F, generator=g) * 0.2}
+    x = torch.randn(17, E, generator=g)
+    assert shared_act_cpu_serves(x, w["blk.0.ffn_gate_inp_shexp.weight"], 16)
+    assert not shared_act_cpu_serves(x, w["blk.0.ffn_gate_inp_shexp.weight"], 17)
+    assert not shared_act_cpu_serves(x.double(), w["blk.0.ffn_gate_inp_shexp.weight"].double(), 1)
+    with torch.inference_mode():
+        w_gate, w_up, w_down = (w[f"blk.0.ffn_{n}_shexp.weight"] for n in ("gate", "up", "down"))
+        w_gi = w["blk.0.ffn_gate_inp_shexp.weight"]
+
+        def reference(rows):  # the torch form, which scales the output (not h) by the gate
+            gate = torch.sigmoid(ops.linear(rows, w_gi.reshape(1, -1)))
+            return ops.swiglu(rows, w_gate, w_up, w_down) * gate
+
+        act = shared_act_cpu(ops.linear(x[:16], w_gate), ops.linear(x[:16], w_up), x[:16], w_gi)
+        assert torch.equal(shared_expert(w, 0, x[:16]), ops.linear(act, w_down))
+        _close(shared_expert(w, 0, x[:16]), reference(x[:16]))
+        assert torch.equal(shared_expert(w, 0, x), reference(x))  # a prompt chunk
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        assert torch.equal(shared_expert(w, 0, x[:16]), reference(x[:16]))

@@ -1,0 +1,141 @@
+"""The decode step's short elementwise chains as one numba call each: the CPU twins of fused_small's kernels,
+for decode and verify windows (fused_small.fused_call: at most FUSED_MAX_TOKENS tokens, no grad).
+
+On the 2-core VM a torch op costs a few microseconds of dispatch whatever its size, and a one-token layer of
+the embedded strata-tiny-next is mostly such ops. Two chains run in every layer:
+
+- RMSNorm: six ops (pow, mean, add, rsqrt, mul, mul); 15 norms a token (the layers' input and MoE norms,
+  the attention's q / k heads, the final norm) were ~20% of its decode. `rms_norm_cpu` and
+  `add_rms_norm_cpu` (the residual add before the MoE's norm, its sum torch's bit for bit): a row is one
+  loop, its sum of squares in float64 in index order (so a row's result depends on that row alone: batch
+  invariant), then x * r * w rounded to float32 as the reference rounds it. The sum's order differs from
+  torch's, so the bits differ at rounding level, as the CUDA kernels' do; `ops.rms_norm_reference` is the
+  twin.
+- the shared expert's activation, silu(g) * u * sigmoid(x . w_gate) (five ops): `shared_act_cpu`, the gate's
+  dot in float64 in index order; `fused_small.shared_act_reference` is the twin.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from .fused_small import fused_call
+
+
+@numba.njit(nogil=True, cache=True)
+def _rms_norm_rows(x, d, w, eps, add, out, sums):
+    """x, out f32 [R, n] (out may be x), w f32 [n], eps a float (rounded to float32, as the reference's).
+    add: each row is x + d (d f32 [R, n]), written into sums f32 [R, n] before it is normed; else d and sums
+    are unread."""
+    R, n = x.shape
+    for r in range(R):
+        ss = 0.0  # float64: the rounding of a few thousand squares' sum stays below float32's
+        for i in range(n):
+            v = x[r, i] + d[r, i] if add else x[r, i]
+            if add:
+                sums[r, i] = v
+            ss += np.float64(v) * np.float64(v)
+        mean = np.float32(ss / n)
+        inv = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # float32: the reference's rsqrt(mean + eps)
+        for i in range(n):
+            v = sums[r, i] if add else x[r, i]
+            out[r, i] = (v * inv) * w[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def _shared_act_rows(g, u, x, w_gate, out):
+    """g, u f32 [N, F] (rows may be strided), x f32 [N, E], w_gate f32 [E] -> out f32 [N, F]."""
+    N, F = g.shape
+    one = np.float32(1.0)
+    for t in range(N):
+        dot = 0.0  # float64, in index order: the token's gate logit
+        for e in range(x.shape[1]):
+            dot += np.float64(x[t, e]) * np.float64(w_gate[e])
+        gate = one / (one + np.exp(-np.float32(dot)))
+        for f in range(F):
+            gf = g[t, f]
+            out[t, f] = (gf / (one + np.exp(-gf))) * u[t, f] * gate  # silu(g) * u * sigmoid, as the reference
+
+
+def cpu_norm_serves(x: Tensor, w, n_tokens: int) -> bool:
+    """Whether an RMSNorm of x (n_tokens tokens) takes the numba rows: a fused_small.fused_call (decode or
+    verify window, STRATA_FUSED_DECODE not 0, no grad) on float32 CPU tensors, w the last dim's weights."""
+    return (x.is_cpu and x.dtype == torch.float32 and isinstance(w, Tensor) and w.dtype == torch.float32
+            and w.dim() == 1 and w.shape[0] == x.shape[-1] > 0 and not w.requires_grad
+            and fused_call(x, n_tokens))
+
+
+# The wrappers below are what a call costs beyond the kernel's ~1 us: a torch op's dispatch is ~1 us on the
+# 2-core VM, so each tensor becomes an array once and is shaped by numpy, and outputs are numpy's, made in
+# the input's shape (torch.empty_like + view + numpy: 3.4 us; a view of from_numpy's tensor to a torch.Size
+# alone: ~8 us).
+
+
+def _array(t: Tensor, rows: bool = False) -> np.ndarray:
+    """t's memory as an array (detached where it tracks grad): contiguous first where it is strided, or with
+    rows, where its last dim is (a view of some rows of a wider product stays a view)."""
+    if not (t.is_contiguous() or rows and t.stride(-1) == 1):
+        t = t.contiguous()
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+def rms_norm_cpu(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """ops.rms_norm_reference over the last dim of x [..., n] (float32 CPU), into `out` (contiguous, x's
+    shape) when given."""
+    src = _array(x)  # x's shape
+    if out is None:
+        dest = np.empty_like(src)
+        out = torch.from_numpy(dest)
+    else:
+        dest = _array(out)
+    rows = src.reshape(-1, src.shape[-1])  # [R, n]
+    flat = dest.reshape(rows.shape)
+    _rms_norm_rows(rows, rows, _array(w), eps, False, flat, flat)
+    return out
+
+
+def add_rms_norm_cpu(h: Tensor, d: Tensor, w: Tensor, eps: float,
+                     out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """ops.add_rms_norm's reference form on float32 CPU tensors: h, d [T, E] -> (h + d, rms_norm(h + d)),
+    into `out` (two contiguous tensors of h's shape) when given. The sum is torch's h + d, bit for bit."""
+    src_h, src_d = _array(h), _array(d)  # [T, E] each
+    if out is None:
+        sums, normed = np.empty_like(src_h), np.empty_like(src_h)
+        out = (torch.from_numpy(sums), torch.from_numpy(normed))
+    else:
+        sums, normed = _array(out[0]), _array(out[1])
+    _rms_norm_rows(src_h, src_d, _array(w), eps, True, normed, sums)
+    return out
+
+
+def shared_act_cpu_serves(x: Tensor, w_gate, n_tokens: int) -> bool:
+    """Whether the shared expert's activation of x [N, E] takes _shared_act_rows: a fused_call on float32 CPU
+    tensors, w_gate's E values float32."""
+    return (x.is_cpu and x.dtype == torch.float32 and isinstance(w_gate, Tensor)
+            and w_gate.dtype == torch.float32 and w_gate.numel() == x.shape[-1] and not w_gate.requires_grad
+            and fused_call(x, n_tokens))
+
+
+def shared_act_cpu(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
+    """fused_small.shared_act_reference on float32 CPU tensors: g, u [N, F] (views of one product's rows may
+    be row-strided), x [N, E], w_gate [E] (any shape of E values) -> [N, F] contiguous."""
+    n, f = g.shape
+    if u.shape != g.shape or x.shape != (n, w_gate.numel()):
+        raise ValueError(f"shared_act_cpu: g {list(g.shape)}, u {list(u.shape)}, x {list(x.shape)}, w_gate "
+                         f"{list(w_gate.shape)}")
+    out = np.empty((n, f), np.float32)
+    _shared_act_rows(_array(g, rows=True), _array(u, rows=True), _array(x), _array(w_gate).reshape(-1), out)
+    return torch.from_numpy(out)
+
+
+def warm_up() -> None:
+    """Compile every kernel here (or load numba's cache of them) now, not at the first decode step."""
+    x = torch.zeros(1, 8)
+    rms_norm_cpu(x, torch.ones(8), 1e-6)
+    add_rms_norm_cpu(x, x, torch.ones(8), 1e-6)
+    gu = torch.zeros(1, 16)  # gate and up as views of one product, as the shared expert makes them
+    shared_act_cpu(gu[:, :8], gu[:, 8:], x, torch.zeros(8))
+    shared_act_cpu(x, x, x, torch.zeros(8))
