@@ -13,6 +13,10 @@ the embedded strata-tiny-next is mostly such ops. Two chains run in every layer:
   twin.
 - the shared expert's activation, silu(g) * u * sigmoid(x . w_gate) (five ops): `shared_act_cpu`, the gate's
   dot in float64 in index order; `fused_small.shared_act_reference` is the twin.
+- an attention layer's q / k head norms and rotary embedding (~16 ops, the CUDA form's kernels/norm_rope):
+  `norm_rope_cpu`, each head normed as `rms_norm_cpu` norms a row, then rotate_half's multiply, multiply and
+  add as ops.apply_rope rounds them (numba contracts no multiply-add into an FMA); the gate half of a gated
+  query copied out. `norm_rope.norm_rope_reference` is the twin.
 """
 
 from __future__ import annotations
@@ -58,6 +62,38 @@ def _shared_act_rows(g, u, x, w_gate, out):
         for f in range(F):
             gf = g[t, f]
             out[t, f] = (gf / (one + np.exp(-gf))) * u[t, f] * gate  # silu(g) * u * sigmoid, as the reference
+
+
+@numba.njit(nogil=True, cache=True)
+def _norm_rope_heads(qg, k, wq, wk, eps, cos, sin, gated, q_out, k_out, gate):
+    """qg f32 [T, H, D or 2D] (per head q, then its gate where gated), k f32 [T, Hkv, D] (each head's values
+    contiguous; tokens may be strided), wq / wk f32 [D], cos / sin f32 [T, n_rot] -> q_out [T, H, D], k_out
+    [T, Hkv, D], gate [T, H D] (unwritten unless gated)."""
+    T, H = qg.shape[0], qg.shape[1]
+    Hkv, D = k.shape[1], k.shape[2]
+    n_rot = cos.shape[1]
+    half = n_rot // 2
+    one = np.float32(1.0)
+    normed = np.empty(D, np.float32)
+    for t in range(T):
+        for j in range(H + Hkv):
+            src = qg[t, j] if j < H else k[t, j - H]  # [D or 2D]
+            w = wq if j < H else wk
+            dest = q_out[t, j] if j < H else k_out[t, j - H]
+            ss = 0.0  # float64, index order: as _rms_norm_rows
+            for i in range(D):
+                ss += np.float64(src[i]) * np.float64(src[i])
+            inv = one / np.sqrt(np.float32(ss / D) + np.float32(eps))
+            for i in range(D):
+                normed[i] = (src[i] * inv) * w[i]
+            for i in range(n_rot):  # rotate_half: [-x2, x1] beside x; x * cos + rotated * sin
+                rotated = -normed[i + half] if i < half else normed[i - half]
+                dest[i] = normed[i] * cos[t, i] + rotated * sin[t, i]
+            for i in range(n_rot, D):
+                dest[i] = normed[i]
+            if gated and j < H:
+                for i in range(D):
+                    gate[t, j * D + i] = src[D + i]
 
 
 def cpu_norm_serves(x: Tensor, w, n_tokens: int) -> bool:
@@ -131,6 +167,30 @@ def shared_act_cpu(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
     return torch.from_numpy(out)
 
 
+def norm_rope_cpu_serves(x: Tensor, n_tokens: int) -> bool:
+    """Whether an attention layer's inputs for x (n_tokens tokens) take _norm_rope_heads: a fused_call on
+    float32 CPU tensors."""
+    return x.is_cpu and x.dtype == torch.float32 and fused_call(x, n_tokens)
+
+
+def norm_rope_cpu(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float, cos: Tensor,
+                  sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """norm_rope_reference on float32 CPU tensors: qg [T, H, D or 2D], k [T, Hkv, D] (views of a projection's
+    rows may be token-strided), wq / wk [D], cos / sin [T, 1, n_rot] -> q [T, H, D], k [T, Hkv, D], gate
+    [T, H D] or None."""
+    from .norm_rope import check_inputs
+
+    D, gated = check_inputs(qg, k, wq, wk, cos, sin, any_head_dim=True)
+    T, H = qg.shape[:2]
+    q_out = np.empty((T, H, D), np.float32)
+    k_out = np.empty((T, k.shape[1], D), np.float32)
+    gate = np.empty((T, H * D if gated else 0), np.float32)
+    n_rot = cos.shape[-1]
+    _norm_rope_heads(_array(qg, rows=True), _array(k, rows=True), _array(wq), _array(wk), eps,
+                     _array(cos).reshape(T, n_rot), _array(sin).reshape(T, n_rot), gated, q_out, k_out, gate)
+    return torch.from_numpy(q_out), torch.from_numpy(k_out), torch.from_numpy(gate) if gated else None
+
+
 def warm_up() -> None:
     """Compile every kernel here (or load numba's cache of them) now, not at the first decode step."""
     x = torch.zeros(1, 8)
@@ -139,3 +199,8 @@ def warm_up() -> None:
     gu = torch.zeros(1, 16)  # gate and up as views of one product, as the shared expert makes them
     shared_act_cpu(gu[:, :8], gu[:, 8:], x, torch.zeros(8))
     shared_act_cpu(x, x, x, torch.zeros(8))
+    tables = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)
+    norm_rope_cpu(torch.zeros(1, 2, 32), torch.zeros(1, 1, 16), torch.ones(16), torch.ones(16), 1e-6, *tables)
+    qkv = torch.zeros(1, 96)  # q (+ gate), k as views of one projection (a fused attn_qkv)
+    norm_rope_cpu(qkv[:, :64].view(1, 2, 32), qkv[:, 64:80].view(1, 1, 16), torch.ones(16), torch.ones(16),
+                  1e-6, *tables)

@@ -32,7 +32,7 @@ _OPTS = dict(enable_fp_fusion=False)  # apply_rope's roundings: a multiply, a mu
 
 def norm_rope_supported(head_dim: int, n_rot: int) -> bool:
     """Head sizes the kernel takes: a power of two >= 16, rotating an even number of its values."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and 0 < n_rot <= head_dim and n_rot % 2 == 0
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and rotates(head_dim, n_rot)
 
 
 def _norm_rope_body(QG, KS, WQ, WK, COS, SIN, QO, KO, GO, H, Hkv, q_tok, q_head, k_tok, eps,
@@ -74,16 +74,26 @@ def _kernels():
     return jit_bodies(_norm_rope_body)
 
 
-def _check(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, bool]:
+def rotates(head_dim: int, n_rot: int) -> bool:
+    """Whether a head of head_dim values rotates n_rot of them (an even count, at most head_dim)."""
+    return 0 < n_rot <= head_dim and n_rot % 2 == 0
+
+
+def check_inputs(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, cos: Tensor, sin: Tensor,
+                 any_head_dim: bool = False) -> tuple[int, bool]:
+    """(D, gated) of the inputs, or ValueError (one line). any_head_dim: the CPU form's rule (kernels/
+    fused_small_cpu), which takes heads of any size; the Triton kernel's are powers of two from 16."""
     T, H, QD = qg.shape
     D = wq.shape[0]
     n_rot = cos.shape[-1]
+    fits = rotates(D, n_rot) if any_head_dim else norm_rope_supported(D, n_rot)
     ok = (QD in (D, 2 * D) and k.dim() == 3 and k.shape[0] == T and k.shape[2] == D and wk.shape == (D,)
-          and cos.shape == sin.shape == (T, 1, n_rot) and norm_rope_supported(D, n_rot)
+          and cos.shape == sin.shape == (T, 1, n_rot) and fits
           and all(x.dtype == torch.float32 for x in (qg, k, wq, wk, cos, sin)))
     if not ok:
+        rule = "even n_rot <= D" if any_head_dim else "D a power of two, even n_rot"
         raise ValueError(f"norm_rope: qg {list(qg.shape)}, k {list(k.shape)}, weights {list(wq.shape)} "
-                         f"{list(wk.shape)}, cos {list(cos.shape)} (float32; D a power of two, even n_rot)")
+                         f"{list(wk.shape)}, cos {list(cos.shape)} (float32; {rule})")
     return D, QD == 2 * D
 
 
@@ -94,7 +104,7 @@ def norm_rope_reference(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: floa
     gate [T, H D] (None without): attention_inputs' torch ops, with the fused kernel's RMSNorm formula."""
     from strata_ray.model import ops
 
-    D, gated = _check(qg, k, wq, wk, cos, sin)
+    D, gated = check_inputs(qg, k, wq, wk, cos, sin, any_head_dim=True)  # torch ops: any head size
     T, H = qg.shape[:2]
     norm = ops.rms_norm_reference
     q = ops.apply_rope(norm(qg[..., :D], wq, eps), cos, sin)
@@ -106,7 +116,7 @@ def norm_rope_fused(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float, c
                     sin: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """norm_rope_reference in one launch (CUDA-graph capturable). qg and k may be views of a wider
     projection output (each token's row strided, a head's values contiguous)."""
-    D, gated = _check(qg, k, wq, wk, cos, sin)
+    D, gated = check_inputs(qg, k, wq, wk, cos, sin)
     T, H, _ = qg.shape
     Hkv = k.shape[1]
     if qg.stride(2) != 1 or qg.stride(1) != qg.shape[2] or k.stride(2) != 1 or k.stride(1) != D:

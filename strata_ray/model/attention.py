@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from strata_ray.kernels.fused_small import fused_enabled
-from strata_ray.kernels.norm_rope import norm_rope_fused, norm_rope_supported
+from strata_ray.kernels.fused_small_cpu import norm_rope_cpu, norm_rope_cpu_serves
+from strata_ray.kernels.norm_rope import norm_rope_fused, norm_rope_supported, rotates
 from strata_ray.model import ops
 from strata_ray.model.hparams import HParams
 from strata_ray.model.state import KVCache
@@ -37,9 +38,13 @@ def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor
     qg, k, v = _projections(hp, w, p, x)
     gated = qg.shape[-1] == 2 * H * D  # qwen3next: per head [q (D) | gate (D)]
     cos, sin = tables if tables is not None else ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)
+    heads = (qg.view(T, H, qg.shape[-1] // H), k.view(T, Hkv, D))  # [T, H, D or 2D], [T, Hkv, D]
+    norms = w[f"{p}.attn_q_norm.weight"], w[f"{p}.attn_k_norm.weight"]
     if fused_enabled(x, T) and norm_rope_supported(D, hp.n_rot):  # CUDA, decode / verify: one launch
-        q, k, gate = norm_rope_fused(qg.view(T, H, -1), k.view(T, Hkv, D), w[f"{p}.attn_q_norm.weight"],
-                                     w[f"{p}.attn_k_norm.weight"], hp.rms_eps, cos, sin)
+        q, k, gate = norm_rope_fused(*heads, *norms, hp.rms_eps, cos, sin)
+        return q, k, v.view(T, Hkv, D), gate
+    if norm_rope_cpu_serves(x, T) and rotates(D, hp.n_rot):  # CPU, decode / verify: one numba call
+        q, k, gate = norm_rope_cpu(*heads, *norms, hp.rms_eps, cos, sin)
         return q, k, v.view(T, Hkv, D), gate
     if gated:
         qg = qg.view(T, H, 2 * D)

@@ -1,6 +1,6 @@
 """The CPU twins of fused_small (strata_ray/kernels/fused_small_cpu.py) against their torch references at
-awkward sizes: the RMSNorm rows (batch invariance, the add's exact sum, the out buffers) and the shared
-expert's activation; which calls take them."""
+awkward sizes: the RMSNorm rows (batch invariance, the add's exact sum, the out buffers), the shared
+expert's activation and the attention's q / k head norms and rotary embedding; which calls take them."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ from strata_ray.kernels.fused_small import shared_act_reference
 from strata_ray.kernels.fused_small_cpu import (
     add_rms_norm_cpu,
     cpu_norm_serves,
+    norm_rope_cpu,
+    norm_rope_cpu_serves,
     rms_norm_cpu,
     shared_act_cpu,
     shared_act_cpu_serves,
 )
+from strata_ray.kernels.norm_rope import norm_rope_reference
 from strata_ray.model import ops
+from strata_ray.model.attention import attention_inputs
 from strata_ray.model.moe import shared_expert
+from tests.kernels.test_norm_rope import _inputs as _attention_inputs
 
 EPS = 1e-6
 
@@ -161,3 +166,58 @@ def test_the_shared_expert_takes_it_for_decode_windows(monkeypatch):
         assert torch.equal(shared_expert(w, 0, x), reference(x))  # a prompt chunk
         monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
         assert torch.equal(shared_expert(w, 0, x[:16]), reference(x[:16]))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(("H", "Hkv", "D", "n_rot"), [(4, 2, 32, 16), (3, 1, 24, 8), (2, 2, 128, 128)])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_norm_rope_equals_the_reference_to_rounding(T, H, Hkv, D, n_rot, gated):
+    """qg and k as views of one [T, q | k | v] projection (strided tokens); heads of 24 values too (the
+    Triton form takes powers of two only)."""
+    qg, k, wq, wk = _attention_inputs(T, H, Hkv, D, gated, "cpu", seed=T + D)
+    cos, sin = ops.rope_tables(torch.arange(1000, 1000 + T), n_rot, 1e7)
+    q, kk, gate = norm_rope_cpu(qg, k, wq, wk, EPS, cos, sin)
+    rq, rk, rgate = norm_rope_reference(qg, k, wq, wk, EPS, cos, sin)
+    assert q.shape == (T, H, D) and kk.shape == (T, Hkv, D)
+    _close(q, rq)
+    _close(kk, rk)
+    assert (gate is None) == (not gated) and (gate is None or torch.equal(gate, rgate))
+    # each head's norm is rms_norm_cpu's, bit for bit; the rotation the reference's ops on those values
+    normed = rms_norm_cpu(k, wk, EPS)
+    assert torch.equal(kk, ops.apply_rope(normed, cos, sin))
+    last = norm_rope_cpu(qg[-1:], k[-1:], wq, wk, EPS, cos[-1:], sin[-1:])  # batch invariant
+    assert torch.equal(last[0], q[-1:]) and torch.equal(last[1], kk[-1:])
+
+
+def test_norm_rope_refuses_what_it_cannot_rotate():
+    qg, k, wq, wk = _attention_inputs(1, 2, 1, 24, False, "cpu")
+    for n_rot in (7, 26):  # an odd rotary count; more than the head holds
+        tables = torch.ones(1, 1, n_rot), torch.zeros(1, 1, n_rot)
+        with pytest.raises(ValueError, match="even n_rot <= D"):
+            norm_rope_cpu(qg, k, wq, wk, EPS, *tables)
+
+
+def test_attention_inputs_take_it_for_decode_windows(monkeypatch):
+    from strata_ray.model.hparams import HParams
+
+    hp = HParams(arch="qwen3moe", n_vocab=8, n_embd=40, n_layer=1, n_nextn=0, n_head=4, n_head_kv=2,
+                 head_dim=32, n_expert=2, n_expert_used=1, n_ff_exp=8, n_ff_shexp=0, rms_eps=EPS,
+                 rope_freq_base=1e6, n_rot=32, context_length=64)
+    g = torch.Generator().manual_seed(4)
+    w = {f"blk.0.attn_{n}.weight": torch.randn(heads * 32, 40, generator=g)
+         for n, heads in (("q", 4), ("k", 2), ("v", 2))}
+    w |= {f"blk.0.attn_{n}_norm.weight": 1 + 0.1 * torch.randn(32, generator=g) for n in ("q", "k")}
+    norms = w["blk.0.attn_q_norm.weight"], w["blk.0.attn_k_norm.weight"]
+    x = torch.randn(17, 40, generator=g)
+    assert norm_rope_cpu_serves(x, 16) and not norm_rope_cpu_serves(x, 17)
+    with torch.inference_mode():
+        pos = torch.arange(3, 19)
+        q, k, v, gate = attention_inputs(hp, w, 0, x[:16], pos)
+        cos, sin = ops.rope_tables(pos, 32, 1e6)
+        proj = [ops.linear(x[:16], w[f"blk.0.attn_{n}.weight"]) for n in "qk"]
+        want = norm_rope_cpu(proj[0].view(16, 4, 32), proj[1].view(16, 2, 32), *norms, EPS, cos, sin)
+        assert torch.equal(q, want[0]) and torch.equal(k, want[1]) and gate is None
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        ref = norm_rope_reference(proj[0].view(16, 4, 32), proj[1].view(16, 2, 32), *norms, EPS, cos, sin)
+        q0, k0, _, _ = attention_inputs(hp, w, 0, x[:16], pos)
+        assert torch.equal(q0, ref[0]) and torch.equal(k0, ref[1])
