@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
+from strata_ray.kernels.attention_decode_cpu import one_query_cpu, one_query_cpu_serves
 from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, needs_grad, rms_norm_fused
 from strata_ray.kernels.fused_small_cpu import add_rms_norm_cpu, cpu_norm_serves, rms_norm_cpu
 
@@ -189,6 +190,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,
     sees_all = S <= q_offset + 1  # the first query sees every key: nothing to mask (a decode step)
     # CPU only: on CUDA (H200, cuBLAS) the products over Hkv batches gave other bits than over H batches
     if T == 1 and sees_all and q.device.type == "cpu":
+        if one_query_cpu_serves(q, k):  # a decode token: one numba call (kernels/attention_decode_cpu)
+            return one_query_cpu(q, k, v, scale)
         return attention_one_query(q, k, v, scale)
     rep = H // Hkv
     # [S, H, D] copies of k and v viewed [H, S, D]; a query block reads the first `seen` keys of them (the

@@ -1,0 +1,33 @@
+"""scripts/bench_cpu_decode_ops.py: a line a call at tiny sizes, and its flags' one-line errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/bench_cpu_decode_ops.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_line_a_call_with_its_ratio():
+    r = _run("--embd", 16, "--heads", "2,1,8", "--n-rot", 4, "--ff", 8, "--keys", "1,5", "--reps", 2)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    names = [line[:24].strip() for line in lines[1:]]
+    assert names == ["rms_norm", "add + rms_norm", "shared activation", "q / k norm + rope",
+                     "attention, 1 keys", "attention, 5 keys"]
+    for line in lines[1:]:
+        torch_us, numba_us, ratio, taken = line[24:].split()
+        assert float(torch_us) > 0 and float(numba_us) > 0 and taken == "yes"
+        assert abs(float(ratio) - float(torch_us) / float(numba_us)) < 0.01 + 0.01 * float(ratio)
+
+
+def test_bad_flags_are_refused_with_one_line():
+    bad = ((("--heads", "3,2,8"), "--heads"), (("--n-rot", 5), "--n-rot"), (("--reps", 0), "--reps"),
+           (("--keys", "0"), "--keys"))
+    for args, word in bad:
+        r = _run(*args)
+        assert r.returncode == 2 and word in r.stderr.splitlines()[-1], r.stderr
