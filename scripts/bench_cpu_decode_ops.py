@@ -66,7 +66,7 @@ def cases(args) -> list[tuple[str, Callable[[], object], Callable[[], object], b
         k, v = torch.randn(2, S, Hkv, D, generator=g)
         out.append((f"attention, {S} keys", lambda k=k, v=v: ops.attention_one_query(q, k, v, D**-0.5),
                     lambda k=k, v=v: attn_cpu.one_query_cpu(q, k, v, D**-0.5),
-                    attn_cpu.one_query_cpu_serves(q, k)))
+                    attn_cpu.one_query_cpu_serves(q, k, v)))
     return out
 
 

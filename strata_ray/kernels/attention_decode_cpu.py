@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .fused_small import fused_call
+from .fused_small import fused_call, needs_grad
 
 # H * S * D (query heads x keys x head size) up to which the numba call runs. Measured on the 2-core VM
 # (scripts/bench_cpu_decode_ops.py, BENCHMARKS "Session 48"): 4 heads of 32 over 2 kv heads, 1.1-1.8x the
@@ -79,13 +79,14 @@ def _one_query(q, keys, values, scale, out):
             out[h, d] = acc[d]
 
 
-def one_query_cpu_serves(q: Tensor, k: Tensor) -> bool:
-    """Whether one query q [1, H, D] that sees every key of k [S, Hkv, D] takes _one_query: a
-    fused_small.fused_call on float32 CPU tensors, H a multiple of Hkv, at most ONE_QUERY_MAX_WORK."""
+def one_query_cpu_serves(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether one query q [1, H, D] that sees every key of k, v [S, Hkv, D] takes _one_query: a
+    fused_small.fused_call on float32 CPU tensors (none tracked by autograd), H a multiple of Hkv, at most
+    ONE_QUERY_MAX_WORK."""
     H, D = q.shape[1], q.shape[2]
     S, Hkv = k.shape[0], k.shape[1]
-    return (q.is_cpu and q.dtype == k.dtype == torch.float32 and S > 0 and H % Hkv == 0
-            and H * S * D <= ONE_QUERY_MAX_WORK and fused_call(q, 1))
+    return (q.is_cpu and q.dtype == k.dtype == v.dtype == torch.float32 and S > 0 and H % Hkv == 0
+            and H * S * D <= ONE_QUERY_MAX_WORK and fused_call(q, 1) and not needs_grad(k, v))
 
 
 def one_query_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -101,5 +102,5 @@ def one_query_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 def warm_up() -> None:
     """Compile the kernel (or load numba's cache of it) now, not at the first decode step."""
-    kv = torch.zeros(1, 1, 8)
+    kv = torch.zeros(2, 1, 8)
     one_query_cpu(torch.zeros(1, 2, 8), kv, kv, 1.0)

@@ -196,11 +196,15 @@ def warm_up() -> None:
     x = torch.zeros(1, 8)
     rms_norm_cpu(x, torch.ones(8), 1e-6)
     add_rms_norm_cpu(x, x, torch.ones(8), 1e-6)
-    gu = torch.zeros(1, 16)  # gate and up as views of one product, as the shared expert makes them
-    shared_act_cpu(gu[:, :8], gu[:, 8:], x, torch.zeros(8))
+    # two tokens: views of one product whose rows are strided (a single row's view is contiguous to numpy,
+    # and would compile the plain signature again), as a verify window's or a short prompt's calls make them
+    x2 = torch.zeros(2, 8)
+    gu = torch.zeros(2, 16)  # gate and up as views of one product, as the shared expert makes them
+    shared_act_cpu(gu[:, :8], gu[:, 8:], x2, torch.zeros(8))
     shared_act_cpu(x, x, x, torch.zeros(8))
-    tables = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)
-    norm_rope_cpu(torch.zeros(1, 2, 32), torch.zeros(1, 1, 16), torch.ones(16), torch.ones(16), 1e-6, *tables)
-    qkv = torch.zeros(1, 96)  # q (+ gate), k as views of one projection (a fused attn_qkv)
-    norm_rope_cpu(qkv[:, :64].view(1, 2, 32), qkv[:, 64:80].view(1, 1, 16), torch.ones(16), torch.ones(16),
-                  1e-6, *tables)
+    for T in (1, 2):
+        tables = torch.ones(T, 1, 16), torch.zeros(T, 1, 16)
+        weights = torch.ones(16), torch.ones(16)
+        norm_rope_cpu(torch.zeros(T, 2, 32), torch.zeros(T, 1, 16), *weights, 1e-6, *tables)
+        qkv = torch.zeros(T, 96)  # q (+ gate), k as views of one projection (a fused attn_qkv)
+        norm_rope_cpu(qkv[:, :64].view(T, 2, 32), qkv[:, 64:80].view(T, 1, 16), *weights, 1e-6, *tables)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.fused_small import fused_enabled, needs_grad
 from strata_ray.kernels.fused_small_cpu import norm_rope_cpu, norm_rope_cpu_serves
 from strata_ray.kernels.norm_rope import norm_rope_fused, norm_rope_supported, rotates
 from strata_ray.model import ops
@@ -43,7 +43,8 @@ def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor
     if fused_enabled(x, T) and norm_rope_supported(D, hp.n_rot):  # CUDA, decode / verify: one launch
         q, k, gate = norm_rope_fused(*heads, *norms, hp.rms_eps, cos, sin)
         return q, k, v.view(T, Hkv, D), gate
-    if norm_rope_cpu_serves(x, T) and rotates(D, hp.n_rot):  # CPU, decode / verify: one numba call
+    if (norm_rope_cpu_serves(x, T) and rotates(D, hp.n_rot)  # CPU, decode / verify: one numba call
+            and all(t.dtype == torch.float32 for t in norms) and not needs_grad(*heads, *norms)):
         q, k, gate = norm_rope_cpu(*heads, *norms, hp.rms_eps, cos, sin)
         return q, k, v.view(T, Hkv, D), gate
     if gated:

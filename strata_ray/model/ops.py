@@ -190,7 +190,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,
     sees_all = S <= q_offset + 1  # the first query sees every key: nothing to mask (a decode step)
     # CPU only: on CUDA (H200, cuBLAS) the products over Hkv batches gave other bits than over H batches
     if T == 1 and sees_all and q.device.type == "cpu":
-        if one_query_cpu_serves(q, k):  # a decode token: one numba call (kernels/attention_decode_cpu)
+        if one_query_cpu_serves(q, k, v):  # a decode token: one numba call (kernels/attention_decode_cpu)
             return one_query_cpu(q, k, v, scale)
         return attention_one_query(q, k, v, scale)
     rep = H // Hkv

@@ -45,15 +45,18 @@ def test_refuses_shapes_that_do_not_match():
 
 def test_which_calls_take_it(monkeypatch):
     q, k, v = _inputs(4, 2, 32, 40, seed=3)
-    assert one_query_cpu_serves(q, k)
-    assert not one_query_cpu_serves(q.double(), k.double())
-    assert not one_query_cpu_serves(q, k[:0])
-    assert not one_query_cpu_serves(q[:, :3], k)  # heads that do not group over the kv heads
-    long = ONE_QUERY_MAX_WORK // (4 * 32) + 1  # past the bound: the torch form's batched products
-    assert not one_query_cpu_serves(q, torch.zeros(long, 2, 32))
-    assert not one_query_cpu_serves(q.requires_grad_(), k)
+    assert one_query_cpu_serves(q, k, v)
+    assert not one_query_cpu_serves(q.double(), k.double(), v.double())
+    assert not one_query_cpu_serves(q, k, v.double())
+    assert not one_query_cpu_serves(q, k[:0], v[:0])
+    assert not one_query_cpu_serves(q[:, :3], k, v)  # heads that do not group over the kv heads
+    long = torch.zeros(ONE_QUERY_MAX_WORK // (4 * 32) + 1, 2, 32)  # past the bound: torch's batched products
+    assert not one_query_cpu_serves(q, long, long)
+    # anything autograd tracks keeps the torch form (its gradient flows): the query, or the cache alone
+    assert not one_query_cpu_serves(q.clone().requires_grad_(), k, v)
+    assert not one_query_cpu_serves(q, k, v.clone().requires_grad_())
     monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
-    assert not one_query_cpu_serves(q.detach(), k)
+    assert not one_query_cpu_serves(q, k, v)
 
 
 def test_ops_attention_takes_it_for_a_decode_token(monkeypatch):

@@ -221,3 +221,21 @@ def test_attention_inputs_take_it_for_decode_windows(monkeypatch):
         ref = norm_rope_reference(proj[0].view(16, 4, 32), proj[1].view(16, 2, 32), *norms, EPS, cos, sin)
         q0, k0, _, _ = attention_inputs(hp, w, 0, x[:16], pos)
         assert torch.equal(q0, ref[0]) and torch.equal(k0, ref[1])
+
+
+def test_tracked_weights_keep_the_torch_forms_whose_gradients_flow():
+    """An untracked input with tracked projection or norm weights (fine-tuning them): the torch forms."""
+    from strata_ray.model.hparams import HParams
+
+    hp = HParams(arch="qwen3moe", n_vocab=8, n_embd=40, n_layer=1, n_nextn=0, n_head=4, n_head_kv=2,
+                 head_dim=32, n_expert=2, n_expert_used=1, n_ff_exp=8, n_ff_shexp=0, rms_eps=EPS,
+                 rope_freq_base=1e6, n_rot=32, context_length=64)
+    g = torch.Generator().manual_seed(6)
+    for tracked in ("blk.0.attn_q.weight", "blk.0.attn_k_norm.weight"):
+        w = {f"blk.0.attn_{n}.weight": torch.randn(heads * 32, 40, generator=g)
+             for n, heads in (("q", 4), ("k", 2), ("v", 2))}
+        w |= {f"blk.0.attn_{n}_norm.weight": 1 + 0.1 * torch.randn(32, generator=g) for n in ("q", "k")}
+        w[tracked].requires_grad_()
+        q, k, _, _ = attention_inputs(hp, w, 0, torch.randn(1, 40, generator=g), torch.arange(1))
+        (q.sum() + k.sum()).backward()
+        assert w[tracked].grad is not None and w[tracked].grad.abs().sum() > 0, tracked

@@ -35,7 +35,7 @@ def test_decode_attention_is_bitwise_the_masked_form(H, Hkv, D, S, device, monke
     q = _randn(1, H, D, seed=1, device=device)
     k, v = _randn(S, Hkv, D, seed=2, device=device), _randn(S, Hkv, D, seed=3, device=device)
     expected = _masked_attention(q, k, v, S - 1, D**-0.5)
-    if device == "cpu" and one_query_cpu_serves(q, k):
+    if device == "cpu" and one_query_cpu_serves(q, k, v):
         torch.testing.assert_close(ops.attention(q, k, v, S - 1, D**-0.5), expected, rtol=1e-4, atol=1e-5)
         monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
     assert torch.equal(ops.attention(q, k, v, S - 1, D**-0.5), expected)  # the decode step, any device
