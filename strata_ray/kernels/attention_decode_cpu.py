@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .fused_small import fused_call, needs_grad
+from .fused_small_cpu import as_array
 
 # H * S * D (query heads x keys x head size) up to which the numba call runs. Measured on the 2-core VM
 # (scripts/bench_cpu_decode_ops.py, BENCHMARKS "Session 48"): 4 heads of 32 over 2 kv heads, 1.1-1.8x the
@@ -95,8 +96,7 @@ def one_query_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     if k.shape != v.shape or k.dim() != 3 or k.shape[2] != D or k.shape[0] == 0 or H % k.shape[1]:
         raise ValueError(f"one_query_cpu: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     out = np.empty((1, H, D), np.float32)
-    arrays = [(t if t.is_contiguous() else t.contiguous()).detach().numpy() for t in (q, k, v)]
-    _one_query(arrays[0].reshape(H, D), arrays[1], arrays[2], scale, out.reshape(H, D))
+    _one_query(as_array(q).reshape(H, D), as_array(k), as_array(v), scale, out.reshape(H, D))
     return torch.from_numpy(out)
 
 

@@ -2,7 +2,7 @@
 for decode and verify windows (fused_small.fused_call: at most FUSED_MAX_TOKENS tokens, no grad).
 
 On the 2-core VM a torch op costs a few microseconds of dispatch whatever its size, and a one-token layer of
-the embedded strata-tiny-next is mostly such ops. Two chains run in every layer:
+the embedded strata-tiny-next is mostly such ops. Three chains run in every layer:
 
 - RMSNorm: six ops (pow, mean, add, rsqrt, mul, mul); 15 norms a token (the layers' input and MoE norms,
   the attention's q / k heads, the final norm) were ~20% of its decode. `rms_norm_cpu` and
@@ -29,24 +29,31 @@ from torch import Tensor
 from .fused_small import fused_call
 
 
+@numba.njit(nogil=True, inline="always")
+def _norm_row(src, w, eps, dest):
+    """dest[:n] = rms_norm(src[:n]) * w for n = w's length (src may hold more: a gated head's q half), eps a
+    float (rounded to float32, as the reference's). dest may be src."""
+    n = w.shape[0]
+    ss = 0.0  # float64, in index order: the rounding of a few thousand squares' sum stays below float32's
+    for i in range(n):
+        ss += np.float64(src[i]) * np.float64(src[i])
+    inv = np.float32(1.0) / np.sqrt(np.float32(ss / n) + np.float32(eps))  # the reference's rsqrt(mean + eps)
+    for i in range(n):
+        dest[i] = (src[i] * inv) * w[i]
+
+
 @numba.njit(nogil=True, cache=True)
 def _rms_norm_rows(x, d, w, eps, add, out, sums):
-    """x, out f32 [R, n] (out may be x), w f32 [n], eps a float (rounded to float32, as the reference's).
-    add: each row is x + d (d f32 [R, n]), written into sums f32 [R, n] before it is normed; else d and sums
-    are unread."""
+    """x, out f32 [R, n] (out may be x), w f32 [n], eps a float. add: each row is x + d (d f32 [R, n]),
+    written into sums f32 [R, n] before it is normed; else d and sums are unread."""
     R, n = x.shape
     for r in range(R):
-        ss = 0.0  # float64: the rounding of a few thousand squares' sum stays below float32's
-        for i in range(n):
-            v = x[r, i] + d[r, i] if add else x[r, i]
-            if add:
-                sums[r, i] = v
-            ss += np.float64(v) * np.float64(v)
-        mean = np.float32(ss / n)
-        inv = np.float32(1.0) / np.sqrt(mean + np.float32(eps))  # float32: the reference's rsqrt(mean + eps)
-        for i in range(n):
-            v = sums[r, i] if add else x[r, i]
-            out[r, i] = (v * inv) * w[i]
+        if add:
+            for i in range(n):
+                sums[r, i] = x[r, i] + d[r, i]
+            _norm_row(sums[r], w, eps, out[r])
+        else:
+            _norm_row(x[r], w, eps, out[r])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -73,19 +80,12 @@ def _norm_rope_heads(qg, k, wq, wk, eps, cos, sin, gated, q_out, k_out, gate):
     Hkv, D = k.shape[1], k.shape[2]
     n_rot = cos.shape[1]
     half = n_rot // 2
-    one = np.float32(1.0)
     normed = np.empty(D, np.float32)
     for t in range(T):
         for j in range(H + Hkv):
             src = qg[t, j] if j < H else k[t, j - H]  # [D or 2D]
-            w = wq if j < H else wk
             dest = q_out[t, j] if j < H else k_out[t, j - H]
-            ss = 0.0  # float64, index order: as _rms_norm_rows
-            for i in range(D):
-                ss += np.float64(src[i]) * np.float64(src[i])
-            inv = one / np.sqrt(np.float32(ss / D) + np.float32(eps))
-            for i in range(D):
-                normed[i] = (src[i] * inv) * w[i]
+            _norm_row(src, wq if j < H else wk, eps, normed)  # the head's first D values
             for i in range(n_rot):  # rotate_half: [-x2, x1] beside x; x * cos + rotated * sin
                 rotated = -normed[i + half] if i < half else normed[i - half]
                 dest[i] = normed[i] * cos[t, i] + rotated * sin[t, i]
@@ -110,7 +110,7 @@ def cpu_norm_serves(x: Tensor, w, n_tokens: int) -> bool:
 # alone: ~8 us).
 
 
-def _array(t: Tensor, rows: bool = False) -> np.ndarray:
+def as_array(t: Tensor, rows: bool = False) -> np.ndarray:
     """t's memory as an array (detached where it tracks grad): contiguous first where it is strided, or with
     rows, where its last dim is (a view of some rows of a wider product stays a view)."""
     if not (t.is_contiguous() or rows and t.stride(-1) == 1):
@@ -121,15 +121,15 @@ def _array(t: Tensor, rows: bool = False) -> np.ndarray:
 def rms_norm_cpu(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """ops.rms_norm_reference over the last dim of x [..., n] (float32 CPU), into `out` (contiguous, x's
     shape) when given."""
-    src = _array(x)  # x's shape
+    src = as_array(x)  # x's shape
     if out is None:
         dest = np.empty_like(src)
         out = torch.from_numpy(dest)
     else:
-        dest = _array(out)
+        dest = as_array(out)
     rows = src.reshape(-1, src.shape[-1])  # [R, n]
     flat = dest.reshape(rows.shape)
-    _rms_norm_rows(rows, rows, _array(w), eps, False, flat, flat)
+    _rms_norm_rows(rows, rows, as_array(w), eps, False, flat, flat)
     return out
 
 
@@ -137,13 +137,13 @@ def add_rms_norm_cpu(h: Tensor, d: Tensor, w: Tensor, eps: float,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """ops.add_rms_norm's reference form on float32 CPU tensors: h, d [T, E] -> (h + d, rms_norm(h + d)),
     into `out` (two contiguous tensors of h's shape) when given. The sum is torch's h + d, bit for bit."""
-    src_h, src_d = _array(h), _array(d)  # [T, E] each
+    src_h, src_d = as_array(h), as_array(d)  # [T, E] each
     if out is None:
         sums, normed = np.empty_like(src_h), np.empty_like(src_h)
         out = (torch.from_numpy(sums), torch.from_numpy(normed))
     else:
-        sums, normed = _array(out[0]), _array(out[1])
-    _rms_norm_rows(src_h, src_d, _array(w), eps, True, normed, sums)
+        sums, normed = as_array(out[0]), as_array(out[1])
+    _rms_norm_rows(src_h, src_d, as_array(w), eps, True, normed, sums)
     return out
 
 
@@ -163,7 +163,8 @@ def shared_act_cpu(g: Tensor, u: Tensor, x: Tensor, w_gate: Tensor) -> Tensor:
         raise ValueError(f"shared_act_cpu: g {list(g.shape)}, u {list(u.shape)}, x {list(x.shape)}, w_gate "
                          f"{list(w_gate.shape)}")
     out = np.empty((n, f), np.float32)
-    _shared_act_rows(_array(g, rows=True), _array(u, rows=True), _array(x), _array(w_gate).reshape(-1), out)
+    rows = as_array(g, rows=True), as_array(u, rows=True)  # [N, F] each
+    _shared_act_rows(*rows, as_array(x), as_array(w_gate).reshape(-1), out)
     return torch.from_numpy(out)
 
 
@@ -186,8 +187,9 @@ def norm_rope_cpu(qg: Tensor, k: Tensor, wq: Tensor, wk: Tensor, eps: float, cos
     k_out = np.empty((T, k.shape[1], D), np.float32)
     gate = np.empty((T, H * D if gated else 0), np.float32)
     n_rot = cos.shape[-1]
-    _norm_rope_heads(_array(qg, rows=True), _array(k, rows=True), _array(wq), _array(wk), eps,
-                     _array(cos).reshape(T, n_rot), _array(sin).reshape(T, n_rot), gated, q_out, k_out, gate)
+    heads = as_array(qg, rows=True), as_array(k, rows=True)  # [T, H, D or 2D], [T, Hkv, D]
+    tables = as_array(cos).reshape(T, n_rot), as_array(sin).reshape(T, n_rot)
+    _norm_rope_heads(*heads, as_array(wq), as_array(wk), eps, *tables, gated, q_out, k_out, gate)
     return torch.from_numpy(q_out), torch.from_numpy(k_out), torch.from_numpy(gate) if gated else None
 
 

@@ -197,16 +197,22 @@ def test_norm_rope_refuses_what_it_cannot_rotate():
             norm_rope_cpu(qg, k, wq, wk, EPS, *tables)
 
 
-def test_attention_inputs_take_it_for_decode_windows(monkeypatch):
+def _attention_layer(g: torch.Generator):
+    """A qwen3moe attention layer's hparams and weights: 4 heads of 32 over 2 kv heads, width 40."""
     from strata_ray.model.hparams import HParams
 
     hp = HParams(arch="qwen3moe", n_vocab=8, n_embd=40, n_layer=1, n_nextn=0, n_head=4, n_head_kv=2,
                  head_dim=32, n_expert=2, n_expert_used=1, n_ff_exp=8, n_ff_shexp=0, rms_eps=EPS,
                  rope_freq_base=1e6, n_rot=32, context_length=64)
-    g = torch.Generator().manual_seed(4)
     w = {f"blk.0.attn_{n}.weight": torch.randn(heads * 32, 40, generator=g)
          for n, heads in (("q", 4), ("k", 2), ("v", 2))}
     w |= {f"blk.0.attn_{n}_norm.weight": 1 + 0.1 * torch.randn(32, generator=g) for n in ("q", "k")}
+    return hp, w
+
+
+def test_attention_inputs_take_it_for_decode_windows(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    hp, w = _attention_layer(g)
     norms = w["blk.0.attn_q_norm.weight"], w["blk.0.attn_k_norm.weight"]
     x = torch.randn(17, 40, generator=g)
     assert norm_rope_cpu_serves(x, 16) and not norm_rope_cpu_serves(x, 17)
@@ -225,16 +231,9 @@ def test_attention_inputs_take_it_for_decode_windows(monkeypatch):
 
 def test_tracked_weights_keep_the_torch_forms_whose_gradients_flow():
     """An untracked input with tracked projection or norm weights (fine-tuning them): the torch forms."""
-    from strata_ray.model.hparams import HParams
-
-    hp = HParams(arch="qwen3moe", n_vocab=8, n_embd=40, n_layer=1, n_nextn=0, n_head=4, n_head_kv=2,
-                 head_dim=32, n_expert=2, n_expert_used=1, n_ff_exp=8, n_ff_shexp=0, rms_eps=EPS,
-                 rope_freq_base=1e6, n_rot=32, context_length=64)
     g = torch.Generator().manual_seed(6)
     for tracked in ("blk.0.attn_q.weight", "blk.0.attn_k_norm.weight"):
-        w = {f"blk.0.attn_{n}.weight": torch.randn(heads * 32, 40, generator=g)
-             for n, heads in (("q", 4), ("k", 2), ("v", 2))}
-        w |= {f"blk.0.attn_{n}_norm.weight": 1 + 0.1 * torch.randn(32, generator=g) for n in ("q", "k")}
+        hp, w = _attention_layer(g)
         w[tracked].requires_grad_()
         q, k, _, _ = attention_inputs(hp, w, 0, torch.randn(1, 40, generator=g), torch.arange(1))
         (q.sum() + k.sum()).backward()
