@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .fused_small import fused_call
+from .fused_small_cpu import as_array
 from .gdn_step import GDNDims
 
 CPU_STEP_MAX_STATE = 1 << 16  # floats of S (nv * dk * dv) up to which the numba step runs (256 KB)
@@ -122,9 +123,9 @@ def gdn_step_cpu(mixed: Tensor, z: Tensor, ba: Tensor, S: Tensor, conv: Tensor, 
         if new_S.data_ptr() != S.data_ptr():
             new_S.copy_(S)
     o = torch.empty_like(z)
-    arrays = [t.detach().contiguous().numpy() for t in (mixed, z, ba)]
-    weights = [t.detach().contiguous().numpy() for t in (conv_w, ssm_a, dt_bias, norm_w)]
-    _gdn_step_kernel(*arrays, new_S.numpy(), conv.contiguous().numpy(), *weights, dims.nk, dims.dk, dims.dv,
+    arrays = [as_array(t) for t in (mixed, z, ba)]
+    weights = [as_array(t) for t in (conv_w, ssm_a, dt_bias, norm_w)]
+    _gdn_step_kernel(*arrays, new_S.numpy(), as_array(conv), *weights, dims.nk, dims.dk, dims.dv,
                      np.float32(eps), o.numpy(), new_conv.numpy())
     return o, new_S, new_conv
 
