@@ -35,9 +35,13 @@ def main() -> None:
                     help="the CUDA form's rows a row group, comma-separated")
     ap.add_argument("--tokens", type=int, default=1, help="tokens a launch, each routed to 10 experts")
     ap.add_argument("--type", default="Q4_0", choices=sorted(TYPES), help="the experts' weight type")
+    ap.add_argument("--early", action="store_true",
+                    help="the CUDA form's EARLY prologue (WORDS['cuda_early']: one-entry tiles' slot and "
+                         "order loaded beside TILE_START)")
     args = ap.parse_args()
     if not 1 <= args.tokens <= 8:
         ap.error("--tokens must be from 1 to 8")
+    ew.WORDS["cuda_early"] = args.early
     rng = np.random.default_rng(0)
     wtype = TYPES[args.type]
     # gguf quantizes Q4_0 / Q8_0 from floats, not the K-quants: random blocks with sane scales for those
