@@ -49,6 +49,12 @@ def needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in ts)
 
 
+def plain_f32(*ts) -> bool:
+    """Whether these are float32 tensors that autograd does not track: what every fused form takes (they
+    have no backward; inputs of another dtype keep the torch ops rather than raise)."""
+    return all(isinstance(t, Tensor) and t.dtype == torch.float32 for t in ts) and not needs_grad(*ts)
+
+
 def fused_call(x: Tensor, n_tokens: int) -> bool:
     """Whether a call of n_tokens tokens may take a fused kernel on any device: a decode or verify window
     (at most FUSED_MAX_TOKENS), STRATA_FUSED_DECODE not 0 (A/B runs), and no grad (the kernels have no

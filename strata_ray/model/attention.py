@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled, needs_grad
+from strata_ray.kernels.fused_small import fused_enabled, plain_f32
 from strata_ray.kernels.fused_small_cpu import norm_rope_cpu, norm_rope_cpu_serves
 from strata_ray.kernels.norm_rope import norm_rope_fused, norm_rope_supported, rotates
 from strata_ray.model import ops
@@ -40,11 +40,11 @@ def attention_inputs(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor
     cos, sin = tables if tables is not None else ops.rope_tables(pos, hp.n_rot, hp.rope_freq_base)
     heads = (qg.view(T, H, qg.shape[-1] // H), k.view(T, Hkv, D))  # [T, H, D or 2D], [T, Hkv, D]
     norms = w[f"{p}.attn_q_norm.weight"], w[f"{p}.attn_k_norm.weight"]
-    if fused_enabled(x, T) and norm_rope_supported(D, hp.n_rot):  # CUDA, decode / verify: one launch
+    plain = plain_f32(*heads, *norms)  # what the fused forms take
+    if plain and fused_enabled(x, T) and norm_rope_supported(D, hp.n_rot):  # CUDA, decode / verify: a launch
         q, k, gate = norm_rope_fused(*heads, *norms, hp.rms_eps, cos, sin)
         return q, k, v.view(T, Hkv, D), gate
-    if (norm_rope_cpu_serves(x, T) and rotates(D, hp.n_rot)  # CPU, decode / verify: one numba call
-            and all(t.dtype == torch.float32 for t in norms) and not needs_grad(*heads, *norms)):
+    if plain and norm_rope_cpu_serves(x, T) and rotates(D, hp.n_rot):  # CPU, decode / verify: one numba call
         q, k, gate = norm_rope_cpu(*heads, *norms, hp.rms_eps, cos, sin)
         return q, k, v.view(T, Hkv, D), gate
     if gated:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled
+from strata_ray.kernels.fused_small import fused_enabled, plain_f32
 from strata_ray.kernels.gdn_step import GDNDims, gdn_step, gdn_step_reference, gdn_step_supports
 from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, gdn_step_cpu
 from strata_ray.model import ops
@@ -55,8 +55,11 @@ def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: G
     dims = GDNDims(hp.ssm_n_group, hp.ssm_dt_rank, hp.ssm_d_state, hp.ssm_head_v_dim)
     # [T, conv_dim] channels q | k | v; [T, nv * dv]; [T, nk * 2r] grouped per k-head: [b (r), a (r)]
     mixed, z, ba = ops.linear_rows(x, [w[f"{p}.{n}.weight"] for n in ("attn_qkv", "attn_gate", "ssm_ba")])
+    step_w = [w[f"{p}.{n}"] for n in ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight")]
     core = gdn_step_reference
-    if T and fused_enabled(x, T) and gdn_step_supports(dims):
+    if not plain_f32(mixed, z, ba, st.S, st.conv, *step_w):  # what the fused steps take
+        pass
+    elif T and fused_enabled(x, T) and gdn_step_supports(dims):
         core = gdn_step
     elif cpu_step_serves(x, T, dims):
         core = gdn_step_cpu
@@ -64,8 +67,7 @@ def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: G
     extra = {} if fused else {"pos0": pos0}  # the fused steps are recurrent only (T <= 16 < 64)
     if fused and state_out is not None:
         extra["state_out"] = (state_out.S, state_out.conv)
-    o, S, conv = core(mixed, z, ba, st.S, st.conv, w[f"{p}.ssm_conv1d.weight"], w[f"{p}.ssm_a"],
-                      w[f"{p}.ssm_dt.bias"], w[f"{p}.ssm_norm.weight"], dims, hp.rms_eps, **extra)
+    o, S, conv = core(mixed, z, ba, st.S, st.conv, *step_w, dims, hp.rms_eps, **extra)
     if state_out is not None and S is not state_out.S:  # the reference's new tensors
         S, conv = state_out.S.copy_(S), state_out.conv.copy_(conv)
     return ops.linear(o, w[f"{p}.ssm_out.weight"]), GDNState(S, conv)

@@ -29,7 +29,7 @@ def route(router_w: Tensor, x: Tensor, k: int,
     written into `out` (ids int64, weights float32) when given.
 
     On CUDA, calls of at most 16 tokens run two fused launches (kernels/router)."""
-    if fused_enabled(x, x.shape[0]):
+    if fused_enabled(x, x.shape[0]) and not needs_grad(router_w):  # the fused launches have no backward
         f32 = isinstance(router_w, Tensor) and router_w.dtype == torch.float32
         logits = router_logits(x, router_w) if f32 else ops.linear(x, router_w)  # [N, X]
         return route_topk(logits, k, out=out)

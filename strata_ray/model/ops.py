@@ -15,7 +15,13 @@ from torch import Tensor
 
 from strata_ray.kernels.attention_decode import attention_decode, attention_decode_supports
 from strata_ray.kernels.attention_decode_cpu import one_query_cpu, one_query_cpu_serves
-from strata_ray.kernels.fused_small import add_rms_norm_fused, fused_enabled, needs_grad, rms_norm_fused
+from strata_ray.kernels.fused_small import (
+    add_rms_norm_fused,
+    fused_enabled,
+    needs_grad,
+    plain_f32,
+    rms_norm_fused,
+)
 from strata_ray.kernels.fused_small_cpu import add_rms_norm_cpu, cpu_norm_serves, rms_norm_cpu
 
 GDN_CHUNK = 64  # chunk length of the chunked delta rule; prompt chunks must be multiples of it
@@ -79,7 +85,7 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Ten
     shape to write into (the decode graphs' buffers: the fused kernel writes it without a copy). On the CPU
     those calls run one numba call instead of six torch ops (kernels/fused_small_cpu: rounding-level
     differences as well, batch invariant)."""
-    if x.dim() >= 2 and fused_enabled(x, x.shape[0]):
+    if x.dim() >= 2 and fused_enabled(x, x.shape[0]) and plain_f32(x, w):
         return rms_norm_fused(x, w, eps, out=out)
     if x.dim() >= 2 and _cpu_norm(x, w, out):
         return rms_norm_cpu(x, w, eps, out=out)
@@ -94,7 +100,7 @@ def add_rms_norm(h: Tensor, d: Tensor, w: Tensor, eps: float,
     (CUDA, decode and verify windows) one launch does both (kernels/fused_small.add_rms_norm_fused: the
     sum's bits, the fused norm's); on the CPU, one numba call (kernels/fused_small_cpu: the sum's bits
     too)."""
-    if h.dim() == 2 and fused_enabled(h, h.shape[0]) and not needs_grad(d, w):
+    if h.dim() == 2 and fused_enabled(h, h.shape[0]) and plain_f32(h, d, w):
         return add_rms_norm_fused(h, d, w, eps, out=out)
     if (h.dim() == 2 and d.shape == h.shape and d.dtype == torch.float32 and not needs_grad(d)
             and _cpu_norm(h, w, out[0] if out is not None else None)
@@ -185,7 +191,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_offset: int, scale: float,
     """
     T, H, _ = q.shape
     S, Hkv, _ = k.shape
-    if fused_enabled(q, T) and attention_decode_supports(q, k):  # CUDA, decode / verify: the cache as stored
+    # CUDA, decode / verify: the cache as stored
+    if fused_enabled(q, T) and attention_decode_supports(q, k) and plain_f32(q, k, v):
         return attention_decode(q, k, v, q_offset, scale)
     sees_all = S <= q_offset + 1  # the first query sees every key: nothing to mask (a decode step)
     # CPU only: on CUDA (H200, cuBLAS) the products over Hkv batches gave other bits than over H batches

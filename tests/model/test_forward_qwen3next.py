@@ -116,3 +116,49 @@ def test_last_only_gives_the_last_rows_and_the_same_state(tiny):
         torch.testing.assert_close(last_hidden, hidden[-1:], atol=1e-6, rtol=1e-6)
         # the caches and recurrent states are those of the full forward: the next token agrees bit for bit
         assert torch.equal(model.forward([5], s_last), model.forward([5], s_all))
+
+
+def _one_weight_grads(hf_model, device: str) -> dict[str, torch.Tensor | None]:
+    """Each weight's gradient from a 3-token window (a verify window's size, where the fused forms run) in
+    which it alone is tracked by autograd: the input of the layers before it is not, so a fused form there
+    must see the weight itself to keep the torch ops that carry its gradient."""
+    base = {k: v.to(device) for k, v in ref.gguf_weights(hf_model).items()}
+    hp = ref.hparams_of(hf_model)
+    ids = torch.tensor(_prompt(3, seed=13), device=device)
+    grads = {}
+    for name in base:
+        weights = dict(base)
+        weights[name] = base[name].clone().requires_grad_(True)
+        model = Model(hp, weights)
+        loss = model.forward(ids, model.new_state()).square().sum()
+        grads[name] = torch.autograd.grad(loss, weights[name])[0] if loss.requires_grad else None
+    return grads
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_weight_tracked_alone_gets_the_torch_forms_gradient(tiny, monkeypatch, device):
+    hf_model, _ = tiny
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")  # the torch ops only: the reference gradients
+    want = _one_weight_grads(hf_model, device)
+    monkeypatch.delenv("STRATA_FUSED_DECODE")
+    got = _one_weight_grads(hf_model, device)
+    assert all(g is not None for g in want.values())
+    dropped = [name for name, g in got.items() if g is None]  # a fused form dropped them
+    assert not dropped
+    assert not [name for name, g in want.items() if (got[name] - g).abs().max() > 1e-3 * g.abs().max() + 1e-6]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_norm_weights_of_another_dtype_keep_the_torch_ops(tiny, monkeypatch, device):
+    """bf16 norm weights: the fused forms take float32 only, so a decode window keeps the torch ops for them
+    rather than raise (the logits of STRATA_FUSED_DECODE=0 up to the other fused forms' rounding)."""
+    hf_model, _ = tiny
+    weights = {k: v.to(device=device, dtype=torch.bfloat16 if k.endswith("norm.weight") else v.dtype)
+               for k, v in ref.gguf_weights(hf_model).items()}
+    model = Model(ref.hparams_of(hf_model), weights)
+    ids = torch.tensor(_prompt(3, seed=17), device=device)
+    with torch.inference_mode():
+        got = model.forward(ids, model.new_state())
+        monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+        want = model.forward(ids, model.new_state())
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
