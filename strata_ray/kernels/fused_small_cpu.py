@@ -17,6 +17,10 @@ the embedded strata-tiny-next is mostly such ops. Three chains run in every laye
   `norm_rope_cpu`, each head normed as `rms_norm_cpu` norms a row, then rotate_half's multiply, multiply and
   add as ops.apply_rope rounds them (numba contracts no multiply-add into an FMA); the gate half of a gated
   query copied out. `norm_rope.norm_rope_reference` is the twin.
+
+And one chain of the MoE block: the weighted sum of a token's k expert rows (moe.combine_rows, 2k numpy ops,
+~28 us a layer), `combine_rows_cpu`: the same products and sums in k order, each rounded to float32 as the
+numpy ops round them, so the same bits (the arithmetic contract's combine: placement must not change them).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .fused_small import fused_call
+from .fused_small import fused_call, needs_grad
 
 
 @numba.njit(nogil=True, inline="always")
@@ -133,6 +137,37 @@ def rms_norm_cpu(x: Tensor, w: Tensor, eps: float, out: Tensor | None = None) ->
     return out
 
 
+@numba.njit(nogil=True, cache=True)
+def _combine_rows(r, w, out):
+    """r f32 [N, K, E], w f32 [N, K] -> out f32 [N, E]: r[:, 0] w[:, 0], then + r[:, k] w[:, k] for k = 1..K-1
+    in order (float32 products and sums, as numpy's ops)."""
+    N, K, E = r.shape
+    for n in range(N):
+        w0 = w[n, 0]
+        for e in range(E):
+            out[n, e] = r[n, 0, e] * w0
+        for k in range(1, K):
+            wk = w[n, k]
+            for e in range(E):
+                out[n, e] = out[n, e] + r[n, k, e] * wk
+
+
+def combine_cpu_serves(rows: Tensor, weights: Tensor) -> bool:
+    """Whether moe.combine_rows of rows [N, K, E] takes _combine_rows: a fused_call (decode or verify window)
+    on contiguous float32 CPU tensors, none tracked by autograd, K >= 1."""
+    return (rows.is_cpu and rows.dtype == weights.dtype == torch.float32 and rows.dim() == 3
+            and rows.shape[1] > 0 and weights.shape == rows.shape[:2] and rows.is_contiguous()
+            and weights.is_contiguous() and not needs_grad(weights) and fused_call(rows, rows.shape[0]))
+
+
+def combine_rows_cpu(rows: Tensor, weights: Tensor) -> Tensor:
+    """moe.combine_rows' bits on contiguous float32 CPU tensors: rows [N, K, E], weights [N, K] -> [N, E]."""
+    r = rows.numpy()  # [N, K, E]
+    out = np.empty((r.shape[0], r.shape[2]), np.float32)
+    _combine_rows(r, weights.numpy(), out)
+    return torch.from_numpy(out)
+
+
 def add_rms_norm_cpu(h: Tensor, d: Tensor, w: Tensor, eps: float,
                      out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """ops.add_rms_norm's reference form on float32 CPU tensors: h, d [T, E] -> (h + d, rms_norm(h + d)),
@@ -201,6 +236,7 @@ def warm_up() -> None:
     # two tokens: views of one product whose rows are strided (a single row's view is contiguous to numpy,
     # and would compile the plain signature again), as a verify window's or a short prompt's calls make them
     x2 = torch.zeros(2, 8)
+    combine_rows_cpu(torch.zeros(2, 3, 8), torch.zeros(2, 3))
     gu = torch.zeros(2, 16)  # gate and up as views of one product, as the shared expert makes them
     shared_act_cpu(gu[:, :8], gu[:, 8:], x2, torch.zeros(8))
     shared_act_cpu(x, x, x, torch.zeros(8))

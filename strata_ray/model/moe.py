@@ -9,7 +9,12 @@ import torch
 from torch import Tensor
 
 from strata_ray.kernels.fused_small import fused_enabled, needs_grad, shared_act_fused
-from strata_ray.kernels.fused_small_cpu import shared_act_cpu, shared_act_cpu_serves
+from strata_ray.kernels.fused_small_cpu import (
+    combine_cpu_serves,
+    combine_rows_cpu,
+    shared_act_cpu,
+    shared_act_cpu_serves,
+)
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
 from strata_ray.model import ops
 
@@ -45,8 +50,11 @@ def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
     rows [N, K, E], weights [N, K] -> [N, E].
 
     float32 CPU tensors go through numpy: the same one multiply and one add per k, each rounded to float32
-    as torch's ops round them (the same bits), without torch's dispatch (~25 us a decode layer on 2 cores).
+    as torch's ops round them (the same bits), without torch's dispatch (~25 us a decode layer on 2 cores);
+    in a decode or verify window, through one numba call (kernels/fused_small_cpu, the same bits again).
     """
+    if combine_cpu_serves(rows, weights):
+        return combine_rows_cpu(rows, weights)
     if (rows.device.type == "cpu" and rows.dtype == weights.dtype == torch.float32
             and not needs_grad(rows, weights)):
         r, w = rows.detach().numpy(), weights.detach().numpy()  # views: [N, K, E], [N, K]

@@ -1,6 +1,7 @@
 """The CPU twins of fused_small (strata_ray/kernels/fused_small_cpu.py) against their torch references at
 awkward sizes: the RMSNorm rows (batch invariance, the add's exact sum, the out buffers), the shared
-expert's activation and the attention's q / k head norms and rotary embedding; which calls take them."""
+expert's activation and the attention's q / k head norms and rotary embedding; the MoE combine (bit for bit);
+which calls take them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from strata_ray.kernels.fused_small import shared_act_reference
 from strata_ray.kernels.fused_small_cpu import (
     add_rms_norm_cpu,
+    combine_cpu_serves,
+    combine_rows_cpu,
     cpu_norm_serves,
     norm_rope_cpu,
     norm_rope_cpu_serves,
@@ -20,7 +23,7 @@ from strata_ray.kernels.fused_small_cpu import (
 from strata_ray.kernels.norm_rope import norm_rope_reference
 from strata_ray.model import ops
 from strata_ray.model.attention import attention_inputs
-from strata_ray.model.moe import shared_expert
+from strata_ray.model.moe import combine_rows, shared_expert
 from tests.kernels.test_norm_rope import _inputs as _attention_inputs
 
 EPS = 1e-6
@@ -238,3 +241,32 @@ def test_tracked_weights_keep_the_torch_forms_whose_gradients_flow():
         q, k, _, _ = attention_inputs(hp, w, 0, torch.randn(1, 40, generator=g), torch.arange(1))
         (q.sum() + k.sum()).backward()
         assert w[tracked].grad is not None and w[tracked].grad.abs().sum() > 0, tracked
+
+
+def _torch_combine(rows, weights):  # moe.combine_rows' torch form: one multiply and one add per k, in k order
+    out = rows[:, 0] * weights[:, :1]
+    for k in range(1, rows.shape[1]):
+        out = out + rows[:, k] * weights[:, k : k + 1]
+    return out
+
+
+@pytest.mark.parametrize("N,K,E", [(1, 1, 33), (1, 8, 1024), (2, 10, 222), (16, 3, 7), (33, 8, 64)])
+def test_combine_gives_the_torch_forms_bits(N, K, E):
+    g = torch.Generator().manual_seed(N * 1000 + K)
+    rows = torch.randn(N, K, E, generator=g) * 4
+    weights = torch.rand(N, K, generator=g)
+    want = _torch_combine(rows, weights)
+    assert torch.equal(combine_rows_cpu(rows, weights), want)
+    assert torch.equal(combine_rows(rows, weights), want)  # N > 16: the numpy form, the same bits again
+    assert torch.equal(combine_rows_cpu(rows[:1], weights[:1]), want[:1])  # a token alone: batch invariant
+
+
+def test_which_combines_take_it(monkeypatch):
+    rows, weights = torch.ones(2, 3, 8), torch.ones(2, 3)
+    assert combine_cpu_serves(rows, weights)
+    assert not combine_cpu_serves(torch.ones(17, 3, 8), torch.ones(17, 3))  # a prompt chunk: numpy's form
+    assert not combine_cpu_serves(rows.transpose(0, 1), weights.T)  # strided
+    assert not combine_cpu_serves(rows.double(), weights.double())
+    assert not combine_cpu_serves(rows, weights.clone().requires_grad_(True))
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+    assert not combine_cpu_serves(rows, weights)
