@@ -38,16 +38,18 @@ RING_BYTES = 1 << 30
 
 
 def _warm_cpu_steps(hp, device) -> None:
-    """On the CPU, a decode step's small chains (kernels/fused_small_cpu), its attention core
-    (kernels/attention_decode_cpu) and a qwen3next's GDN core where its state is small (kernels/gdn_step_cpu)
-    run as numba kernels: compiled at load (float-expert files too), not at the first decode step."""
-    from strata_ray.kernels import attention_decode_cpu, fused_small_cpu
+    """On the CPU, a decode step's small chains (kernels/fused_small_cpu), its router (kernels/router_cpu),
+    its attention core (kernels/attention_decode_cpu) and a qwen3next's GDN core where its state is small
+    (kernels/gdn_step_cpu) run as numba kernels: compiled at load (float-expert files too), not at the first
+    decode step."""
+    from strata_ray.kernels import attention_decode_cpu, fused_small_cpu, router_cpu
     from strata_ray.kernels.gdn_step import GDNDims
     from strata_ray.kernels.gdn_step_cpu import cpu_step_serves, warm_up
 
     probe = torch.zeros(1, 1, device=device)
     if fused_small_cpu.cpu_norm_serves(probe, torch.ones(1, device=device), 1):
         fused_small_cpu.warm_up()
+        router_cpu.warm_up()
         attention_decode_cpu.warm_up()
     if not any(hp.recurrent):
         return

@@ -16,6 +16,7 @@ from strata_ray.kernels.fused_small_cpu import (
     shared_act_cpu_serves,
 )
 from strata_ray.kernels.router import route_reference, route_topk, router_logits
+from strata_ray.kernels.router_cpu import route_cpu, route_cpu_serves
 from strata_ray.model import ops
 
 
@@ -33,11 +34,14 @@ def route(router_w: Tensor, x: Tensor, k: int,
     """Router: softmax over all experts (fp32), top-k, renormalise. x [N, E] -> (ids [N, K], w [N, K]),
     written into `out` (ids int64, weights float32) when given.
 
-    On CUDA, calls of at most 16 tokens run two fused launches (kernels/router)."""
+    Calls of at most 16 tokens run two fused launches on CUDA (kernels/router), one numba call on the CPU
+    (kernels/router_cpu)."""
     if fused_enabled(x, x.shape[0]) and not needs_grad(router_w):  # the fused launches have no backward
         f32 = isinstance(router_w, Tensor) and router_w.dtype == torch.float32
         logits = router_logits(x, router_w) if f32 else ops.linear(x, router_w)  # [N, X]
         return route_topk(logits, k, out=out)
+    if route_cpu_serves(x, router_w, x.shape[0]):
+        return route_cpu(x, router_w, k, out=out)
     ids, weights = route_reference(ops.linear(x, router_w), k)
     if out is None:
         return ids, weights

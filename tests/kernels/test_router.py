@@ -17,7 +17,8 @@ from tests.kernels.triton_interpret import interpret
 HAS_CUDA = torch.cuda.is_available()
 
 
-def test_route_on_cpu_is_the_reference():
+def test_route_on_cpu_is_the_reference(monkeypatch):
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")  # the torch form (kernels/router_cpu's: test_router_cpu)
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
     ids, wts = route(w, x, 4)
