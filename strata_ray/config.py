@@ -544,6 +544,7 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
+# STRATA_ROWS_EARLY: 1 / 0 the CUDA decode expert rows' EARLY prologue, over WORDS["cuda_early"], the same;
 # STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches
 # the decode chain's kernels without programmatic dependent launch, kernels/pdl)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
@@ -574,6 +575,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_RING_SLOTS": ring_slots_value,
     "STRATA_AHEAD_LAYER": _choice("same", "next"),
     "STRATA_ROWS_ITERS": int_range(1, 64),
+    "STRATA_ROWS_EARLY": _choice("0", "1"),
     "STRATA_GDN_COLUMNS": gdn_columns_value,
     "STRATA_PDL": pdl_value,
 }

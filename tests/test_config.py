@@ -285,6 +285,7 @@ ATTN_TILES_ALLOWED = ("SPLITxBKxWARPSxSTAGESxDC: split, bk and dc powers of two 
     ("STRATA_MMA_KQUANT_CTAS", "5", "an integer from 1 to 4"),
     ("STRATA_GEMV_MIN_CTAS", "0", "an integer from 1 to 4"),
     ("STRATA_ROWS_ITERS", "0", "an integer from 1 to 64"),
+    ("STRATA_ROWS_EARLY", "on", "0 or 1"),
     ("STRATA_AHEAD_LAYER", "early", "same or next"),
     ("STRATA_PDL", "on", "0 or 1"),
 ])

@@ -25,6 +25,7 @@ from strata_ray.kernels.expert_rows_cuda import (
     row_reference_q4k,
     row_reference_q6k,
     row_reference_q8,
+    rows_early,
     rows_iters,
     shared_bytes,
     stage_pitch,
@@ -167,6 +168,18 @@ def test_rows_iters_is_the_switch_over_the_default(monkeypatch):
     assert rows_iters(1) == rows_iters(8) == 3
     monkeypatch.setenv("STRATA_ROWS_ITERS", "8")  # both launches
     assert rows_iters(1) == rows_iters(4) == rows_iters(8, two=False) == 8
+
+
+def test_rows_early_is_the_switch_over_the_default(monkeypatch):
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.delenv("STRATA_ROWS_EARLY", raising=False)
+    for default in (False, True):
+        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_early": default})
+        assert rows_early() is default
+        monkeypatch.setenv("STRATA_ROWS_EARLY", "0" if default else "1")
+        assert rows_early() is not default
+        monkeypatch.delenv("STRATA_ROWS_EARLY")
 
 
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
