@@ -162,14 +162,15 @@ def _driver():
 
 
 def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int,
-                device: int) -> bool:
-    """The launch through cuLaunchKernelEx with programmatic stream serialization; False where cuda.bindings
-    is missing, or where its config or launch fails outside a graph capture (logged once; cupy's launch then,
-    for good: the kernels' first launches are eager warm-ups, so a cuda.bindings or a driver that cannot is
-    found there). Inside a capture a failure raises: a graph half captured has no way back."""
+                device: int):
+    """The launch through cuLaunchKernelEx with programmatic stream serialization: True where it ran; None
+    where cuda.bindings is missing or PDL was turned off; else (outside a graph capture) the error, for
+    launch() to try cupy's launch and tell a PDL failure from the launch's own (the kernels' first launches
+    are eager warm-ups, so a cuda.bindings or a driver that cannot is found there). Inside a capture a
+    failure raises: a graph half captured has no way back."""
     cu = _driver()
     if cu is None or "pdl" in _FAILED:
-        return False
+        return None
     import cupy
 
     err = None
@@ -186,9 +187,7 @@ def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: 
         return True
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"cuLaunchKernelEx: {err}")
-    _FAILED.add("pdl")
-    log.warning("CUDA C kernels launch without PDL: cuLaunchKernelEx failed (%s)", err)
-    return False
+    return err if err is not None else RuntimeError("cuLaunchKernelEx: no result")
 
 
 def _pdl_config(cu, kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int):
@@ -221,8 +220,14 @@ def launch(kernel, grid: tuple[int, ...], block: int, args: tuple, device: int, 
     import cupy
 
     handle = torch.cuda.current_stream(device).cuda_stream
-    if pdl and pdl_on_device(device) and _launch_pdl(kernel, grid, block, args, handle, shared_mem, device):
-        return
+    pdl_err = None
+    if pdl and pdl_on_device(device):
+        pdl_err = _launch_pdl(kernel, grid, block, args, handle, shared_mem, device)
+        if pdl_err is True:
+            return
     stream = _cupy_stream(handle, device)
     with cupy.cuda.Device(device), stream:
-        kernel(grid, (block,), args, shared_mem=shared_mem)
+        kernel(grid, (block,), args, shared_mem=shared_mem)  # raises where the launch itself is at fault
+    if pdl_err is not None:  # cupy's launch ran where cuLaunchKernelEx's did not: PDL's failure, for good
+        _FAILED.add("pdl")
+        log.warning("CUDA C kernels launch without PDL: cuLaunchKernelEx failed (%s)", pdl_err)

@@ -77,3 +77,33 @@ def test_a_launch_with_the_wrong_argument_count_is_one_line(monkeypatch):
     monkeypatch.setitem(nvrtc._ARITY, id(kernel), (kernel, "expert_rows", 16))
     with pytest.raises(nvrtc.KernelError, match="expert_rows takes 16 arguments, the launch passes 15"):
         nvrtc.launch(kernel, (1,), 32, (0,) * 15, 0)
+
+
+_FILL = nvrtc.PDL_HOOKS + r"""
+extern "C" __global__ void fill(float* out, int n, float v) {
+    pdl_wait();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = v;
+}
+"""
+
+
+@pytest.mark.gpu
+def test_a_launch_at_fault_raises_and_leaves_pdl_on(monkeypatch):
+    """A launch the driver refuses for its own shape (2048 threads a block) raises through cupy's launch
+    as well, so PDL stays on for the kernels after it; the next good launch runs."""
+    import numpy as np
+    import torch
+
+    if not (torch.cuda.is_available() and nvrtc.has_cupy()):
+        pytest.skip("needs a CUDA GPU and cupy")
+    monkeypatch.setattr(nvrtc, "_FAILED", set())
+    kernel = nvrtc.build(_FILL, "fill", (), 0)
+    out = torch.zeros(64, device="cuda")
+    args = (nvrtc.ptr(out), np.int32(64), np.float32(3.0))
+    with pytest.raises(Exception):  # noqa: B017 (cuLaunchKernelEx's and cupy's: CUDA_ERROR_INVALID_VALUE)
+        nvrtc.launch(kernel, (1,), 2048, args, 0, pdl=True)
+    assert "pdl" not in nvrtc._FAILED
+    nvrtc.launch(kernel, (1,), 64, args, 0, pdl=True)
+    torch.cuda.synchronize()
+    assert bool((out == 3.0).all())
