@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import platform
 import subprocess
 import sys
@@ -524,6 +525,8 @@ def main() -> None:
     if args.graph_probe:
         graph_probe(args.graph_probe)
         return
+    if os.environ.get("STRATA_ROWS_EARLY"):  # it wins over WORDS: the sweeps' cuda_early rows would lie
+        ap.error("unset STRATA_ROWS_EARLY: the sweeps set WORDS['cuda_early'] (--sweep-with cuda_early)")
     if args.sweep_with:
         sweeps, wanted = (WIDE_DECODE_SWEEP, SPLIT_SWEEP, WORDS_SWEEP), set(args.sweep_with.split(","))
         names = sorted({name for sweep in sweeps for knobs in sweep for name in knobs})

@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.tokens <= 8:
         ap.error("--tokens must be from 1 to 8")
-    ew.WORDS["cuda_early"] = args.early
+    os.environ["STRATA_ROWS_EARLY"] = "1" if args.early else "0"  # over WORDS and the caller's environment
     rng = np.random.default_rng(0)
     wtype = TYPES[args.type]
     # gguf quantizes Q4_0 / Q8_0 from floats, not the K-quants: random blocks with sane scales for those

@@ -51,7 +51,10 @@ def _pick(lg, k, ids, wts, p):
     for i in range(k):
         best = 0
         for e in range(1, X):
-            if p[e] > p[best]:  # strictly: the lower id keeps a tie
+            # strictly: the lower id keeps a tie; a NaN (a NaN or infinite logit) counts as the largest, as
+            # torch.topk's, so that k distinct experts are picked whatever the logits
+            a, b = p[e], p[best]
+            if a > b or (a != a and b == b):
                 best = e
         ids[i] = best
         wts[i] = p[best]
@@ -105,7 +108,7 @@ def _route_rows(x, w, k, ids, wts):
 def route_cpu_serves(x: Tensor, router_w, n_tokens: int) -> bool:
     """Whether moe.route of x [N, E] takes this module: a fused_small.fused_call (decode or verify window) on
     float32 CPU tensors, the router a float32 [X, E] matrix that autograd does not track."""
-    return (x.is_cpu and x.dtype == torch.float32 and isinstance(router_w, Tensor)
+    return (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and isinstance(router_w, Tensor)
             and router_w.dtype == torch.float32 and router_w.dim() == 2 and router_w.shape[1] == x.shape[-1]
             and not needs_grad(router_w) and fused_call(x, n_tokens))
 

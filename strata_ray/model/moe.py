@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from strata_ray.kernels.fused_small import fused_enabled, needs_grad, shared_act_fused
+from strata_ray.kernels.fused_small import fused_enabled, needs_grad, plain_f32, shared_act_fused
 from strata_ray.kernels.fused_small_cpu import (
     combine_cpu_serves,
     combine_rows_cpu,
@@ -36,7 +36,8 @@ def route(router_w: Tensor, x: Tensor, k: int,
 
     Calls of at most 16 tokens run two fused launches on CUDA (kernels/router), one numba call on the CPU
     (kernels/router_cpu)."""
-    if fused_enabled(x, x.shape[0]) and not needs_grad(router_w):  # the fused launches have no backward
+    # the fused launches take float32 logits and have no backward
+    if fused_enabled(x, x.shape[0]) and x.dtype == torch.float32 and not needs_grad(router_w):
         f32 = isinstance(router_w, Tensor) and router_w.dtype == torch.float32
         logits = router_logits(x, router_w) if f32 else ops.linear(x, router_w)  # [N, X]
         return route_topk(logits, k, out=out)
@@ -112,8 +113,8 @@ def shared_expert(w: Mapping[str, Tensor], layer: int, x: Tensor, out: Tensor | 
     p = f"blk.{layer}"
     w_gate_inp = w[f"{p}.ffn_gate_inp_shexp.weight"].reshape(1, -1)  # [1, E]: the output's sigmoid gate
     w_gate, w_up, w_down = (w[f"{p}.ffn_{part}_shexp.weight"] for part in ("gate", "up", "down"))
-    if (fused_enabled(x, x.shape[0]) and w_gate_inp.dtype == torch.float32
-            and not needs_grad(w_gate_inp, w_gate, w_up, w_down)):
+    if (fused_enabled(x, x.shape[0]) and plain_f32(x, w_gate_inp)
+            and not needs_grad(w_gate, w_up, w_down)):
         # three launches (a decode step on CUDA): the gate+up GEMV, silu(g) * u * sigmoid(x . w_gate_inp) in
         # one kernel, the down GEMV into `out`. The gate scales h before the down projection: the same
         # product up to rounding, without the seven launches of the form below

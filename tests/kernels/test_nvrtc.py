@@ -95,9 +95,14 @@ def test_a_launch_at_fault_raises_and_leaves_pdl_on(monkeypatch):
     import numpy as np
     import torch
 
+    from strata_ray.kernels.pdl import pdl_on_device
+
     if not (torch.cuda.is_available() and nvrtc.has_cupy()):
         pytest.skip("needs a CUDA GPU and cupy")
+    monkeypatch.delenv("STRATA_PDL", raising=False)
     monkeypatch.setattr(nvrtc, "_FAILED", set())
+    if not (pdl_on_device(0) and nvrtc._driver() is not None):
+        pytest.skip("needs PDL: sm_90 and cuda.bindings")
     kernel = nvrtc.build(_FILL, "fill", (), 0)
     out = torch.zeros(64, device="cuda")
     args = (nvrtc.ptr(out), np.int32(64), np.float32(3.0))
@@ -107,3 +112,25 @@ def test_a_launch_at_fault_raises_and_leaves_pdl_on(monkeypatch):
     nvrtc.launch(kernel, (1,), 64, args, 0, pdl=True)
     torch.cuda.synchronize()
     assert bool((out == 3.0).all())
+
+
+@pytest.mark.gpu
+def test_a_pdl_failure_where_cupy_launches_turns_pdl_off(monkeypatch, caplog):
+    """cuLaunchKernelEx failing where cupy's launch of the same kernel runs: PDL's fault (a driver or
+    cuda.bindings without it), so the kernels launch without it from then on, said once."""
+    import numpy as np
+    import torch
+
+    if not (torch.cuda.is_available() and nvrtc.has_cupy()):
+        pytest.skip("needs a CUDA GPU and cupy")
+    monkeypatch.delenv("STRATA_PDL", raising=False)
+    monkeypatch.setattr(nvrtc, "_FAILED", set())
+    monkeypatch.setattr(nvrtc, "pdl_on_device", lambda device: True)
+    monkeypatch.setattr(nvrtc, "_launch_pdl", lambda *a: RuntimeError("cuLaunchKernelEx: not supported"))
+    kernel = nvrtc.build(_FILL, "fill", (), 0)
+    out = torch.zeros(64, device="cuda")
+    with caplog.at_level("WARNING", logger=nvrtc.__name__):
+        nvrtc.launch(kernel, (1,), 64, (nvrtc.ptr(out), np.int32(64), np.float32(2.0)), 0, pdl=True)
+    torch.cuda.synchronize()
+    assert bool((out == 2.0).all()) and "pdl" in nvrtc._FAILED
+    assert "launch without PDL" in caplog.text

@@ -1,6 +1,7 @@
 """scripts/bench_kernels.py: its flags are refused with one line before any timing (the timing itself is a
 benchmark, run on the GPU machine, not a test)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ def test_bad_flags_are_refused_with_one_line():
         r = subprocess.run([sys.executable, SCRIPT, *flags, "--no-gpu"], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and message in r.stderr.splitlines()[-1], (flags, r.stderr)
+    r = subprocess.run([sys.executable, SCRIPT, "--no-gpu"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "STRATA_ROWS_EARLY": "1"})
+    assert r.returncode == 2 and "unset STRATA_ROWS_EARLY" in r.stderr.splitlines()[-1], r.stderr
 
 
 def test_every_sweep_knob_names_a_setting_the_kernels_read(monkeypatch):
