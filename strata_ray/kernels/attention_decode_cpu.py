@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .fused_small import fused_call, needs_grad
-from .fused_small_cpu import as_array
+from .fused_small_cpu import as_array, dot_lanes
 
 # H * S * D (query heads x keys x head size) up to which the numba call runs. Measured on the 2-core VM
 # (scripts/bench_cpu_decode_ops.py, BENCHMARKS "Session 48"): 4 heads of 32 over 2 kv heads, 1.1-1.8x the
@@ -42,25 +42,12 @@ def _one_query(q, keys, values, scale, out):
     H, D = q.shape
     S, Hkv = keys.shape[0], keys.shape[1]
     rep = H // Hkv
-    D8 = D - D % 8
     scores = np.empty(S, np.float32)
     acc = np.empty(D, np.float32)
     for h in range(H):
         g = h // rep
         for s in range(S):  # each score's sum as 8 lanes (lane j: d = j mod 8, in order), added in a tree
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-            for d in range(0, D8, 8):
-                a0 += q[h, d] * keys[s, g, d]
-                a1 += q[h, d + 1] * keys[s, g, d + 1]
-                a2 += q[h, d + 2] * keys[s, g, d + 2]
-                a3 += q[h, d + 3] * keys[s, g, d + 3]
-                a4 += q[h, d + 4] * keys[s, g, d + 4]
-                a5 += q[h, d + 5] * keys[s, g, d + 5]
-                a6 += q[h, d + 6] * keys[s, g, d + 6]
-                a7 += q[h, d + 7] * keys[s, g, d + 7]
-            for d in range(D8, D):
-                a0 += q[h, d] * keys[s, g, d]
-            scores[s] = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+            scores[s] = dot_lanes(q[h], keys[s, g])
         top = np.float32(-np.inf)
         for s in range(S):
             scores[s] *= np.float32(scale)

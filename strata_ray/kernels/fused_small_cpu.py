@@ -46,6 +46,28 @@ def _norm_row(src, w, eps, dest):
         dest[i] = (src[i] * inv) * w[i]
 
 
+@numba.njit(nogil=True, inline="always")
+def dot_lanes(a, b):
+    """a . b (f32 [n] each) as 8 float32 lanes (lane j: the values j, j + 8, ... in order; the tail's in
+    lane 0 .. n % 8 - 1) added in a fixed tree: one order, which the compiler packs into a vector (a dot in
+    index order does not vectorize). The attention core's scores and the router's logits."""
+    n = a.shape[0]
+    n8 = n - n % 8
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for i in range(0, n8, 8):
+        a0 += a[i] * b[i]
+        a1 += a[i + 1] * b[i + 1]
+        a2 += a[i + 2] * b[i + 2]
+        a3 += a[i + 3] * b[i + 3]
+        a4 += a[i + 4] * b[i + 4]
+        a5 += a[i + 5] * b[i + 5]
+        a6 += a[i + 6] * b[i + 6]
+        a7 += a[i + 7] * b[i + 7]
+    for i in range(n8, n):
+        a0 += a[i] * b[i]
+    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+
+
 @numba.njit(nogil=True, cache=True)
 def _rms_norm_rows(x, d, w, eps, add, out, sums):
     """x, out f32 [R, n] (out may be x), w f32 [n], eps a float. add: each row is x + d (d f32 [R, n]),

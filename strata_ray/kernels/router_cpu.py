@@ -5,9 +5,9 @@ torch's F.linear, softmax, topk, sum and divide cost ~25 us a layer on the 2-cor
 Here:
 
 - `_route_rows`: each expert's logit as a float32 dot of 8 lanes (lane j sums the values j, j + 8, ... in
-  order) added in a fixed tree, as kernels/attention_decode_cpu's scores (one order, which the compiler packs
-  into a vector), for matrices of at most SMALL_ROUTER values; larger ones (a 512 x 2048 router) take
-  F.linear's logits, which a numba GEMV does not beat (session 48: 2-3x slower), and `_pick_rows` alone;
+  order) added in a fixed tree (fused_small_cpu.dot_lanes, as kernels/attention_decode_cpu's scores), for
+  matrices of at most SMALL_ROUTER values; larger ones (a 512 x 2048 router) take F.linear's logits, which a
+  numba GEMV does not beat (session 48: 2-3x slower), and `_pick_rows` alone;
 - `_pick_rows`: softmax (the max subtracted, exp in float32, the sum in float64 in index order), then the
   k largest by k arg-max passes (ties: the lower expert id, as the CUDA kernel), divided by their sum taken
   in pick order.
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .fused_small import fused_call, needs_grad
-from .fused_small_cpu import as_array
+from .fused_small_cpu import as_array, dot_lanes
 
 # experts x width up to which the logits are the numba dot's (F.linear's past it). On the 2-core VM a whole
 # route of one token: 16 x 128 11.8 us (F.linear + the picks 16.1), 64 x 512 24.4 (24.3), 64 x 1024 34.1
@@ -72,27 +72,6 @@ def _pick_rows(logits, k, ids, wts):
         _pick(logits[t], k, ids[t], wts[t], p)
 
 
-@numba.njit(nogil=True, inline="always")
-def _dot_lanes(a, b):
-    """a . b (f32 [n] each) as 8 float32 lanes (lane j: the values j, j + 8, ... in order; the tail's in
-    lane 0 .. n % 8 - 1) added in a fixed tree."""
-    n = a.shape[0]
-    n8 = n - n % 8
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-    for i in range(0, n8, 8):
-        a0 += a[i] * b[i]
-        a1 += a[i + 1] * b[i + 1]
-        a2 += a[i + 2] * b[i + 2]
-        a3 += a[i + 3] * b[i + 3]
-        a4 += a[i + 4] * b[i + 4]
-        a5 += a[i + 5] * b[i + 5]
-        a6 += a[i + 6] * b[i + 6]
-        a7 += a[i + 7] * b[i + 7]
-    for i in range(n8, n):
-        a0 += a[i] * b[i]
-    return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-
-
 @numba.njit(nogil=True, cache=True)
 def _route_rows(x, w, k, ids, wts):
     """x f32 [T, E], router w f32 [X, E] -> ids int64 [T, k], wts f32 [T, k]."""
@@ -101,7 +80,7 @@ def _route_rows(x, w, k, ids, wts):
     p = np.empty(X, np.float32)
     for t in range(x.shape[0]):
         for e in range(X):
-            lg[e] = _dot_lanes(x[t], w[e])
+            lg[e] = dot_lanes(x[t], w[e])
         _pick(lg, k, ids[t], wts[t], p)
 
 
