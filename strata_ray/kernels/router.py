@@ -113,20 +113,27 @@ def logits_tiles(n: int, k: int) -> tuple[int, int]:
     return (2 if n >= 4096 else 1), min(2048, max(16, next_pow2(k)))
 
 
+def check_topk(k: int, X: int, out: tuple[Tensor, Tensor] | None, T: int, who: str) -> None:
+    """ValueError (one line, naming `who`) unless 0 < k <= X and `out`, where given, is two contiguous tensors
+    of T x k: ids int64 and weights float32 (route_topk's and router_cpu.route_cpu's rule)."""
+    if not 0 < k <= X:
+        raise ValueError(f"{who}: k={k} of {X} experts")
+    if out is not None and (out[0].shape != (T, k) or out[1].shape != (T, k) or out[0].dtype != torch.int64
+                            or out[1].dtype != torch.float32
+                            or not (out[0].is_contiguous() and out[1].is_contiguous())):
+        raise ValueError(f"{who}: out must be contiguous int64 and float32 [{T}, {k}]")
+
+
 def route_topk(logits: Tensor, k: int, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """route_reference in one launch: logits [T, X] -> (ids [T, K] int64, weights [T, K] float32), into
     `out` (two contiguous tensors of those shapes and types) when given."""
     T, X = logits.shape
-    if not 0 < k <= X:
-        raise ValueError(f"route_topk: k={k} of {X} experts")
+    check_topk(k, X, out, T, "route_topk")
     if out is None:
         ids = torch.empty((T, k), dtype=torch.int64, device=logits.device)
         wts = torch.empty((T, k), dtype=torch.float32, device=logits.device)
     else:
         ids, wts = out
-        if (ids.shape != (T, k) or wts.shape != (T, k) or ids.dtype != torch.int64
-                or wts.dtype != torch.float32 or not (ids.is_contiguous() and wts.is_contiguous())):
-            raise ValueError(f"route_topk: out must be contiguous int64 and float32 [{T}, {k}]")
     if T:
         bx, bkp = next_pow2(X), max(2, next_pow2(k))
         # one warp up to 1024 experts: the k arg-max passes reduce by shuffles alone (4 warps: 2k block-wide

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .fused_small import fused_call, needs_grad
 from .fused_small_cpu import as_array, dot_lanes
+from .router import check_topk
 
 # experts x width up to which the logits are the numba dot's (F.linear's past it). On the 2-core VM a whole
 # route of one token: 16 x 128 11.8 us (F.linear + the picks 16.1), 64 x 512 24.4 (24.3), 64 x 1024 34.1
@@ -97,16 +98,11 @@ def route_cpu(x: Tensor, router_w: Tensor, k: int,
     """moe.route on float32 CPU tensors: x [N, E], router_w [X, E] -> (ids [N, K] int64, weights [N, K]
     float32), into `out` (two contiguous tensors of those shapes and types) when given."""
     N = x.shape[0]
-    X = router_w.shape[0]
-    if not 0 < k <= X:
-        raise ValueError(f"route_cpu: k={k} of {X} experts")
+    check_topk(k, router_w.shape[0], out, N, "route_cpu")
     if out is None:
         ids_a, wts_a = np.empty((N, k), np.int64), np.empty((N, k), np.float32)
         out = torch.from_numpy(ids_a), torch.from_numpy(wts_a)
     else:
-        if (out[0].shape != (N, k) or out[1].shape != (N, k) or out[0].dtype != torch.int64
-                or out[1].dtype != torch.float32 or not (out[0].is_contiguous() and out[1].is_contiguous())):
-            raise ValueError(f"route_cpu: out must be contiguous int64 and float32 [{N}, {k}]")
         ids_a, wts_a = out[0].numpy(), out[1].numpy()
     if N:
         if router_w.numel() <= SMALL_ROUTER:
