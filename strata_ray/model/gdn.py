@@ -56,12 +56,11 @@ def gdn_block(hp: HParams, w: Mapping[str, Tensor], layer: int, x: Tensor, st: G
     # [T, conv_dim] channels q | k | v; [T, nv * dv]; [T, nk * 2r] grouped per k-head: [b (r), a (r)]
     mixed, z, ba = ops.linear_rows(x, [w[f"{p}.{n}.weight"] for n in ("attn_qkv", "attn_gate", "ssm_ba")])
     step_w = [w[f"{p}.{n}"] for n in ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias", "ssm_norm.weight")]
+    plain = plain_f32(mixed, z, ba, st.S, st.conv, *step_w)  # what the fused steps take
     core = gdn_step_reference
-    if not plain_f32(mixed, z, ba, st.S, st.conv, *step_w):  # what the fused steps take
-        pass
-    elif T and fused_enabled(x, T) and gdn_step_supports(dims):
+    if plain and T and fused_enabled(x, T) and gdn_step_supports(dims):
         core = gdn_step
-    elif cpu_step_serves(x, T, dims):
+    elif plain and cpu_step_serves(x, T, dims):
         core = gdn_step_cpu
     fused = core is not gdn_step_reference
     extra = {} if fused else {"pos0": pos0}  # the fused steps are recurrent only (T <= 16 < 64)
