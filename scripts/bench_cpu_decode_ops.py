@@ -1,14 +1,16 @@
 """A CPU decode step's small numba calls against their torch twins (a script, not a test): us a call.
 
     python scripts/bench_cpu_decode_ops.py [--embd 128] [--heads 4,2,32] [--n-rot 16] [--ff 512]
-        [--keys 64,512,2048] [--reps 2000]
+        [--keys 64,512,2048] [--experts 16] [--top-k 2] [--reps 2000]
 
 Times, on one torch thread (as the decode runs on a small host), each of kernels/fused_small_cpu's calls and
 kernels/attention_decode_cpu's one-query core beside the torch form it replaces, at one token: the RMSNorm of
 an [1, embd] row, the residual add and norm, the shared expert's activation ([1, ff]), the attention's q / k
-head norms and rope, and the attention core over each key count. The defaults are the embedded model's
-shapes. A line a call: the torch form's median, the numba form's median, their ratio, and whether the numba
-form is within the bound its dispatch applies (the attention's ONE_QUERY_MAX_WORK).
+head norms and rope, the attention core over each key count, the MoE router ([experts, embd], top-k; its
+numba dots up to router_cpu.SMALL_ROUTER values, F.linear's logits past it) and the combine of the k expert
+rows (against the numpy form it replaced). The defaults are the embedded model's shapes. A line a call: the
+torch form's median, the numba form's median, their ratio, and whether the numba form is within the bound its
+dispatch applies (the attention's ONE_QUERY_MAX_WORK, the router's SMALL_ROUTER for its dots).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from strata_ray.config import int_list
 from strata_ray.kernels import attention_decode_cpu as attn_cpu
 from strata_ray.kernels import fused_small_cpu as small_cpu
+from strata_ray.kernels import router_cpu
 from strata_ray.kernels.fused_small import shared_act_reference
 from strata_ray.kernels.norm_rope import norm_rope_reference
-from strata_ray.model import ops
+from strata_ray.kernels.router import route_reference
+from strata_ray.model import moe, ops
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
@@ -67,6 +71,13 @@ def cases(args) -> list[tuple[str, Callable[[], object], Callable[[], object], b
         out.append((f"attention, {S} keys", lambda k=k, v=v: ops.attention_one_query(q, k, v, D**-0.5),
                     lambda k=k, v=v: attn_cpu.one_query_cpu(q, k, v, D**-0.5),
                     attn_cpu.one_query_cpu_serves(q, k, v)))
+    X, K = args.experts, args.top_k
+    router_w = torch.randn(X, E, generator=g)
+    out.append((f"router {X} x {E}, top-{K}", lambda: route_reference(ops.linear(x, router_w), K),
+                lambda: router_cpu.route_cpu(x, router_w, K), router_w.numel() <= router_cpu.SMALL_ROUTER))
+    rows, wts = torch.randn(1, K, E, generator=g), torch.rand(1, K, generator=g)
+    out.append((f"combine of {K} rows", lambda: moe.combine_rows_numpy(rows, wts),
+                lambda: small_cpu.combine_rows_cpu(rows, wts), True))
     return out
 
 
@@ -79,12 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ff", type=int, default=512, help="the shared expert's hidden width; default 512")
     ap.add_argument("--keys", type=int_list(1), default=(64, 512, 2048),
                     help="key counts of the attention core; default 64,512,2048")
+    ap.add_argument("--experts", type=int, default=16, help="the router's experts; default 16")
+    ap.add_argument("--top-k", type=int, default=2, help="experts a token (router and combine); default 2")
     ap.add_argument("--reps", type=int, default=2000, help="calls a timing round (5 rounds); default 2000")
     args = ap.parse_args(argv)
     if len(args.heads) != 3 or args.heads[0] % args.heads[1]:
         ap.error("--heads: three counts, query heads a multiple of kv heads")
     if args.n_rot % 2 or not 0 < args.n_rot <= args.heads[2]:
         ap.error("--n-rot: an even count of at most the head size")
+    if not 1 <= args.top_k <= args.experts:
+        ap.error("--top-k: at least 1 and at most --experts")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     torch.set_num_threads(1)

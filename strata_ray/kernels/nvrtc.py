@@ -180,14 +180,21 @@ def _launch_pdl(kernel, grid: tuple[int, ...], block: int, args: tuple, stream: 
             func, cfg, params = _pdl_config(cu, kernel, grid, block, args, stream, shared_mem)
             (err,) = cu.cuLaunchKernelEx(cfg, func, params, 0)
     except Exception as e:  # an older or newer cuda.bindings (its config, its packing), cupy's build
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing(device):
             raise
         err = e
     if err == cu.CUresult.CUDA_SUCCESS:
         return True
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         raise RuntimeError(f"cuLaunchKernelEx: {err}")
     return err if err is not None else RuntimeError("cuLaunchKernelEx: no result")
+
+
+def _capturing(device: int) -> bool:
+    """Whether torch's current stream of `device` (launch's stream) is capturing a graph: asked with that
+    device current, since from another device's context torch would answer for that device's stream."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _pdl_config(cu, kernel, grid: tuple[int, ...], block: int, args: tuple, stream: int, shared_mem: int):

@@ -62,16 +62,21 @@ def combine_rows(rows: Tensor, weights: Tensor) -> Tensor:
         return combine_rows_cpu(rows, weights)
     if (rows.device.type == "cpu" and rows.dtype == weights.dtype == torch.float32
             and not needs_grad(rows, weights)):
-        r, w = rows.detach().numpy(), weights.detach().numpy()  # views: [N, K, E], [N, K]
-        acc = r[:, 0] * w[:, 0:1]
-        for k in range(1, r.shape[1]):
-            acc = acc + r[:, k] * w[:, k : k + 1]
-        return torch.from_numpy(acc)
+        return combine_rows_numpy(rows, weights)
     slot_rows, slot_weights = rows.unbind(1), weights.split(1, dim=1)  # K views each: [N, E], [N, 1]
     out = slot_rows[0] * slot_weights[0]
     for row, weight in zip(slot_rows[1:], slot_weights[1:], strict=True):
         out = out + row * weight
     return out
+
+
+def combine_rows_numpy(rows: Tensor, weights: Tensor) -> Tensor:
+    """combine_rows' bits on float32 CPU tensors through numpy: rows [N, K, E], weights [N, K] -> [N, E]."""
+    r, w = rows.detach().numpy(), weights.detach().numpy()  # views: [N, K, E], [N, K]
+    acc = r[:, 0] * w[:, 0:1]
+    for k in range(1, r.shape[1]):
+        acc = acc + r[:, k] * w[:, k : k + 1]
+    return torch.from_numpy(acc)
 
 
 class FloatExperts:
