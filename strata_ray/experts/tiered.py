@@ -45,6 +45,7 @@ from strata_ray.kernels.expert_cpu import (
     token_layer,
 )
 from strata_ray.kernels.tile_plan import plan_tiles_host
+from strata_ray.kernels.token_moe_cpu import token_moe_cpu, token_moe_cpu_serves
 from strata_ray.model.moe import combine_rows
 
 # a loan (the ring's slots while decoding): pairs copied at each window boundary, ~113 MB for the 80b-a3b's
@@ -283,28 +284,19 @@ class TieredExperts:
             clock.point(layer, "sync")  # the routing's copy to the host (the device idles after it)
         t0 = time.perf_counter()
         m = ids_h.size
-        tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
         trunk = layer < self.n_layers
         slot = self.residency.layer_slots(layer)[ids_h] if trunk else np.full(m, -1, np.int32)
+        if m and not self.cache.is_cuda and not (slot >= 0).any():
+            # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
+            # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
+            return self._all_cpu(layer, x_h, ids_h, weights, n_tok, decode, t0)
+        tok = np.arange(m, dtype=np.int64) // k  # entry m = token m // K, slot m % K
         hit = np.flatnonzero(slot >= 0)
         miss = np.flatnonzero(slot < 0)
         stream_misses = self.cache.is_cuda and not decode and miss.size > 0 and self.cache.ring_slots > 0
         cpu_misses = miss.size > 0 and not stream_misses
         if cpu_misses and x_h is None:  # a prompt chunk on CUDA without ring slots
             x_h = x.detach().float().cpu().numpy()
-        if cpu_misses and miss.size == m and not self.cache.is_cuda:
-            # every entry goes to the CPU pool and nothing can overlap it: compute here, in entry order,
-            # without the helper thread's two handoffs or the scatter into `rows` (same kernel, same bits)
-            t1 = time.perf_counter()
-            pool = self.pool_for(ids_h)
-            one = self._token_layer(layer) if n_tok == 1 and pool is self._one_thread else None
-            cpu_rows = (expert_ffn_cpu_token(x_h, ids_h, one) if one is not None  # the same bits, less Python
-                        else expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=pool))
-            self.count_cpu_seconds(time.perf_counter() - t1, decode)
-            out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
-            if trunk:
-                self.count_entries(layer, ids_h, n_tok, 0, m, decode, t1 - t0)
-            return out
         rows = torch.empty((m, x.shape[1]), dtype=torch.float32, device=self.device)  # [M, E]
         cpu_job: Future | None = None
         if cpu_misses:  # CPU work first: it runs while the cache tier computes
@@ -340,6 +332,28 @@ class TieredExperts:
             self.count_entries(layer, ids_h, n_tok, hit.size, miss.size, decode, host)
         return out
 
+    def _all_cpu(self, layer: int, x_h: np.ndarray, ids_h: np.ndarray, weights: torch.Tensor, n_tok: int,
+                 decode: bool, t0: float) -> torch.Tensor:
+        """A layer off CUDA whose every entry is the CPU pool's: its rows and their combine on this thread.
+        One token on one thread takes token_moe_cpu (one numba call: the rows and the combine, the bits of
+        the two calls); its time, combine included (~1 us), is counted as CPU-pool time."""
+        t1 = time.perf_counter()
+        k = ids_h.size // n_tok
+        pool = self.pool_for(ids_h)
+        one = self._token_layer(layer) if n_tok == 1 and pool is self._one_thread else None
+        if one is not None and token_moe_cpu_serves(weights):
+            out = torch.from_numpy(token_moe_cpu(x_h, ids_h, weights.detach().float().numpy(), one))
+            self.count_cpu_seconds(time.perf_counter() - t1, decode)
+        else:
+            tok = np.arange(ids_h.size, dtype=np.int64) // k  # entry m = token m // K, slot m % K
+            cpu_rows = (expert_ffn_cpu_token(x_h, ids_h, one) if one is not None  # the same bits, less Python
+                        else expert_ffn_cpu(x_h, tok, ids_h, self.store.layer(layer), pool=pool))
+            self.count_cpu_seconds(time.perf_counter() - t1, decode)
+            out = combine_rows(torch.from_numpy(cpu_rows).view(n_tok, k, -1), weights.float())
+        if layer < self.n_layers:
+            self.count_entries(layer, ids_h, n_tok, 0, ids_h.size, decode, t1 - t0)
+        return out
+
     def _combine(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """combine_rows; on CUDA the one-launch kernel with the same bits."""
         if self.cache.is_cuda:
@@ -368,9 +382,10 @@ class TieredExperts:
     def warm_up(self) -> float:
         """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's
         a few seconds), so that load time includes it and the first request's timings are real ones.
-        Computes one expert row on zeros through each path: CPU one thread, the CPU pool (when this model's
-        calls can reach it), and on CUDA the cache's decode kernel and the row combine; first resolves an
-        unset PCIe share (the load's compiles are done by then). Returns seconds."""
+        Computes one expert row on zeros through each path: CPU one thread (off CUDA, the one-token form
+        with its combine too), the CPU pool (when this model's calls can reach it), and on CUDA the cache's
+        decode kernel and the row combine; first resolves an unset PCIe share (the load's compiles are done
+        by then). Returns seconds."""
         self.resolve_pcie_share()
         t = time.perf_counter()
         layer = min(self.store.layers)
@@ -378,6 +393,9 @@ class TieredExperts:
         x = np.zeros((1, lay.n_embd), np.float32)
         one = np.zeros(1, np.int64)
         expert_ffn_cpu(x, one, one, lay, pool=self._one_thread)
+        token = self._token_layer(layer)
+        if not self.cache.is_cuda and token is not None:  # the CPU backend's decode layers (_all_cpu)
+            token_moe_cpu(x, one, np.ones((1, 1), np.float32), token)
         # the pool's parallel kernel (its first compile takes minutes) only where a call can reach the pool:
         # a prompt chunk that touches every expert of a layer
         if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:

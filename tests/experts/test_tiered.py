@@ -62,8 +62,10 @@ def test_rows_match_the_kernel_reference(tiny_next):
 
 
 def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next, monkeypatch):
-    """A decode token whose entries all go to the one-thread CPU tier runs expert_ffn_cpu_token (checked
-    once a layer) and gives expert_ffn_cpu's bits; two tokens keep the general form."""
+    """A decode token whose entries all go to the one-thread CPU tier runs token_moe_cpu (its rows and their
+    combine in one call; the layer's views checked once) and gives expert_ffn_cpu's rows combined, bit for
+    bit; two tokens keep the general form; where token_moe_cpu does not serve (STRATA_FUSED_DECODE=0, as
+    weights tracked by autograd), expert_ffn_cpu_token and combine_rows, the same bits again."""
     import strata_ray.experts.tiered as tiered_module
 
     _, tiers = load_tiered_model(config(tiny_next, expert_cache=0, adapt_every=0), "cpu", progress=False)
@@ -71,15 +73,25 @@ def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next
     x = torch.randn(2, n_embd, generator=torch.Generator().manual_seed(3))
     ids, w = torch.tensor([[4, 6], [6, 2]]), torch.tensor([[0.7, 0.3], [0.55, 0.45]])
     calls, checks = [], []
-    token_form, checked = tiered_module.expert_ffn_cpu_token, tiered_module.token_layer
-    monkeypatch.setattr(tiered_module, "expert_ffn_cpu_token", lambda *a: calls.append(1) or token_form(*a))
+    fused, token_form, checked = (tiered_module.token_moe_cpu, tiered_module.expert_ffn_cpu_token,
+                                  tiered_module.token_layer)
+    monkeypatch.setattr(tiered_module, "token_moe_cpu", lambda *a: calls.append("fused") or fused(*a))
+    monkeypatch.setattr(tiered_module, "expert_ffn_cpu_token",
+                        lambda *a: calls.append("rows") or token_form(*a))
     monkeypatch.setattr(tiered_module, "token_layer", lambda lay: checks.append(1) or checked(lay))
     one = tiers(layer, x[:1], ids[:1], w[:1])
-    assert calls == [1] and checks == [1]
+    assert calls == ["fused"] and checks == [1]
     both = tiers(layer, x, ids, w)  # two tokens: expert_ffn_cpu, whose first row is the same token's
-    assert calls == [1] and torch.equal(one, both[:1])
+    assert calls == ["fused"] and torch.equal(one, both[:1])
     assert torch.equal(tiers(layer, x[:1], ids[:1], w[:1]), one)
-    assert calls == [1, 1] and checks == [1]  # the layer's views kept, not checked again
+    assert calls == ["fused"] * 2 and checks == [1]  # the layer's views kept, not checked again
+    monkeypatch.setenv("STRATA_FUSED_DECODE", "0")
+    assert torch.equal(tiers(layer, x[:1], ids[:1], w[:1]), one)
+    monkeypatch.delenv("STRATA_FUSED_DECODE")
+    tracked = w[:1].clone().requires_grad_()
+    out = tiers(layer, x[:1], ids[:1], tracked)
+    assert torch.equal(out.detach(), one) and out.requires_grad  # the combine's gradient is torch's
+    assert calls == ["fused"] * 2 + ["rows"] * 2 and checks == [1]
 
 
 @pytest.mark.parametrize("room", [True, False])
