@@ -1,16 +1,18 @@
 """A CPU decode step's small numba calls against their torch twins (a script, not a test): us a call.
 
     python scripts/bench_cpu_decode_ops.py [--embd 128] [--heads 4,2,32] [--n-rot 16] [--ff 512]
-        [--keys 64,512,2048] [--experts 16] [--top-k 2] [--reps 2000]
+        [--keys 64,512,2048] [--experts 16] [--top-k 2] [--expert-ff 128] [--reps 2000]
 
 Times, on one torch thread (as the decode runs on a small host), each of kernels/fused_small_cpu's calls and
 kernels/attention_decode_cpu's one-query core beside the torch form it replaces, at one token: the RMSNorm of
 an [1, embd] row, the residual add and norm, the shared expert's activation ([1, ff]), the attention's q / k
 head norms and rope, the attention core over each key count, the MoE router ([experts, embd], top-k; its
 numba dots up to router_cpu.SMALL_ROUTER values, F.linear's logits past it) and the combine of the k expert
-rows (against the numpy form it replaced). The defaults are the embedded model's shapes. A line a call: the
-torch form's median, the numba form's median, their ratio, and whether the numba form is within the bound its
-dispatch applies (the attention's ONE_QUERY_MAX_WORK, the router's SMALL_ROUTER for its dots).
+rows (against the numpy form it replaced), and a token's Q8_0 experts with that combine in one call
+(kernels/token_moe_cpu, against expert_ffn_cpu_token then combine_rows). The defaults are the embedded
+model's shapes. A line a call: the torch form's median, the numba form's median, their ratio, and whether
+the numba form is within the bound its dispatch applies (the attention's ONE_QUERY_MAX_WORK, the router's
+SMALL_ROUTER for its dots).
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import sys
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from strata_ray.config import int_list
 from strata_ray.kernels import attention_decode_cpu as attn_cpu
 from strata_ray.kernels import fused_small_cpu as small_cpu
-from strata_ray.kernels import router_cpu
+from strata_ray.kernels import router_cpu, token_moe_cpu
+from strata_ray.kernels.contract import Q8_0
+from strata_ray.kernels.expert_cpu import expert_ffn_cpu_token, token_layer
 from strata_ray.kernels.fused_small import shared_act_reference
 from strata_ray.kernels.norm_rope import norm_rope_reference
+from strata_ray.kernels.random_weights import random_layer
 from strata_ray.kernels.router import route_reference
 from strata_ray.model import moe, ops
 
@@ -78,6 +84,15 @@ def cases(args) -> list[tuple[str, Callable[[], object], Callable[[], object], b
     rows, wts = torch.randn(1, K, E, generator=g), torch.rand(1, K, generator=g)
     out.append((f"combine of {K} rows", lambda: moe.combine_rows_numpy(rows, wts),
                 lambda: small_cpu.combine_rows_cpu(rows, wts), True))
+    tl = token_layer(random_layer(np.random.default_rng(0), X, E, args.expert_ff, (Q8_0,) * 3))
+    x_h, ids_h, wts_h = x.numpy(), np.arange(K, dtype=np.int64), wts.numpy()
+
+    def rows_then_combine():
+        rows_h = torch.from_numpy(expert_ffn_cpu_token(x_h, ids_h, tl))[None]  # [1, K, E]
+        return small_cpu.combine_rows_cpu(rows_h, wts)
+
+    out.append((f"{K} experts + combine", rows_then_combine,
+                lambda: token_moe_cpu.token_moe_cpu(x_h, ids_h, wts_h, tl), True))
     return out
 
 
@@ -92,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="key counts of the attention core; default 64,512,2048")
     ap.add_argument("--experts", type=int, default=16, help="the router's experts; default 16")
     ap.add_argument("--top-k", type=int, default=2, help="experts a token (router and combine); default 2")
+    ap.add_argument("--expert-ff", type=int, default=128,
+                    help="the routed experts' hidden width (a multiple of 32); default 128")
     ap.add_argument("--reps", type=int, default=2000, help="calls a timing round (5 rounds); default 2000")
     args = ap.parse_args(argv)
     if len(args.heads) != 3 or args.heads[0] % args.heads[1]:
@@ -100,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--n-rot: an even count of at most the head size")
     if not 1 <= args.top_k <= args.experts:
         ap.error("--top-k: at least 1 and at most --experts")
+    if args.expert_ff < 32 or args.expert_ff % 32 or args.embd % 32:
+        ap.error("--expert-ff and --embd: multiples of 32 (the Q8_0 experts' blocks)")
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     torch.set_num_threads(1)

@@ -13,13 +13,14 @@ def _run(*args) -> subprocess.CompletedProcess:
 
 
 def test_a_line_a_call_with_its_ratio():
-    r = _run("--embd", 16, "--heads", "2,1,8", "--n-rot", 4, "--ff", 8, "--keys", "1,5", "--experts", 5,
-             "--top-k", 3, "--reps", 2)
+    r = _run("--embd", 32, "--heads", "2,1,8", "--n-rot", 4, "--ff", 8, "--keys", "1,5", "--experts", 5,
+             "--top-k", 3, "--expert-ff", 64, "--reps", 2)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     names = [line[:24].strip() for line in lines[1:]]
     assert names == ["rms_norm", "add + rms_norm", "shared activation", "q / k norm + rope",
-                     "attention, 1 keys", "attention, 5 keys", "router 5 x 16, top-3", "combine of 3 rows"]
+                     "attention, 1 keys", "attention, 5 keys", "router 5 x 32, top-3", "combine of 3 rows",
+                     "3 experts + combine"]
     for line in lines[1:]:
         torch_us, numba_us, ratio, taken = line[24:].split()
         assert float(torch_us) > 0 and float(numba_us) > 0 and taken == "yes"
@@ -29,7 +30,7 @@ def test_a_line_a_call_with_its_ratio():
 def test_bad_flags_are_refused_with_one_line():
     bad = ((("--heads", "3,2,8"), "--heads"), (("--n-rot", 5), "--n-rot"), (("--reps", 0), "--reps"),
            (("--keys", "0"), "--keys"), (("--experts", 4, "--top-k", 5), "--top-k"),
-           (("--top-k", 0), "--top-k"))
+           (("--top-k", 0), "--top-k"), (("--expert-ff", 48), "--expert-ff"), (("--embd", 40), "--embd"))
     for args, word in bad:
         r = _run(*args)
         assert r.returncode == 2 and word in r.stderr.splitlines()[-1], r.stderr
