@@ -9,10 +9,10 @@ an [1, embd] row, the residual add and norm, the shared expert's activation ([1,
 head norms and rope, the attention core over each key count, the MoE router ([experts, embd], top-k; its
 numba dots up to router_cpu.SMALL_ROUTER values, F.linear's logits past it) and the combine of the k expert
 rows (against the numpy form it replaced), and a token's Q8_0 experts with that combine in one call
-(kernels/token_moe_cpu, against expert_ffn_cpu_token then combine_rows). The defaults are the embedded
-model's shapes. A line a call: the torch form's median, the numba form's median, their ratio, and whether
-the numba form is within the bound its dispatch applies (the attention's ONE_QUERY_MAX_WORK, the router's
-SMALL_ROUTER for its dots).
+(kernels/token_moe_cpu.TokenMoe, against expert_ffn_cpu_token then combine_rows). The defaults are the
+embedded model's shapes. A line a call: the torch form's median, the numba form's median, their ratio, and
+whether the numba form is within the bound its dispatch applies (the attention's ONE_QUERY_MAX_WORK, the
+router's SMALL_ROUTER for its dots).
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import torch
 from strata_ray.config import int_list
 from strata_ray.kernels import attention_decode_cpu as attn_cpu
 from strata_ray.kernels import fused_small_cpu as small_cpu
-from strata_ray.kernels import router_cpu, token_moe_cpu
+from strata_ray.kernels import router_cpu
 from strata_ray.kernels.contract import Q8_0
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu_token, token_layer
 from strata_ray.kernels.fused_small import shared_act_reference
 from strata_ray.kernels.norm_rope import norm_rope_reference
 from strata_ray.kernels.random_weights import random_layer
 from strata_ray.kernels.router import route_reference
+from strata_ray.kernels.token_moe_cpu import TokenMoe
 from strata_ray.model import moe, ops
 
 
@@ -86,13 +87,14 @@ def cases(args) -> list[tuple[str, Callable[[], object], Callable[[], object], b
                 lambda: small_cpu.combine_rows_cpu(rows, wts), True))
     tl = token_layer(random_layer(np.random.default_rng(0), X, E, args.expert_ff, (Q8_0,) * 3))
     x_h, ids_h, wts_h = x.numpy(), np.arange(K, dtype=np.int64), wts.numpy()
+    token_moe = TokenMoe(tl)
 
     def rows_then_combine():
         rows_h = torch.from_numpy(expert_ffn_cpu_token(x_h, ids_h, tl))[None]  # [1, K, E]
         return small_cpu.combine_rows_cpu(rows_h, wts)
 
     out.append((f"{K} experts + combine", rows_then_combine,
-                lambda: token_moe_cpu.token_moe_cpu(x_h, ids_h, wts_h, tl), True))
+                lambda: token_moe(x_h, ids_h, wts_h), True))
     return out
 
 

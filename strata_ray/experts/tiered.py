@@ -45,7 +45,7 @@ from strata_ray.kernels.expert_cpu import (
     token_layer,
 )
 from strata_ray.kernels.tile_plan import plan_tiles_host
-from strata_ray.kernels.token_moe_cpu import token_moe_cpu, token_moe_cpu_serves
+from strata_ray.kernels.token_moe_cpu import TokenMoe, token_moe_cpu_serves
 from strata_ray.model.moe import combine_rows
 
 # a loan (the ring's slots while decoding): pairs copied at each window boundary, ~113 MB for the 80b-a3b's
@@ -203,7 +203,8 @@ class TieredExperts:
         spin_default(spare_core=cuda and cpu_count() > 2)  # the pool's threads spin between decode calls
         self.pool = pool or (CpuPool(cuda_pool_threads()) if cuda else default_pool())
         self._one_thread = CpuPool(1)  # runs jobs in the caller; never starts a thread
-        self._token_layers: dict[int, tuple] = {}  # _token_layer's (layer, TokenLayer or None), by layer
+        # _token_forms' (layer, TokenLayer or None, its TokenMoe or None), by layer
+        self._token_layers: dict[int, tuple] = {}
         self._blob_bytes = store.max_blob  # one expert's gate+up+down bytes (the largest layer's)
         self.rounds = rounds  # LocalRounds / CoordinatorRounds / None (no adaptive rounds)
         self.prior = prior
@@ -335,14 +336,14 @@ class TieredExperts:
     def _all_cpu(self, layer: int, x_h: np.ndarray, ids_h: np.ndarray, weights: torch.Tensor, n_tok: int,
                  decode: bool, t0: float) -> torch.Tensor:
         """A layer off CUDA whose every entry is the CPU pool's: its rows and their combine on this thread.
-        One token on one thread takes token_moe_cpu (one numba call: the rows and the combine, the bits of
-        the two calls); its time, combine included (~1 us), is counted as CPU-pool time."""
+        One token on one thread takes the layer's TokenMoe (the rows and the combine with no Python between
+        the kernels, the bits of the two calls); its time, combine included (~1 us), is CPU-pool time."""
         t1 = time.perf_counter()
         k = ids_h.size // n_tok
         pool = self.pool_for(ids_h)
-        one = self._token_layer(layer) if n_tok == 1 and pool is self._one_thread else None
-        if one is not None and token_moe_cpu_serves(weights):
-            out = torch.from_numpy(token_moe_cpu(x_h, ids_h, weights.detach().float().numpy(), one))
+        one, token_moe = self._token_forms(layer) if n_tok == 1 and pool is self._one_thread else (None, None)
+        if token_moe is not None and token_moe_cpu_serves(weights):
+            out = torch.from_numpy(token_moe(x_h, ids_h, weights.detach().float().numpy()))
             self.count_cpu_seconds(time.perf_counter() - t1, decode)
         else:
             tok = np.arange(ids_h.size, dtype=np.int64) // k  # entry m = token m // K, slot m % K
@@ -382,10 +383,9 @@ class TieredExperts:
     def warm_up(self) -> float:
         """Compile the expert kernels this backend calls (numba's first call compiles for 10-30 s, Triton's
         a few seconds), so that load time includes it and the first request's timings are real ones.
-        Computes one expert row on zeros through each path: CPU one thread (off CUDA, the one-token form
-        with its combine too), the CPU pool (when this model's calls can reach it), and on CUDA the cache's
-        decode kernel and the row combine; first resolves an unset PCIe share (the load's compiles are done
-        by then). Returns seconds."""
+        Computes one expert row on zeros through each path: CPU one thread, the CPU pool (when this model's
+        calls can reach it), and on CUDA the cache's decode kernel and the row combine; first resolves an
+        unset PCIe share (the load's compiles are done by then). Returns seconds."""
         self.resolve_pcie_share()
         t = time.perf_counter()
         layer = min(self.store.layers)
@@ -393,9 +393,6 @@ class TieredExperts:
         x = np.zeros((1, lay.n_embd), np.float32)
         one = np.zeros(1, np.int64)
         expert_ffn_cpu(x, one, one, lay, pool=self._one_thread)
-        token = self._token_layer(layer)
-        if not self.cache.is_cuda and token is not None:  # the CPU backend's decode layers (_all_cpu)
-            token_moe_cpu(x, one, np.ones((1, 1), np.float32), token)
         # the pool's parallel kernel (its first compile takes minutes) only where a call can reach the pool:
         # a prompt chunk that touches every expert of a layer
         if self.pool.n_threads > 1 and self.n_expert * self._blob_bytes >= SINGLE_THREAD_BYTES:
@@ -448,15 +445,16 @@ class TieredExperts:
                  or np.unique(experts).size * self._blob_bytes < SINGLE_THREAD_BYTES)
         return self._one_thread if small else self.pool
 
-    def _token_layer(self, layer: int) -> TokenLayer | None:
-        """The layer's token_layer (expert_ffn_cpu_token's views, checked once), or None where the token form
-        does not fit it (float experts, a fused gate_up's strided halves): decided once while the store holds
-        the same layer object."""
+    def _token_forms(self, layer: int) -> tuple[TokenLayer | None, TokenMoe | None]:
+        """The layer's token_layer (expert_ffn_cpu_token's views, checked once) and its TokenMoe, or Nones
+        where the token form does not fit it (float experts, a fused gate_up's strided halves): made once
+        while the store holds the same layer object."""
         lay = self.store.layer(layer)
         kept = self._token_layers.get(layer)
         if kept is None or kept[0] is not lay:
-            kept = self._token_layers[layer] = (lay, token_layer(lay) if token_form_fits(lay) else None)
-        return kept[1]
+            tl = token_layer(lay) if token_form_fits(lay) else None
+            kept = self._token_layers[layer] = (lay, tl, TokenMoe(tl) if tl is not None else None)
+        return kept[1], kept[2]
 
     def _timed_cpu(self, x_h, tok, exp, layer):
         t = time.perf_counter()

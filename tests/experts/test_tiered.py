@@ -62,10 +62,11 @@ def test_rows_match_the_kernel_reference(tiny_next):
 
 
 def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next, monkeypatch):
-    """A decode token whose entries all go to the one-thread CPU tier runs token_moe_cpu (its rows and their
-    combine in one call; the layer's views checked once) and gives expert_ffn_cpu's rows combined, bit for
-    bit; two tokens keep the general form; where token_moe_cpu does not serve (STRATA_FUSED_DECODE=0, as
-    weights tracked by autograd), expert_ffn_cpu_token and combine_rows, the same bits again."""
+    """A decode token whose entries all go to the one-thread CPU tier runs the layer's TokenMoe (its rows
+    and their combine with no Python between the kernels; the layer's views checked once) and gives
+    expert_ffn_cpu's rows combined, bit for bit; two tokens keep the general form; where TokenMoe does not
+    serve (STRATA_FUSED_DECODE=0, as weights tracked by autograd), expert_ffn_cpu_token and combine_rows,
+    the same bits again."""
     import strata_ray.experts.tiered as tiered_module
 
     _, tiers = load_tiered_model(config(tiny_next, expert_cache=0, adapt_every=0), "cpu", progress=False)
@@ -73,9 +74,9 @@ def test_a_one_token_cpu_layer_takes_the_token_form_with_the_same_bits(tiny_next
     x = torch.randn(2, n_embd, generator=torch.Generator().manual_seed(3))
     ids, w = torch.tensor([[4, 6], [6, 2]]), torch.tensor([[0.7, 0.3], [0.55, 0.45]])
     calls, checks = [], []
-    fused, token_form, checked = (tiered_module.token_moe_cpu, tiered_module.expert_ffn_cpu_token,
-                                  tiered_module.token_layer)
-    monkeypatch.setattr(tiered_module, "token_moe_cpu", lambda *a: calls.append("fused") or fused(*a))
+    token_form, checked = tiered_module.expert_ffn_cpu_token, tiered_module.token_layer
+    fused = tiered_module.TokenMoe.__call__
+    monkeypatch.setattr(tiered_module.TokenMoe, "__call__", lambda *a: calls.append("fused") or fused(*a))
     monkeypatch.setattr(tiered_module, "expert_ffn_cpu_token",
                         lambda *a: calls.append("rows") or token_form(*a))
     monkeypatch.setattr(tiered_module, "token_layer", lambda lay: checks.append(1) or checked(lay))
