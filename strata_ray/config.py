@@ -621,17 +621,27 @@ def check_peer_device_visible(cfg: EngineConfig, n_visible: int) -> None:
 def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | None = None,
                     magic: bytes | None = None, kind: str = "") -> None:
     """A file path the run can write later (checked now, so a long run does not fail at its end): its folder
-    exists and is writable, and the path itself is not a folder. inputs {flag: path}: the files the run
+    exists and a file can be made there, and the path itself is not a folder, a device or a FIFO (a symbolic
+    link is written through: atomic_file.write_atomic). inputs {flag: path}: the files the run
     reads, none of which it may overwrite; magic: an existing file there must start with it (a `kind` file
     of an earlier run), so that a mistyped path never replaces a model, a corpus or any other file.
     ConfigError (one line) otherwise."""
+    from strata_ray.atomic_file import probe_folder
+
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag}: folder not found: {folder}")
     if os.path.isdir(path):
         raise ConfigError(f"{flag}: {path} is a folder; give a file path")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/null, a FIFO: the save would replace it
+        raise ConfigError(f"{flag}: {path} is not a regular file; give a file path")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path} is not writable")
+    try:
+        probe_folder(path)  # where the permission bits say yes and a file cannot be made (/proc)
+    except OSError as e:
+        raise ConfigError(f"{flag}: {path} is not writable: a file cannot be made in "
+                          f"{os.path.dirname(os.path.realpath(path))} ({e.strerror or e})") from None
     for other, source in (inputs or {}).items():
         if source and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise ConfigError(f"{flag}: {path} is the {other} file; give another path")

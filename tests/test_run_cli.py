@@ -268,6 +268,37 @@ def test_a_learned_profile_at_the_save_path_fills_the_cache_instead(tiny_model, 
     assert notes.read_text() == "mine"
 
 
+def test_a_save_path_that_is_a_device_or_a_fifo_is_refused_and_a_link_written_through(tiny_model, tmp_path):
+    """--expert-profile-save /dev/null (or a FIFO) would have renamed a profile over the node (as root,
+    /dev/null itself); /proc's folders look writable and are not: each one line at start. A symbolic link
+    is accepted: the save writes the file it leads to and keeps the link."""
+    from strata_ray.config import ConfigError, EngineConfig
+    from strata_ray.experts.profile import rank_from_counts, read_profile, write_profile
+    from strata_ray.run import check_profile_files
+
+    hp = GGUFFile(tiny_model).hparams
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    refused = [(fifo, f"{fifo} is not a regular file; give a file path")]
+    if os.path.exists("/dev/null"):
+        refused.append(("/dev/null", "/dev/null is not a regular file; give a file path"))
+    if os.path.isdir("/proc/self"):
+        refused.append(("/proc/x.strp", "/proc/x.strp is not writable"))
+    for path, want in refused:
+        with pytest.raises(ConfigError) as info:
+            check_profile_files(EngineConfig(model=tiny_model, expert_profile_save=str(path)), hp)
+        assert str(info.value).startswith(f"--expert-profile-save: {want}"), str(info.value)
+        assert "\n" not in str(info.value)
+    assert not fifo.is_file() and os.listdir(tmp_path) == ["pipe"]
+    (tmp_path / "real").mkdir()
+    link, target = tmp_path / "link.strp", tmp_path / "real" / "p.strp"
+    link.symlink_to(target)
+    check_profile_files(EngineConfig(model=tiny_model, expert_profile_save=str(link)), hp)
+    profile = rank_from_counts(np.ones((hp.n_layer, hp.n_expert), np.int64))
+    write_profile(str(link), profile)  # what TieredExperts.save_profile calls
+    assert link.is_symlink() and read_profile(target) == profile
+
+
 @pytest.mark.parametrize("where", ["folder", "missing"])
 def test_a_save_path_that_cannot_be_written_is_refused_at_start(tiny_model, tmp_path, where):
     """--expert-profile-save naming a folder, or a file in a missing folder: one line before Ray starts, not

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -106,7 +105,9 @@ def encode_profile(profile: Profile) -> bytes:
     return head + pairs + table
 
 
-def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
+def _declared_pairs(data: bytes, where: str) -> int:
+    """The ranked pairs an STRP header (data's first 24 bytes) declares; ProfileError (one line) for a short
+    header, another magic or version, or more pairs than its shape has (each pair is ranked once)."""
     if len(data) < HEADER.size:
         raise ProfileError(f"expert profile {where} is truncated ({len(data)} bytes, header needs 24)")
     magic, version, n_layers, n_expert, _slots, n_ranked = HEADER.unpack_from(data, 0)
@@ -114,6 +115,15 @@ def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
         raise ProfileError(f"expert profile {where} is not an STRP file (magic {magic!r}, expected b'STRP')")
     if version != VERSION:
         raise ProfileError(f"expert profile {where} has STRP version {version}; this engine reads version 1")
+    if n_ranked > n_layers * n_expert:
+        raise ProfileError(f"expert profile {where} declares {n_ranked} ranked pairs, more than its "
+                           f"{n_layers} layers x {n_expert} experts")
+    return n_ranked
+
+
+def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
+    n_ranked = _declared_pairs(data, where)
+    n_layers, n_expert = HEADER.unpack_from(data, 0)[2:4]
     need = HEADER.size + 4 * n_ranked
     if len(data) < need:
         raise ProfileError(
@@ -124,8 +134,13 @@ def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
 
 
 def read_profile(path: str | os.PathLike) -> Profile:
+    """The profile at path, reading its header and then no more than the pairs it declares: a device or a
+    FIFO that never ends (/dev/zero) is read for 24 bytes and refused, not read until memory runs out."""
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(HEADER.size)
+            n_ranked = _declared_pairs(head, str(path))
+            data = head + f.read(4 * n_ranked)
     except OSError as e:
         raise ProfileError(f"expert profile {path}: cannot read ({e.strerror or e})") from None
     return decode_profile(data, str(path))

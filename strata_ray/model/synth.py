@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import shutil
 import sys
 import zlib
@@ -290,10 +289,10 @@ def write_synth(
 def _check_writable(path: Path) -> None:
     """A file can be made beside path (a read-only or special folder, such as /proc, showed "not enough
     disk space: 0.0 GB free" instead)."""
-    probe = path.parent / f".{path.name}.{os.getpid()}.probe"
+    from strata_ray.atomic_file import probe_folder
+
     try:
-        probe.open("wb").close()
-        probe.unlink()
+        probe_folder(path)
     except OSError as e:
         raise SynthError(f"-o {path}: cannot write in {path.parent} ({e.strerror or e})") from None
 

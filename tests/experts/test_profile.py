@@ -97,6 +97,8 @@ def test_mismatched_shape_is_refused_in_one_line(tmp_path):
         (hand_built_strp(2, 3, [(1, 1), (0, 2)])[:30], "truncated"),
         (b"STRP" + struct.pack("<5I", 1, 2, 3, 1, 1) + struct.pack("<HH", 2, 0), "outside"),
         (b"STRP" + struct.pack("<5I", 1, 2, 3, 2, 2) + struct.pack("<4H", 1, 0, 1, 0), "twice"),
+        (b"STRP" + struct.pack("<5I", 1, 2, 3, 7, 7) + b"\0" * 28, "declares 7 ranked pairs, more than its 2 "
+         "layers x 3 experts"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path, data, words):
@@ -106,6 +108,29 @@ def test_bad_files_are_one_line_errors(tmp_path, data, words):
         read_profile(path)
     msg = str(e.value)
     assert words in msg and str(path) in msg and "\n" not in msg
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero")
+def test_an_endless_file_is_read_for_its_header_only():
+    """/dev/zero never ends: the reader takes its 24 bytes and refuses them (it used to read until the host's
+    memory ran out)."""
+    with pytest.raises(ProfileError, match="/dev/zero is not an STRP file"):
+        read_profile("/dev/zero")
+
+
+def test_a_fifo_holding_a_profile_is_read(tmp_path):
+    """A shell's `<(cat p.strp)`: the header, then the pairs it declares, from a stream."""
+    import threading
+
+    profile = rank_from_counts(np.arange(12).reshape(3, 4))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(encode_profile(profile)))
+    writer.start()
+    try:
+        assert read_profile(fifo) == profile
+    finally:
+        writer.join(timeout=10)
 
 
 def test_missing_file_is_one_line(tmp_path):
