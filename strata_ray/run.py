@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from strata_ray.capped_read import MIB, TooLong, read_capped
 from strata_ray.config import (
     ConfigError,
     build_arg_parser,
@@ -31,6 +32,7 @@ from strata_ray.engine.progress import terminal_bars
 
 PROG = "python -m strata_ray.run"
 DEFAULT_PROMPT = "The Python standard library"
+PROMPT_LIMIT = 64 * MIB  # characters (bytes on stdin): far past any model's context, short of a host's memory
 # subcommand -> (module, function); each takes argv and returns an exit code
 DELEGATED = {
     "serve": ("strata_ray.serve.app", "serve_main"),
@@ -164,17 +166,22 @@ def read_prompt(ns) -> str:
     if ns.prompt_file is not None:
         try:
             with open(ns.prompt_file, encoding="utf-8") as f:
-                return f.read()
+                return read_capped(f, PROMPT_LIMIT)
         except OSError as e:
             raise ConfigError(f"--prompt-file: cannot read {ns.prompt_file} ({e.strerror})") from None
         except UnicodeDecodeError:
             raise ConfigError(f"--prompt-file: {ns.prompt_file} is not UTF-8 text") from None
+        except TooLong as e:
+            raise ConfigError(f"--prompt-file: {ns.prompt_file} is {e}; a prompt is text") from None
     if sys.stdin is not None and not sys.stdin.isatty():
         try:
             stdin = getattr(sys.stdin, "buffer", None)  # bytes, so a bad encoding is ours to report
-            text = stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
+            text = read_capped(stdin, PROMPT_LIMIT).decode("utf-8") if stdin is not None else read_capped(
+                sys.stdin, PROMPT_LIMIT)
         except UnicodeDecodeError:
             raise ConfigError("the prompt on stdin is not UTF-8 text") from None
+        except TooLong as e:
+            raise ConfigError(f"the prompt on stdin is {e}; a prompt is text") from None
         if text:
             return text
     say(f"no prompt given (--prompt, --prompt-file or stdin); using {DEFAULT_PROMPT!r}")

@@ -208,6 +208,32 @@ def test_bad_flag_values(tiny_model, args, line):
     assert (r.returncode, r.stderr, r.stdout) == (2, f"strata_ray: {line}\n", "")
 
 
+def test_a_prompt_that_never_ends_is_refused_not_read_until_memory_ends(tiny_model, tmp_path, monkeypatch):
+    """--prompt-file /dev/zero, or `yes |` on stdin: one line at PROMPT_LIMIT (it was read until the OOM
+    killer came); a prompt at the limit is read whole."""
+    import argparse
+    import io
+
+    import strata_ray.run as run_module
+    from strata_ray.config import ConfigError
+
+    if os.path.exists("/dev/zero"):
+        r = run_cli("--model", tiny_model, "--prompt-file", "/dev/zero")
+        assert (r.returncode, r.stderr) == (2, "strata_ray: --prompt-file: /dev/zero is longer than 64 MiB; "
+                                                "a prompt is text\n")
+    monkeypatch.setattr(run_module, "PROMPT_LIMIT", 8)
+    (tmp_path / "p.txt").write_text("12345678")
+    (tmp_path / "q.txt").write_text("123456789")
+    ns = argparse.Namespace(prompt=None, prompt_file=str(tmp_path / "p.txt"))
+    assert run_module.read_prompt(ns) == "12345678"
+    with pytest.raises(ConfigError, match=r"q.txt is longer than 7.6\d*e-06 MiB; a prompt is text$"):
+        run_module.read_prompt(argparse.Namespace(prompt=None, prompt_file=str(tmp_path / "q.txt")))
+    stdin = io.TextIOWrapper(io.BytesIO(b"y\n" * 5))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    with pytest.raises(ConfigError, match="^the prompt on stdin is longer than .* MiB; a prompt is text$"):
+        run_module.read_prompt(argparse.Namespace(prompt=None, prompt_file=None))
+
+
 
 def test_the_same_profile_path_for_both_flags_resumes_learning(tiny_model, tmp_path, capsys):
     """--expert-profile P --expert-profile-save P: the first start (nothing at P) fills the cache in the

@@ -17,10 +17,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from strata_ray.capped_read import MIB, TooLong, read_capped
 from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path, decimal
 from strata_ray.experts.profile import MAGIC, Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
+
+CORPUS_LIMIT = 256 * MIB  # characters: tokenized whole (a profile needs thousands of tokens, not billions)
 
 
 class ProfileCliError(Exception):
@@ -58,9 +61,11 @@ def _positive(s: str) -> int:
 def read_corpus(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = read_capped(f, CORPUS_LIMIT)
     except OSError as e:
         raise ProfileCliError(f"corpus {path}: {e.strerror or e}") from None
+    except TooLong as e:
+        raise ProfileCliError(f"corpus {path} is {e} (read whole: give a part of it)") from None
     except UnicodeDecodeError as e:  # a binary file would route its replacement characters, not text
         raise ProfileCliError(f"corpus {path} is not UTF-8 text (byte {e.start})") from None
     if not text.strip():

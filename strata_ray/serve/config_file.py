@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata_ray.capped_read import MIB, TooLong, read_capped
 from strata_ray.config import (
     ConfigError,
     EngineConfig,
@@ -28,6 +29,7 @@ from strata_ray.config import OneLineArgumentParser as _OneLineParser
 PROG = "python -m strata_ray.run serve"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+CONFIG_LIMIT = MIB  # characters
 KEYS = ("model", "gpu", "args", "env", "host", "port", "api_key", "layer_split", "replicas")
 LAYER_SPLIT_OFF = "off"  # layer_split: "off" keeps a multi-GPU config from getting the automatic split
 
@@ -180,9 +182,11 @@ def _api_key(key: str | None, where: str) -> str | None:
 def load_config_file(path: str) -> ServeConfig:
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = read_capped(f, CONFIG_LIMIT)
     except OSError as e:
         raise ServeConfigError(f"--config: cannot read {path} ({e.strerror})") from None
+    except TooLong as e:
+        raise ServeConfigError(f"--config: {path} is {e}; a serve.json is a few lines") from None
     except UnicodeDecodeError:  # raised by read(), not by json.loads of a str
         raise ServeConfigError(f"--config: {path} is not UTF-8 text") from None
     try:

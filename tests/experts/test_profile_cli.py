@@ -53,6 +53,18 @@ def test_a_corpus_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert rc == 2 and one_line_error(capsys) == want and not (tmp_path / "p.strp").exists()
 
 
+def test_a_corpus_past_the_limit_is_one_line(tmp_path, capsys, monkeypatch):
+    """/dev/zero as the corpus was read until memory ran out: CORPUS_LIMIT characters at most."""
+    import strata_ray.experts.profile_cli as profile_cli
+
+    monkeypatch.setattr(profile_cli, "CORPUS_LIMIT", 4)
+    (tmp_path / "c.txt").write_text("words")
+    rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "p.strp")])
+    err = one_line_error(capsys)
+    assert rc == 2 and err.startswith(f"strata_ray profile: corpus {tmp_path / 'c.txt'} is longer than ")
+    assert err.endswith(" MiB (read whole: give a part of it)\n") and not (tmp_path / "p.strp").exists()
+
+
 def test_output_directory_missing(tmp_path, capsys):
     (tmp_path / "c.txt").write_text(CORPUS)
     rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(tmp_path / "nodir" / "p.strp")])

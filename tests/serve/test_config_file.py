@@ -182,6 +182,16 @@ def test_missing_file():
         resolve(["--config", "/no/such/serve.json"], {})
 
 
+def test_a_config_past_its_limit_is_one_line(tmp_path, monkeypatch):
+    """--config /dev/zero was read until memory ran out: CONFIG_LIMIT characters at most."""
+    import strata_ray.serve.config_file as config_file
+
+    monkeypatch.setattr(config_file, "CONFIG_LIMIT", 4)
+    (tmp_path / "serve.json").write_text("{}   ")
+    with pytest.raises(ServeConfigError, match=r"serve.json is longer than .* MiB; a serve.json is a few "):
+        resolve(["--config", str(tmp_path / "serve.json")], {})
+
+
 def test_config_from_dict_keeps_types():
     cfg = config_from_dict({"gpu": 1, "args": "--prefill 64", "env": {"STRATA_PEER_DIRECT": False},
                             "layer_split": 24})
