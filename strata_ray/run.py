@@ -444,5 +444,17 @@ def _top_entries(top) -> list[dict]:
     return [{"token_id": int(i), "logprob": float(lp)} for i, lp in pairs]
 
 
+def _exit_quietly_on_ctrl_c() -> None:
+    """From here on a Ctrl-C ends the process as SIGINT does (exit status 130), with no traceback: the
+    command's work and its one line are done, and a KeyboardInterrupt raised in Ray's exit hooks printed
+    one."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    _exit_quietly_on_ctrl_c()
+    sys.exit(code)

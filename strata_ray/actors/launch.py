@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from strata_ray.config import ConfigError, EngineConfig
+from strata_ray.held_interrupts import held_interrupts
 
 NAMESPACE = "strata"
 PRIMARY_NAME = "strata:primary"
@@ -46,8 +47,19 @@ def connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
     """Attach to a running cluster, or start a local instance and say so.
 
     address: None = RAY_ADDRESS if set (must answer), else a cluster running on this machine, else a new
-    local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail."""
+    local instance; 'local' = always a new local instance; 'HOST:PORT' / 'auto' = attach or fail.
+    A Ctrl-C during it is held until Ray is up, then this disconnects and raises KeyboardInterrupt: nothing
+    half started is left behind (held_interrupts)."""
     check_address(address)
+    with held_interrupts() as held:
+        session = _connect(address, dashboard, verbose)
+    if held.interrupted:
+        disconnect(session)
+        raise KeyboardInterrupt
+    return session
+
+
+def _connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
     quiet = logging.INFO if verbose else logging.ERROR
     target = address or os.environ.get("RAY_ADDRESS")
     if target == "local":
@@ -262,11 +274,14 @@ def teardown(dep: Deployment | None, keep: bool) -> None:
 
 
 def disconnect(session: RaySession | None) -> None:
-    """Shut down Ray only if we started it; an attached cluster keeps running."""
+    """Shut down Ray only if we started it; an attached cluster keeps running. A Ctrl-C during the shutdown
+    is held until it is done, then dropped: the run's end is already under way, and its one line or exit
+    code stand (a second Ctrl-C still raises)."""
     if session is not None and session.started:
         import ray
 
-        ray.shutdown()
+        with held_interrupts():
+            ray.shutdown()
 
 
 def _bundle_text(bundles: list[dict]) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+
+import pytest
 
 from strata_ray.actors.launch import gpu_only_flags
 from strata_ray.config import EngineConfig
@@ -14,3 +17,39 @@ def test_the_gpu_only_flags_a_cpu_run_notes_are_those_set_away_from_their_defaul
     assert gpu_only_flags(replace(EngineConfig(), vram_budget_mib=100)) == ["--vram-budget-mib"]
     both = replace(EngineConfig(), vram_budget_mib=100, vram_reserve_mib=0)
     assert gpu_only_flags(both) == ["--vram-budget-mib", "--vram-reserve-mib"]
+
+
+def test_a_ctrl_c_while_ray_starts_leaves_nothing_running():
+    """A SIGINT one second into connect('local') (inside ray.init): connect finishes the start, shuts Ray
+    down again and raises KeyboardInterrupt, with no Ray process left among the caller's children (a
+    KeyboardInterrupt inside ray.init left 3-5 of them running: a user saw a segfault at exit)."""
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc to list the children from")
+    code = """
+import glob, os, signal, threading
+from strata_ray.actors import launch
+import ray
+
+def children():  # living processes whose parent is this one, from /proc (field 4 of stat: the parent)
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out.append(stat)
+    return out
+
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    launch.connect("local", False, False)
+    print("connected")
+except KeyboardInterrupt:
+    print("interrupted", ray.is_initialized(), len(children()))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "interrupted False 0"), (r.stdout, r.stderr[-2000:])
