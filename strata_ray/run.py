@@ -103,7 +103,8 @@ def build_generate_parser():
                              "some), no text")
     output.add_argument("--logprobs", metavar="K", default="0",
                         help="with --json: top-K logprobs per token and the chosen token's own (of the "
-                             "model's distribution, before temperature and the top-k/top-p/min-p filters)")
+                             "model's distribution, before temperature and the top-k/top-p/min-p filters); "
+                             "K from 1 to 20, 0 (the default) for none")
 
     ray_group = parser.add_argument_group("ray")
     ray_group.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
