@@ -20,11 +20,10 @@ def regular_target(path: str | os.PathLike) -> str:
     return real
 
 
-def probe_folder(path: str | os.PathLike) -> None:
-    """OSError unless a file can be made in the folder a write to path writes in (a read-only mount, or a
-    special one such as /proc, where a folder's permission bits say yes and creating a file fails)."""
-    folder, name = os.path.split(regular_target(path))
-    probe = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.probe")
+def probe_folder(folder: str | os.PathLike) -> None:
+    """OSError unless a file can be made in folder (a read-only mount, or a special one such as /proc, where
+    a folder's permission bits say yes and creating a file fails)."""
+    probe = os.path.join(folder, f".strata-probe.{secrets.token_hex(4)}")
     os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     os.unlink(probe)
 

@@ -628,7 +628,8 @@ def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | Non
     ConfigError (one line) otherwise."""
     from strata_ray.atomic_file import probe_folder
 
-    folder = os.path.dirname(path)
+    # write_atomic writes in the folder of the file a symbolic link leads to
+    folder = os.path.dirname(os.path.realpath(path) if os.path.islink(path) else path)
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag}: folder not found: {folder}")
     if os.path.isdir(path):
@@ -638,10 +639,10 @@ def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | Non
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path} is not writable")
     try:
-        probe_folder(path)  # where the permission bits say yes and a file cannot be made (/proc)
+        probe_folder(folder)  # where the permission bits say yes and a file cannot be made (/proc)
     except OSError as e:
-        raise ConfigError(f"{flag}: {path} is not writable: a file cannot be made in "
-                          f"{os.path.dirname(os.path.realpath(path))} ({e.strerror or e})") from None
+        raise ConfigError(f"{flag}: {path} is not writable: a file cannot be made in {folder} "
+                          f"({e.strerror or e})") from None
     for other, source in (inputs or {}).items():
         if source and os.path.exists(source) and os.path.exists(path) and os.path.samefile(source, path):
             raise ConfigError(f"{flag}: {path} is the {other} file; give another path")

@@ -455,7 +455,12 @@ def _exit_quietly_on_ctrl_c() -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m strata_ray.run` and the installed `strata-ray` command: main, then its exit status."""
     code = main()
     _exit_quietly_on_ctrl_c()
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

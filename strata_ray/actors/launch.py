@@ -255,22 +255,24 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
 
 
 def teardown(dep: Deployment | None, keep: bool) -> None:
-    """Kill what this run created (unless kept). Never touches actors or clusters we did not create."""
+    """Kill what this run created (unless kept). Never touches actors or clusters we did not create. A
+    Ctrl-C during it is held until it is done, then dropped, as disconnect's."""
     if dep is None or not dep.created or keep:
         return
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    for actor in (dep.primary, dep.coordinator):
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # already dead: nothing left to clean
-            pass
-    if dep.placement_group is not None:
-        try:
-            remove_placement_group(dep.placement_group)
-        except Exception:
-            pass
+    with held_interrupts():
+        for actor in (dep.primary, dep.coordinator):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead: nothing left to clean
+                pass
+        if dep.placement_group is not None:
+            try:
+                remove_placement_group(dep.placement_group)
+            except Exception:
+                pass
 
 
 def disconnect(session: RaySession | None) -> None:

@@ -24,6 +24,7 @@ MAGIC = b"STRP"
 VERSION = 1
 HEADER = struct.Struct("<4s5I")  # magic, version, n_layers, n_expert, slots, n_ranked
 assert HEADER.size == 24
+READ_CHUNK = 1 << 20  # bytes of pairs read_profile asks for at a time
 
 
 class ProfileError(Exception):
@@ -115,6 +116,8 @@ def _declared_pairs(data: bytes, where: str) -> int:
         raise ProfileError(f"expert profile {where} is not an STRP file (magic {magic!r}, expected b'STRP')")
     if version != VERSION:
         raise ProfileError(f"expert profile {where} has STRP version {version}; this engine reads version 1")
+    if not (0 < n_layers <= 0xFFFF and 0 < n_expert <= 0xFFFF):  # the pairs' u16 fields
+        raise ProfileError(f"expert profile {where}: bad shape {n_layers} layers x {n_expert} experts")
     if n_ranked > n_layers * n_expert:
         raise ProfileError(f"expert profile {where} declares {n_ranked} ranked pairs, more than its "
                            f"{n_layers} layers x {n_expert} experts")
@@ -134,13 +137,21 @@ def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
 
 
 def read_profile(path: str | os.PathLike) -> Profile:
-    """The profile at path, reading its header and then no more than the pairs it declares: a device or a
-    FIFO that never ends (/dev/zero) is read for 24 bytes and refused, not read until memory runs out."""
+    """The profile at path, reading its header and then no more than the pairs it declares (in pieces, so a
+    short file with a header that declares billions costs its own size): a device or a FIFO that never ends
+    (/dev/zero) is read for 24 bytes and refused, not read until memory runs out."""
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER.size)
-            n_ranked = _declared_pairs(head, str(path))
-            data = head + f.read(4 * n_ranked)
+            need = 4 * _declared_pairs(head, str(path))
+            chunks = [head]
+            while need > 0:  # in pieces: a header may declare gigabytes that the file does not hold
+                chunk = f.read(min(need, READ_CHUNK))
+                if not chunk:
+                    break  # decode_profile says how short it is
+                chunks.append(chunk)
+                need -= len(chunk)
+            data = b"".join(chunks)
     except OSError as e:
         raise ProfileError(f"expert profile {path}: cannot read ({e.strerror or e})") from None
     return decode_profile(data, str(path))

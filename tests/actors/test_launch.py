@@ -20,16 +20,18 @@ def test_the_gpu_only_flags_a_cpu_run_notes_are_those_set_away_from_their_defaul
 
 
 def test_a_ctrl_c_while_ray_starts_leaves_nothing_running():
-    """A SIGINT one second into connect('local') (inside ray.init): connect finishes the start, shuts Ray
-    down again and raises KeyboardInterrupt, with no Ray process left among the caller's children (a
-    KeyboardInterrupt inside ray.init left 3-5 of them running: a user saw a segfault at exit)."""
+    """A SIGINT inside ray.init, after Ray's head processes started (sent from Node.start_ray_processes, so
+    the timing is the code's, not a clock's): connect finishes the start, shuts Ray down again and raises
+    KeyboardInterrupt, with no Ray process left among the caller's children (a KeyboardInterrupt there left
+    3-5 of them running: a user saw a segfault at exit)."""
     import subprocess
     import sys
 
     if not os.path.isdir("/proc/self"):
         pytest.skip("no /proc to list the children from")
     code = """
-import glob, os, signal, threading
+import glob, os, signal
+import ray._private.node as node
 from strata_ray.actors import launch
 import ray
 
@@ -44,7 +46,11 @@ def children():  # living processes whose parent is this one, from /proc (field 
             out.append(stat)
     return out
 
-threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+start = node.Node.start_ray_processes
+def interrupted_start(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # the head processes (the GCS) run by now
+    return start(self, *args, **kwargs)
+node.Node.start_ray_processes = interrupted_start
 try:
     launch.connect("local", False, False)
     print("connected")

@@ -1,5 +1,6 @@
 import os
 import struct
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -99,6 +100,10 @@ def test_mismatched_shape_is_refused_in_one_line(tmp_path):
         (b"STRP" + struct.pack("<5I", 1, 2, 3, 2, 2) + struct.pack("<4H", 1, 0, 1, 0), "twice"),
         (b"STRP" + struct.pack("<5I", 1, 2, 3, 7, 7) + b"\0" * 28, "declares 7 ranked pairs, more than its 2 "
          "layers x 3 experts"),
+        (b"STRP" + struct.pack("<5I", 1, 0x10000, 2, 0, 0), "bad shape 65536 layers x 2 experts"),
+        # a header that declares 4 billion pairs in a 28-byte file: read in pieces, found short
+        (b"STRP" + struct.pack("<5I", 1, 0xFFFF, 0xFFFF, 1, 0xFFFF * 0xFFFF) + b"\0" * 4,
+         "truncated (28 bytes, 4294836225 ranked pairs need 17179344924)"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path, data, words):
@@ -116,6 +121,28 @@ def test_an_endless_file_is_read_for_its_header_only():
     memory ran out)."""
     with pytest.raises(ProfileError, match="/dev/zero is not an STRP file"):
         read_profile("/dev/zero")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS is Linux's")
+def test_a_header_declaring_billions_of_pairs_costs_the_files_size(tmp_path):
+    """Under a 3 GiB address-space limit, a 28-byte file whose header declares 4 billion pairs is one line
+    (a read of all of them at once raised MemoryError there: a traceback)."""
+    import subprocess
+
+    path = tmp_path / "big.strp"
+    path.write_bytes(b"STRP" + struct.pack("<5I", 1, 0xFFFF, 0xFFFF, 1, 0xFFFF * 0xFFFF) + b"\0" * 4)
+    code = f"""
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from strata_ray.experts.profile import ProfileError, read_profile
+try:
+    read_profile({str(path)!r})
+except ProfileError as e:
+    print(e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (0, f"expert profile {path} is truncated (28 bytes, 4294836225 ranked "
+                                            "pairs need 17179344924)\n"), r.stderr[-1000:]
 
 
 def test_a_fifo_holding_a_profile_is_read(tmp_path):

@@ -27,10 +27,17 @@ def test_a_line_a_call_with_its_ratio():
         assert abs(float(ratio) - float(torch_us) / float(numba_us)) < 0.01 + 0.01 * float(ratio)
 
 
+def test_a_width_the_experts_cannot_take_leaves_their_line_out():
+    r = _run("--embd", 16, "--heads", "2,1,8", "--n-rot", 4, "--ff", 8, "--keys", "1", "--reps", 2)
+    assert r.returncode == 0, r.stderr
+    names = [line[:24].strip() for line in r.stdout.splitlines()[1:]]
+    assert names[-2:] == ["router 16 x 16, top-2", "combine of 2 rows"]
+
+
 def test_bad_flags_are_refused_with_one_line():
     bad = ((("--heads", "3,2,8"), "--heads"), (("--n-rot", 5), "--n-rot"), (("--reps", 0), "--reps"),
            (("--keys", "0"), "--keys"), (("--experts", 4, "--top-k", 5), "--top-k"),
-           (("--top-k", 0), "--top-k"), (("--expert-ff", 48), "--expert-ff"), (("--embd", 40), "--embd"))
+           (("--top-k", 0), "--top-k"), (("--expert-ff", 48), "--expert-ff"))
     for args, word in bad:
         r = _run(*args)
         assert r.returncode == 2 and word in r.stderr.splitlines()[-1], r.stderr
