@@ -241,8 +241,9 @@ def _check(layer: ExpertLayer, n_ent: int, seed: int = 0, n_tok: int = 1, act_of
         from strata_ray.kernels.tile_plan import plan_tiles_host
 
         order, sorted_slot, tile_start = plan_tiles_host(exp, 1)
-        plan = [torch.from_numpy(np.ascontiguousarray(a)).cuda()
-                for a in (order, sorted_slot, tile_start[::-1])]
+        # copies: a reversed view of one element counts as contiguous to numpy and keeps its negative
+        # stride, which torch.from_numpy refuses
+        plan = [torch.from_numpy(a.copy()).cuda() for a in (order, sorted_slot, tile_start[::-1])]
     got = expert_ffn_gpu(x_gpu, tok_gpu, exp_gpu, slots, mode="decode", out=out, variant="words", act=act,
                          plan=plan)
     assert np.array_equal(got.cpu().numpy().view(np.int32), want), n_ent
