@@ -76,12 +76,16 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 34.8 / 47.0 -> 17.5 / 34.6 / 47.0, Q6_K 25.1 / 48.8 / 63.2 -> 25.0 / 47.5 / 62.1, Q8_0 21.9 / 44.8 / 60.1 ->
 # 21.8 / 44.3 / 60.4: 0-3% (the fold's issue was not what holds these launches).
 # cuda_early: the CUDA C form's prologue at tiles of one entry with the tile's slot and order loaded beside
-# TILE_START, and one activation row read with no lookup (expert_rows_cuda EARLY; a bench sweep knob, not yet
-# run on a GPU: session 47's ncu put 39% of the one-token gate / up launch's stall samples on that chain).
+# TILE_START, and one activation row read with no lookup (expert_rows_cuda EARLY; session 47's ncu put 39% of
+# the one-token gate / up launch's stall samples on that chain). Session 50 on an H100 (bench_kernels, us a
+# layer, 1 / 4 / 8 tokens, off -> on, the same bits): Q4_0 16.1 / 31.4 / 43.2 -> 15.5 / 31.8 / 43.6, Q4_K
+# 17.4 / 34.5 / 47.3 -> 16.8 / 34.9 / 47.5, Q6_K 25.1 / 47.4 / 62.2 -> 23.7 / 48.3 / 62.6, Q8_0 21.9 / 44.7 /
+# 61.1 -> 20.5 / 44.7 / 61.7: 3-6% less at one token (the decode step's: spec is off by default), 0-2% more at
+# 4-8; the engine's decode-graph and tier GPU tests passed with it on. On by default since.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
              cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0,
-             cuda_cta_fold=True, cuda_early=False)
+             cuda_cta_fold=True, cuda_early=True)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 
