@@ -140,6 +140,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_cta_fold": False},  # each warp's rows folded by its own lanes (CTAFOLD's before)
     {"cuda": True, "cuda_early": True},  # one-entry tiles' slot and order loaded beside TILE_START
     {"cuda": True, "cuda_early": False},  # the prologue before EARLY (the default's rows: EARLY is on)
+    {"cuda": True, "cuda_early": True, "cuda_early_down": False},  # EARLY in the gate / up launch only
 ]
 
 

@@ -141,7 +141,7 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas:
                            expert_rows_cuda._SOURCE, "expert_rows",
                            expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu,
                                                           bool(WORDS["cuda_cta_fold"]),
-                                                          expert_rows_cuda.rows_early()),
+                                                          expert_rows_cuda.rows_early(two)),
                            warps * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:

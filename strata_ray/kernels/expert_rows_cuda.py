@@ -644,7 +644,7 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
     from .expert_words import WORDS
 
     key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu,
-           bool(WORDS["cuda_cta_fold"]), rows_early())
+           bool(WORDS["cuda_cta_fold"]), rows_early(two))
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)
@@ -722,13 +722,16 @@ def rows_iters(bt: int, two: bool = True) -> int:
     return iters[max((t for t in iters if t <= bt), default=min(iters))]
 
 
-def rows_early() -> bool:
-    """Whether the kernels take the EARLY prologue (one-entry tiles' slot and order loaded beside
-    TILE_START): STRATA_ROWS_EARLY (0 or 1; config refuses others), else expert_words.WORDS["cuda_early"]."""
+def rows_early(two: bool = True) -> bool:
+    """Whether the kernels of a gate / up launch (two) or a down launch take the EARLY prologue (one-entry
+    tiles' slot and order loaded beside TILE_START): STRATA_ROWS_EARLY (0 or 1; config refuses others), else
+    expert_words.WORDS["cuda_early"]; a down launch's only where WORDS["cuda_early_down"] too (offline, EARLY
+    costs the one-entry SwiGLU down form 8 registers: 48 -> 56, 10 -> 9 CTAs an SM, Q4_0 on sm_90)."""
     from .expert_words import WORDS
 
     value = os.environ.get("STRATA_ROWS_EARLY", "")
-    return value == "1" if value else bool(WORDS["cuda_early"])
+    early = value == "1" if value else bool(WORDS["cuda_early"])
+    return early and (two or bool(WORDS["cuda_early_down"]))
 
 
 def row_block_ctas(n_blocks: int, iters: int) -> int:

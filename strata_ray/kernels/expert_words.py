@@ -82,10 +82,13 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # 17.4 / 34.5 / 47.3 -> 16.8 / 34.9 / 47.5, Q6_K 25.1 / 47.4 / 62.2 -> 23.7 / 48.3 / 62.6, Q8_0 21.9 / 44.7 /
 # 61.1 -> 20.5 / 44.7 / 61.7: 3-6% less at one token (the decode step's: spec is off by default), 0-2% more at
 # 4-8; the engine's decode-graph and tier GPU tests passed with it on. On by default since.
+# cuda_early_down: EARLY in the down launches too (off: the gate / up launch's only). Offline (ptxas, sm_90,
+# Q4_0) EARLY takes the one-entry SwiGLU down form from 48 to 56 registers (10 -> 9 CTAs an SM), a candidate
+# for the 4-8-token cost above; not yet measured on a GPU, so the default stays as measured (on).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
              cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0,
-             cuda_cta_fold=True, cuda_early=True)
+             cuda_cta_fold=True, cuda_early=True, cuda_early_down=True)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 

@@ -5,6 +5,7 @@ kernel's rows against the CPU rows at awkward entry counts, both widths of the 8
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -180,6 +181,12 @@ def test_rows_early_is_the_switch_over_the_default(monkeypatch):
         monkeypatch.setenv("STRATA_ROWS_EARLY", "0" if default else "1")
         assert rows_early() is not default
         monkeypatch.delenv("STRATA_ROWS_EARLY")
+    # cuda_early_down: the down launches' EARLY only where EARLY is on at all, the gate / up launch's always
+    for early, down in itertools.product((False, True), repeat=2):
+        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_early": early, "cuda_early_down": down})
+        assert (rows_early(), rows_early(two=True), rows_early(two=False)) == (early, early, early and down)
+    monkeypatch.setenv("STRATA_ROWS_EARLY", "1")
+    assert (rows_early(), rows_early(two=False)) == (True, True)  # the last WORDS: cuda_early_down on
 
 
 def test_decode_tiles_of_the_words_variant_fit_the_cuda_rows(monkeypatch):
