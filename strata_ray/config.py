@@ -626,16 +626,17 @@ def check_save_path(path: str, flag: str, inputs: Mapping[str, str | None] | Non
     reads, none of which it may overwrite; magic: an existing file there must start with it (a `kind` file
     of an earlier run), so that a mistyped path never replaces a model, a corpus or any other file.
     ConfigError (one line) otherwise."""
-    from strata_ray.atomic_file import probe_folder
+    from strata_ray.atomic_file import probe_folder, regular_target
 
-    # write_atomic writes in the folder of the file a symbolic link leads to
-    folder = os.path.dirname(os.path.realpath(path) if os.path.islink(path) else path)
+    try:
+        target = regular_target(path)  # the file write_atomic replaces: the one a symbolic link leads to
+    except IsADirectoryError:
+        raise ConfigError(f"{flag}: {path} is a folder; give a file path") from None
+    except OSError:  # /dev/null, a FIFO: the save would replace it
+        raise ConfigError(f"{flag}: {path} is not a regular file; give a file path") from None
+    folder = os.path.dirname(target if os.path.islink(path) else path)  # the user's spelling unless a link
     if not os.path.isdir(folder):
         raise ConfigError(f"{flag}: folder not found: {folder}")
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag}: {path} is a folder; give a file path")
-    if os.path.exists(path) and not os.path.isfile(path):  # /dev/null, a FIFO: the save would replace it
-        raise ConfigError(f"{flag}: {path} is not a regular file; give a file path")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag}: {path} is not writable")
     try:

@@ -106,9 +106,10 @@ def encode_profile(profile: Profile) -> bytes:
     return head + pairs + table
 
 
-def _declared_pairs(data: bytes, where: str) -> int:
-    """The ranked pairs an STRP header (data's first 24 bytes) declares; ProfileError (one line) for a short
-    header, another magic or version, or more pairs than its shape has (each pair is ranked once)."""
+def _header(data: bytes, where: str) -> tuple[int, int, int]:
+    """(n_layers, n_expert, n_ranked) of an STRP header (data's first 24 bytes); ProfileError (one line) for a
+    short header, another magic or version, a shape past u16, or more pairs than its shape has (each pair is
+    ranked once)."""
     if len(data) < HEADER.size:
         raise ProfileError(f"expert profile {where} is truncated ({len(data)} bytes, header needs 24)")
     magic, version, n_layers, n_expert, _slots, n_ranked = HEADER.unpack_from(data, 0)
@@ -121,12 +122,11 @@ def _declared_pairs(data: bytes, where: str) -> int:
     if n_ranked > n_layers * n_expert:
         raise ProfileError(f"expert profile {where} declares {n_ranked} ranked pairs, more than its "
                            f"{n_layers} layers x {n_expert} experts")
-    return n_ranked
+    return n_layers, n_expert, n_ranked
 
 
 def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
-    n_ranked = _declared_pairs(data, where)
-    n_layers, n_expert = HEADER.unpack_from(data, 0)[2:4]
+    n_layers, n_expert, n_ranked = _header(data, where)
     need = HEADER.size + 4 * n_ranked
     if len(data) < need:
         raise ProfileError(
@@ -143,7 +143,7 @@ def read_profile(path: str | os.PathLike) -> Profile:
     try:
         with open(path, "rb") as f:
             head = f.read(HEADER.size)
-            need = 4 * _declared_pairs(head, str(path))
+            need = 4 * _header(head, str(path))[2]
             chunks = [head]
             while need > 0:  # in pieces: a header may declare gigabytes that the file does not hold
                 chunk = f.read(min(need, READ_CHUNK))
