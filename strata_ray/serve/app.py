@@ -309,9 +309,12 @@ def serve_main(argv) -> int:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         auto = engine_cfg.device == "auto"
         engine_cfg = replace(engine_cfg, device=launch.cluster_device(engine_cfg))
-        if auto and engine_cfg.device == "cpu" and plan.serve.gpu:  # as cluster_device notes the VRAM flags
-            say(f"note: GPUs {','.join(map(str, plan.serve.gpu))} asked for, but the Ray cluster has none: "
-                "the engine runs on the CPU")
+        if auto and engine_cfg.device == "cpu" and plan.serve.gpu:  # as cluster_device refuses --device cuda
+            # (a note and a CPU server before: the user named GPUs, and a model sized for them on the CPU
+            # serves at a small fraction of what they asked for, unnoticed behind the HTTP endpoint)
+            gpus = ",".join(map(str, plan.serve.gpu))
+            raise ConfigError(f'GPUs {gpus} asked for (--gpu / "gpu"), but the Ray cluster has none: drop '
+                              "them to serve on the CPU")
         return _run_server(plan, engine_cfg)
     except KeyboardInterrupt:
         say("stopped")

@@ -386,3 +386,17 @@ def test_replicas_that_can_never_be_placed_fail_in_one_line_instead_of_waiting(t
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "1000 replica(s) need 1000 CPUs; the Ray cluster has" in last, done.stderr[-2000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without GPUs")
+def test_gpus_asked_for_on_a_cluster_without_any_fail_in_one_line():
+    """`--gpu 0` where Ray finds no GPU: one line and exit 2, not a CPU server behind a note."""
+    from tests.serve.conftest import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "serve", "--address", "local", "--gpu", "0",
+         "--port", str(free_port())],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "GPUs 0 asked for" in last and "has none" in last, done.stderr[-2000:]
