@@ -54,8 +54,13 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # (Q8_0 and Q4_K alike): the walking form holds 95-126 registers against 40-74 (ptxas, sm_90), so one-entry
 # tiles stay at 1, and two-entry tiles too (their walking form takes 117-126 registers, 4 CTAs an SM against
 # 9: not measured against the one-block form, which stays).
-# The down launch (cuda_down_iters) walks one block a CTA: ncu at 8 tokens after the stage pitch, 21.0 us at
-# 1 (72 registers, 7 CTAs an SM) against 23.2 at 4 (123, 4 CTAs); gate / up 42.7 against 33.5.
+# The down launch (cuda_down_iters) walks one block a CTA below tiles of 8: ncu at 8 tokens after the stage
+# pitch, 21.0 us at 1 (72 registers, 7 CTAs an SM) against 23.2 at 4 (123, 4 CTAs); gate / up 42.7 against
+# 33.5. Tiles of 8 walk 4 since session 51: the sweep (bench_kernels, us a layer at 8 tokens x top-10, iters
+# 1 / 2 / 4, the same bits) on an H200, Q4_0 40.8 / 39.4 / 39.0, Q4_K 45.2 / 43.2 / 42.7, Q6_K 59.3 / 58.5 /
+# 58.9, Q8_0 53.8 / 51.0 / 50.7; session 37's on an H100 42.0 / 41.7 / 40.5, 46.4 / 45.9 / 44.7, 64.0 / 63.9
+# / 64.7, 58.8 / 57.4 / 57.3 (1-6% less but Q6_K on the H100, +1%). At 4 tokens walking gained nothing on
+# either card (H200 Q6_K 44.9 / 45.4 / 48.5), so smaller tiles stay at 1.
 # Session 16 on the H200: a one-token layer's rows 13.3 us against this tile's 37.5 (RPW 4 / 8 or 8 warps no
 # faster; at 8 entries a tile they overflow the 48 KiB of shared memory and decline to the simple tile).
 # cuda_swiglu: in launches of tiles of at most this many entries (0: none) where the CUDA C form takes both
@@ -87,7 +92,7 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # for the 4-8-token cost above; not yet measured on a GPU, so the default stays as measured (on).
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
-             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters=1, cuda_swiglu=1, cuda_bt=0,
+             cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters={1: 1, 8: 4}, cuda_swiglu=1, cuda_bt=0,
              cuda_cta_fold=True, cuda_early=True, cuda_early_down=True)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes

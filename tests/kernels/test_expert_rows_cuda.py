@@ -160,6 +160,8 @@ def test_rows_iters_is_the_switch_over_the_default(monkeypatch):
     import strata_ray.kernels.expert_words as ew
 
     monkeypatch.delenv("STRATA_ROWS_ITERS", raising=False)
+    # the defaults: the down launch walks at tiles of 8 and more only (session 51's sweep)
+    assert [rows_iters(bt, two=False) for bt in (1, 2, 4, 8, 16)] == [1, 1, 1, 4, 4]
     by_tile = {1: 1, 2: 2, 8: 4}
     monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_iters": by_tile, "cuda_down_iters": 1})
     # a tile size between two listed takes the one below
