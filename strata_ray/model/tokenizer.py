@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import json
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 import jinja2
@@ -256,6 +256,12 @@ class Tokenizer:
                     out.append(bytes(dec[c] for c in tok))
             self._token_bytes = out
         return self._token_bytes
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes one id spells: a text of B bytes takes at least B / this many tokens, before the
+        normalizer (serve's early context check allows for NFC's shrinking)."""
+        return max(map(len, self.token_bytes), default=1)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         tb = self.token_bytes

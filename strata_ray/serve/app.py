@@ -38,6 +38,15 @@ async def _api_error(_request: Request, e: oa.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+@api.exception_handler(Exception)
+async def _unexpected(_request: Request, e: Exception) -> JSONResponse:
+    """A fault of the server's own, still in OpenAI's shape (it was a plain-text 500 clients could not parse);
+    Starlette logs its traceback after this answers."""
+    detail = str(e).splitlines()[0] if str(e) else ""
+    message = f"internal error: {type(e).__name__}" + (f": {detail}" if detail else "")
+    return JSONResponse(oa.APIError(500, message, "server_error").body(), status_code=500)
+
+
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -125,22 +134,23 @@ class StrataServer:
         return oa.logprobs_doc(job.chat, tokens, self.runner.engine.tokenizer.token_bytes, job.logprobs)
 
     async def _sse(self, job: oa.Completion, rid: str, events):
-        model = self.model_name
+        model, created = self.model_name, int(time.time())  # one timestamp a stream, as OpenAI's
         async with contextlib.aclosing(events):
             try:
                 first = True
                 async for event in events:
+                    if first and job.chat:  # the role first, also before an empty answer's finish
+                        yield oa.sse(oa.chunk(job.chat, rid, model, role=True, created=created))
+                    first = False
                     if isinstance(event, Finished):
-                        yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason))
+                        yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason,
+                                              created=created))
                         if job.include_usage:
                             yield oa.sse(oa.usage_chunk(job.chat, rid, model, event.prompt_tokens,
-                                                        event.completion_tokens))
+                                                        event.completion_tokens, created))
                         break
-                    if first and job.chat:
-                        yield oa.sse(oa.chunk(job.chat, rid, model, role=True))
-                    first = False
                     yield oa.sse(oa.chunk(job.chat, rid, model, event.text,
-                                          logprobs=self._logprobs(job, event.tokens)))
+                                          logprobs=self._logprobs(job, event.tokens), created=created))
             except oa.APIError as e:  # headers are sent: the error travels as an SSE event
                 yield oa.sse(e.body())
             yield oa.sse("[DONE]")
@@ -185,6 +195,15 @@ class StrataServer:
     async def models(self, request: Request):
         self._auth(request)
         return oa.models(self.model_name, self.runner.context, int(self.metrics.started))
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        """One model's entry (the OpenAI clients' models.retrieve), or a 404 in OpenAI's shape."""
+        self._auth(request)
+        if model_id != self.model_name:
+            raise oa.APIError(404, f"the model {model_id!r} does not exist (this server has "
+                              f"{self.model_name!r})", param="model", code="model_not_found")
+        return oa.model_entry(self.model_name, self.runner.context, int(self.metrics.started))
 
     # --- health, status, metrics, page --------------------------------------------------------------------
 

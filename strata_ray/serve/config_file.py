@@ -235,8 +235,8 @@ def build_serve_parser():
     parser = _OneLineParser(
         prog=PROG,
         description="OpenAI-compatible HTTP server on Ray Serve: /v1/chat/completions, /v1/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /v1/status, /metrics and a chat + monitor page at /. "
-        "Settings come from "
+        "/v1/models(/{id}), /tokenize, /detokenize, /health, /v1/status, /metrics and a chat + monitor page "
+        "at /. Settings come from "
         "--config serve.json (keys: " + ", ".join(KEYS) + "); flags given here override the file. One "
         "model a server: a request's \"model\" is not checked (as llama-server; /v1/models names it).",
     )

@@ -89,6 +89,14 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON ({reason})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    # a \ud800-\udfff escape not in a pair is valid JSON but no character: the tokenizer then raised a
+    # TypeError, a 500 (a JavaScript client sends one where it cut a string inside an emoji)
+    if b"\\ud" in raw.lower():
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                           "not in a pair), which is no character", code="invalid_json") from None
     return body
 
 
@@ -143,6 +151,8 @@ def _sampling(body) -> Sampling:
 def _seed(body) -> int | None:
     from strata_ray.config import SEED_MAX
 
+    if body.get("seed") == -1 and not isinstance(body.get("seed"), bool):  # llama.cpp's "random", as None
+        return None
     seed = _integer(body, "seed", 0)
     if seed is not None and seed > SEED_MAX:  # the sampler hashes 64-bit seeds
         raise invalid("seed", f"must be < 2**64, got {seed}")
@@ -220,6 +230,15 @@ def _unsupported(body) -> None:
         raise invalid("logit_bias", "not supported by this server")
     if body.get("best_of") not in (None, 1):
         raise invalid("best_of", "only 1 is supported (one engine generates one answer at a time)")
+    # output controls of OpenAI (suffix: fill-in-the-middle), vLLM (guided_*, min_tokens, ignore_eos) and
+    # llama-server (grammar, json_schema): set to anything but their neutral value, they would change the
+    # answer, so they are refused rather than ignored
+    for name, neutral in (("suffix", ("",)), ("guided_json", ()), ("guided_regex", ("",)),
+                          ("guided_choice", ([],)), ("guided_grammar", ("",)), ("json_schema", ({},)),
+                          ("grammar", ("",)), ("ignore_eos", (False,)), ("min_tokens", (0,))):
+        v = body.get(name)
+        if v is not None and not any(v == n and type(v) is type(n) for n in neutral):
+            raise invalid(name, "not supported by this server")
     # vLLM's repetition_penalty, llama.cpp's repeat_penalty: 1 is off; OpenAI's penalties: 0 is off
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1),
                           ("repeat_penalty", 1)):
@@ -364,8 +383,9 @@ def parse_text(body: dict[str, Any]) -> Completion:
 # --- prompt -> token ids ----------------------------------------------------------------------------------
 
 
-def encode(job: Completion, tokenizer, add_bos: bool) -> list[int]:
-    """The ids of the request's text prompt or chat (the chat template applied)."""
+def encode(job: Completion, tokenizer, add_bos: bool, context: int | None = None) -> list[int]:
+    """The ids of the request's text prompt or chat (the chat template applied); context: refused (400)
+    where the text is too long for it whatever its tokens."""
     from strata_ray.model.tokenizer import ChatTemplateError
 
     text = job.prompt
@@ -376,7 +396,19 @@ def encode(job: Completion, tokenizer, add_bos: bool) -> list[int]:
             text = tokenizer.apply_chat_template(list(job.messages), add_generation_prompt=add, **kwargs)
         except (ChatTemplateError, TypeError) as e:
             raise invalid("messages", str(e).splitlines()[0]) from None
+    if context is not None:
+        # at least this many tokens, none spelling more bytes than the vocabulary's longest, and the
+        # normalizer's NFC at most 4x shorter (3 Hangul jamo -> one syllable is 3x): a prompt that cannot
+        # fit is refused before its encode (a 20 MB prompt took 22 s of CPU to be refused after it)
+        least = -(-len(text.encode("utf-8", "surrogatepass")) // (4 * max(1, tokenizer.max_token_bytes)))
+        if least >= context:
+            raise context_exceeded(f"at least {least}", context, "messages" if job.chat else "prompt")
     return tokenizer.encode(text, add_bos=add_bos)
+
+
+def context_exceeded(tokens: str, context: int, param: str) -> APIError:
+    return APIError(400, f"the prompt has {tokens} tokens; the model's context is {context} tokens",
+                    param=param, code="context_length_exceeded")
 
 
 def tokenize_doc(ids: list[int], token_bytes: Sequence[bytes], with_pieces: bool, context: int,
@@ -409,12 +441,11 @@ def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[
         if bad is not None:
             raise invalid("prompt", f"token id {bad} is out of range (vocabulary of {tokenizer.n_vocab})")
     else:
-        ids = encode(job, tokenizer, add_bos)
+        ids = encode(job, tokenizer, add_bos, context)
     if not ids:
         raise invalid(param, "the prompt is empty")
     if len(ids) >= context:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; the model's context is {context} tokens",
-                       param=param, code="context_length_exceeded")
+        raise context_exceeded(str(len(ids)), context, param)
     return ids
 
 
@@ -498,18 +529,19 @@ def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_to
 
 
 def chunk(chat: bool, rid: str, model: str, text: str | None = None, finish: str | None = None,
-          role: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
+          role: bool = False, logprobs: dict | None = None, created: int | None = None) -> dict[str, Any]:
+    """One SSE chunk; created: the stream's one timestamp (every chunk of a stream carries the same)."""
     choice = _choice(chat, text, finish, delta=True, logprobs=logprobs)
     if role:
         choice["delta"] = {"role": "assistant", "content": ""}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}
+            "created": int(time.time()) if created is None else created, "model": model, "choices": [choice]}
 
 
-def usage_chunk(chat: bool, rid: str, model: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(chat: bool, rid: str, model: str, prompt_tokens: int, completion_tokens: int,
+                created: int | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [],
+            "created": int(time.time()) if created is None else created, "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
@@ -517,6 +549,10 @@ def sse(doc: dict[str, Any] | str) -> str:
     return f"data: {doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)}\n\n"
 
 
+def model_entry(model: str, context: int, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "strata-ray",
+            "max_model_len": context}
+
+
 def models(model: str, context: int, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                         "owned_by": "strata-ray", "max_model_len": context}]}
+    return {"object": "list", "data": [model_entry(model, context, created)]}

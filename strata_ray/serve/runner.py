@@ -194,6 +194,8 @@ class EngineRunner:
                         for i, o, e in zip(ids[1:], offsets[1:], event.scores, strict=True)]
                     yield Piece(echoed, tuple(scored))
                     continue
+                if text.stopped:  # made before the engine saw the stop: not the answer's, nor counted (a
+                    continue      # slow stream's reader let more of them in: usage varied run to run)
                 self.metrics.token(rec)
                 piece = Piece(text.push(*event), _shifted(text.take_tokens(), shift))
                 if piece.text or piece.tokens:

@@ -82,6 +82,23 @@ def test_streaming_equals_non_streaming_with_usage_last(server):
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2])
     assert text == whole["choices"][0]["message"]["content"]
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert len({e["created"] for e in events[:-1]}) == 1  # one timestamp a stream, as OpenAI's
+
+
+def test_an_empty_streamed_answer_still_says_its_role_and_counts_as_the_plain_one(server):
+    """A stop string at the answer's first character: the stream's chunks are the role, the finish and the
+    usage; the usage is the plain answer's (tokens the engine made past the stop were counted before)."""
+    full = greedy_chat(server, max_tokens=8)["choices"][0]["message"]["content"]
+    if not full:
+        pytest.skip("the model's answer is empty")
+    body = {"messages": HELLO, "max_tokens": 8, "temperature": 0, "stop": [full[0]]}
+    plain = server.post("/v1/chat/completions", body).json()
+    assert plain["choices"][0]["message"]["content"] == ""
+    events = sse_events(server.post("/v1/chat/completions", {**body, "stream": True,
+                                    "stream_options": {"include_usage": True}}, stream=True))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-3]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    assert events[-2]["usage"] == plain["usage"]
 
 
 def test_completions_stream_and_not(server, engine):
@@ -214,6 +231,9 @@ def test_seeded_sampling_repeats_with_template_kwargs(server):
 def test_models(server):
     doc = server.get("/v1/models").json()
     assert doc["object"] == "list" and doc["data"][0]["id"] == server.model_path.name.removesuffix(".gguf")
+    # one model's entry, as the OpenAI clients' models.retrieve asks
+    assert server.get("/v1/models/" + doc["data"][0]["id"]).json() == doc["data"][0]
+    assert_error(server.get("/v1/models/no-such-model"), 404, "model", "model_not_found")
 
 
 # --- errors ----------------------------------------------------------------------------------------------
@@ -227,6 +247,14 @@ def assert_error(r: requests.Response, status: int, param=None, code=None):
         assert err["param"] == param
     if code is not None:
         assert err["code"] == code
+
+
+def test_a_lone_surrogate_is_a_400_in_openais_shape(server):
+    # a JavaScript client's string cut inside an emoji: the tokenizer raised, a plain-text 500
+    for path, body in (("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+                       ("/v1/completions", b'{"prompt": "a\\udc00b", "stream": true}'),
+                       ("/tokenize", b'{"content": "\\ud800"}')):
+        assert_error(server.post(path, body), 400, code="invalid_json")
 
 
 def test_api_key(server):

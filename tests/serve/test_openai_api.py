@@ -103,6 +103,13 @@ def test_chat_template_kwargs_that_clash_with_the_request_are_refused(kwargs, pa
     assert (info.value.param, info.value.code) == (param, code)
 
 
+def test_a_streams_chunks_carry_the_given_timestamp_and_a_model_its_entry():
+    assert oa.chunk(True, "r", "m", "a", created=5)["created"] == 5
+    assert oa.usage_chunk(False, "r", "m", 1, 2, 5)["created"] == 5
+    assert oa.models("m", 9, 3)["data"] == [oa.model_entry("m", 9, 3)]
+    assert oa.model_entry("m", 9, 3)["id"] == "m"
+
+
 def test_response_shapes():
     doc = oa.response(True, "chatcmpl-1", "m", "hello", "stop", 3, 2)
     assert doc["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
@@ -130,6 +137,17 @@ def test_response_shapes():
     ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"echo": True}, "echo", "invalid_value"),
     ({"best_of": 3}, "best_of", "invalid_value"),
+    # output controls of OpenAI, vLLM and llama-server: they were ignored, the answer unconstrained
+    ({"suffix": "end"}, "suffix", "invalid_value"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "invalid_value"),
+    ({"guided_regex": "a+"}, "guided_regex", "invalid_value"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice", "invalid_value"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "invalid_value"),
+    ({"json_schema": {"type": "object"}}, "json_schema", "invalid_value"),
+    ({"grammar": "root ::= x"}, "grammar", "invalid_value"),
+    ({"ignore_eos": True}, "ignore_eos", "invalid_value"),
+    ({"min_tokens": 5}, "min_tokens", "invalid_value"),
+    ({"min_tokens": False}, "min_tokens", "invalid_value"),  # not 0: a bool
 ])
 def test_asks_the_server_cannot_honour_are_refused_by_name(extra, param, code):
     # before, each was ignored: a client asking for JSON mode or a penalty got plain sampling back
@@ -142,8 +160,43 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted():
     job = oa.parse_chat({"messages": MSG, "tools": [], "response_format": {"type": "text"}, "top_logprobs": 0,
                          "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
                          "repeat_penalty": 1.0, "logit_bias": {}, "tool_choice": "auto", "echo": False,
-                         "best_of": 1, "chat_template_kwargs": {"add_generation_prompt": None}})
+                         "best_of": 1, "chat_template_kwargs": {"add_generation_prompt": None},
+                         "suffix": "", "ignore_eos": False, "min_tokens": 0, "guided_choice": [],
+                         "json_schema": {}, "grammar": ""})
     assert job.chat and not job.stream
+
+
+def test_seed_minus_one_is_random_as_llama_cpp_sends_it():
+    assert oa.parse_chat({"messages": MSG, "seed": -1}).sampling.seed is None
+    assert oa.parse_chat({"messages": MSG, "seed": 7}).sampling.seed == 7
+    for bad in (-2, True, "1"):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_chat({"messages": MSG, "seed": bad})
+        assert info.value.param == "seed"
+
+
+def test_a_lone_surrogate_is_a_400_and_a_pair_is_its_character():
+    for raw in (rb'{"prompt": "a\ud800b"}', rb'{"prompt": "\uDFFF"}', rb'{"\ud800": 1}'):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_json(raw)
+        assert (info.value.status, info.value.code) == (400, "invalid_json")
+        assert "surrogate" in info.value.message
+    assert oa.parse_json(rb'{"prompt": "\ud83d\ude00 \u00e9"}') == {"prompt": "\U0001f600 \u00e9"}
+
+
+def test_a_prompt_too_long_for_any_tokens_is_refused_before_its_encode(tok, monkeypatch):
+    context = 10
+    limit = 4 * tok.max_token_bytes * (context - 1) + 1  # bytes: at least `context` tokens whatever the text
+    job = oa.parse_text({"prompt": "x" * limit})
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("encoded a prompt that cannot fit"))
+    with pytest.raises(oa.APIError) as info:
+        oa.prompt_ids(job, tok, add_bos=False, context=context)
+    assert info.value.code == "context_length_exceeded" and "at least 10 tokens" in info.value.message
+    monkeypatch.undo()
+    short = oa.parse_text({"prompt": "x" * (limit - 1)})  # may fit: encoded, then counted
+    with pytest.raises(oa.APIError) as info:
+        oa.prompt_ids(short, tok, add_bos=False, context=context)
+    assert info.value.code == "context_length_exceeded" and "at least" not in info.value.message
 
 
 # --- logprobs --------------------------------------------------------------------------------------------
