@@ -428,3 +428,18 @@ def test_gpus_asked_for_on_a_cluster_without_any_fail_in_one_line():
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert "GPUs 0 asked for" in last and "has none" in last, done.stderr[-2000:]
+
+
+def test_a_fault_of_the_server_answers_in_openais_shape():
+    """The handler behind every unexpected exception (a plain-text 500 before: clients could not parse it)."""
+    import asyncio
+
+    from strata_ray.serve.app import api
+
+    handler = api.exception_handlers[Exception]
+    response = asyncio.run(handler(None, TypeError("bad thing\nsecond line")))
+    assert response.status_code == 500
+    err = json.loads(response.body)["error"]
+    assert err["message"] == "internal error: TypeError: bad thing" and err["type"] == "server_error"
+    assert json.loads(asyncio.run(handler(None, RuntimeError())).body)["error"]["message"] == \
+        "internal error: RuntimeError"
