@@ -324,9 +324,10 @@ def _is_user_error(cause: BaseException) -> bool:
     from strata_ray.engine.engine import RequestError
     from strata_ray.engine.generate import GenerationError
     from strata_ray.engine.sampling import SamplingError
+    from strata_ray.model.tokenizer import ChatTemplateError
 
-    if isinstance(cause, ValueError):
-        return isinstance(cause, (RequestError, GenerationError, SamplingError))
+    if isinstance(cause, ValueError):  # a chat template that refuses the messages: the request's fault
+        return isinstance(cause, (RequestError, GenerationError, SamplingError, ChatTemplateError))
     return True
 
 

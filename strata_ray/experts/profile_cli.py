@@ -18,7 +18,14 @@ import torch
 from tqdm import tqdm
 
 from strata_ray.capped_read import MIB, TooLong, read_capped
-from strata_ray.config import ConfigError, OneLineArgumentParser, check_save_path, decimal
+from strata_ray.config import (
+    ENGINE_FLAGS,
+    ConfigError,
+    OneLineArgumentParser,
+    check_save_path,
+    decimal,
+    parse_value,
+)
 from strata_ray.experts.profile import MAGIC, Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
@@ -36,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         error_prefix="strata_ray profile",  # as profile_main's other errors
         description="Record expert routing on a text and write an STRP expert profile (hottest pairs first).",
     )
-    p.add_argument("--model", metavar="PATH", default=None, help="GGUF model (default: the embedded model)")
+    p.add_argument("--model", metavar="PATH", default=None,
+                   help="GGUF model (default: STRATA_MODEL as the other commands read it, else the embedded "
+                   "model; no other STRATA_* variable is read here)")
     p.add_argument("--corpus", metavar="FILE", required=True, help="UTF-8 text to route")
     p.add_argument("-o", "--output", metavar="P.strp", required=True, help="profile to write (atomic)")
     p.add_argument("--max-tokens", metavar="N", type=_positive, default=None, help="stop after N tokens")
@@ -122,6 +131,9 @@ def profile_text(loaded, text: str, max_tokens: int | None, chunk: int, context:
 def profile_main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.model is None and os.environ.get("STRATA_MODEL"):  # as run, bench and serve take it: a
+            # profile of the embedded model was written and then refused there for its shape
+            args.model = parse_value(ENGINE_FLAGS["model"][2], os.environ["STRATA_MODEL"], "STRATA_MODEL")
         # fail before the long run, not after it; never over the model, the corpus or a file not a profile
         check_save_path(os.path.abspath(args.output), "-o", {"--model": args.model, "--corpus": args.corpus},
                         MAGIC, "an STRP profile")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -267,11 +268,18 @@ class ModelWriter:
         return _FILE_TYPE.get(T(main), gguf.LlamaFileType.GUESSED)
 
     def write(self, progress: bool = False) -> None:
-        """Write the file (to PATH.part, renamed on success so a failed run leaves no half file)."""
+        """Write the file (to .PATH.<random>.part, renamed on success so a failed run leaves no half file)."""
         if self.path.exists() and not self.path.is_file():  # e.g. /dev/null: the rename would replace it
             raise GGUFWriteError(f"{self.path} exists and is not a regular file")
-        tmp = self.path.with_name(self.path.name + ".part")
-        w = gguf.GGUFWriter(tmp, self.hp.arch)
+        # a name of this run's own, made here first (O_EXCL): a fixed PATH.part was overwritten and then
+        # deleted whatever it was, and written through where it was a symbolic link
+        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.part")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        try:
+            w = gguf.GGUFWriter(tmp, self.hp.arch)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         for key, value in self.fields().items():
             if key != "general.architecture":
                 _add_field(w, key, value)

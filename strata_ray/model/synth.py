@@ -16,10 +16,13 @@ well-behaved through all layers and make its routing skewed like a trained model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import shutil
+import signal
 import sys
+import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -351,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
         help="tiny / small (tests), 30b-a3b (qwen3moe real shape), 80b-a3b (qwen3next real shape)",
     )
     p.add_argument("--layers", type=_layers,
-                   help="override the number of trunk layers (the MTP layer is kept)")
+                   help="override the number of trunk layers, 1 to 1024 (the MTP layer is kept)")
     p.add_argument("--expert-type", default="Q4_K", choices=EXPERT_TYPES, help="routed experts' quant type")
     p.add_argument("--dense-type", default="Q8_0", choices=DENSE_TYPES,
                    help="the other matrices' quant type (Q4_K / Q6_K: a Q4_K_M file's; the embedding and MTP "
@@ -364,6 +367,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing GGUF file at -o")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM and SIGHUP (`timeout`, a closed terminal, a CI job's end) raise KeyboardInterrupt while the
+    file is written, so the writer removes its .part file as it does on Ctrl-C (they left all of it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def synth_main(argv: Sequence[str] | None = None) -> int:
@@ -383,17 +405,18 @@ def synth_main(argv: Sequence[str] | None = None) -> int:
         print(f"strata_ray synth: -o {args.output}: exists and is {what}", file=sys.stderr)
         return 2
     try:
-        hp = write_synth(
-            args.output,
-            args.arch,
-            args.preset,
-            args.layers,
-            args.expert_type,
-            args.seed,
-            progress=not args.no_progress,
-            dense_type=args.dense_type,
-            fused_gate_up=args.fused_gate_up,
-        )
+        with _terminate_as_interrupt():
+            hp = write_synth(
+                args.output,
+                args.arch,
+                args.preset,
+                args.layers,
+                args.expert_type,
+                args.seed,
+                progress=not args.no_progress,
+                dense_type=args.dense_type,
+                fused_gate_up=args.fused_gate_up,
+            )
     except SynthError as e:
         print(f"strata_ray synth: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from .hparams import HParams
 
 ARCHS = ("qwen3next", "qwen3moe")
 PRESETS = ("tiny", "small", "30b-a3b", "80b-a3b")
+MAX_LAYERS = 1024  # --layers' bound: the real families have 48-94 layers
 FULL_ATTENTION_INTERVAL = 4  # qwen3next: layer i is full attention iff (i + 1) % 4 == 0
 
 # values as stored in the file (float32), so HParams read back from the GGUF compare equal
@@ -94,7 +95,7 @@ def preset_hparams(arch: str | None, preset: str, layers: int | None = None) -> 
         raise SynthError(f"preset {preset} is a {implied} shape; use --arch {implied}")
     hp = _PRESETS[(arch, preset)]
     if layers is not None:
-        if layers < 1:
-            raise SynthError(f"--layers must be at least 1 (got {layers})")
+        if not 1 <= layers <= MAX_LAYERS:  # a huge count built its tensor list for minutes before any check
+            raise SynthError(f"--layers must be from 1 to {MAX_LAYERS} (got {layers})")
         hp = replace(hp, n_layer=layers, recurrent=recurrent_pattern(layers) if hp.recurrent else ())
     return hp

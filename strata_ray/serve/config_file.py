@@ -166,14 +166,17 @@ def config_from_dict(raw: Mapping[str, Any]) -> ServeConfig:
         env=_parse_env(raw.get("env")),
         host=_typed(raw, "host", str, "a host name or address") or DEFAULT_HOST,
         port=_port(_typed(raw, "port", int, "an integer from 1 to 65535")) or DEFAULT_PORT,
-        api_key=_api_key(_typed(raw, "api_key", str, "a string") or None, "api_key"),
+        api_key=_api_key(_typed(raw, "api_key", str, "a string"), "api_key"),
         layer_split=None if layer_split is None else str(layer_split),
         replicas=_replicas(_typed(raw, "replicas", int, "an integer >= 1")) or 1,
     )
 
 
 def _api_key(key: str | None, where: str) -> str | None:
-    """A key with spaces or tabs around it could never match: a header's value is read stripped."""
+    """A key with spaces or tabs around it could never match: a header's value is read stripped. An empty key
+    is refused: `--api-key "$KEY"` with KEY unset served with no key at all, and said nothing."""
+    if key == "":
+        raise ServeConfigError(f"{where}: an empty key (leave it out to serve without a key)")
     if key is not None and key != key.strip():
         raise ServeConfigError(f"{where}: the key has spaces around it (a request's key never would)")
     return key
@@ -263,7 +266,7 @@ def _cli_overrides(ns) -> dict[str, Any]:
     if ns.port is not None:
         over["port"] = _port(_int_flag("--port", ns.port), "--port")
     if ns.api_key is not None:
-        over["api_key"] = _api_key(ns.api_key or None, "--api-key")
+        over["api_key"] = _api_key(ns.api_key, "--api-key")
     if ns.gpu is not None:
         over["gpu"] = parse_gpu(ns.gpu, "--gpu")
     if ns.replicas is not None:

@@ -59,3 +59,18 @@ except KeyboardInterrupt:
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout.strip()) == (0, "interrupted False 0"), (r.stdout, r.stderr[-2000:])
+
+
+def test_a_chat_template_that_refuses_the_messages_is_the_users_fault():
+    """raise_exception in a model's template (say "only system roles"): exit 2 as serve's 400, not 1 as an
+    engine failure; a ValueError of the engine's own stays an engine failure."""
+    from ray.exceptions import RayTaskError
+
+    from strata_ray.actors.launch import PRIMARY_NAME, describe_failure
+    from strata_ray.model.tokenizer import ChatTemplateError
+
+    line = "chat template: only system roles"
+    assert describe_failure(ChatTemplateError(line), PRIMARY_NAME) == (line, 2)
+    wrapped = RayTaskError("generate", "traceback", ChatTemplateError(line))
+    assert describe_failure(wrapped, PRIMARY_NAME)[1] == 2
+    assert describe_failure(ValueError("a bug"), PRIMARY_NAME)[1] == 1

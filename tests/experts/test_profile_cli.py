@@ -134,6 +134,25 @@ def test_bad_model_is_one_line(tmp_path, capsys, tiny_model_path):
     assert rc == 2 and "not.gguf" in one_line_error(capsys)
 
 
+def test_strata_model_is_the_model_as_the_other_commands_read_it(tmp_path, capsys, monkeypatch,
+                                                                   tiny_model_path):
+    """It profiled the embedded model (4 x 16 pairs) where STRATA_MODEL named another, whose run then refused
+    the profile for its shape; a missing file is one line."""
+    (tmp_path / "c.txt").write_text(CORPUS)
+    out = tmp_path / "p.strp"
+    monkeypatch.setenv("STRATA_MODEL", str(tiny_model_path))
+    rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(out), "--max-tokens", "20",
+                       "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    from strata_ray.model.loader import load_model
+
+    check_shape(read_profile(out), load_model(str(tiny_model_path)).hp)
+    monkeypatch.setenv("STRATA_MODEL", str(tmp_path / "missing.gguf"))
+    rc = profile_main(["--corpus", str(tmp_path / "c.txt"), "-o", str(out), "--no-progress"])
+    assert rc == 2 and "missing.gguf" in one_line_error(capsys)
+
+
 def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
     from strata_ray.model.loader import load_model
 

@@ -244,7 +244,9 @@ def test_dense_type(tmp_path):
         ),
         (["--arch", "qwen3next", "--preset", "30b-a3b", "-o", "x.gguf"], "use --arch qwen3moe"),
         (["--arch", "qwen3next", "--preset", "huge", "-o", "x.gguf"], "invalid choice"),
-        (["--arch", "qwen3next", "--preset", "tiny", "--layers", "0", "-o", "x.gguf"], "at least 1"),
+        (["--arch", "qwen3next", "--preset", "tiny", "--layers", "0", "-o", "x.gguf"], "from 1 to 1024"),
+        # it built the tensor list first: 1.4 GB and 21 s at 100000, a MemoryError beyond
+        (["--arch", "qwen3next", "--preset", "tiny", "--layers", "100000", "-o", "x.gguf"], "from 1 to 1024"),
         (
             ["--arch", "qwen3next", "--preset", "tiny", "--expert-type", "Q5_K", "-o", "x.gguf"],
             "invalid choice",
@@ -302,8 +304,10 @@ def test_cli_success_and_implied_arch(tmp_path, capsys):
     assert preset_hparams(None, "30b-a3b").arch == "qwen3moe"
 
 
-def test_ctrl_c_is_one_line_and_leaves_no_file(tmp_path):
-    """SIGINT while the writer streams: exit 130, one line, neither the model nor its .part left behind."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_is_one_line_and_leaves_no_file(tmp_path, sig):
+    """SIGINT (or SIGTERM / SIGHUP: `timeout`, a closed terminal, which left the whole .part file) while the
+    writer streams: exit 130, one line, neither the model nor its .part left behind."""
     import os
     import signal
     import subprocess
@@ -319,7 +323,23 @@ def test_ctrl_c_is_one_line_and_leaves_no_file(tmp_path):
     while not any(tmp_path.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.5)  # inside the stream
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (130, "strata_ray synth: interrupted\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_or_link_at_the_old_part_name_is_left_alone(tmp_path):
+    """The writer's temporary file is its own (O_EXCL, a random name): a fixed PATH.part was overwritten and
+    deleted, and a symbolic link there had its target overwritten by the model."""
+    notes, victim = tmp_path / "m.gguf.part", tmp_path / "victim.txt"
+    notes.write_text("my notes")
+    victim.write_text("keep me")
+    (tmp_path / "n.gguf.part").symlink_to(victim)
+    for name in ("m.gguf", "n.gguf"):
+        argv = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress", "-o", str(tmp_path / name)]
+        assert synth_main(argv) == 0
+        assert (tmp_path / name).is_file() and not (tmp_path / name).is_symlink()
+    assert notes.read_text() == "my notes" and victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.part", "n.gguf", "n.gguf.part",
+                                                          "victim.txt"]

@@ -111,6 +111,7 @@ def test_defaults_without_a_file():
     ({"args": ["--no-such-flag"]}, "unrecognized arguments: --no-such-flag"),
     ({"gpu": [0, 1], "args": ["--peer-device", "1", "--layer-split", "16"]}, None),
     ({"api_key": 5}, "api_key: expected a string"),
+    ({"api_key": ""}, "api_key: an empty key"),  # it served with no key at all
     ({"layer_split": True}, "layer_split: expected"),
 ])
 def test_invalid_configs_are_one_line(tmp_path, doc, message):
@@ -138,6 +139,8 @@ def test_config_that_is_not_utf8_is_one_line(tmp_path):
     (["--port", "\u0668\u0660"], "--port: invalid value '\u0668\u0660' (allowed: an integer)"),
     (["--host", ""], "--host: an empty address (give a host name or address, e.g. 0.0.0.0)"),
     (["--api-key", " k"], "--api-key: the key has spaces around it (a request's key never would)"),
+    # `--api-key "$KEY"` with KEY unset: it served with no key at all, and said nothing
+    (["--api-key", ""], "--api-key: an empty key (leave it out to serve without a key)"),
 ])
 def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
     with pytest.raises(ServeConfigError) as e:
