@@ -295,7 +295,7 @@ def _check_writable(path: Path) -> None:
     from strata_ray.atomic_file import probe_folder
 
     try:
-        probe_folder(path.parent)  # the writer's folder: it writes <name>.part there and renames it over path
+        probe_folder(path.parent)  # the writer makes its .part file there, renamed over path
     except OSError as e:
         raise SynthError(f"-o {path}: cannot write in {path.parent} ({e.strerror or e})") from None
 
