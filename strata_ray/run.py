@@ -99,8 +99,8 @@ def build_generate_parser():
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true",
                         help="print one JSON object (token_ids, text, prompt_tokens, generated_tokens, "
-                             "timings; experts on a tiered run, logprobs and warnings when there are "
-                             "some), no text")
+                             "finish_reason, timings; experts on a tiered run, logprobs and token_logprobs "
+                             "with --logprobs, warnings when there are some), no text")
     output.add_argument("--logprobs", metavar="K", default="0",
                         help="with --json: top-K logprobs per token and the chosen token's own (of the "
                              "model's distribution, before temperature and the top-k/top-p/min-p filters); "
