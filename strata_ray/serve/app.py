@@ -135,22 +135,22 @@ class StrataServer:
 
     async def _sse(self, job: oa.Completion, rid: str, events):
         model, created = self.model_name, int(time.time())  # one timestamp a stream, as OpenAI's
+        same = {"created": created, "usage_slot": job.include_usage}
         async with contextlib.aclosing(events):
             try:
                 first = True
                 async for event in events:
                     if first and job.chat:  # the role first, also before an empty answer's finish
-                        yield oa.sse(oa.chunk(job.chat, rid, model, role=True, created=created))
+                        yield oa.sse(oa.chunk(job.chat, rid, model, role=True, **same))
                     first = False
                     if isinstance(event, Finished):
-                        yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason,
-                                              created=created))
+                        yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason, **same))
                         if job.include_usage:
                             yield oa.sse(oa.usage_chunk(job.chat, rid, model, event.prompt_tokens,
                                                         event.completion_tokens, created))
                         break
                     yield oa.sse(oa.chunk(job.chat, rid, model, event.text,
-                                          logprobs=self._logprobs(job, event.tokens), created=created))
+                                          logprobs=self._logprobs(job, event.tokens), **same))
             except oa.APIError as e:  # headers are sent: the error travels as an SSE event
                 yield oa.sse(e.body())
             yield oa.sse("[DONE]")

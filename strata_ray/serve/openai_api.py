@@ -529,13 +529,18 @@ def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_to
 
 
 def chunk(chat: bool, rid: str, model: str, text: str | None = None, finish: str | None = None,
-          role: bool = False, logprobs: dict | None = None, created: int | None = None) -> dict[str, Any]:
-    """One SSE chunk; created: the stream's one timestamp (every chunk of a stream carries the same)."""
+          role: bool = False, logprobs: dict | None = None, created: int | None = None,
+          usage_slot: bool = False) -> dict[str, Any]:
+    """One SSE chunk; created: the stream's one timestamp (every chunk of a stream carries the same);
+    usage_slot: `"usage": null`, as OpenAI sends on every chunk before the last where include_usage asks."""
     choice = _choice(chat, text, finish, delta=True, logprobs=logprobs)
     if role:
         choice["delta"] = {"role": "assistant", "content": ""}
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()) if created is None else created, "model": model, "choices": [choice]}
+    doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": int(time.time()) if created is None else created, "model": model, "choices": [choice]}
+    if usage_slot:
+        doc["usage"] = None
+    return doc
 
 
 def usage_chunk(chat: bool, rid: str, model: str, prompt_tokens: int, completion_tokens: int,

@@ -83,6 +83,7 @@ def test_streaming_equals_non_streaming_with_usage_last(server):
     assert text == whole["choices"][0]["message"]["content"]
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
     assert len({e["created"] for e in events[:-1]}) == 1  # one timestamp a stream, as OpenAI's
+    assert all(e["usage"] is None for e in events[:-2])  # OpenAI's null before the usage chunk
 
 
 def test_an_empty_streamed_answer_still_says_its_role_and_counts_as_the_plain_one(server):
