@@ -231,6 +231,11 @@ def bench_main(argv: Sequence[str]) -> int:
             for flag in ("--api", "--served-model", "--api-key"):
                 if getattr(ns, flag[2:].replace("-", "_")) is not None:
                     raise ConfigError(f"{flag} applies with --url only")
+        if ns.url is not None or ns.local:  # the Ray flags where no Ray runs: refused, not a silent no-op
+            for flag in ("--address", "--replace-actors"):
+                if getattr(ns, flag[2:].replace("-", "_")) not in (None, False):
+                    raise ConfigError(f"{flag} applies to the Ray actors only, not with "
+                                      f"{'--url' if ns.url is not None else '--local'}")
         ns.api = ns.api or "chat"
         inputs = {"--model": cfg.model, "--against": getattr(ns, "against", None),
                   "--expert-profile": cfg.expert_profile, "--expert-profile-save": cfg.expert_profile_save}

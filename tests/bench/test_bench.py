@@ -120,6 +120,12 @@ def test_bad_flags_end_in_one_line(model_path, tmp_path, capsys):
     for flag, value in (("--api", "completions"), ("--served-model", "m"), ("--api-key", "k")):
         code, _, err = run_cli(capsys, "--local", "--model", model_path, flag, value)
         assert (code, err) == (2, f"strata_ray bench: {flag} applies with --url only\n")
+    # the Ray flags where no Ray runs: they were accepted and did nothing
+    for target, flags in ((["--local"], ["--address", "bogus"]), (["--local"], ["--replace-actors"]),
+                          (["--url", "http://127.0.0.1:9"], ["--address", "auto"])):
+        code, _, err = run_cli(capsys, *target, "--model", model_path, *flags)
+        assert (code, err) == (2, f"strata_ray bench: {flags[0]} applies to the Ray actors only, not with "
+                                  f"{target[0]}\n")
     # one generated token leaves no decode to time (it reported 0.00 tok/s)
     code, _, err = run_cli(capsys, "--local", "--model", model_path, "--gen", "1")
     assert (code, err) == (2, "strata_ray bench: --gen: invalid value '1' (allowed: an integer >= 2)\n")
