@@ -18,6 +18,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from strata_ray.atomic_file import regular_target
+
 from .hparams import HParams
 from .quants import BLOCK, quantize, type_name
 from .tokenizer import CHATML_TEMPLATE, CONTROL, NORMAL, UNUSED, byte_encoder
@@ -269,11 +271,14 @@ class ModelWriter:
 
     def write(self, progress: bool = False) -> None:
         """Write the file (to .PATH.<random>.part, renamed on success so a failed run leaves no half file)."""
-        if self.path.exists() and not self.path.is_file():  # e.g. /dev/null: the rename would replace it
-            raise GGUFWriteError(f"{self.path} exists and is not a regular file")
+        try:  # a symbolic link is written through, to the file it leads to, as atomic_file writes (it was
+            # replaced by the model, its target left as it was)
+            target = Path(regular_target(self.path))
+        except OSError:  # e.g. /dev/null: the rename would replace it
+            raise GGUFWriteError(f"{self.path} exists and is not a regular file") from None
         # a name of this run's own, made here first (O_EXCL): a fixed PATH.part was overwritten and then
         # deleted whatever it was, and written through where it was a symbolic link
-        tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(4)}.part")
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         try:
             w = gguf.GGUFWriter(tmp, self.hp.arch)
@@ -305,7 +310,7 @@ class ModelWriter:
                 behind.put(bytes(-e.n_bytes % w.data_alignment))
             behind.finish()
             w.close()
-            os.replace(tmp, self.path)
+            os.replace(tmp, target)
         except BaseException:
             if behind is not None:
                 behind.stop()

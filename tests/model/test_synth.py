@@ -343,3 +343,16 @@ def test_a_file_or_link_at_the_old_part_name_is_left_alone(tmp_path):
     assert notes.read_text() == "my notes" and victim.read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.gguf.part", "n.gguf", "n.gguf.part",
                                                           "victim.txt"]
+
+
+def test_force_writes_through_a_symbolic_link_to_its_model(tmp_path):
+    """--force over a link to a GGUF replaces the model the link leads to and keeps the link (it replaced the
+    link with a file and left its target as it was), as --expert-profile-save writes through links."""
+    real, link = tmp_path / "real.gguf", tmp_path / "link.gguf"
+    base = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress"]
+    assert synth_main([*base, "--seed", "1", "-o", str(real)]) == 0
+    first = real.read_bytes()
+    link.symlink_to(real)
+    assert synth_main([*base, "--seed", "2", "--force", "-o", str(link)]) == 0
+    assert link.is_symlink() and real.read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.gguf", "real.gguf"]
