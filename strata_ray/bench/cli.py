@@ -78,7 +78,9 @@ def build_parser(command: str):
         bench.add_argument("--quick", action="store_true",
                            help=f"contexts {QUICK_CONTEXTS} and one repeat (unless --contexts/--repeats)")
         bench.add_argument("--contexts", metavar="N[,N..]",
-                           help=f"prompt depths in tokens, k = 1024 (default {DEFAULT_CONTEXTS})")
+                           help=f"prompt depths in tokens, k = 1024 (default {DEFAULT_CONTEXTS}); each at "
+                           "least the prompt's fixed text (the chat template and the task's words: ~70 "
+                           "tokens with the embedded model's tokenizer; refused once the tokenizer is read)")
         bench.add_argument("--repeats", metavar="N", help="runs per measurement; medians are reported (3)")
         bench.add_argument("--gen", metavar="N", default="256",
                            help="tokens generated after each context prompt (decode at that depth; 256)")
