@@ -280,25 +280,20 @@ class ModelWriter:
         # deleted whatever it was, and written through where it was a symbolic link
         tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.part")
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        try:
+        w = bar = behind = None
+        try:  # from the file's making on: an interrupt anywhere removes it (its random name is nobody's)
             w = gguf.GGUFWriter(tmp, self.hp.arch)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        for key, value in self.fields().items():
-            if key != "general.architecture":
-                _add_field(w, key, value)
-        for e in self._entries.values():
-            w.add_tensor_info(e.name, e.shape, np.dtype(np.float32), e.n_bytes, raw_dtype=T(e.ggml_type))
-        bar = None
-        if progress:
-            from tqdm import tqdm
+            for key, value in self.fields().items():
+                if key != "general.architecture":
+                    _add_field(w, key, value)
+            for e in self._entries.values():
+                w.add_tensor_info(e.name, e.shape, np.dtype(np.float32), e.n_bytes, raw_dtype=T(e.ggml_type))
+            if progress:
+                from tqdm import tqdm
 
-            # disable=None: drawn only when stderr is a terminal (no bar garbage in logs and pipes)
-            bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, desc=f"writing {self.path.name}",
-                       disable=None)
-        behind = None
-        try:
+                # disable=None: drawn only when stderr is a terminal (no bar garbage in logs and pipes)
+                bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True,
+                           desc=f"writing {self.path.name}", disable=None)
             w.write_header_to_file()
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
@@ -314,7 +309,8 @@ class ModelWriter:
         except BaseException:
             if behind is not None:
                 behind.stop()
-            w.close()
+            if w is not None:
+                w.close()
             tmp.unlink(missing_ok=True)
             raise
         finally:

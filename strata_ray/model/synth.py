@@ -278,10 +278,18 @@ def write_synth(
         raise SynthError(f"-o {path}: output directory {path.parent} does not exist")
     if path.exists() and not path.is_file():
         raise SynthError(f"-o {path}: exists and is not a regular file")
-    _check_writable(path)
+    from strata_ray.atomic_file import regular_target
+
+    try:  # the file the writer writes: a symbolic link's target, whose folder is checked and filled
+        target = Path(regular_target(path))
+    except OSError:
+        raise SynthError(f"-o {path}: exists and is not a regular file") from None
+    if not target.parent.is_dir():
+        raise SynthError(f"-o {path}: leads to {target}, whose folder does not exist")
+    _check_writable(path, target.parent)
     mw = build_writer(path, hp, T[expert_type], seed, name=f"strata-synth-{hp.arch}-{preset}",
                       dense_type=T[dense_type], fused_gate_up=fused_gate_up)
-    free = shutil.disk_usage(path.parent).free
+    free = shutil.disk_usage(target.parent).free
     if mw.total_bytes > free:
         raise SynthError(f"not enough disk space: the model needs {_human_bytes(mw.total_bytes)}, "
                          f"{_human_bytes(free)} free")
@@ -289,15 +297,15 @@ def write_synth(
     return hp
 
 
-def _check_writable(path: Path) -> None:
-    """A file can be made beside path (a read-only or special folder, such as /proc, showed "not enough
-    disk space: 0.0 GB free" instead)."""
+def _check_writable(path: Path, folder: Path) -> None:
+    """A file can be made in folder, where path's file is (a read-only or special folder, such as /proc,
+    showed "not enough disk space: 0.0 GB free" instead)."""
     from strata_ray.atomic_file import probe_folder
 
     try:
-        probe_folder(path.parent)  # the writer makes its .part file there, renamed over path
+        probe_folder(folder)  # the writer makes its .part file there, renamed over the file
     except OSError as e:
-        raise SynthError(f"-o {path}: cannot write in {path.parent} ({e.strerror or e})") from None
+        raise SynthError(f"-o {path}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 def _is_gguf(path: Path) -> bool:
@@ -380,7 +388,10 @@ def _terminate_as_interrupt():
     def interrupt(_signum, _frame):
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # only where the default action (ending the process) stands: `nohup` sets SIGHUP to be ignored, and a
+    # closed terminal must then not stop the write
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is signal.SIG_DFL}
     try:
         yield
     finally:

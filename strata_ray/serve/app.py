@@ -41,9 +41,8 @@ async def _api_error(_request: Request, e: oa.APIError) -> JSONResponse:
 @api.exception_handler(Exception)
 async def _unexpected(_request: Request, e: Exception) -> JSONResponse:
     """A fault of the server's own, still in OpenAI's shape (it was a plain-text 500 clients could not parse);
-    Starlette logs its traceback after this answers."""
-    detail = str(e).splitlines()[0] if str(e) else ""
-    message = f"internal error: {type(e).__name__}" + (f": {detail}" if detail else "")
+    the exception's type only (its text may hold the server's paths); Starlette logs the traceback after."""
+    message = f"internal error ({type(e).__name__}); the server's log has the details"
     return JSONResponse(oa.APIError(500, message, "server_error").body(), status_code=500)
 
 

@@ -82,8 +82,10 @@ class Completion:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
+    try:  # UTF-8 by ourselves, strictly (json.loads of bytes let a surrogate's own bytes, ED A0 80, and
+        # UTF-16 bodies through), a BOM allowed
+        text = raw.decode("utf-8-sig")
+        body = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
         raise APIError(400, f"the request body is not valid JSON ({reason})", code="invalid_json") from None
@@ -91,7 +93,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     # a \ud800-\udfff escape not in a pair is valid JSON but no character: the tokenizer then raised a
     # TypeError, a 500 (a JavaScript client sends one where it cut a string inside an emoji)
-    if b"\\ud" in raw.lower():
+    if "\\ud" in text.lower():
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -356,3 +356,51 @@ def test_force_writes_through_a_symbolic_link_to_its_model(tmp_path):
     assert synth_main([*base, "--seed", "2", "--force", "-o", str(link)]) == 0
     assert link.is_symlink() and real.read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.gguf", "real.gguf"]
+
+
+def test_an_interrupt_before_the_stream_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """From the temporary file's making on, any interrupt removes it (its random name is nobody's to clean):
+    one raised while the header's fields were added left it behind."""
+    import strata_ray.model.gguf_writer as gw
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gw, "_add_field", interrupted)
+    argv = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress", "-o", str(tmp_path / "a.gguf")]
+    assert synth_main(argv) == 130
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sighup_ignored_by_nohup_stays_ignored_while_writing():
+    """`nohup` sets SIGHUP to be ignored: the write must go on after the terminal closes; SIGTERM at its
+    default becomes the interrupt, and both are as they were after."""
+    import signal
+
+    from strata_ray.model.synth import _terminate_as_interrupt
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with _terminate_as_interrupt():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))  # the interrupt
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_link_into_another_folder_is_checked_and_written_there(tmp_path):
+    """The space and writability checks look at the folder the file is written in (a link's target's), and
+    a link into a folder that does not exist is one line before any work."""
+    (tmp_path / "big").mkdir()
+    link = tmp_path / "m.gguf"
+    link.symlink_to(tmp_path / "big" / "m.gguf")  # dangling until written
+    argv = ["--arch", "qwen3moe", "--preset", "tiny", "--no-progress", "-o", str(link)]
+    assert synth_main(argv) == 0
+    assert link.is_symlink() and (tmp_path / "big" / "m.gguf").is_file()
+    gone = tmp_path / "n.gguf"
+    gone.symlink_to(tmp_path / "missing" / "n.gguf")
+    with pytest.raises(SynthError, match="whose folder does not exist"):
+        write_synth(gone, arch="qwen3moe", preset="tiny")

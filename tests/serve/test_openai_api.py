@@ -181,6 +181,14 @@ def test_a_lone_surrogate_is_a_400_and_a_pair_is_its_character():
             oa.parse_json(raw)
         assert (info.value.status, info.value.code) == (400, "invalid_json")
         assert "surrogate" in info.value.message
+    # a surrogate's own bytes, and a UTF-16 body (json.loads of bytes took both)
+    for raw in (b'{"prompt": "a\xed\xa0\x80b"}', '{"prompt": "a\\ud800"}'.encode("utf-16")):
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_json(raw)
+        assert (info.value.code, info.value.message) == ("invalid_json", "the request body is not valid JSON "
+                                                         "(not UTF-8)")
+    assert oa.parse_json(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}  # a UTF-8 BOM
+    assert oa.parse_json(rb'{"path": "C:\\udir"}') == {"path": "C:\\udir"}  # an escaped backslash
     assert oa.parse_json(rb'{"prompt": "\ud83d\ude00 \u00e9"}') == {"prompt": "\U0001f600 \u00e9"}
 
 
