@@ -24,8 +24,9 @@ def runner(model_path):
 
 
 async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs=0, whole=False, echo=False,
-                  added_bos=False):
-    """(text, Finished); whole: (the pieces, Finished)."""
+                  added_bos=False, delay=0.0):
+    """(text, Finished); whole: (the pieces, Finished); delay: seconds the reader takes a piece (a slow
+    stream's client)."""
     rec = runner.metrics.enqueue(name, "test")
     events = runner.stream(rec, prompt_ids, max_tokens, GREEDY, stop, logprobs, echo, added_bos)
     pieces = []
@@ -34,6 +35,7 @@ async def collect(runner, name: str, prompt_ids, max_tokens=3, stop=(), logprobs
             if isinstance(event, Finished):
                 return (pieces if whole else "".join(p.text for p in pieces)), event
             pieces.append(event)
+            await asyncio.sleep(delay)
 
 
 def test_requests_run_one_at_a_time_in_arrival_order(runner):
@@ -135,3 +137,19 @@ def test_an_echo_that_ends_on_a_stop_id_lists_it_last(runner):
     assert done.completion_tokens == 0 and done.finish_reason == "stop"
     plain, _ = asyncio.run(collect(runner, "plain", whole, max_tokens=1, logprobs=1, whole=True))
     assert [t for p in plain for t in p.tokens] == []  # not an echo: the stop id is not listed
+
+
+def test_tokens_made_past_a_stop_are_not_counted_however_slow_the_reader(runner):
+    """The engine goes on until it sees the cancel; a slow reader let more of those tokens queue up, and each
+    was counted in usage (a stream's completion_tokens varied run to run). Now the stop's own token is the
+    last counted, whatever the reader's pace."""
+    ids = runner.engine.tokenizer.encode("The json module")
+    full, _ = asyncio.run(collect(runner, "full", ids, max_tokens=40))
+    if len(full) < 12:
+        pytest.skip("the model's answer is too short to cut")
+    stop = full[8:11]
+    fast_text, fast = asyncio.run(collect(runner, "fast", ids, max_tokens=40, stop=(stop,)))
+    slow_text, slow = asyncio.run(collect(runner, "slow", ids, max_tokens=40, stop=(stop,), delay=0.05))
+    assert fast_text == slow_text == full[: full.index(stop)]
+    assert (fast.finish_reason, slow.finish_reason) == ("stop", "stop")
+    assert slow.completion_tokens == fast.completion_tokens < 40
