@@ -276,11 +276,10 @@ def write_synth(
     path = Path(path)
     if not path.parent.is_dir():
         raise SynthError(f"-o {path}: output directory {path.parent} does not exist")
-    if path.exists() and not path.is_file():
-        raise SynthError(f"-o {path}: exists and is not a regular file")
     from strata_ray.atomic_file import regular_target
 
-    try:  # the file the writer writes: a symbolic link's target, whose folder is checked and filled
+    try:  # the file the writer writes: a symbolic link's target, whose folder is checked and filled; a
+        # folder, a device or a FIFO is refused here
         target = Path(regular_target(path))
     except OSError:
         raise SynthError(f"-o {path}: exists and is not a regular file") from None

@@ -153,7 +153,7 @@ def _sampling(body) -> Sampling:
 def _seed(body) -> int | None:
     from strata_ray.config import SEED_MAX
 
-    if body.get("seed") == -1 and not isinstance(body.get("seed"), bool):  # llama.cpp's "random", as None
+    if body.get("seed") == -1:  # llama.cpp's "random": unseeded (as top_k's -1 is vLLM's "off")
         return None
     seed = _integer(body, "seed", 0)
     if seed is not None and seed > SEED_MAX:  # the sampler hashes 64-bit seeds
