@@ -342,7 +342,9 @@ def evaluate(path: Path, held_stream: torch.Tensor, strp_path: Path | None) -> d
     from strata_ray.experts.profile import rank_from_counts, write_profile
     from strata_ray.experts.recording import RoutingRecorder
     from strata_ray.model.forward import Model
+    from strata_ray.model.gguf_file import GGUFFile
     from strata_ray.model.moe import FloatExperts
+    from strata_ray.model.routing_digest import routing_digest
 
     hp, weights, tokenizer = load_written(path)
     recorder = RoutingRecorder(FloatExperts(weights), hp.n_layer, hp.n_expert)
@@ -350,7 +352,7 @@ def evaluate(path: Path, held_stream: torch.Tensor, strp_path: Path | None) -> d
     loss, mtp_loss = heldout_losses(model, held_stream, TrainConfig.seq_len)
     counts = recorder.counts()
     if strp_path is not None:
-        write_profile(strp_path, rank_from_counts(counts))
+        write_profile(strp_path, rank_from_counts(counts, model=routing_digest(GGUFFile(path))))
     plain = Model(hp, weights)
     prompts = [held_stream[s : s + 16].tolist() for s in range(0, 16 * 257, 257)]
     agree = mtp_agreement(plain, prompts, 48)

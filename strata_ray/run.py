@@ -226,6 +226,15 @@ def check_model_file(cfg):
     return (None if cfg.model is None else os.path.abspath(cfg.model)), hp
 
 
+def model_routing_digest(model: str | None) -> bytes:
+    """The routing identity (model/routing_digest) of the GGUF at `model` (None: the embedded default)."""
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import resolve_model_path
+    from strata_ray.model.routing_digest import routing_digest
+
+    return routing_digest(GGUFFile(resolve_model_path(model)))
+
+
 def check_profile_files(cfg, hp):
     """--expert-profile must be an STRP for this model's shape, --expert-profile-save a file path in a folder
     we can write; both become absolute (the primary's working directory is not ours). Returns cfg.
@@ -234,25 +243,40 @@ def check_profile_files(cfg, hp):
     reference engine does: a restart resumes from what the last start learned), when it fits this model;
     one line says so. One that does not fit is left to be overwritten (one line), unless --expert-profile
     names the same file, which is then refused. The same path for both where nothing is saved yet: the
-    first start fills the cache in the default order (one line) instead of refusing a missing file."""
-    from strata_ray.experts.profile import MAGIC, ProfileError, check_shape, read_profile
+    first start fills the cache in the default order (one line) instead of refusing a missing file. A
+    profile made on another model of this shape (its routers' digest, where the file names one) is told in
+    one line: --expert-profile's still fills the cache (the output does not depend on it), a learned one at
+    --expert-profile-save does not (it is overwritten), unless both flags name it."""
+    from strata_ray.experts.profile import MAGIC, ProfileError, check_shape, model_mismatch, read_profile
 
     fill = None if cfg.expert_profile is None else os.path.abspath(cfg.expert_profile)
     save = None if cfg.expert_profile_save is None else os.path.abspath(cfg.expert_profile_save)
     resume = cfg.resumes_profile
+    digest = None if fill is None and save is None else model_routing_digest(cfg.model)
+    fills_anyway = ("; its ranking fills the cache all the same (the output is the same whatever the cache "
+                    "holds; only its hits suffer)")
     if fill is not None and not resume:
-        check_shape(read_profile(fill), hp)  # ProfileError: the one line (a bad flag, even if unused)
+        profile = read_profile(fill)
+        check_shape(profile, hp)  # ProfileError: the one line (a bad flag, even if unused)
+        if note := model_mismatch(profile, digest):
+            say(f"--expert-profile: {note}{fills_anyway}")
     if save is not None:
         # never over the model or a file that is not a profile (an STRP of another shape is overwritten)
         check_save_path(save, "--expert-profile-save", {"--model": cfg.model}, MAGIC, "an STRP profile")
         if os.path.exists(save):
             try:
-                check_shape(read_profile(save), hp)
+                saved = read_profile(save)
+                check_shape(saved, hp)
+                note = model_mismatch(saved, digest)
+                if note and not resume:  # another model's learning: --expert-profile (or none) fills
+                    raise ProfileError(note)
             except ProfileError as e:
                 if resume:
                     raise
                 say(f"--expert-profile-save: {e}; not used to fill the cache (it is overwritten)")
             else:
+                if note:
+                    say(f"--expert-profile: {note}{fills_anyway}")
                 if not resume:
                     instead = "" if fill is None else f" instead of --expert-profile {cfg.expert_profile}"
                     say(f"--expert-profile-save {cfg.expert_profile_save}: the expert cache fills from the "

@@ -294,6 +294,46 @@ def test_a_learned_profile_at_the_save_path_fills_the_cache_instead(tiny_model, 
     assert notes.read_text() == "mine"
 
 
+def test_a_profile_made_on_another_model_of_the_shape_is_told(tiny_model, tmp_path, capsys):
+    """A profile names the model it was made on (its routers' digest): another model's --expert-profile
+    still fills the cache behind one line (the output does not depend on it), another model's learned
+    profile at --expert-profile-save is not resumed from (one line; it is overwritten); this model's, or a
+    profile naming none (the reference's), pass without a word."""
+    from strata_ray.config import EngineConfig
+    from strata_ray.experts.profile import rank_from_counts, write_profile
+    from strata_ray.model.routing_digest import routing_digest
+    from strata_ray.run import check_profile_files
+
+    other_model = tmp_path / "other.gguf"
+    write_synth(other_model, arch="qwen3next", preset="tiny", seed=1, progress=False)  # the same shape
+    hp, mine, other = (GGUFFile(tiny_model).hparams, routing_digest(GGUFFile(tiny_model)),
+                       routing_digest(GGUFFile(other_model)))
+    counts = np.ones((hp.n_layer, hp.n_expert), np.int64)
+    given, saved = tmp_path / "given.strp", tmp_path / "saved.strp"
+    for model in (mine, None):
+        write_profile(given, rank_from_counts(counts, model=model))
+        cfg = EngineConfig(model=tiny_model, expert_profile=str(given))
+        assert check_profile_files(cfg, hp).expert_profile == str(given)
+        assert capsys.readouterr().err == ""
+    write_profile(given, rank_from_counts(counts, model=other))
+    cfg = EngineConfig(model=tiny_model, expert_profile=str(given), expert_profile_save=str(saved))
+    assert check_profile_files(cfg, hp).expert_profile == str(given)
+    err = capsys.readouterr().err
+    assert err.startswith(f"strata_ray: --expert-profile: expert profile {given} was made on another model "
+                          f"of this shape (its routers differ: {other.hex()[:12]} against this model's "
+                          f"{mine.hex()[:12]}); its ranking fills the cache all the same")
+    assert err.count("\n") == 1
+    write_profile(given, rank_from_counts(counts, model=mine))
+    write_profile(saved, rank_from_counts(counts, model=other))
+    assert check_profile_files(cfg, hp).expert_profile == str(given)  # not the other model's learning
+    err = capsys.readouterr().err
+    assert err.startswith(f"strata_ray: --expert-profile-save: expert profile {saved} was made on another "
+                          "model") and err.endswith("; not used to fill the cache (it is overwritten)\n")
+    both = EngineConfig(model=tiny_model, expert_profile=str(saved), expert_profile_save=str(saved))
+    assert check_profile_files(both, hp).expert_profile == str(saved)  # named by both flags: resumed, told
+    assert "was made on another model" in capsys.readouterr().err
+
+
 def test_a_save_path_that_is_a_device_or_a_fifo_is_refused_and_a_link_written_through(tiny_model, tmp_path):
     """--expert-profile-save /dev/null (or a FIFO) would have renamed a profile over the node (as root,
     /dev/null itself); /proc's folders look writable and are not: each one line at start. A symbolic link

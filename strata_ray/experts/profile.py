@@ -5,8 +5,12 @@ Layout, all integers little-endian (the reference engine's `tools/make_profile.p
     bytes 4-23  u32 version (=1), n_layers, n_expert, slots (writers put n_ranked), n_ranked
     byte 24..   n_ranked x (u16 layer, u16 expert), hottest first
     then        n_layers x n_expert i32 rank table (rank of each pair, -1 unranked)
-Like the reference reader, `read_profile` ignores the rank table and only needs 24 + 4*n_ranked bytes, so
-files written by the reference engine load unchanged.
+    then        (ours, optional) the model's identity: magic b"STRI", u32 version (=1), 16 bytes of
+                model/routing_digest (the routers' digest)
+Like the reference reader, `read_profile` needs only 24 + 4*n_ranked bytes, so files written by the reference
+engine load unchanged, and it reads ours unchanged (the identity is past what it reads). The identity is
+checked only where a file has one (`model_mismatch`): a profile of another model of the same shape is told,
+not taken silently.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ VERSION = 1
 HEADER = struct.Struct("<4s5I")  # magic, version, n_layers, n_expert, slots, n_ranked
 assert HEADER.size == 24
 READ_CHUNK = 1 << 20  # bytes of pairs read_profile asks for at a time
+IDENTITY = struct.Struct("<4sI16s")  # magic, version, the model's routing digest (after the rank table)
+IDENTITY_MAGIC, IDENTITY_VERSION = b"STRI", 1
 
 
 class ProfileError(Exception):
@@ -37,6 +43,7 @@ class Profile:
     n_expert: int
     ranked: np.ndarray  # [n_ranked, 2] int64 (layer, expert), hottest first
     path: str | None = field(default=None, compare=False)  # where it was read from (for messages)
+    model: bytes | None = field(default=None, compare=False)  # routing_digest of the model it was made on
 
     def __post_init__(self) -> None:
         ranked = np.asarray(self.ranked, dtype=np.int64).reshape(-1, 2)
@@ -61,7 +68,7 @@ class Profile:
         ranked = self.pair_ids()
         rest = fill[~np.isin(fill, ranked)]
         return Profile(self.n_layers, self.n_expert, pairs_of(np.concatenate([ranked, rest]), self.n_expert),
-                       path=self.path)
+                       path=self.path, model=self.model)
 
     def rank_table(self) -> np.ndarray:
         """[n_layers, n_expert] int32: each pair's rank, -1 where unranked."""
@@ -98,12 +105,14 @@ def _validate_pairs(ranked: np.ndarray, n_layers: int, n_expert: int, where: str
 
 
 def encode_profile(profile: Profile) -> bytes:
-    """The STRP v1 bytes of a profile (slots = n_ranked, as the reference writers do)."""
+    """The STRP v1 bytes of a profile (slots = n_ranked, as the reference writers do), with its model's
+    identity after the rank table where it has one."""
     n = profile.n_ranked
     head = HEADER.pack(MAGIC, VERSION, profile.n_layers, profile.n_expert, n, n)
     pairs = profile.ranked.astype("<u2").tobytes()  # row-major: (layer, expert) per pair
     table = profile.rank_table().astype("<i4").tobytes()
-    return head + pairs + table
+    ident = b"" if profile.model is None else IDENTITY.pack(IDENTITY_MAGIC, IDENTITY_VERSION, profile.model)
+    return head + pairs + table + ident
 
 
 def _header(data: bytes, where: str) -> tuple[int, int, int]:
@@ -125,7 +134,9 @@ def _header(data: bytes, where: str) -> tuple[int, int, int]:
     return n_layers, n_expert, n_ranked
 
 
-def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
+def decode_profile(data: bytes, where: str = "<bytes>", tail: bytes | None = None) -> Profile:
+    """The profile of an STRP file's bytes; tail: the bytes past its rank table where data stops before them
+    (read_profile seeks past the table), else they are data's own."""
     n_layers, n_expert, n_ranked = _header(data, where)
     need = HEADER.size + 4 * n_ranked
     if len(data) < need:
@@ -133,7 +144,21 @@ def decode_profile(data: bytes, where: str = "<bytes>") -> Profile:
             f"expert profile {where} is truncated ({len(data)} bytes, {n_ranked} ranked pairs need {need})"
         )
     ranked = np.frombuffer(data, dtype="<u2", count=2 * n_ranked, offset=HEADER.size).reshape(-1, 2)
-    return Profile(n_layers, n_expert, ranked.astype(np.int64), path=where)
+    model = _identity(data[need + _table_bytes(n_layers, n_expert):] if tail is None else tail)
+    return Profile(n_layers, n_expert, ranked.astype(np.int64), path=where, model=model)
+
+
+def _table_bytes(n_layers: int, n_expert: int) -> int:
+    return 4 * n_layers * n_expert
+
+
+def _identity(tail: bytes) -> bytes | None:
+    """The model identity that starts `tail` (the bytes past the rank table), or None: none there (the
+    reference's files, ours before it), or another kind of trailer, which is not ours to refuse."""
+    if len(tail) < IDENTITY.size:
+        return None
+    magic, version, digest = IDENTITY.unpack_from(tail, 0)
+    return digest if (magic, version) == (IDENTITY_MAGIC, IDENTITY_VERSION) else None
 
 
 def read_profile(path: str | os.PathLike) -> Profile:
@@ -151,10 +176,13 @@ def read_profile(path: str | os.PathLike) -> Profile:
                     break  # decode_profile says how short it is
                 chunks.append(chunk)
                 need -= len(chunk)
-            data = b"".join(chunks)
+            data, tail = b"".join(chunks), b""
+            if not need and f.seekable():  # the identity past the rank table (a pipe's is not looked for)
+                f.seek(_table_bytes(*HEADER.unpack_from(head, 0)[2:4]), os.SEEK_CUR)
+                tail = f.read(IDENTITY.size)
     except OSError as e:
         raise ProfileError(f"expert profile {path}: cannot read ({e.strerror or e})") from None
-    return decode_profile(data, str(path))
+    return decode_profile(data, str(path), tail)
 
 
 def write_profile(path: str | os.PathLike, profile: Profile) -> None:
@@ -175,13 +203,23 @@ def check_shape(profile: Profile, hp) -> None:
         )
 
 
+def model_mismatch(profile: Profile, digest: bytes) -> str | None:
+    """The one line that says a profile was made on another model than the one of this routing digest, or
+    None: the same model, or a profile that names none (the reference's, or written before identities).
+    Not an error: any placement gives the same output bits; the cache is filled for the other model."""
+    if profile.model is None or profile.model == digest:
+        return None
+    return (f"expert profile {profile.path or '<in memory>'} was made on another model of this shape (its "
+            f"routers differ: {profile.model.hex()[:12]} against this model's {digest.hex()[:12]})")
+
+
 def _fill_order(n_layers: int, n_expert: int) -> np.ndarray:
     """Every pair id in expert-then-layer order (expert outer, layer inner): the reference's fill."""
     layer, expert = np.meshgrid(np.arange(n_layers), np.arange(n_expert), indexing="xy")
     return (layer * n_expert + expert).reshape(-1)  # rows: expert, columns: layer
 
 
-def rank_from_counts(counts: np.ndarray) -> Profile:
+def rank_from_counts(counts: np.ndarray, model: bytes | None = None) -> Profile:
     """Rank every pair of a [n_layers, n_expert] routing-count table.
 
     Counted pairs by count descending, ties by (layer, expert); then the never-routed pairs in
@@ -195,14 +233,16 @@ def rank_from_counts(counts: np.ndarray) -> Profile:
     fill = _fill_order(n_layers, n_expert)
     fill = fill[flat[fill] <= 0]
     order = np.concatenate([counted, fill])
-    return Profile(n_layers, n_expert, pairs_of(order, n_expert))
+    return Profile(n_layers, n_expert, pairs_of(order, n_expert), model=model)
 
 
-def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | None = None) -> Profile:
+def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | None = None,
+                    model: bytes | None = None) -> Profile:
     """The ranking saved by `--expert-profile-save`, over all pairs of [n_layers, n_expert] tables.
 
     Resident pairs first (swaps in flight count as resident), then each group by heat (usage summed
-    since start) descending, then by the prior profile's rank (unranked last), then by pair id.
+    since start) descending, then by the prior profile's rank (unranked last), then by pair id. model: the
+    routing digest of the model it was learned on (saved with it).
     """
     resident = np.asarray(resident, dtype=bool)
     heat = np.asarray(heat, dtype=np.float64)
@@ -216,4 +256,4 @@ def learned_profile(resident: np.ndarray, heat: np.ndarray, prior: Profile | Non
     ids = np.arange(n)
     # lexsort: the last key is the primary one
     order = np.lexsort((ids, prior_rank, -heat.reshape(-1), ~resident.reshape(-1)))
-    return Profile(n_layers, n_expert, pairs_of(order, n_expert))
+    return Profile(n_layers, n_expert, pairs_of(order, n_expert), model=model)

@@ -29,6 +29,7 @@ from strata_ray.config import (
 from strata_ray.experts.profile import MAGIC, Profile, ProfileError, rank_from_counts, write_profile
 from strata_ray.experts.recording import RoutingRecorder
 from strata_ray.model.hparams import ModelFormatError
+from strata_ray.model.routing_digest import routing_digest
 
 CORPUS_LIMIT = 256 * MIB  # characters: tokenized whole (a profile needs thousands of tokens, not billions)
 
@@ -125,7 +126,8 @@ def profile_text(loaded, text: str, max_tokens: int | None, chunk: int, context:
         raise ProfileCliError("the corpus gives no tokens")
     context = min(context, loaded.hp.context_length) if loaded.hp.context_length > 0 else context
     counts, n_tokens = record_routing(loaded.model, token_ids, chunk, context, progress)
-    return rank_from_counts(counts), counts, n_tokens
+    # the model it was made on goes with it (model/routing_digest): another model of its shape is told
+    return rank_from_counts(counts, model=routing_digest(loaded.file)), counts, n_tokens
 
 
 def profile_main(argv: Sequence[str] | None = None) -> int:

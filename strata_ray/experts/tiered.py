@@ -178,8 +178,10 @@ class TieredExperts:
         pcie_share: int | None = 0,
         decode_prefetch: int | None = None,
         loan_order: str = "profile",
+        model_digest: bytes | None = None,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
+        self.model_digest = model_digest  # model/routing_digest: saved with the learned profile
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
         self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
         # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
@@ -796,7 +798,8 @@ class TieredExperts:
 
     # -- the learned profile ---------------------------------------------------------------------------
     def learned_profile(self) -> Profile:
-        return learned_profile(self.residency.resident_mask(include_pending=True), self.heat, self.prior)
+        return learned_profile(self.residency.resident_mask(include_pending=True), self.heat, self.prior,
+                               model=self.model_digest)
 
     def save_profile(self, path: str) -> None:
         write_profile(path, self.learned_profile())

@@ -192,3 +192,57 @@ def test_learned_profile_order():
     # no prior: ties by pair id
     p = learned_profile(resident, heat)
     assert [tuple(x) for x in p.ranked.tolist()] == [(1, 1), (0, 0), (0, 1), (0, 2), (1, 0), (1, 2)]
+
+
+def test_the_model_identity_follows_the_rank_table_and_reads_back(tmp_path):
+    """Ours carry the model's routing digest past the rank table, where the reference's reader never looks:
+    the first 24 + 4 n bytes (all it reads) and the table are the v1 layout's, byte for byte."""
+    from strata_ray.experts.profile import decode_profile
+
+    pairs = [(1, 2), (0, 0), (2, 1), (1, 0)]
+    digest = bytes(range(16))
+    profile = Profile(3, 4, np.array(pairs), model=digest)
+    data = encode_profile(profile)
+    assert data == hand_built_strp(3, 4, pairs) + b"STRI" + struct.pack("<I", 1) + digest
+    path = tmp_path / "p.strp"
+    write_profile(path, profile)
+    for back in (read_profile(path), decode_profile(data)):
+        assert back == profile and back.model == digest
+    assert read_profile(path).completed().model == digest  # kept when the ranking is completed
+
+
+@pytest.mark.parametrize("tail", [b"", b"STRI" + struct.pack("<I", 1) + bytes(15),
+                                  b"STRI" + struct.pack("<I", 2) + bytes(16),
+                                  b"XXXX" + struct.pack("<I", 1) + bytes(16)])
+def test_a_profile_without_our_identity_names_no_model(tmp_path, tail):
+    """The reference's files (nothing past the table), a short or other trailer: no model, no refusal."""
+    path = tmp_path / "p.strp"
+    path.write_bytes(hand_built_strp(3, 4, [(1, 2), (0, 0)]) + tail)
+    assert read_profile(path).model is None
+
+
+def test_a_profile_short_of_its_rank_table_still_reads_without_a_model(tmp_path):
+    """The reference reader needs only the pairs; so does ours, and the identity seek past the end is
+    nothing."""
+    path = tmp_path / "p.strp"
+    path.write_bytes(hand_built_strp(3, 4, [(1, 2), (0, 0)])[: 24 + 8])
+    back = read_profile(path)
+    assert back.n_ranked == 2 and back.model is None
+
+
+def test_model_mismatch_is_one_line_only_for_another_model():
+    from strata_ray.experts.profile import model_mismatch
+
+    mine, other = bytes(16), bytes([1]) * 16
+    assert model_mismatch(Profile(2, 2, np.array([(0, 1)]), path="p.strp"), mine) is None  # names none
+    assert model_mismatch(Profile(2, 2, np.array([(0, 1)]), model=mine), mine) is None
+    line = model_mismatch(Profile(2, 2, np.array([(0, 1)]), path="p.strp", model=other), mine)
+    assert line == ("expert profile p.strp was made on another model of this shape (its routers differ: "
+                    "010101010101 against this model's 000000000000)")
+
+
+def test_learned_and_counted_profiles_carry_the_model_given():
+    digest = bytes([7]) * 16
+    assert rank_from_counts(np.ones((2, 3)), model=digest).model == digest
+    assert learned_profile(np.zeros((2, 3), bool), np.ones((2, 3)), model=digest).model == digest
+    assert rank_from_counts(np.ones((2, 3))).model is None

@@ -17,6 +17,7 @@ from strata_ray.experts.tiered import DueCounts
 from strata_ray.kernels.reference import expert_ffn_ref
 from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.moe import combine_rows
+from strata_ray.model.routing_digest import routing_digest
 from tests.experts.decoding import generate_and_check_prompt_counts
 
 PROMPT = [5, 17, 101, 42, 250, 7, 64, 3, 99, 180]
@@ -178,6 +179,7 @@ def test_learned_profile_saved_after_a_generation(tiny_next, tmp_path):
     )
     resident = set(np.flatnonzero(tiers.residency.resident_mask(include_pending=True).reshape(-1)).tolist())
     assert set(saved.pair_ids()[: len(resident)].tolist()) == resident  # resident pairs first
+    assert saved.model == routing_digest(loaded.file)  # the model it was learned on, named in it
 
 
 def _window_of(tiers, layer: int, expert: int, n: int) -> None:
