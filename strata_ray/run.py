@@ -415,6 +415,8 @@ def stream_generation(dep, request, as_json: bool):
 
     out = sys.stdout
     summary = None
+    # the coordinator's rounds so far: kept actors have served other runs, and this one reports its own
+    rounds_before = ray.get(dep.coordinator.status.remote()).get("adaptive") if as_json else None
     for ref in dep.primary.generate_stream.options(num_returns="streaming").remote(request):
         item = ray.get(ref)
         if isinstance(item, TokenBatch):
@@ -428,7 +430,7 @@ def stream_generation(dep, request, as_json: bool):
     if as_json:
         adaptive = None
         if summary.expert_stats is not None:  # the rounds the coordinator planned (CoordinatorRounds)
-            adaptive = ray.get(dep.coordinator.status.remote()).get("adaptive")
+            adaptive = counts_since(ray.get(dep.coordinator.status.remote()).get("adaptive"), rounds_before)
         out.write(json.dumps(summary_json(summary, adaptive), ensure_ascii=False) + "\n")
     elif out.isatty() and not summary.text.endswith("\n"):
         out.write("\n")
@@ -436,9 +438,17 @@ def stream_generation(dep, request, as_json: bool):
     return summary
 
 
+def counts_since(now: dict | None, before: dict | None) -> dict | None:
+    """A dict of counts less an earlier copy of it (keys the earlier one lacks count from 0)."""
+    if now is None or before is None:
+        return now
+    return {key: value - before.get(key, 0) for key, value in now.items()}
+
+
 def summary_json(s, adaptive: dict | None = None) -> dict:
-    """The --json object. `experts` (tiered models): the tiers' counters since load (hit rate per tier,
-    CPU entries, swaps, host ms per token) and, under `coordinator`, the adaptive rounds it planned."""
+    """The --json object. `experts` (tiered models): the tiers' counters of this run (hit rate per tier,
+    CPU entries, swaps, host ms per token; kept actors' earlier runs are not in them) and, under
+    `coordinator`, the adaptive rounds it planned for this run."""
     doc = {
         "token_ids": list(s.token_ids),
         "text": s.text,

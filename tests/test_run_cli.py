@@ -427,3 +427,14 @@ def test_ray_address_local_in_the_environment_starts_a_local_instance(tiny_model
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("strata_ray: started a local Ray instance")
+
+
+def test_a_runs_coordinator_rounds_are_its_own():
+    """Kept actors' coordinator counts every run's rounds: --json reports this run's, its status less the
+    status read before the run (a key new since then counts from 0)."""
+    from strata_ray.run import counts_since
+
+    before = {"rounds": 2, "swaps": 9, "windows": 30}
+    assert counts_since({"rounds": 5, "swaps": 12, "windows": 42, "new": 1}, before) == {
+        "rounds": 3, "swaps": 3, "windows": 12, "new": 1}
+    assert counts_since(None, before) is None and counts_since(before, None) == before

@@ -69,8 +69,8 @@ class GenerationSummary(TokenRates):
     finish_reason: str = "length"  # "stop": a stop id ended it; "length": max_tokens or the context
     stop: tuple | None = None  # (the stop id that ended it, its generate.TokenLogprob with logprobs, or None)
     prompt_logprobs: list | None = None  # generate.TokenLogprob per prompt token after the first, when asked
-    experts: str | None = None  # the expert tiers' line (hit rates, CPU entries, host ms/token)
-    expert_stats: dict | None = None  # the tiers' counters since load (TierMetrics.summary())
+    experts: str | None = None  # the expert tiers' line of this request (hit rates, CPU entries, ms/token)
+    expert_stats: dict | None = None  # the tiers' counters of this request (TierMetrics.summary(since))
     warnings: tuple[str, ...] = ()  # what the request asked and could not do, a line each (a profile save)
 
 
@@ -193,6 +193,8 @@ class Engine:
         max_tokens = min(request.max_tokens, self.loaded.hp.context_length - len(ids))
         kwargs = {"prefill_chunk": prefill_chunk(self.config, self.device)}
         self._stop.clear()
+        # the tiers outlive the request (kept actors, a server): its summary counts from here
+        counts_before = self.tiers.metrics.snapshot() if self.tiers is not None else None
 
         def on_each(token_id, logprob=None):
             if self._stop.is_set():
@@ -227,8 +229,8 @@ class Engine:
                 except ProfileError as e:  # a full disk, a folder gone: the request's tokens are not lost
                     log.warning("%s", e)
                     warnings = (f"--expert-profile-save: {e}",)
-            experts = self.tiers.summary_line()
-            expert_stats = self.tiers.metrics.summary()
+            experts = self.tiers.summary_line(since=counts_before)
+            expert_stats = self.tiers.metrics.summary(since=counts_before)
         return GenerationSummary(
             token_ids=token_ids,
             text=self.text_of(token_ids),

@@ -57,6 +57,11 @@ class TierCounts:
     def per_token_ms(self, seconds: float) -> float:
         return 1e3 * seconds / self.tokens if self.tokens else 0.0
 
+    def minus(self, before: TierCounts) -> TierCounts:
+        """The counts since `before` (an earlier copy of these): one request's, where the tiers outlive it."""
+        now, then = asdict(self), asdict(before)
+        return TierCounts(**{name: now[name] - then[name] for name in now})
+
 
 class TierMetrics:
     def __init__(self):
@@ -74,8 +79,14 @@ class TierMetrics:
         self._ray.push(self.counts, self._flushed)
         self._flushed = TierCounts(**asdict(self.counts))
 
-    def summary(self) -> dict:
-        c = self.counts
+    def snapshot(self) -> TierCounts:
+        """A copy of the counts now, for summary / line(since=...) at a request's end."""
+        return TierCounts(**asdict(self.counts))
+
+    def summary(self, since: TierCounts | None = None) -> dict:
+        """The counts and their rates, since load or since a snapshot (one request's: kept actors serve
+        many requests, and a run's summary must not add up the runs before it)."""
+        c = self.counts if since is None else self.counts.minus(since)
         return {
             **asdict(c),
             "hit_rate": c.hit_rate,
@@ -86,8 +97,8 @@ class TierMetrics:
             "gap_ms_per_token": c.per_token_ms(c.gap_seconds),
         }
 
-    def line(self) -> str:
-        c = self.counts
+    def line(self, since: TierCounts | None = None) -> str:
+        c = self.counts if since is None else self.counts.minus(since)
         # the routing sync's wait exists on CUDA only: a CPU run would print a zero
         wait_ms = c.per_token_ms(c.wait_seconds)
         wait = f", waiting for the GPU {wait_ms:.2f} ms/token" if c.wait_seconds else ""

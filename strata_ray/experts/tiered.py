@@ -804,8 +804,9 @@ class TieredExperts:
     def save_profile(self, path: str) -> None:
         write_profile(path, self.learned_profile())
 
-    def summary_line(self) -> str:
-        return self.metrics.line()
+    def summary_line(self, since=None) -> str:
+        """The tiers' line since load, or since a metrics.snapshot() (one request's)."""
+        return self.metrics.line(since)
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)

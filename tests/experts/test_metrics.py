@@ -51,3 +51,18 @@ def test_the_gap_between_tokens_is_printed_where_measured():
     c.wait_seconds, c.gap_seconds = 0.02, 0.006
     assert m.summary()["gap_ms_per_token"] == 1.5
     assert m.line().endswith("waiting for the GPU 5.00 ms/token, between tokens 1.50 ms/token")
+
+
+def test_a_request_counts_from_its_snapshot():
+    """Kept actors and a server serve many requests on one TierMetrics: a request's summary and line count
+    from the snapshot taken at its start, not since load."""
+    m = TierMetrics()
+    c = m.counts
+    c.tokens, c.slot_hits, c.cpu_entries, c.swaps, c.host_seconds = 100, 700, 300, 40, 0.5
+    before = m.snapshot()
+    c.tokens, c.slot_hits, c.cpu_entries, c.swaps, c.host_seconds = 104, 736, 304, 41, 0.508
+    s = m.summary(since=before)
+    assert (s["tokens"], s["slot_hits"], s["cpu_entries"], s["swaps"]) == (4, 36, 4, 1)
+    assert s["hit_rate"] == 0.9 and abs(s["host_ms_per_token"] - 2.0) < 1e-9
+    assert m.line(since=before).startswith("experts: 90.0% cache hits, 4 CPU entries, 1 swaps, ")
+    assert m.summary()["tokens"] == 104 and before.tokens == 100  # since load unchanged; the copy is a copy

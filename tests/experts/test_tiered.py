@@ -346,6 +346,22 @@ def test_engine_generate_reports_tiers_and_saves_the_learned_profile(tiny_next, 
     assert read_profile(save).n_layers == GGUFFile(tiny_next).hparams.n_layer
 
 
+def test_each_request_reports_its_own_tier_counts(tiny_next):
+    """One engine, the same request twice (every expert on the CPU: no rounds, no placement to move): each
+    summary counts its own request, so both are equal, and the tiers' totals are their sum."""
+    from strata_ray.engine.engine import GenerationRequest
+
+    engine = Engine(config(tiny_next, expert_cache=0))
+    request = GenerationRequest(prompt_ids=tuple(PROMPT), max_tokens=5)
+    first, second = engine.generate(request), engine.generate(request)
+    assert first.expert_stats["cpu_entries"] > 0 and first.expert_stats["tokens"] > 0
+    assert second.expert_stats == {**first.expert_stats, **{key: second.expert_stats[key] for key in (
+        "host_seconds", "cpu_seconds", "wait_seconds", "gap_seconds", "host_ms_per_token",
+        "cpu_ms_per_token", "wait_ms_per_token", "gap_ms_per_token")}}  # all but the times
+    assert engine.tiers.metrics.counts.cpu_entries == 2 * first.expert_stats["cpu_entries"]
+    assert second.experts.split(", host ")[0] == first.experts.split(", host ")[0]
+
+
 def test_a_profile_save_that_fails_keeps_the_request(tiny_next, tmp_path):
     """The save's folder gone after the start: the request still returns its tokens, with one line saying
     the profile was not written (the run's exit status and the JSON carry it)."""
