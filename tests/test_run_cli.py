@@ -411,6 +411,34 @@ def test_an_address_nothing_answers_fails_in_seconds(tiny_model):
         assert (r.returncode, r.stderr) == (2, want)
 
 
+def test_an_address_that_answers_http_is_refused_in_seconds(tiny_model):
+    """The dashboard's port (or any web server) accepts the connection, and ray.init then waited on it
+    forever, deaf to Ctrl-C; a Jobs API URL in RAY_ADDRESS was a cut-off ValueError and exit 1. Both are
+    one line and exit 2 now, in seconds."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        r = run_cli("--model", tiny_model, "--address", f"127.0.0.1:{port}", "-p", "hi", "--max-tokens", "1",
+                    timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+        f"strata_ray: 127.0.0.1:{port} is a web server (the Ray dashboard's port?), not a Ray cluster's GCS: "
+        "give the address `ray start --head` prints for the cluster (port 6379 by default)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "",
+           "RAY_ADDRESS": "http://127.0.0.1:8265"}
+    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model, "-p", "hi"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("strata_ray: Ray address http://127.0.0.1:8265 (--address or RAY_ADDRESS) is "
+                               "a dashboard / Jobs API URL")
+
+
 def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model],
@@ -438,3 +466,30 @@ def test_a_runs_coordinator_rounds_are_its_own():
     assert counts_since({"rounds": 5, "swaps": 12, "windows": 42, "new": 1}, before) == {
         "rounds": 3, "swaps": 3, "windows": 12, "new": 1}
     assert counts_since(None, before) is None and counts_since(before, None) == before
+
+
+def test_a_cluster_short_of_the_engine_in_all_is_told_at_once():
+    """A cluster whose totals cannot hold the engine waited 60 s for room before refusing."""
+    from strata_ray.actors.launch import cluster_shortfall
+
+    engine = [{"CPU": 0.1}, {"CPU": 1.0, "GPU": 1.0}]
+    assert cluster_shortfall(engine, {"CPU": 1.0, "GPU": 1.0}) == "CPU 1 in all"
+    assert cluster_shortfall(engine, {"CPU": 16.0}) == "GPU 0 in all"
+    assert cluster_shortfall(engine, {"CPU": 2.0, "GPU": 2.0}) is None
+
+
+def test_a_stopped_cluster_is_seen_gone():
+    """The attached cluster's GCS closed (the cluster stopped under a run): gone, so no Ray call waits ~60 s
+    on it; a listening GCS and a local instance we started are not."""
+    import socket
+
+    from strata_ray.actors.launch import RaySession, cluster_gone
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert not cluster_gone(RaySession(started=False, address=f"127.0.0.1:{port}"))
+    assert cluster_gone(RaySession(started=False, address=f"127.0.0.1:{port}"), within=0.5)
+    assert not cluster_gone(RaySession(started=True, address=f"127.0.0.1:{port}"))
+    assert not cluster_gone(None)

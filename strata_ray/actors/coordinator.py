@@ -37,8 +37,9 @@ class RunTotals:
 
 
 class Coordinator:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kept: bool = False):
         self.config = config
+        self._kept = kept  # created by a --keep-actors run: later runs may reuse or replace the engine
         self.model_info: dict[str, Any] = {}
         self.totals = RunTotals()
         self.adaptive = AdaptiveTotals()
@@ -48,6 +49,11 @@ class Coordinator:
 
     def get_config(self) -> EngineConfig:
         return self.config
+
+    def kept(self) -> bool:
+        """Whether this engine outlives the run that made it (--keep-actors); else it is that run's own,
+        which no other run may reuse or remove."""
+        return self._kept
 
     def model_loaded(self, info: dict[str, Any]) -> None:
         self.model_info = dict(info)

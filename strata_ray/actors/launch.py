@@ -95,22 +95,51 @@ def check_address(address: str | None) -> None:
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
     """A HOST:PORT that nothing answers fails here in seconds: ray.init retries such an address for minutes
-    (printing the GCS client's warnings), never reaching its ConnectionError. LaunchError, one line."""
+    (printing the GCS client's warnings), never reaching its ConnectionError. So does one that answers HTTP
+    (the dashboard's port, printed beside the GCS's by `ray start`): ray.init waited on it forever, in C++
+    code where no Ctrl-C reaches Python. LaunchError, one line."""
     import socket
 
-    if "://" in address:  # ray://, a Ray Client server: ray.init reports those itself
+    scheme = address.split("://", 1)[0].lower() if "://" in address else None
+    if scheme in ("http", "https"):  # the Jobs API's RAY_ADDRESS convention: the dashboard, not the GCS
+        raise LaunchError(f"Ray address {address} (--address or RAY_ADDRESS) is a dashboard / Jobs API URL "
+                          "(for `ray job submit`); give the cluster's GCS address HOST:PORT (`ray start "
+                          "--head` prints it, port 6379 by default), 'auto' or 'local'")
+    if scheme is not None:  # ray://, a Ray Client server: ray.init reports those itself
         return
     host, sep, port = address.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise LaunchError(f"Ray address {address!r} (--address or RAY_ADDRESS): expected HOST:PORT (e.g. "
                           "10.0.0.5:6379), 'auto' or 'local'")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as conn:
+            speaks_http1 = answers_http1(conn)
     except OSError as e:
         reason = f"no answer within {timeout:.0f} s" if isinstance(e, TimeoutError) else (
             e.strerror or str(e))
         raise LaunchError(f"cannot connect to the Ray cluster at {address} ({reason}; is `ray start --head` "
                           "running there?)") from None
+    if speaks_http1:
+        raise LaunchError(f"{address} is a web server (the Ray dashboard's port?), not a Ray cluster's GCS: "
+                          "give the address `ray start --head` prints for the cluster (port 6379 by default)")
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a gRPC client (Ray's GCS client) sends first
+
+
+def answers_http1(conn, wait: float = 2.0) -> bool:
+    """Whether the server on conn answers an HTTP/2 connection preface in text: an HTTP/1 status line
+    ("HTTP/1.1 505 ...", aiohttp's, the dashboard's) or an error page (Python's http.server sends its HTML
+    bare), a web server's answer. A GCS (gRPC) answers in HTTP/2 frames, whose first byte is a length's
+    high byte (0 for its SETTINGS); a silent or closing server, or a TLS one (a binary alert), is left for
+    ray.init to judge (False)."""
+    try:
+        conn.settimeout(wait)
+        conn.sendall(HTTP2_PREFACE)
+        first = conn.recv(1)
+    except OSError:  # a timeout too
+        return False
+    return bool(first) and 0x20 <= first[0] < 0x7F
 
 
 def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySession:
@@ -179,6 +208,11 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
     primary, coordinator = _named(PRIMARY_NAME), _named(COORDINATOR_NAME)
     if primary is None and coordinator is None:
         return None
+    if coordinator is not None and not _kept(coordinator):  # a live run's: never ours to reuse or kill
+        raise LaunchError(
+            f"the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) belongs to another "
+            "run in progress on this cluster (not kept with --keep-actors); wait for it to end, or use "
+            "--address local")
     if primary is not None and coordinator is not None:
         if ray.get(coordinator.get_config.remote()) == cfg:
             return Deployment(coordinator, primary, None, created=False, detached=True)
@@ -192,6 +226,17 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
         )
     remove_kept()
     return None
+
+
+def _kept(coordinator) -> bool:
+    """The coordinator's kept flag; True for a coordinator without one (an earlier version's, which only
+    --keep-actors runs left behind) or one that cannot answer (dead: its engine is incomplete)."""
+    import ray
+
+    try:
+        return bool(ray.get(coordinator.kept.remote(), timeout=30))
+    except Exception:
+        return True
 
 
 def remove_kept() -> None:
@@ -221,6 +266,10 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
     lifetime = "detached" if keep else None
     primary_bundle = {"CPU": 1.0, **({"GPU": 1.0} if cfg.device == "cuda" else {})}
     bundles = [{"CPU": COORDINATOR_CPUS}, primary_bundle]
+    short = cluster_shortfall(bundles, ray.cluster_resources())
+    if short:  # no waiting PLACEMENT_TIMEOUT_S for room that the whole cluster does not have
+        raise LaunchError(f"the cluster cannot hold the engine: it needs {_bundle_text(bundles)} on one "
+                          f"node, and the whole cluster has {short}")
     pg = placement_group(bundles, strategy="STRICT_PACK", name=PLACEMENT_GROUP_NAME, lifetime=lifetime)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
@@ -239,7 +288,7 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
             ray.remote(Coordinator)
             .options(name=COORDINATOR_NAME, namespace=NAMESPACE, lifetime=lifetime, num_cpus=COORDINATOR_CPUS,
                      scheduling_strategy=place(0), max_restarts=0)
-            .remote(cfg)
+            .remote(cfg, keep)
         )
         primary = (
             ray.remote(Primary)
@@ -254,10 +303,53 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
     return Deployment(coordinator, primary, pg, created=True, detached=keep)
 
 
-def teardown(dep: Deployment | None, keep: bool) -> None:
+def cluster_gone(session: RaySession | None, timeout: float = 1.0, within: float = 0.0) -> bool:
+    """Whether the attached cluster's GCS no longer takes connections (the cluster was stopped under the
+    run): every call to Ray would then wait ~60 s for it, deaf to Ctrl-C, before Ray ends the process
+    itself. within: seconds to keep looking (`ray stop` kills the workers, whose loss the run sees first,
+    a few seconds before the GCS). Never for a local instance we started (ours to shut down) or no session."""
+    import socket
+    import time
+
+    if session is None or session.started:
+        return False
+    host, _, port = session.address.rpartition(":")
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        except (OSError, ValueError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.25)
+
+
+def lost_actor(e: BaseException) -> bool:
+    """Whether a failure is an actor's loss (its process or node gone), which a stopped cluster also
+    gives: worth a few seconds' look at the cluster before blaming the actor."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
+
+
+def gone_line(session: RaySession) -> str:
+    return f"the Ray cluster at {session.address} went away (its GCS no longer answers; was it stopped?)"
+
+
+def end_process_now(code: int) -> None:
+    """Exit at once, with `code`, where the cluster went away: Ray's exit hooks would wait ~60 s for its GCS
+    and then print their own lines. Output is flushed first; nothing of ours is left to clean up there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def teardown(dep: Deployment | None, keep: bool, session: RaySession | None = None) -> None:
     """Kill what this run created (unless kept). Never touches actors or clusters we did not create. A
-    Ctrl-C during it is held until it is done, then dropped, as disconnect's."""
-    if dep is None or not dep.created or keep:
+    Ctrl-C during it is held until it is done, then dropped, as disconnect's. Nothing where the session's
+    cluster went away (its actors and placement group went with it)."""
+    if dep is None or not dep.created or keep or cluster_gone(session):
         return
     import ray
     from ray.util.placement_group import remove_placement_group
@@ -284,6 +376,17 @@ def disconnect(session: RaySession | None) -> None:
 
         with held_interrupts():
             ray.shutdown()
+
+
+def cluster_shortfall(bundles: list[dict], total: dict) -> str | None:
+    """What the cluster's total resources lack for the bundles (as "CPU 1 in all"), or None where the
+    totals suffice (a node may still lack room: the placement's wait says so)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    lacking = [k for k, v in sorted(need.items()) if total.get(k, 0.0) < v - 1e-9]
+    return " + ".join(f"{k} {total.get(k, 0.0):g}" for k in lacking) + " in all" if lacking else None
 
 
 def _bundle_text(bundles: list[dict]) -> str:

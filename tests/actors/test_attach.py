@@ -101,6 +101,36 @@ def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
     assert r.returncode == 0, r.stderr
 
 
+def test_a_live_runs_actors_are_never_reused_or_replaced(cluster):
+    """Another run's engine in progress (not kept) has the engine's names too: a second run took its actors
+    for kept ones and, with --replace-actors, killed them under it. It is refused in one line now, and the
+    first run ends as it would have. (The first run's driver is stopped while the second one looks, so it
+    is in progress however fast it would generate.)"""
+    address, model = cluster
+    p = subprocess.Popen(
+        [sys.executable, "-m", "strata_ray.run", "--model", model, "--prompt", "x", "--max-tokens", "64",
+         "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=client_env(address), cwd=REPO)
+    try:
+        deadline = 300
+        while deadline > 0 and PRIMARY_NAME not in strata_actors(address):
+            select.select([], [], [], 0.5)
+            deadline -= 0.5
+        p.send_signal(signal.SIGSTOP)
+        for extra in ([], ["--replace-actors"]):
+            r = run_cli(address, "--model", model, "--prompt", "y", "--max-tokens", "2", *extra)
+            assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+                f"strata_ray: the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) "
+                "belongs to another run in progress on this cluster (not kept with --keep-actors); wait for "
+                "it to end, or use --address local"), r.stderr
+    finally:
+        p.send_signal(signal.SIGCONT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert len(json.loads(out)["token_ids"]) > 0
+    assert strata_actors(address) == {}
+
+
 def test_a_dying_actor_is_reported_in_one_line(cluster, tmp_path):
     """The message run prints for an actor whose process dies (OOM kill, segfault): one line, exit 1."""
     address, _ = cluster
