@@ -177,18 +177,29 @@ def cluster_device(cfg: EngineConfig) -> str:
         device = cfg.device
     else:
         device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-    unused = gpu_only_flags(cfg) if device == "cpu" else []
+    unused = cpu_unused_flags(cfg) if device == "cpu" else []
     if unused:  # accepted, and silently nothing, before
         sys.stderr.write(f"strata_ray: note: {', '.join(unused)} has no effect on a CPU run\n")
     return device
 
 
-def gpu_only_flags(cfg: EngineConfig) -> list[str]:
-    """The flags set away from their defaults that only a GPU run reads (the VRAM sizing)."""
+def cpu_unused_flags(cfg: EngineConfig) -> list[str]:
+    """The flags set that a CPU run does not read. A CPU primary's automatic cache is 0 slots, unless
+    --vram-budget-mib gives it that much host memory (less --vram-reserve-mib: slot_cache.cache_slots), so
+    the reserve alone is nothing, either is nothing beside an explicit --expert-cache, and a profile that
+    fills no slot is nothing (--expert-profile-save still saves what the run learned)."""
     default = EngineConfig()
-    return [flag for flag, name in (("--vram-budget-mib", "vram_budget_mib"),
-                                    ("--vram-reserve-mib", "vram_reserve_mib"))
-            if getattr(cfg, name) != getattr(default, name)]
+    reserve_set = cfg.vram_reserve_mib != default.vram_reserve_mib
+    unused = []
+    if cfg.expert_cache is not None:
+        unused += ["--vram-budget-mib"] * (cfg.vram_budget_mib is not None)
+        unused += ["--vram-reserve-mib"] * reserve_set
+    elif cfg.vram_budget_mib is None:
+        unused += ["--vram-reserve-mib"] * reserve_set
+    no_slots = cfg.expert_cache == 0 or (cfg.expert_cache is None and cfg.vram_budget_mib is None)
+    if no_slots and cfg.expert_profile is not None and not cfg.resumes_profile:
+        unused.append("--expert-profile")
+    return unused
 
 
 def _named(name: str):

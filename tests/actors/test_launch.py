@@ -7,16 +7,24 @@ from dataclasses import replace
 
 import pytest
 
-from strata_ray.actors.launch import gpu_only_flags
+from strata_ray.actors.launch import cpu_unused_flags
 from strata_ray.config import EngineConfig
 
 
-def test_the_gpu_only_flags_a_cpu_run_notes_are_those_set_away_from_their_defaults():
-    # cluster_device notes them when the run lands on the CPU: accepted, and silently nothing, before
-    assert gpu_only_flags(EngineConfig()) == []
-    assert gpu_only_flags(replace(EngineConfig(), vram_budget_mib=100)) == ["--vram-budget-mib"]
-    both = replace(EngineConfig(), vram_budget_mib=100, vram_reserve_mib=0)
-    assert gpu_only_flags(both) == ["--vram-budget-mib", "--vram-reserve-mib"]
+def test_the_flags_a_cpu_run_notes_are_those_it_does_not_read():
+    """cluster_device notes them when the run lands on the CPU. --vram-budget-mib sizes a CPU primary's
+    cache in host memory (less the reserve): noted as unused before, which was false."""
+    cfg = EngineConfig()
+    assert cpu_unused_flags(cfg) == []
+    assert cpu_unused_flags(replace(cfg, vram_budget_mib=100)) == []
+    assert cpu_unused_flags(replace(cfg, vram_budget_mib=100, vram_reserve_mib=0)) == []
+    assert cpu_unused_flags(replace(cfg, vram_reserve_mib=0)) == ["--vram-reserve-mib"]
+    assert cpu_unused_flags(replace(cfg, expert_cache=8, vram_budget_mib=100, vram_reserve_mib=0)) == [
+        "--vram-budget-mib", "--vram-reserve-mib"]
+    assert cpu_unused_flags(replace(cfg, expert_profile="p.strp")) == ["--expert-profile"]  # 0 slots
+    assert cpu_unused_flags(replace(cfg, expert_profile="p.strp", expert_cache=0)) == ["--expert-profile"]
+    assert cpu_unused_flags(replace(cfg, expert_profile="p.strp", expert_cache=4)) == []
+    assert cpu_unused_flags(replace(cfg, expert_profile="p.strp", vram_budget_mib=100)) == []
 
 
 def test_a_ctrl_c_while_ray_starts_leaves_nothing_running():
