@@ -58,10 +58,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--prompt, --prompt-file or stdin)")
     if command == "generate":
         return generate_main(rest)
+    from strata_ray.actors.launch import prepare_token_auth
+
+    # before the command's module imports Ray (serve's does at once): Ray reads the auth mode as it loads,
+    # and `serve --address HOST:PORT` failed on a token cluster where `run` attached
+    prepare_token_auth(address_in(rest))
     entry = _delegate(command)
     if entry is None:
         return fail(f"the {command} command is not available yet")
     return int(entry(rest) or 0)
+
+
+def address_in(argv: Sequence[str]) -> str | None:
+    """The value of the last --address in argv (`--address X` or `--address=X`), or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == "--address" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--address="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def _delegate(command: str) -> Callable[[list[str]], int] | None:

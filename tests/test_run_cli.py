@@ -493,3 +493,26 @@ def test_a_stopped_cluster_is_seen_gone():
     assert cluster_gone(RaySession(started=False, address=f"127.0.0.1:{port}"), within=0.5)
     assert not cluster_gone(RaySession(started=True, address=f"127.0.0.1:{port}"))
     assert not cluster_gone(None)
+
+
+def test_the_address_of_a_subcommand_is_read_before_ray_loads(monkeypatch, tmp_path):
+    """serve imports Ray at once, and Ray reads its auth mode as it loads: main takes --address (and
+    RAY_ADDRESS) first, so a token cluster's address attaches as `run`'s does."""
+    from strata_ray.actors.launch import prepare_token_auth
+    from strata_ray.run import address_in
+
+    assert address_in(["--port", "1", "--address", "h:1", "--address=h:2"]) == "h:2"
+    assert address_in(["--address"]) is None and address_in([]) is None
+    token = tmp_path / "token"
+    token.write_text("t")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for address, mode in (("local", None), ("auto", None), (None, None), ("10.0.0.5:6379", "token")):
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+        prepare_token_auth(address)
+        assert os.environ.get("RAY_AUTH_MODE") == mode, address
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    prepare_token_auth(None)
+    assert os.environ.get("RAY_AUTH_MODE") == "token"

@@ -65,8 +65,7 @@ def _connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
     if target == "local":
         os.environ.pop("RAY_ADDRESS", None)  # ray.init() would otherwise attach to it
         return _start_local(dashboard, quiet, verbose)
-    if target and target != "auto":
-        _use_token_auth_if_available()  # before `import ray`: Ray reads the mode when it loads
+    prepare_token_auth(target)
     import ray
 
     if target:
@@ -154,6 +153,14 @@ def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySessi
         log_to_driver=verbose,
     )
     return RaySession(started=True, address=ray.get_runtime_context().gcs_address)
+
+
+def prepare_token_auth(address: str | None) -> None:
+    """For an explicit cluster address (the argument, else RAY_ADDRESS; not 'local' or 'auto'), take the
+    user's Ray token where there is one (_use_token_auth_if_available). Must run before Ray is imported."""
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target and target not in ("local", "auto"):
+        _use_token_auth_if_available()
 
 
 def _use_token_auth_if_available() -> None:

@@ -27,6 +27,7 @@ from strata_ray.serve import status
 from strata_ray.serve.runner import EngineRunner, Finished, Piece
 
 APP_NAME = "strata"
+SERVE_CONTROLLER, SERVE_NAMESPACE = "SERVE_CONTROLLER_ACTOR", "serve"  # Ray Serve's controller actor
 STATIC = Path(__file__).resolve().parent / "static"
 LOAD_POLL_S = 0.25
 
@@ -316,6 +317,7 @@ def serve_main(argv) -> int:
     from strata_ray.actors import launch
 
     session = None
+    owns_app = False  # an attached cluster's "strata" application is deleted at the end only if ours
     try:
         session = launch.connect(plan.address, False, plan.verbose)
         # again: Ray's core worker installs its own fatal-signal handler (absl's) as it connects, which
@@ -323,6 +325,9 @@ def serve_main(argv) -> int:
         signal.signal(signal.SIGTERM, _raise_interrupt)
         if session.started:  # our own Ray Serve will listen here; an attached cluster's may already be
             check_listen(plan.serve.host, plan.serve.port)
+        else:
+            check_serve_free(plan.serve.port)
+            owns_app = True
         if not plan.verbose:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         auto = engine_cfg.device == "auto"
@@ -341,10 +346,35 @@ def serve_main(argv) -> int:
         message, code = launch.describe_failure(e, "the server")
         return fail(message, code)
     finally:
-        if session is not None and not session.started:  # an attached cluster keeps its other applications
+        if owns_app:  # an attached cluster keeps its other applications, and another server's
             with contextlib.suppress(Exception):
                 serve.delete(APP_NAME)
         launch.disconnect(session)
+
+
+def check_serve_free(port: int) -> None:
+    """On an attached cluster: refuse where another server's application already runs there (serve.run
+    would replace it under that server, and deleting ours at the end took it away), or where Ray Serve
+    already listens on another port (its proxy keeps it: the new port was printed and never served).
+    ConfigError, one line. Nothing to check where the cluster runs no Serve yet."""
+    import ray
+
+    from strata_ray.config import ConfigError
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return  # no Ray Serve on this cluster yet: ours starts it
+    if APP_NAME in serve.status().applications:
+        raise ConfigError(f"a strata server already runs on this Ray cluster (Ray Serve application "
+                          f"{APP_NAME!r}); stop it first (one server a cluster), or serve on --address local")
+    try:
+        listening = ray.get(controller.get_http_config.remote(), timeout=30).port
+    except Exception:  # another Ray's controller: let serve.start judge
+        return
+    if listening != port:
+        raise ConfigError(f"Ray Serve already runs on this cluster with its HTTP proxy on port {listening}, "
+                          f"which it keeps: serve with --port {listening} (or restart the cluster)")
 
 
 def placement_problem(replicas: int, gpus_per_replica: int, cluster: dict) -> str | None:
