@@ -368,10 +368,7 @@ def generate_main(argv: Sequence[str]) -> int:
         sys.stdout.flush()
         return fail("interrupted", 130)
     except Exception as e:  # every failure ends in one line
-        if launch.cluster_gone(session, within=3.0 if launch.lost_actor(e) else 0.0):  # not the actor's
-            # fault, and Ray's calls (and its exit hooks) would hang ~60 s on it
-            fail(launch.gone_line(session), 1)
-            launch.end_process_now(1)
+        launch.exit_if_cluster_gone(session, e, lambda line: fail(line, 1))  # not the actor's fault
         message, code = launch.describe_failure(e, actor)
         return fail(message, code)
     finally:

@@ -343,24 +343,19 @@ def cluster_gone(session: RaySession | None, timeout: float = 1.0, within: float
         time.sleep(0.25)
 
 
-def lost_actor(e: BaseException) -> bool:
-    """Whether a failure is an actor's loss (its process or node gone), which a stopped cluster also
-    gives: worth a few seconds' look at the cluster before blaming the actor."""
+def exit_if_cluster_gone(session: RaySession | None, e: BaseException, report) -> None:
+    """Where a failure `e` came from the attached cluster going away, report(one line) and exit at once with
+    status 1: Ray's calls and its exit hooks would wait ~60 s for the GCS, deaf to Ctrl-C, then print their
+    own lines, and nothing of ours is left to clean up there. An actor's loss (its process or node gone),
+    which a stopped cluster gives first, earns a few seconds' look at the cluster before it is blamed."""
     from ray.exceptions import RayActorError
 
-    return isinstance(e, RayActorError)
-
-
-def gone_line(session: RaySession) -> str:
-    return f"the Ray cluster at {session.address} went away (its GCS no longer answers; was it stopped?)"
-
-
-def end_process_now(code: int) -> None:
-    """Exit at once, with `code`, where the cluster went away: Ray's exit hooks would wait ~60 s for its GCS
-    and then print their own lines. Output is flushed first; nothing of ours is left to clean up there."""
+    if not cluster_gone(session, within=3.0 if isinstance(e, RayActorError) else 0.0):
+        return
+    report(f"the Ray cluster at {session.address} went away (its GCS no longer answers; was it stopped?)")
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(1)
 
 
 def teardown(dep: Deployment | None, keep: bool, session: RaySession | None = None) -> None:
@@ -399,21 +394,22 @@ def disconnect(session: RaySession | None) -> None:
 def cluster_shortfall(bundles: list[dict], total: dict) -> str | None:
     """What the cluster's total resources lack for the bundles (as "CPU 1 in all"), or None where the
     totals suffice (a node may still lack room: the placement's wait says so)."""
-    need: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            need[k] = need.get(k, 0.0) + v
-    lacking = [k for k, v in sorted(need.items()) if total.get(k, 0.0) < v - 1e-9]
+    lacking = [k for k, v in sorted(_cpu_gpu(bundles).items()) if total.get(k, 0.0) < v - 1e-9]
     return " + ".join(f"{k} {total.get(k, 0.0):g}" for k in lacking) + " in all" if lacking else None
 
 
-def _bundle_text(bundles: list[dict]) -> str:
+def _cpu_gpu(bundles: list[dict]) -> dict[str, float]:
+    """The CPUs and GPUs of resource dicts, summed (Ray's resource dicts hold memory, node tags and more)."""
     total: dict[str, float] = {}
     for b in bundles:
         for k, v in b.items():
             if k in ("CPU", "GPU"):
                 total[k] = total.get(k, 0.0) + v
-    return " + ".join(f"{k} {v:g}" for k, v in sorted(total.items())) or "nothing"
+    return total
+
+
+def _bundle_text(bundles: list[dict]) -> str:
+    return " + ".join(f"{k} {v:g}" for k, v in sorted(_cpu_gpu(bundles).items())) or "nothing"
 
 
 def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:

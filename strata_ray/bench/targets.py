@@ -90,10 +90,7 @@ def ray_target(cfg, address: str | None, verbose: bool, replace_actors: bool) ->
         yield Target("ray", RayRunner(dep.primary), tokenizer, file, path, file.hparams.context_length,
                      info.get("device"), cfg)
     except Exception as e:
-        if launch.cluster_gone(session, within=3.0 if launch.lost_actor(e) else 0.0):  # Ray's calls (and
-            # its exit hooks) would hang ~60 s on it
-            say(launch.gone_line(session))
-            launch.end_process_now(1)
+        launch.exit_if_cluster_gone(session, e, say)
         raise
     finally:
         launch.teardown(dep, keep=False, session=session)

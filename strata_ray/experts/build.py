@@ -23,7 +23,6 @@ from strata_ray.experts.profile import check_shape, read_profile
 from strata_ray.experts.residency import Residency
 from strata_ray.experts.slot_cache import SlotCache, cache_slots
 from strata_ray.experts.tiered import LocalRounds, TieredExperts, cuda_pool_threads
-from strata_ray.model.routing_digest import routing_digest
 
 log = logging.getLogger("strata_ray.experts")
 
@@ -93,7 +92,7 @@ def build_expert_backend(config, loaded_file, hp, device, progress=True) -> Tier
                          kernel_variant=config.kernel_variant, ring_overlap=config.ring_overlap,
                          decode_cpu_thread=config.decode_cpu_thread, decode_pipeline=config.decode_pipeline,
                          pcie_share=config.pcie_share, decode_prefetch=config.decode_prefetch,
-                         loan_order=config.loan_order, model_digest=routing_digest(loaded_file))
+                         loan_order=config.loan_order)
 
 
 def loan_slots(config, n_slots: int, ring: int, hp) -> int:

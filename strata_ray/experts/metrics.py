@@ -77,7 +77,7 @@ class TierMetrics:
         if self._ray is None:
             return
         self._ray.push(self.counts, self._flushed)
-        self._flushed = TierCounts(**asdict(self.counts))
+        self._flushed = self.snapshot()
 
     def snapshot(self) -> TierCounts:
         """A copy of the counts now, for summary / line(since=...) at a request's end."""

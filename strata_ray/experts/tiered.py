@@ -19,6 +19,7 @@ the swap stream and become resident at a later boundary).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ from strata_ray.kernels.expert_cpu import (
 from strata_ray.kernels.tile_plan import plan_tiles_host
 from strata_ray.kernels.token_moe_cpu import TokenMoe, token_moe_cpu_serves
 from strata_ray.model.moe import combine_rows
+from strata_ray.model.routing_digest import routing_digest
 
 # a loan (the ring's slots while decoding): pairs copied at each window boundary, ~113 MB for the 80b-a3b's
 # 1.77 MB blobs, ~2.5 ms of PCIe: each step lands within the next token, so its boundary does not wait
@@ -178,10 +180,8 @@ class TieredExperts:
         pcie_share: int | None = 0,
         decode_prefetch: int | None = None,
         loan_order: str = "profile",
-        model_digest: bytes | None = None,
     ):
         self.store, self.cache, self.residency = store, cache, cache.residency
-        self.model_digest = model_digest  # model/routing_digest: saved with the learned profile
         self.kernel_variant = kernel_variant  # GPU expert kernels: contract.KERNEL_VARIANTS (same bits)
         self.ring_overlap = ring_overlap  # prompt ring: two halves, copies on the ring stream (same bits)
         # decode on CUDA: the CPU pool's rows from a helper thread behind a host flag (DecodeRows)
@@ -797,12 +797,18 @@ class TieredExperts:
         self.metrics.flush()  # the request's counts to Ray's metrics now: a short request flushes no window
 
     # -- the learned profile ---------------------------------------------------------------------------
-    def learned_profile(self) -> Profile:
+    def learned_profile(self, model: bytes | None = None) -> Profile:
         return learned_profile(self.residency.resident_mask(include_pending=True), self.heat, self.prior,
-                               model=self.model_digest)
+                               model=model)
+
+    @functools.cached_property
+    def model_digest(self) -> bytes:
+        """The model's routing identity (model/routing_digest), saved with the learned profile: hashed at
+        the first save, not at every start (most runs save nothing)."""
+        return routing_digest(self.store.file)
 
     def save_profile(self, path: str) -> None:
-        write_profile(path, self.learned_profile())
+        write_profile(path, self.learned_profile(model=self.model_digest))
 
     def summary_line(self, since=None) -> str:
         """The tiers' line since load, or since a metrics.snapshot() (one request's)."""
