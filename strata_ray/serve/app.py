@@ -124,7 +124,7 @@ class StrataServer:
                     tokens = [t for piece in pieces for t in piece.tokens]
                     return oa.response(job.chat, rid, self.model_name, "".join(p.text for p in pieces),
                                        event.finish_reason, event.prompt_tokens, event.completion_tokens,
-                                       event.timings, self._logprobs(job, tokens))
+                                       event.timings, self._logprobs(job, tokens), runner.fingerprint)
                 pieces.append(event)
         raise oa.server_error("the generation ended without a result")
 
@@ -135,7 +135,8 @@ class StrataServer:
 
     async def _sse(self, job: oa.Completion, rid: str, events):
         model, created = self.model_name, int(time.time())  # one timestamp a stream, as OpenAI's
-        same = {"created": created, "usage_slot": job.include_usage}
+        fingerprint = self.runner.fingerprint
+        same = {"created": created, "usage_slot": job.include_usage, "fingerprint": fingerprint}
         async with contextlib.aclosing(events):
             try:
                 first = True
@@ -147,7 +148,7 @@ class StrataServer:
                         yield oa.sse(oa.chunk(job.chat, rid, model, None, event.finish_reason, **same))
                         if job.include_usage:
                             yield oa.sse(oa.usage_chunk(job.chat, rid, model, event.prompt_tokens,
-                                                        event.completion_tokens, created))
+                                                        event.completion_tokens, created, fingerprint))
                         break
                     yield oa.sse(oa.chunk(job.chat, rid, model, event.text,
                                           logprobs=self._logprobs(job, event.tokens), **same))
@@ -225,6 +226,7 @@ class StrataServer:
             "loaded": r.loaded,
             "error": r.load_error,
             "engine": r.info,
+            "system_fingerprint": r.fingerprint,
             "started": m.started,
             "uptime_s": time.time() - m.started,
             "context": {"native": r.context, "max_positions": r.context},

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 4  # OpenAI's limit ("up to 4 sequences")
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 to 2
 MAX_LOGPROBS = 20  # top log-probabilities a token: OpenAI's chat limit (vLLM's default max_logprobs)
+# OpenAI's seed is an int64: one outside is refused, not folded into the sampler's 64 bits, where it would
+# share a stream with a negative seed (2**63 and -2**63 are the same bits)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -51,7 +55,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # the engine's unsigned 64 bits (a request's negative seed in two's complement)
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def _number(body, name, lo, hi, default, lo_open=False):
     return float(v)
 
 
-def _integer(body, name, lo, default=None):
+def _integer(body, name, lo, default=None, hi=None):
     v = body.get(name)
     if v is None:
         return default
@@ -124,6 +128,8 @@ def _integer(body, name, lo, default=None):
             raise invalid(name, f"expected an integer, got {json.dumps(v)}", "invalid_type")
     if v < lo:
         raise invalid(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise invalid(name, f"must be <= {hi}, got {v}")
     return v
 
 
@@ -142,7 +148,7 @@ def _sampling(body) -> Sampling:
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
     return Sampling(
-        temperature=_number(body, "temperature", 0.0, 100.0, 1.0),
+        temperature=_number(body, "temperature", 0.0, MAX_TEMPERATURE, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
         top_k=_integer({"top_k": top_k}, "top_k", 0, 0),
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
@@ -155,10 +161,10 @@ def _seed(body) -> int | None:
 
     if body.get("seed") == -1:  # llama.cpp's "random": unseeded (as top_k's -1 is vLLM's "off")
         return None
-    seed = _integer(body, "seed", 0)
-    if seed is not None and seed > SEED_MAX:  # the sampler hashes 64-bit seeds
-        raise invalid("seed", f"must be < 2**64, got {seed}")
-    return seed
+    seed = _integer(body, "seed", INT64_MIN, hi=INT64_MAX)
+    # the sampler hashes 64 unsigned bits: a negative seed is the same 64 bits the client's int64 holds, so
+    # no two accepted seeds share a stream
+    return None if seed is None else seed & SEED_MAX
 
 
 def _max_tokens(body, echo: bool) -> int | None:
@@ -176,7 +182,7 @@ def _stop(body) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise invalid("stop", "expected a string or a list of strings", "invalid_type")
     if len(v) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} sequences, got {len(v)}")
     return tuple(s for s in v if s)
 
 
@@ -521,9 +527,11 @@ def logprobs_doc(chat: bool, tokens, token_bytes: Sequence[bytes], top: int) -> 
 
 def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_tokens: int,
              completion_tokens: int, timings: dict | None = None,
-             logprobs: dict | None = None) -> dict[str, Any]:
+             logprobs: dict | None = None, fingerprint: str | None = None) -> dict[str, Any]:
+    """fingerprint: the server's system_fingerprint (runner.system_fingerprint), on every answer and chunk."""
     doc = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-           "model": model, "choices": [_choice(chat, text, finish, delta=False, logprobs=logprobs)],
+           "model": model, "system_fingerprint": fingerprint,
+           "choices": [_choice(chat, text, finish, delta=False, logprobs=logprobs)],
            "usage": usage(prompt_tokens, completion_tokens)}
     if timings is not None:
         doc["timings"] = timings
@@ -532,23 +540,25 @@ def response(chat: bool, rid: str, model: str, text: str, finish: str, prompt_to
 
 def chunk(chat: bool, rid: str, model: str, text: str | None = None, finish: str | None = None,
           role: bool = False, logprobs: dict | None = None, created: int | None = None,
-          usage_slot: bool = False) -> dict[str, Any]:
+          usage_slot: bool = False, fingerprint: str | None = None) -> dict[str, Any]:
     """One SSE chunk; created: the stream's one timestamp (every chunk of a stream carries the same);
     usage_slot: `"usage": null`, as OpenAI sends on every chunk before the last where include_usage asks."""
     choice = _choice(chat, text, finish, delta=True, logprobs=logprobs)
     if role:
         choice["delta"] = {"role": "assistant", "content": ""}
     doc = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-           "created": int(time.time()) if created is None else created, "model": model, "choices": [choice]}
+           "created": int(time.time()) if created is None else created, "model": model,
+           "system_fingerprint": fingerprint, "choices": [choice]}
     if usage_slot:
         doc["usage"] = None
     return doc
 
 
 def usage_chunk(chat: bool, rid: str, model: str, prompt_tokens: int, completion_tokens: int,
-                created: int | None = None) -> dict[str, Any]:
+                created: int | None = None, fingerprint: str | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()) if created is None else created, "model": model, "choices": [],
+            "created": int(time.time()) if created is None else created, "model": model,
+            "system_fingerprint": fingerprint, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import os
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,6 +60,33 @@ def _shifted(tokens: list[EmittedToken], shift: int) -> tuple[EmittedToken, ...]
     return tuple(dataclasses.replace(t, offset=t.offset + shift) for t in tokens) if shift else tuple(tokens)
 
 
+FINGERPRINT_BYTES = 5  # "fp_" and 10 hex digits, as OpenAI's look
+
+
+def system_fingerprint(config: EngineConfig, file, device: str, environ: Mapping[str, str]) -> str:
+    """OpenAI's `system_fingerprint`: "fp_" and a digest of what decides the answers' bits, so that a client
+    comparing answers (a seeded draw, an exactness gate) sees the backend change under it. It hashes the
+    package's version; the model file (the GGUFFile `file`): its path, each shard's size, its hparams and
+    tensor types (a Q4_0 and a Q4_K file of one model have one size) and its routing digest (a fine-tune
+    put at the same path and size has other routers); the device kind; the prompt chunk and MTP drafts;
+    and every STRATA_* switch `environ` sets. Most switches keep the bits (README), but a fingerprint that
+    changes needlessly costs a client a re-check, one that stays while the bits change a silent difference.
+    The replicas of one server share the config, the file and the environment: one fingerprint."""
+    from strata_ray import __version__
+    from strata_ray.config import ENGINE_FLAGS, INTERNAL_ENV, env_name, known_env_names
+    from strata_ray.model.routing_digest import routing_digest
+
+    h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+    h.update(f"strata-ray {__version__}|{file.path}|{device}|{config.prefill}|{config.spec}|".encode())
+    h.update(f"{[os.path.getsize(p) for p in file.paths]}|{file.hparams!r}|".encode())
+    h.update("".join(f"{t.name}:{t.ggml_type};" for t in file.tensors.values()).encode())
+    h.update(routing_digest(file))
+    # the engine flags are in the config above (those that may move bits) or only place the work
+    switches = known_env_names() - {env_name(name) for name in ENGINE_FLAGS} - set(INTERNAL_ENV)
+    h.update("".join(f"|{k}={environ[k]}" for k in sorted(switches) if environ.get(k, "") != "").encode())
+    return "fp_" + h.hexdigest()
+
+
 @dataclass(frozen=True)
 class Finished:
     """The last event of a generation."""
@@ -74,6 +103,7 @@ class EngineRunner:
         self.metrics = metrics
         self.engine = None
         self.info: dict = {}
+        self.fingerprint: str | None = None  # system_fingerprint, once loaded
         self.load_error: str | None = None
         self.tier_totals: dict[str, dict[str, float]] = {}
         self._loaded = threading.Event()
@@ -90,7 +120,10 @@ class EngineRunner:
         try:
             if self.config.device != "cuda":
                 use_all_cores()
-            self.engine = Engine(self.config)
+            engine = Engine(self.config)
+            # before the engine is published: no answer goes out without it
+            self.fingerprint = system_fingerprint(self.config, engine.loaded.file, engine.device, os.environ)
+            self.engine = engine
             self.info = self.engine.info()
             hp = self.engine.loaded.hp
             self.tier_totals = status.tier_counters(self.engine) or {

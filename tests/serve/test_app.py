@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -311,6 +313,43 @@ def test_bad_completion_requests(server):
     assert_error(server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}),
                  400, "messages", "context_length_exceeded")
     assert_error(server.get("/v1/nowhere"), 404)
+
+
+@pytest.mark.parametrize("path, field, ok, past, extra", [
+    ("/v1/chat/completions", "stop", [f"never-{i}" for i in range(4)], [f"never-{i}" for i in range(5)], {}),
+    ("/v1/chat/completions", "temperature", 2, math.nextafter(2, 3), {"seed": 1}),
+    ("/v1/chat/completions", "top_p", 1, math.nextafter(1, 2), {}),
+    ("/v1/chat/completions", "seed", 2**63 - 1, 2**63, {}),
+    ("/v1/chat/completions", "seed", -(2**63), -(2**63) - 1, {}),
+    ("/v1/chat/completions", "top_logprobs", 20, 21, {"logprobs": True}),
+    ("/v1/completions", "logprobs", 20, 21, {}),
+])
+def test_openais_limits_answer_the_boundary_and_refuse_one_past_it(server, path, field, ok, past, extra):
+    body = {"messages": HELLO} if path == "/v1/chat/completions" else {"prompt": "The json module"}
+    body = {**body, "max_tokens": 1, **extra}
+    r = server.post(path, {**body, field: ok})
+    assert r.status_code == 200, r.text
+    if field in ("top_logprobs", "logprobs"):  # all of them listed (completions' with the chosen one too)
+        logprobs = r.json()["choices"][0]["logprobs"]
+        top = logprobs["content"][0]["top_logprobs"] if "content" in logprobs else logprobs["top_logprobs"][0]
+        assert len(top) >= 20
+    r = server.post(path, {**body, field: past})
+    assert_error(r, 400, field, "invalid_value")
+    assert r.json()["error"]["message"].startswith(f"{field}: ")
+
+
+def test_system_fingerprint_is_one_a_server_on_every_answer_and_chunk(server):
+    fp = greedy_chat(server, max_tokens=2)["system_fingerprint"]
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", fp), fp
+    assert greedy_chat(server, max_tokens=2)["system_fingerprint"] == fp
+    text = {"prompt": "The json module", "max_tokens": 2, "temperature": 0}
+    assert server.post("/v1/completions", text).json()["system_fingerprint"] == fp
+    for path, body in (("/v1/chat/completions", {"messages": HELLO}), ("/v1/completions", text)):
+        r = server.post(path, {**body, "max_tokens": 3, "temperature": 0, "stream": True,
+                               "stream_options": {"include_usage": True}}, stream=True)
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+        assert chunks[-1]["usage"] and all(c["system_fingerprint"] == fp for c in chunks), chunks
+    assert server.get("/v1/status").json()["system_fingerprint"] == fp
 
 
 # --- scheduling ------------------------------------------------------------------------------------------

@@ -119,6 +119,11 @@ def test_response_shapes():
     assert oa.chunk(False, "cmpl-1", "m", "x")["choices"][0]["text"] == "x"
     assert oa.sse("[DONE]") == "data: [DONE]\n\n"
     assert oa.usage_chunk(True, "c", "m", 1, 1)["choices"] == []
+    # system_fingerprint on every answer and chunk, as OpenAI sends it (null where none is given)
+    assert doc["system_fingerprint"] is None and first["system_fingerprint"] is None
+    assert oa.response(False, "c", "m", "x", "stop", 1, 1, fingerprint="fp_1")["system_fingerprint"] == "fp_1"
+    assert oa.chunk(True, "c", "m", "x", fingerprint="fp_1")["system_fingerprint"] == "fp_1"
+    assert oa.usage_chunk(True, "c", "m", 1, 1, 5, "fp_1")["system_fingerprint"] == "fp_1"
 
 
 @pytest.mark.parametrize("extra, param, code", [
@@ -169,10 +174,21 @@ def test_the_neutral_values_of_unsupported_fields_are_accepted():
 def test_seed_minus_one_is_random_as_llama_cpp_sends_it():
     assert oa.parse_chat({"messages": MSG, "seed": -1}).sampling.seed is None
     assert oa.parse_chat({"messages": MSG, "seed": 7}).sampling.seed == 7
-    for bad in (-2, True, "1"):
+    for bad in (True, "1"):
         with pytest.raises(oa.APIError) as info:
             oa.parse_chat({"messages": MSG, "seed": bad})
         assert info.value.param == "seed"
+
+
+def test_seeds_are_openais_int64_and_reach_the_sampler_as_their_64_bits():
+    # a negative seed is its two's complement, so every int64 has a stream of its own
+    for seed, bits in ((2**63 - 1, 2**63 - 1), (-2, 2**64 - 2), (-(2**63), 2**63), (0, 0)):
+        assert oa.parse_chat({"messages": MSG, "seed": seed}).sampling.seed == bits
+    for bad in (2**63, -(2**63) - 1, 2**64):  # 2**63 was taken: the same bits as -2**63 now
+        with pytest.raises(oa.APIError) as info:
+            oa.parse_chat({"messages": MSG, "seed": bad})
+        assert (info.value.param, info.value.code) == ("seed", "invalid_value")
+        assert info.value.message.startswith("seed: must be ")
 
 
 def test_a_lone_surrogate_is_a_400_and_a_pair_is_its_character():

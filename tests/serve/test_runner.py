@@ -10,7 +10,7 @@ import pytest
 from strata_ray.config import EngineConfig
 from strata_ray.engine.engine import GenerationRequest
 from strata_ray.serve.openai_api import APIError, Sampling
-from strata_ray.serve.runner import EngineRunner, Finished
+from strata_ray.serve.runner import EngineRunner, Finished, system_fingerprint
 from strata_ray.serve.status import ServeMetrics
 
 GREEDY = Sampling(temperature=0.0)
@@ -153,3 +153,29 @@ def test_tokens_made_past_a_stop_are_not_counted_however_slow_the_reader(runner)
     assert fast_text == slow_text == full[: full.index(stop)]
     assert (fast.finish_reason, slow.finish_reason) == ("stop", "stop")
     assert slow.completion_tokens == fast.completion_tokens < 40
+
+
+def test_the_fingerprint_follows_the_model_file_and_the_arithmetic_switches(runner, tmp_path):
+    import os
+
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.synth import write_synth
+
+    cfg = runner.config
+    assert runner.fingerprint == system_fingerprint(cfg, runner.engine.loaded.file, "cpu", os.environ)
+    path = tmp_path / "m.gguf"
+
+    def fp(env=None, device="cpu", **synth) -> str:
+        if synth:
+            write_synth(path, arch="qwen3next", preset="tiny", progress=False, **synth)
+        return system_fingerprint(cfg, GGUFFile(path), device, env or {})
+
+    base, size = fp(seed=0), path.stat().st_size
+    assert base.startswith("fp_") and len(base) == 13 and base == fp()
+    assert fp({"STRATA_EXPERT_CACHE": "0", "STRATA_MODEL": "x"}) == base  # placement and the path's default
+    assert fp({"STRATA_ATTN_DOT": "ieee"}) != base
+    assert fp(device="cuda") != base
+    # the same path and size, other weights: a Q4_0 file of the same model (the same routers), another seed's
+    assert fp(seed=0, expert_type="Q4_0") != base and path.stat().st_size == size
+    assert fp(seed=1) != base and path.stat().st_size == size
+    assert fp(seed=0) == base
