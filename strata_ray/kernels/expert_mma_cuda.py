@@ -11,7 +11,11 @@ its integers: each thread's four int32 results a block become the contract's ter
 
 added to the thread's running sums from 0.0 in block order: the very operations of the simple tile and the
 CPU, so the rows are theirs to the bit (compiled with --fmad=false; the magic-number int-to-float is exact
-below 2^22, which every Q8_0 / Q4_0 / Q4_K block dot is).
+below 2^22, which every Q8_0 / Q4_0 / Q4_K block dot is). For Q8_0 and Q4_0 the MMA adds the magic number
+itself, through its accumulator input: session 53's ncu had the launches issue bound (74% of issue slots,
+the ALU pipe the busiest), and that took four integer adds an MMA off it (ptxas: 2616 -> 2512 instructions
+for Q4_0, 2552 -> 2440 for Q8_0; an s8 x u8 MMA for Q4_0's unsigned nibbles, its - 8 folded in too, came
+to 2624: the per-entry accumulator inputs cost more moves than the nibbles' adds they saved).
 
 A CTA is a tile of up to BT = 64 entries routed to one expert (plan_tiles' prompt tiles) and BN = 64 rows of
 one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread). The K axis runs
@@ -48,8 +52,15 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
 }
 
 // float(i), exact for |i| < 2^22: 1.5 * 2^23 + i formed in the mantissa, then 1.5 * 2^23 taken off
+#define I2F_BIAS 0x4B400000
 __device__ __forceinline__ float i2f(int i) {
-    return __int_as_float(i + 0x4B400000) - 12582912.0f;
+    return __int_as_float(i + I2F_BIAS) - 12582912.0f;
+}
+
+// i2f(i) of an MMA's i that the MMA itself biased by I2F_BIAS, through its accumulator input (c = i +
+// I2F_BIAS, exact in int32): i2f without its integer add
+__device__ __forceinline__ float biased_i2f(int c) {
+    return __int_as_float(c) - 12582912.0f;
 }
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
@@ -82,12 +93,13 @@ __device__ __forceinline__ unsigned q6_codes(unsigned ql, unsigned qh, int r) {
     return (code + 0x60606060u) ^ 0x80808080u;
 }
 
-__device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2]) {
+// c = a b + z, z the accumulator input of every element (0, or I2F_BIAS for biased_i2f)
+__device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2], int z) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%10, %10, %10, %10};\n"
         : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(z));
 }
 
 // The word of 4 bytes at byte offset off (even) of a 4-byte aligned shared row
@@ -293,8 +305,10 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                         int c_hi[4];
                         mma_s8_k16(c, a[0], a[1], b[ni][0]);     // elements 0..15
                         mma_s8_k16(c_hi, a[2], a[3], b[ni][1]);  // elements 16..31
+#elif Q4K
+                        mma_s8(c, a, b[ni], 0);
 #else
-                        mma_s8(c, a, b[ni]);
+                        mma_s8(c, a, b[ni], I2F_BIAS);  // c = the block dot + I2F_BIAS
 #endif
 #pragma unroll
                         for (int v = 0; v < 4; ++v) {
@@ -308,7 +322,7 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                             const float t2 = i2f(mn[ni][col] * asum[h]) * (wm_[ni][col] * ad[h]);
                             acc[mi][ni][v] = acc[mi][ni][v] + (t1 - t2);
 #else
-                            acc[mi][ni][v] = acc[mi][ni][v] + i2f(c[v]) * (wd[ni][col] * ad[h]);
+                            acc[mi][ni][v] = acc[mi][ni][v] + biased_i2f(c[v]) * (wd[ni][col] * ad[h]);
 #endif
                         }
                     }
