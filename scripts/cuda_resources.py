@@ -119,7 +119,8 @@ def ctas_an_sm(regs: int, threads: int, smem: int) -> tuple[int, str]:
     return bounds[limit], limit
 
 
-def forms(kernels: list[str], types: list[int], kquant_ctas: int = 1, gemv_ctas: int = 1):
+def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cuda.KQUANT_CTAS,
+          gemv_ctas: int = 1):
     """(kernel, what, source, name, options, threads, dynamic shared bytes) of each form the engine launches
     at Qwen3-Next-80B-A3B's shapes."""
     names = {v: k for k, v in TYPES.items()}
@@ -170,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="rows,mma,gemv", type=name_list(("rows", "mma", "gemv")),
                     help="rows (decode experts), mma (prompt experts), "
                     "gemv (dense Q8_0), a list")
-    ap.add_argument("--kquant-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
-                    help="the K-quant prompt rows compiled for N CTAs an SM (STRATA_MMA_KQUANT_CTAS; "
-                    "default 1: the compiler's choice)")
+    ap.add_argument("--kquant-ctas", type=int, default=expert_mma_cuda.KQUANT_CTAS, choices=range(1, 5),
+                    metavar="N", help="the K-quant prompt rows compiled for N CTAs an SM "
+                    f"(STRATA_MMA_KQUANT_CTAS; default {expert_mma_cuda.KQUANT_CTAS}, the engine's; 1: the "
+                    "compiler's choice)")
     ap.add_argument("--gemv-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="the dense GEMV compiled for N CTAs an SM (STRATA_GEMV_MIN_CTAS; default 1)")
     args = ap.parse_args(argv)

@@ -426,14 +426,20 @@ def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1) -> tu
     return ("--fmad=false", *defines(geo, two, wtype), *nvrtc.min_ctas_option(min_ctas))
 
 
+KQUANT_CTAS = 3  # the K-quant forms' CTAs an SM where STRATA_MMA_KQUANT_CTAS is unset (see min_ctas)
+
+
 def min_ctas(wtype: int) -> int:
-    """STRATA_MMA_KQUANT_CTAS (1-4, default 1: the compiler's choice) for Q4_K / Q6_K, else 1. The K-quant
-    forms take 244-255 registers, so an SM holds 2 of their CTAs (8 warps) against 4 for Q4_0 / Q8_0 (127
-    registers), and their prompt rows ran at 46-49 int8 TOP/s against Q4_0's 81 (session 18). Offline
-    (ptxas, session 31), 3 caps them at 168 registers with 4-12 bytes of spills; 4 spills ~470 bytes. An
-    A/B switch until the GPU has timed it; the bits do not depend on it (register allocation only)."""
+    """STRATA_MMA_KQUANT_CTAS (1-4; 1: the compiler's choice; default KQUANT_CTAS) for Q4_K / Q6_K, else 1.
+    Left to the compiler, the K-quant forms take 244-255 registers, so an SM holds 2 of their CTAs (8 warps)
+    against 4 for Q4_0 / Q8_0 (128 registers). 3 caps them at 168 registers with 4-12 bytes of spills (ptxas,
+    session 31; 4 spills ~470 bytes and shared memory allows 3 anyway): on an H100 at 4096 tokens over 256
+    experts that took Q4_K 4.10 -> 3.78-3.81 ms a layer and Q6_K 4.10-4.11 -> 3.71-3.73 (session 53,
+    interleaved). The bits do not depend on it (register allocation only)."""
+    if wtype not in (Q4_K, Q6_K):
+        return 1
     raw = os.environ.get("STRATA_MMA_KQUANT_CTAS", "")
-    return int(raw) if raw and wtype in (Q4_K, Q6_K) else 1
+    return int(raw) if raw else KQUANT_CTAS
 
 
 def defines(geo: Geometry, two: bool, wtype: int) -> tuple[str, ...]:

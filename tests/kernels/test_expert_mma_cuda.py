@@ -135,27 +135,31 @@ def test_gpu_mma_rows_equal_the_triton_prompt_tile(monkeypatch):
     assert np.array_equal(rows["1"].view(np.int32), rows["0"].view(np.int32))
 
 
-def test_the_kquant_register_cap_is_asked_for_only_where_set(monkeypatch):
-    """STRATA_MMA_KQUANT_CTAS adds MIN_CTAS to the K-quant forms' options only; unset, every form's options
-    (and so its code) are the compiler's choice as before."""
+def test_the_kquant_register_cap_is_the_kquants_only(monkeypatch):
+    """The K-quant forms are capped for KQUANT_CTAS (3) CTAs an SM unless STRATA_MMA_KQUANT_CTAS says
+    otherwise; 1 is the compiler's choice (no MIN_CTAS option, the code as before the cap); Q4_0 / Q8_0 are
+    never capped."""
     geo = emc.geometry(2048, Q4_K)
     monkeypatch.delenv("STRATA_MMA_KQUANT_CTAS", raising=False)
+    assert [emc.min_ctas(t) for t in (Q4_0, Q8_0, Q4_K, Q6_K)] == [1, 1, 3, 3]
+    assert emc.build_options(geo, True, Q4_K, emc.min_ctas(Q4_K))[-1] == "-DMIN_CTAS=3"
+    monkeypatch.setenv("STRATA_MMA_KQUANT_CTAS", "1")
     assert [emc.min_ctas(t) for t in (Q4_0, Q8_0, Q4_K, Q6_K)] == [1, 1, 1, 1]
     assert not any(o.startswith("-DMIN_CTAS") for o in emc.build_options(geo, True, Q4_K, emc.min_ctas(Q4_K)))
-    monkeypatch.setenv("STRATA_MMA_KQUANT_CTAS", "3")
-    assert [emc.min_ctas(t) for t in (Q4_0, Q8_0, Q4_K, Q6_K)] == [1, 1, 3, 3]
-    assert emc.build_options(geo, True, Q4_K, 3)[-1] == "-DMIN_CTAS=3"
+    monkeypatch.setenv("STRATA_MMA_KQUANT_CTAS", "2")
+    assert [emc.min_ctas(t) for t in (Q4_0, Q8_0, Q4_K, Q6_K)] == [1, 1, 2, 2]
     assert "#ifdef MIN_CTAS" in emc._SOURCE and "__launch_bounds__(128, MIN_CTAS)" in emc._SOURCE
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("gate_up,down", [(Q4_K, Q4_K), (Q4_K, Q6_K), (Q6_K, Q6_K)])
-def test_gpu_mma_rows_with_capped_registers_equal_cpu_rows(monkeypatch, gate_up, down):
-    """The K-quant forms compiled for 3 CTAs an SM (168 registers, a few bytes of spills): the same bits."""
+def test_gpu_mma_rows_with_the_compilers_registers_equal_cpu_rows(monkeypatch, gate_up, down):
+    """The K-quant forms as the compiler chooses (STRATA_MMA_KQUANT_CTAS=1: 244-255 registers, 2 CTAs an SM;
+    the default caps them for 3, which the other tests run): the same bits."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
-    monkeypatch.setenv("STRATA_MMA_KQUANT_CTAS", "3")
+    monkeypatch.setenv("STRATA_MMA_KQUANT_CTAS", "1")
     layer = _layer(2048, 512, 24, gate_up, down)
     for n_tok, top_k in [(1, 10), (33, 8), (222, 10)]:
         _check(layer, n_tok, top_k)
