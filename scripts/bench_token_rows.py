@@ -20,7 +20,8 @@ is above what the engine sees. --fresh draws new routing every token and layer, 
 --experts 64 (5.4 GB) the experts come from DRAM as in the engine.
 
 The thread playing the device spins on a core of its own: give the pool at most the other cores (on the
-2-core VM, --threads 1), or the pool's threads and the spinner share cores and both numbers mean little.
+2-core VM, --threads 1), or the pool's threads and the spinner share cores and both numbers mean little. A
+team needs 2 threads or more: with one, the team forms are not run (one line says so).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import argparse
 import threading
 import time
 
+import numba
 import numpy as np
 
 from strata_ray.config import int_list
@@ -98,10 +100,19 @@ def main() -> None:
                     (True, False, DYNAMIC, HALF_ROWS)]
         if args.mixer_us:
             variants.append((True, True, GATHER, HALF_ROWS))
+        no_team = None  # why the team forms were not run
         for key in variants:
             team, warm, form, unit_rows = key
             worker = CpuTokenRows(layers, res, K, args.threads, single_thread_bytes=0, team=team, warm=warm,
                                   form=form, unit_rows=unit_rows)
+            if team and not worker.team:
+                # CpuTokenRows runs the two-region form where it cannot form a team (one thread, or a
+                # threading layer that does not run a team's members at once): timed under the team's labels,
+                # that form was printed again as each team variant, and member 0's steps, which only a team
+                # stamps, as zeros (--threads 1)
+                no_team = (f"{worker.n_threads} thread: a team needs 2 or more" if worker.n_threads < 2 else
+                           f"numba's threading layer {numba.threading_layer()!r} runs no team")
+                continue
             b = worker.buf
             waits[key], phases[key] = [], []
             base = 1
@@ -155,6 +166,8 @@ def main() -> None:
                 n_warm = warmed[key]
                 print(f"    read ahead: {int(n_warm[:, 0].sum())} entries, {int(n_warm[:, 1].sum())} used "
                       "(the last token)")
+        if no_team:
+            print(f"  one team a token: not run ({no_team})")
 
 
 if __name__ == "__main__":

@@ -384,7 +384,12 @@ def say(line: str) -> None:
 def _session_line(session, dashboard: bool) -> str:
     if not session.started:
         return f"attached to the running Ray cluster at {session.address}"
-    board = "with the dashboard" if dashboard else "no dashboard"
+    if not dashboard:
+        board = "no dashboard"
+    elif session.dashboard_url:  # the one place the URL is told without -v (Ray's own line is INFO)
+        board = f"with the dashboard at {session.dashboard_url}"
+    else:
+        board = "the dashboard asked for did not start (-v shows Ray's log)"
     return (f"started a local Ray instance ({board}; `ray start --head` beforehand to attach to a "
             "cluster instead)")
 

@@ -516,3 +516,40 @@ def test_the_address_of_a_subcommand_is_read_before_ray_loads(monkeypatch, tmp_p
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     prepare_token_auth(None)
     assert os.environ.get("RAY_AUTH_MODE") == "token"
+
+
+def test_the_dashboard_asked_for_is_told_by_its_url_without_verbose(tiny_model):
+    """--address local --dashboard: the session line gives the dashboard's URL (Ray's own line is INFO,
+    hidden without -v, so the URL was told nowhere), and the dashboard answers there while the run lasts."""
+    import signal
+    import time
+    import urllib.request
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "--model", tiny_model, "--address", "local",
+                          "--dashboard", "--prompt-ids", "1,2", "--max-tokens", "2000"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=REPO)
+    try:
+        first = p.stderr.readline()
+        m = re.fullmatch(r"strata_ray: started a local Ray instance \(with the dashboard at "
+                         r"(http://[\w.\-]+:\d+); `ray start --head` beforehand to attach to a cluster "
+                         r"instead\)\n", first)
+        assert m, first + p.stderr.read() if p.poll() is not None else first
+        deadline = time.monotonic() + 60
+        while True:  # the dashboard's web server, up by now or in a moment
+            try:
+                with urllib.request.urlopen(m[1], timeout=5) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert p.poll() is None and time.monotonic() < deadline, "the dashboard did not answer"
+                time.sleep(0.5)
+    finally:
+        p.send_signal(signal.SIGINT)  # the 2000 tokens are not needed: the run ends as at a Ctrl-C
+        try:
+            p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()

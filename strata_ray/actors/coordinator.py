@@ -133,14 +133,18 @@ class _RayMetrics:
             return None
 
     def __init__(self):
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Gauge
 
-        self.prompt_tokens = Counter("strata_prompt_tokens", description="prompt tokens processed")
-        self.generated_tokens = Counter("strata_generated_tokens", description="tokens generated")
+        from strata_ray.experts.metrics import zeroed_counter
+
+        # counters at 0 from the start (zeroed_counter): an engine without adaptive rounds still has their
+        # series, 0, not none
+        self.prompt_tokens = zeroed_counter("strata_prompt_tokens", "prompt tokens processed")
+        self.generated_tokens = zeroed_counter("strata_generated_tokens", "tokens generated")
         self.prefill_tps = Gauge("strata_prefill_tokens_per_second", description="last prompt's tok/s")
         self.decode_tps = Gauge("strata_decode_tokens_per_second", description="last generation's tok/s")
-        self.adapt_rounds = Counter("strata_adaptive_rounds", description="adaptive rounds planned")
-        self.adapt_swaps = Counter("strata_adaptive_round_swaps", description="swaps the rounds planned")
+        self.adapt_rounds = zeroed_counter("strata_adaptive_rounds", "adaptive rounds planned")
+        self.adapt_swaps = zeroed_counter("strata_adaptive_round_swaps", "swaps the rounds planned")
 
     def record_round(self, swaps: int) -> None:
         self.adapt_rounds.inc()

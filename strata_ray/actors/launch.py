@@ -32,6 +32,9 @@ class LaunchError(RuntimeError):
 class RaySession:
     started: bool  # True: we started a local Ray instance and shut it down at the end
     address: str
+    # the dashboard of the instance we started, http://HOST:PORT (None: none asked for, or none came up).
+    # Ray prints its own "View the dashboard at" at INFO, which our logging level without -v (ERROR) hides
+    dashboard_url: str | None = None
 
 
 @dataclass
@@ -144,7 +147,7 @@ def answers_http1(conn, wait: float = 2.0) -> bool:
 def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySession:
     import ray
 
-    ray.init(
+    context = ray.init(
         address="local",  # never a cluster that `ray start` left on this machine
         namespace=NAMESPACE,
         include_dashboard=dashboard,
@@ -152,7 +155,9 @@ def _start_local(dashboard: bool, logging_level: int, verbose: bool) -> RaySessi
         logging_level=logging_level,
         log_to_driver=verbose,
     )
-    return RaySession(started=True, address=ray.get_runtime_context().gcs_address)
+    board = getattr(context, "dashboard_url", None) if dashboard else None  # "HOST:PORT", or "" / None
+    return RaySession(started=True, address=ray.get_runtime_context().gcs_address,
+                      dashboard_url=f"http://{board}" if board else None)
 
 
 def prepare_token_auth(address: str | None) -> None:
@@ -434,6 +439,24 @@ def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
     if cause is not e or actor is not None:
         return f"{who} failed: {type(cause).__name__}: {first_line(cause)}", 1
     return f"{type(cause).__name__}: {first_line(cause)}", 1
+
+
+def failed_actor(e: BaseException, called: str) -> str | None:
+    """Who a failure is told of, for a caller that drives `called` (bench: the primary) without tracking
+    each call as `run` does: the actor Ray's error names as dead (a named actor's death says "name: ..."; the
+    primary's own call may fail on the coordinator's), else `called` for any other error Ray raised (the
+    actor's task raised, or it died unnamed); None for the caller's own exception (describe_failure: the
+    driver). Before, bench passed None throughout and told the primary's death as "the driver died"."""
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    cause = e
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    if isinstance(cause, RayActorError):
+        named = re.search(r"^\s*name: (\S+)\s*$", str(getattr(cause, "error_msg", "") or ""), re.MULTILINE)
+        if named:
+            return named[1]
+    return called if isinstance(e, RayError) or isinstance(cause, RayError) else None
 
 
 def _is_user_error(cause: BaseException) -> bool:

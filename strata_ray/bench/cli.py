@@ -51,9 +51,10 @@ def build_parser(command: str):
     where = target.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true", help="run the Engine in this process, without Ray")
     where.add_argument("--url", metavar="URL", help="drive an OpenAI-compatible server (e.g. "
-                       "http://host:8000); --model then only supplies the tokenizer for exact prompt lengths "
-                       "(without it the server's /tokenize counts them where it has one, else they are "
-                       "estimated)")
+                       "http://host:8000); the results are named as its /v1/models names its model, and "
+                       "--model then only supplies its tokenizer for exact prompt lengths (a file of "
+                       "another name gets a note; without it the server's /tokenize counts them where it has "
+                       "one, else they are estimated)")
     target.add_argument("--api", choices=("chat", "completions"), default=None,
                         help="with --url: /v1/chat/completions (default) or /v1/completions")
     target.add_argument("--served-model", metavar="NAME", help="with --url: the model name to request "
@@ -281,9 +282,12 @@ def bench_main(argv: Sequence[str]) -> int:
     except Exception as e:  # every failure ends in one line
         if isinstance(e, user_errors()):
             return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-        from strata_ray.actors.launch import describe_failure
+        from strata_ray.actors import launch
 
-        message, code = describe_failure(e, None)
+        # the Ray actors' runs: a failure Ray raised is the primary's (the actor every call goes to) or the
+        # actor Ray names as dead; --local and --url run no actor
+        actor = launch.failed_actor(e, launch.PRIMARY_NAME) if ns.url is None and not ns.local else None
+        message, code = launch.describe_failure(e, actor)
         return fail(message, code)
 
 

@@ -77,16 +77,26 @@ class HttpRunner:
         models = self.listed_models()
         return str(models[0].get("id", "default")) if models else "default"
 
-    def served_context(self) -> int | None:
-        """The context the server gives the model it is asked for: /v1/models' max_model_len (ours, vLLM);
-        None where it says none or has no /v1/models (a gateway's). The only model a server lists is the
-        one it serves, whatever the name asked for (ours and llama-server do not check it)."""
+    def served_entry(self) -> dict | None:
+        """/v1/models' entry of the model the requests reach: the one of the name asked for, else the only
+        one the server lists (the one it serves, whatever the name asked for: ours and llama-server do not
+        check it); None where it lists neither or has no /v1/models (a gateway's)."""
         try:
             models = self.listed_models()
         except ServerError:
             return None
         only = models[0] if len(models) == 1 else None
-        entry = next((m for m in models if m.get("id") == self.model), only)
+        return next((m for m in models if m.get("id") == self.model), only)
+
+    def served_name(self) -> str:
+        """The name of the model measured, as the server's /v1/models gives it (else the name asked for)."""
+        entry = self.served_entry()
+        return str(entry["id"]) if entry is not None and entry.get("id") is not None else self.model
+
+    def served_context(self) -> int | None:
+        """The context the server gives the model it is asked for: /v1/models' max_model_len (ours, vLLM);
+        None where it says none or has no /v1/models."""
+        entry = self.served_entry()
         return _positive_int(None if entry is None else entry.get("max_model_len"))
 
     def _content_fields(self, content: str) -> dict:

@@ -2,7 +2,10 @@
 
 A runner sends one prompt and times the tokens as they reach the caller:
 - prefill tok/s = prompt tokens / time to the first token (request sent -> first token seen);
-- decode tok/s = tokens that arrived after the first ones / (last arrival - first arrival).
+- decode tok/s = tokens that arrived after the first ones / (last arrival - first arrival), or not
+  measurable (None, with the reason) where the arrivals cannot time a decode: no token after the first, every
+  token in one chunk, or the rest within less than any decode takes (one burst: a stream that a proxy or the
+  server buffered and sent at once read ~0.2 ms for 15 tokens, 70,000 tok/s).
 Three runners share this: `LocalRunner` (the Engine in this process, per-token callbacks), `RayRunner`
 (the same `strata:primary` actor `run` uses, token batches streamed through Ray) and `HttpRunner`
 (http_client.py, any OpenAI-compatible server). The engine's own timings are kept next to them when the
@@ -21,6 +24,11 @@ from strata_ray.bench.prompts import Prompt, PromptBuilder
 
 SHORT_FRACTION = 0.5  # a generation below this share of the requested tokens is flagged "short"
 WARMUP_GEN_TOKENS = 8
+# A decode span shorter than either of these times no decode: no single stream decodes a token in under
+# 50 us (20,000 tok/s), while reading a buffered chunk takes ~10-30 us (a burst); and under 1 ms the clock's
+# and the scheduler's jitter are much of the span
+MIN_DECODE_SPAN_S = 1e-3
+MIN_TOKEN_INTERVAL_S = 50e-6
 
 
 @dataclass(frozen=True)
@@ -35,20 +43,41 @@ class RunTiming:
     engine_decode_s: float | None = None
     token_ids: tuple[int, ...] | None = None  # None: the server does not return ids
     text: str = ""
+    decode_chunks: int = 0  # arrivals after the first (chunks, token batches or tokens)
 
     @property
     def prefill_tps(self) -> float:
         return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
     @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens > 0 else 0.0
+    def decode_problem(self) -> str | None:
+        """Why the arrivals cannot time this run's decode, one line (None: they can)."""
+        if self.generated_tokens <= 1:
+            return "no token generated" if self.generated_tokens < 1 else "1 token generated: none after it"
+        if self.decode_chunks < 1:
+            return f"all {self.generated_tokens} tokens arrived in one chunk: no interval to time"
+        if self.decode_tokens <= 0:
+            return "no token arrived after the first chunk's"
+        if self.decode_s < self.decode_tokens * MIN_TOKEN_INTERVAL_S:
+            return (f"the {self.decode_tokens} tokens after the first arrived within "
+                    f"{1e3 * self.decode_s:.2f} ms of it, in one burst (the stream was buffered on its way: "
+                    "no decode is that fast)")
+        if self.decode_s < MIN_DECODE_SPAN_S:  # a real but short decode (a token or two on a fast device)
+            return (f"the {self.decode_tokens} token(s) after the first took {1e3 * self.decode_s:.2f} ms, "
+                    f"under the {1e3 * MIN_DECODE_SPAN_S:.0f} ms a clock can time (generate more tokens)")
+        return None
+
+    @property
+    def decode_tps(self) -> float | None:
+        """tok/s after the first arrival; None where it is not measurable (decode_problem says why)."""
+        return None if self.decode_problem else self.decode_tokens / self.decode_s
 
     def record(self) -> dict:
         """The JSON form of one run (no token ids or text: the gates keep those)."""
         doc = {k: v for k, v in asdict(self).items() if k not in ("token_ids", "text")}
         doc["prefill_tps"] = self.prefill_tps
         doc["decode_tps"] = self.decode_tps
+        doc["decode_note"] = self.decode_problem
         return doc
 
 
@@ -57,7 +86,8 @@ class Runner(Protocol):
 
 
 class ArrivalClock:
-    """Arrival times of token chunks: the first, the last, and how many tokens came with the first."""
+    """Arrival times of token chunks: the first, the last, how many tokens came with the first, and how many
+    chunks came."""
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -65,6 +95,7 @@ class ArrivalClock:
         self.last: float | None = None
         self.first_count = 0
         self.count = 0
+        self.chunks = 0
 
     def arrived(self, n_tokens: int) -> None:
         now = time.perf_counter()
@@ -74,6 +105,7 @@ class ArrivalClock:
             self.first, self.first_count = now, n_tokens
         self.last = now
         self.count += n_tokens
+        self.chunks += 1
 
     def timing(self, prompt_tokens: int, generated: int | None = None, **extra) -> RunTiming:
         end = time.perf_counter()
@@ -88,6 +120,7 @@ class ArrivalClock:
             decode_tokens=generated - first_count,
             decode_s=self.last - self.first,
             total_s=end - self.start,
+            decode_chunks=self.chunks - 1,
             **extra,
         )
 
@@ -175,7 +208,7 @@ class ContextResult:
             "prompt_tokens": self.prompt_tokens,
             "note": self.note,
             "prefill_tps": median([r.prefill_tps for r in self.runs]),
-            "decode_tps": median([r.decode_tps for r in self.runs]),
+            **decode_summary(self.runs),
             "ttft_s": median([r.ttft_s for r in self.runs]),
             "generated_tokens": median([r.generated_tokens for r in self.runs]),
             "short": any(r.generated_tokens < SHORT_FRACTION * gen_tokens for r in self.runs),
@@ -185,6 +218,20 @@ class ContextResult:
 
 def median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
+
+
+def decode_summary(runs: list[RunTiming]) -> dict:
+    """decode_tps: the median of the runs whose decode could be timed (None where none could), and
+    decode_note: why the others could not (None where every run could)."""
+    rates = [r.decode_tps for r in runs if r.decode_tps is not None]
+    problems = [r.decode_problem for r in runs if r.decode_problem]
+    if not problems:
+        note = None
+    elif not rates:
+        note = f"decode tok/s not measurable: {problems[0]}"
+    else:
+        note = f"decode tok/s from {len(rates)} of {len(runs)} runs (the others: {problems[0]})"
+    return {"decode_tps": median(rates) if rates else None, "decode_note": note}
 
 
 def run_plan(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling,
@@ -233,7 +280,7 @@ def _story(runner: Runner, builder: PromptBuilder, plan: BenchPlan, sampling, ti
     return {
         "tokens": wanted,
         "note": note,
-        "decode_tps": median([r.decode_tps for r in runs]),
+        **decode_summary(runs),
         "generated_tokens": median([r.generated_tokens for r in runs]),
         "short": any(r.generated_tokens < SHORT_FRACTION * wanted for r in runs),
         "runs": [r.record() for r in runs],

@@ -156,26 +156,44 @@ def write_or_show(path: str, text: str, flag: str) -> bool:
 # ---- table -----------------------------------------------------------------------------------------------
 
 
+def model_label(doc: dict) -> str:
+    """The model the results are of: with --url the server's, as its /v1/models names it (there --model only
+    lends a tokenizer for the prompts' lengths); else the file's name."""
+    served = (doc.get("server") or {}).get("model")
+    if served:
+        return str(served)
+    return doc["model"].get("name") or os.path.basename(doc["model"].get("path") or "") or "server"
+
+
+def _rate(v: float | None, width: int) -> str:
+    """A tok/s cell; n/a where it was not measurable (the reason is a note below the table)."""
+    return f"{'n/a':>{width}}" if v is None else f"{v:>{width}.2f}"
+
+
 def table(doc: dict) -> str:
-    """The results as a fixed-width table, notes (cuts, short answers) below it."""
-    model = doc["model"].get("name") or os.path.basename(doc["model"].get("path") or "") or "server"
-    head = f"flashbench: {model} | {doc['mode']} | {doc['device'].get('engine_device') or 'server'}"
+    """The results as a fixed-width table, notes (cuts, short answers, an unmeasurable decode) below it."""
+    device = doc["device"].get("engine_device") or "server"
+    head = f"flashbench: {model_label(doc)} | {doc['mode']} | {device}"
     rows = [head, f"{'context':>8} {'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'ttft s':>8} "
             f"{'gen':>6}"]
     notes = []
     for c in doc["results"]["contexts"]:
         rows.append(f"{c['context']:>8} {c['prompt_tokens']:>8} {c['prefill_tps']:>14.1f} "
-                    f"{c['decode_tps']:>13.2f} {c['ttft_s']:>8.3f} {c['generated_tokens']:>6.0f}")
+                    f"{_rate(c['decode_tps'], 13)} {c['ttft_s']:>8.3f} {c['generated_tokens']:>6.0f}")
         if c["note"]:
             notes.append(f"context {c['context']}: {c['note']}")
+        if c.get("decode_note"):
+            notes.append(f"context {c['context']}: {c['decode_note']}")
         if c["short"]:
             notes.append(f"context {c['context']}: SHORT answer (the model stopped before half the tokens)")
     story = doc["results"].get("story")
     if story:
-        rows.append(f"story: {story['generated_tokens']:.0f} of {story['tokens']} tokens, "
-                    f"decode {story['decode_tps']:.2f} tok/s")
+        decode = "n/a" if story["decode_tps"] is None else f"{story['decode_tps']:.2f} tok/s"
+        rows.append(f"story: {story['generated_tokens']:.0f} of {story['tokens']} tokens, decode {decode}")
         if story["note"]:
             notes.append(story["note"])
+        if story.get("decode_note"):
+            notes.append(f"story: {story['decode_note']}")
         if story["short"]:
             notes.append("story: SHORT answer (the model stopped before half the tokens)")
     if doc["results"].get("interrupted"):  # the last context may hold fewer runs than the plan's repeats
@@ -208,14 +226,15 @@ def plot(doc: dict, path: str) -> None:
     xs = [c["prompt_tokens"] for c in contexts]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((left, "prefill_tps", "prefill"), (right, "decode_tps", "decode")):
-        ax.plot(xs, [c[key] for c in contexts], marker="o")
+        points = [(x, c[key]) for x, c in zip(xs, contexts, strict=True) if c[key] is not None]  # not n/a
+        ax.plot([x for x, _ in points], [v for _, v in points], marker="o")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("tok/s")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    name = doc["model"].get("name") or os.path.basename(doc["model"].get("path") or "") or "server"
-    fig.suptitle(f"flashbench: {name} ({doc['mode']}, {doc['device'].get('engine_device') or 'server'})")
+    device = doc["device"].get("engine_device") or "server"
+    fig.suptitle(f"flashbench: {model_label(doc)} ({doc['mode']}, {device})")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -5,7 +5,8 @@
   Actors kept by an earlier `run --keep-actors` with the same flags are reused.
 - `local` (`--local`): the Engine in this process, no Ray: the engine alone.
 - `url` (`--url`): any OpenAI-compatible server; `--model` then only supplies the tokenizer, so prompts
-  have exact lengths.
+  have exact lengths. The results are the server's model's, named as its /v1/models names it; a --model
+  of another name is told in a note (an alias, or the wrong file).
 Each opens as a context manager and tears down exactly what it created.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -106,15 +108,39 @@ def url_target(url: str, served_model: str | None, api: str, model: str | None,
     if model is not None:
         file, path, tokenizer = open_model_file(model)
     runner = HttpRunner(url, served_model, api, api_key=api_key)
+    entry = runner.served_entry()
+    name = runner.served_name()
+    if file is not None and entry is not None and not same_model(name, path, file):
+        # not refused: a server may serve the file under an alias (llama-server --alias, vLLM
+        # --served-model-name), and the file is then the right tokenizer; the results keep the server's name
+        stem = model_stem(str(path))
+        say(f"note: the server names its model {name!r}, not --model's {stem!r}: the results are labelled "
+            "with the server's name; prompt lengths come from --model's tokenizer, exact only if it is that "
+            "model's")
     counter = None if tokenizer else runner.count_tokens if runner.count_tokens("probe") else None
     lengths = "" if tokenizer else "; prompt lengths counted by the server's /tokenize" if counter else \
         "; prompt lengths estimated (pass --model for exact ones)"
-    say(f"driving {runner.base} (model {runner.model!r}, {api} API){lengths}")
+    say(f"driving {runner.base} (model {name!r}, {api} API){lengths}")
     # the server's context where it says one (a server may give less than the file's): prompts are cut to it
     known = [n for n in (None if file is None else file.hparams.context_length, runner.served_context()) if n]
     context = min(known) if known else None
     yield Target("url", runner, tokenizer, file, path, context, None, None,
-                 server={"url": runner.base, "model": runner.model, "api": api}, count_tokens=counter)
+                 server={"url": runner.base, "model": name, "api": api}, count_tokens=counter)
+
+
+def model_stem(name: str) -> str:
+    """A model's name as servers and files spell it, reduced for comparison: 'dir/Qwen3-8B-Q4_K_M.gguf',
+    'Qwen3-8B-Q4_K_M-00001-of-00002.gguf' and 'qwen3-8b-q4_k_m' -> 'qwen3-8b-q4_k_m'."""
+    base = re.split(r"[\\/]", name.strip())[-1]
+    base = re.sub(r"\.gguf$", "", base, flags=re.IGNORECASE)
+    return re.sub(r"-\d{5}-of-\d{5}$", "", base).casefold()
+
+
+def same_model(served: str, path, file) -> bool:
+    """Whether the server's name for its model is the --model file's: its file name (ours lists the file's
+    stem, llama-server and vLLM the path they loaded) or its general.name."""
+    names = {model_stem(str(path)), model_stem(str(file.fields.get("general.name") or ""))} - {""}
+    return model_stem(served) in names
 
 
 def open_target(ns, cfg):

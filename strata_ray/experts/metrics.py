@@ -116,6 +116,21 @@ class TierMetrics:
         )
 
 
+def zeroed_counter(name: str, description: str):
+    """A ray.util.metrics Counter whose series exists, at 0, from its creation: Ray exports a counter only
+    once something is recorded, and its inc() refuses 0, so a counter never incremented (no swaps, no PCIe
+    tier) had no series and a dashboard's query for it found nothing instead of 0. Counter.inc(v) records v
+    through Metric._record, which the OpenTelemetry and the OpenCensus recorders both take at 0 (adding 0 to
+    a counter is no event); a Ray without it keeps the counter as it was: exported from its first inc."""
+    from ray.util.metrics import Counter
+
+    counter = Counter(name, description=description)
+    record = getattr(counter, "_record", None)
+    if record is not None:
+        record(0)
+    return counter
+
+
 class _RayTierMetrics:
     @staticmethod
     def create() -> _RayTierMetrics | None:
@@ -127,20 +142,15 @@ class _RayTierMetrics:
             return None
 
     def __init__(self):
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Gauge
 
-        self.slot_hits = Counter(
-            "strata_expert_slot_hits", description="decode entries computed from the cache"
-        )
-        self.cpu_entries = Counter(
-            "strata_expert_cpu_entries", description="decode entries computed by the CPU"
-        )
-        self.pcie_entries = Counter(
-            "strata_expert_pcie_entries", description="decode entries the GPU read from host memory over PCIe"
-        )
-        self.swaps = Counter("strata_expert_swaps", description="adaptive swaps issued")
-        self.loaned = Counter("strata_expert_loaned",
-                              description="pairs copied into the prompt ring's slots lent to the decode")
+        self.slot_hits = zeroed_counter("strata_expert_slot_hits", "decode entries computed from the cache")
+        self.cpu_entries = zeroed_counter("strata_expert_cpu_entries", "decode entries computed by the CPU")
+        self.pcie_entries = zeroed_counter("strata_expert_pcie_entries",
+                                           "decode entries the GPU read from host memory over PCIe")
+        self.swaps = zeroed_counter("strata_expert_swaps", "adaptive swaps issued")
+        self.loaned = zeroed_counter("strata_expert_loaned",
+                                     "pairs copied into the prompt ring's slots lent to the decode")
         self.hit_rate = Gauge("strata_expert_hit_rate", description="decode cache hit rate since start")
         self.tier_rate = Gauge(
             "strata_expert_tier_rate", tag_keys=("tier",),

@@ -82,3 +82,61 @@ def test_a_chat_template_that_refuses_the_messages_is_the_users_fault():
     wrapped = RayTaskError("generate", "traceback", ChatTemplateError(line))
     assert describe_failure(wrapped, PRIMARY_NAME)[1] == 2
     assert describe_failure(ValueError("a bug"), PRIMARY_NAME)[1] == 1
+
+
+FAILED_ACTOR_SCRIPT = """
+import json, time, ray
+from ray.exceptions import RayTaskError
+from strata_ray.actors.launch import describe_failure, failed_actor
+
+ray.init(address="local", namespace="strata-test-failed", logging_level="ERROR", include_dashboard=False)
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def wait(self):
+        time.sleep(60)
+
+def told(make_failure):
+    try:
+        make_failure()
+    except Exception as e:
+        actor = failed_actor(e, "strata:primary")
+        return [actor, describe_failure(e, actor)[0]]
+
+def killed(name):  # a call in flight when the actor is killed, as the bench's generation is
+    w = Worker.options(name=name).remote() if name else Worker.remote()
+    ref = w.wait.remote()
+    time.sleep(1)
+    ray.kill(w)
+    ray.get(ref)
+
+def own_bug():
+    raise ValueError("a bug of the driver's own")
+
+def wrapped():  # the primary's task failing on the coordinator's death: Ray wraps that one in its own error
+    try:
+        killed("strata:coordinator")
+    except Exception as e:
+        raise RayTaskError("generate_stream", "traceback", e) from None
+
+print(json.dumps([told(lambda: killed("strata:primary")), told(lambda: killed(None)), told(own_bug),
+                  told(wrapped)]))
+"""
+
+
+def test_a_failure_is_told_of_the_actor_ray_names_as_dead():
+    """failed_actor (bench: the primary is the actor it drives): the actor Ray's error names as dead, the
+    driven actor for an unnamed death, and nobody for the caller's own exception (the driver's)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local instance of its own
+    r = subprocess.run([sys.executable, "-c", FAILED_ACTOR_SCRIPT], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    primary, unnamed, own, coordinator = json.loads(r.stdout.splitlines()[-1])
+    assert primary == ["strata:primary", "strata:primary died: killed by ray.kill"]
+    assert unnamed == ["strata:primary", "strata:primary died: killed by ray.kill"]
+    assert own == [None, "ValueError: a bug of the driver's own"]
+    assert coordinator == ["strata:coordinator", "strata:coordinator died: killed by ray.kill"]

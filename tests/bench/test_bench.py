@@ -14,13 +14,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from strata_ray.bench import targets
 from strata_ray.bench.cli import bench_main
 from strata_ray.bench.gate import first_difference
 from strata_ray.bench.prompts import PromptBuilder, parse_token_count
@@ -69,7 +73,8 @@ def test_quick_bench_writes_every_field(model_path, tmp_path, capsys):
     assert small["prompt_tokens"] == 160 and small["note"] is None
     assert cut["context"] == 1024 and cut["prompt_tokens"] < CONTEXT and "cut from 1024" in cut["note"]
     for c in (small, cut):
-        assert c["prefill_tps"] > 0 and c["decode_tps"] >= 0 and len(c["runs"]) == 1
+        assert c["prefill_tps"] > 0 and len(c["runs"]) == 1
+        assert c["decode_tps"] > 0 if c["decode_tps"] is not None else c["decode_note"]  # a rate, or why not
         assert c["runs"][0]["engine_prompt_s"] > 0
     assert doc["results"]["story"]["tokens"] == 6 and doc["results"]["story"]["runs"]
     assert "prefill tok/s" in out and "cut from 1024" in out and "cut from 1024" in err
@@ -552,6 +557,163 @@ def test_url_that_does_not_answer_is_one_line(capsys):
     assert code == 2 and "cannot connect" in err and err.count("\n") == 1
 
 
+# ---- --url against a stand-in server: how its stream arrives, and how it names its model ---------------
+
+
+@contextmanager
+def stand_in_server(model_id: str, pace: str):
+    """An OpenAI-compatible server in a thread, streaming max_tokens one-word chunks (usage last), without
+    /tokenize. pace: "burst" (the whole stream in one write: what a buffering proxy delivers), "paced" (a
+    chunk every 3 ms, a real decode's arrivals) or "one chunk" (all the text in a single chunk)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def reply(self, body: bytes, ctype: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path != "/v1/models":
+                return self.send_error(404)
+            listing = {"data": [{"id": model_id, "object": "model"}]}
+            self.reply(json.dumps(listing).encode(), "application/json")
+
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if not self.path.endswith("/completions"):
+                return self.send_error(404)
+            n = request["max_tokens"]
+            words = [f"w{i} " for i in range(n)]
+            pieces = ["".join(words)] if pace == "one chunk" else words
+            events = [{"choices": [{"index": 0, "delta": {"content": w}}]} for w in pieces]
+            events.append({"choices": [], "usage": {"prompt_tokens": 150, "completion_tokens": n}})
+            lines = [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+            if pace != "paced":
+                return self.reply(b"".join(lines), "text/event-stream")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")  # the body ends where the connection does
+            self.end_headers()
+            for line in lines:
+                self.wfile.write(line)
+                self.wfile.flush()
+                time.sleep(0.003)
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def url_bench(capsys, url, tmp_path, *extra, gen: int = 16):
+    out_json = tmp_path / "r.json"
+    code, out, err = run_cli(capsys, "--url", url, "--contexts", "200", "--repeats", "1", "--gen", str(gen),
+                             "--story-tokens", str(gen), "--no-warmup", "--json-out", str(out_json), *extra)
+    return code, out, err, (json.loads(out_json.read_text()) if out_json.exists() else None)
+
+
+def test_a_decode_is_timed_only_where_the_arrivals_can_time_it():
+    """RunTiming.decode_problem: the reason a run's decode rate is not measurable, else None and the rate."""
+    from strata_ray.bench.measure import RunTiming
+
+    def timing(generated, decode_tokens, decode_s, chunks):
+        return RunTiming(100, generated, 0.5, decode_tokens, decode_s, 1.0, decode_chunks=chunks)
+
+    assert timing(16, 15, 0.3, 15).decode_problem is None and timing(16, 15, 0.3, 15).decode_tps == 50.0
+    assert timing(0, 0, 0.0, 0).decode_problem == "no token generated"
+    assert timing(1, 0, 0.0, 0).decode_problem == "1 token generated: none after it"
+    assert timing(16, 15, 0.0, 0).decode_problem == "all 16 tokens arrived in one chunk: no interval to time"
+    burst = timing(200, 199, 0.0012, 199)  # 6 us a token: a buffered stream read at the parser's pace
+    assert burst.decode_tps is None and burst.decode_problem == (
+        "the 199 tokens after the first arrived within 1.20 ms of it, in one burst (the stream was buffered "
+        "on its way: no decode is that fast)")
+    short = timing(2, 1, 0.0004, 1)  # one token in 0.4 ms: a fast device, too short a span for the clock
+    assert short.decode_tps is None and short.decode_problem == (
+        "the 1 token(s) after the first took 0.40 ms, under the 1 ms a clock can time (generate more tokens)")
+    assert short.record()["decode_tps"] is None and short.record()["decode_note"] == short.decode_problem
+
+
+def test_a_stream_that_arrives_in_one_burst_has_no_decode_rate(tmp_path, capsys):
+    """A stream delivered in one burst (a buffering proxy's) timed ~0.2 ms for 15 tokens and reported a
+    decode of 70,000+ tok/s; now the decode reads n/a, with the reason a note in the table and in the JSON.
+    200 tokens: a burst's reading (~6 us a token) stays far under 50 us a token on a busy machine too."""
+    with stand_in_server("served-model", "burst") as url:
+        code, out, err, doc = url_bench(capsys, url, tmp_path, gen=200)
+    assert code == 0, err
+    (c,) = doc["results"]["contexts"]
+    run = c["runs"][0]
+    assert c["decode_tps"] is None and run["decode_tps"] is None and run["decode_tokens"] == 199
+    assert run["decode_note"].startswith("the 199 tokens after the first arrived within ")
+    assert run["decode_note"].endswith(" ms of it, in one burst (the stream was buffered on its way: no "
+                                       "decode is that fast)")
+    assert c["decode_note"] == f"decode tok/s not measurable: {run['decode_note']}"
+    story = doc["results"]["story"]
+    assert story["decode_tps"] is None and story["decode_note"].startswith(
+        "decode tok/s not measurable: the 199 tokens after the first arrived within ")
+    row = out.splitlines()[2].split()
+    assert row[0] == "200" and row[3] == "n/a" and c["prefill_tps"] > 0  # the prefill still measured
+    assert "story: 200 of 200 tokens, decode n/a" in out
+    assert f"note: context 200: {c['decode_note']}" in out and f"note: story: {story['decode_note']}" in out
+
+
+def test_a_stream_of_one_chunk_has_no_decode_rate_and_a_paced_one_has(tmp_path, capsys):
+    with stand_in_server("served-model", "one chunk") as url:
+        code, out, err, doc = url_bench(capsys, url, tmp_path)
+    assert code == 0, err
+    (c,) = doc["results"]["contexts"]
+    assert c["decode_tps"] is None
+    assert c["decode_note"] == ("decode tok/s not measurable: all 16 tokens arrived in one chunk: no "
+                                "interval to time")
+    with stand_in_server("served-model", "paced") as url:
+        code, out, err, doc = url_bench(capsys, url, tmp_path)
+    assert code == 0, err
+    (c,) = doc["results"]["contexts"]
+    run = c["runs"][0]
+    # 15 tokens after the first, sent 3 ms apart: ~333 tok/s, slower where the machine is busy (faster only
+    # by as much as the first chunk was read late)
+    assert run["decode_tokens"] == 15 and run["decode_s"] >= 0.03 and 0 < c["decode_tps"] <= 15 / 0.03
+    assert c["decode_note"] is None and run["decode_note"] is None and "not measurable" not in out
+
+
+def test_url_results_carry_the_name_the_server_gives_its_model(model_path, tmp_path, capsys):
+    """The table's header and the JSON name the model as the server's /v1/models does (the header said
+    "server", and a --model labelled the server's results with the file's name); a --model of another name
+    (an alias, or the wrong file) gets one note, and the server's file under its own name none, whatever its
+    directory or case."""
+    with stand_in_server("served-model", "burst") as url:
+        code, out, err, doc = url_bench(capsys, url, tmp_path)
+        assert code == 0, err
+        assert out.startswith("flashbench: served-model | url | server\n")
+        assert doc["server"]["model"] == "served-model" and "(model 'served-model', chat API)" in err
+        (tmp_path / "other").mkdir()
+        code, out, err, doc = url_bench(capsys, url, tmp_path / "other", "--model", model_path)
+        assert code == 0, err
+        assert out.startswith("flashbench: served-model | url | server\n")
+        assert doc["server"]["model"] == "served-model"
+        stem = targets.model_stem(str(model_path))
+        assert (f"strata_ray bench: note: the server names its model 'served-model', not --model's {stem!r}: "
+                "the results are labelled with the server's name") in err
+    with stand_in_server("/models/Tiny-CTX256.gguf", "burst") as url:  # llama-server names the path it loaded
+        code, out, err, doc = url_bench(capsys, url, tmp_path, "--model", model_path)
+    assert code == 0, err
+    assert "note: the server names" not in err
+    assert out.startswith("flashbench: /models/Tiny-CTX256.gguf | url | server\n")
+    assert doc["server"]["model"] == "/models/Tiny-CTX256.gguf" and doc["model"]["n_vocab"] > 0
+
+
 # ---- the default path: the Ray actors `run` uses ---------------------------------------------------------
 
 
@@ -577,3 +739,40 @@ def test_bench_through_the_ray_actors(model_path, tmp_path):
     # the first token crosses at once and the later ones after it: a 4-token decode has an interval (through
     # Ray's 20 ms batches it read 0.00 tok/s: every token came in the first batch)
     assert run["decode_tokens"] == 3 and run["decode_tps"] > 0
+
+
+KILL_PRIMARY = """
+import sys, ray
+ray.init(address=sys.argv[1], namespace="strata", logging_level="ERROR")
+ray.kill(ray.get_actor("strata:primary"))
+"""
+
+
+@pytest.mark.slow
+def test_a_primary_killed_under_the_bench_is_named(model_path, tmp_path):
+    """The bench's actor killed mid-run: the one line names it (it said "the driver died", the bench's own
+    process, which was alive and printing it)."""
+    from tests.actors.ray_head import auth_env, client_env, ray_head
+
+    with ray_head(tmp_path) as address:
+        env = {**client_env(address), **auth_env()}
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "strata_ray.run", "bench", "--model", model_path, "--contexts", "160",
+             "--repeats", "200", "--gen", "32", "--story-tokens", "0", "--no-warmup"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parents[2])
+        try:
+            lines = []
+            while not lines or " (ready in " not in lines[-1]:  # the primary loaded: the runs begin
+                line = bench.stderr.readline()
+                assert line, "".join(lines)
+                lines.append(line)
+            kill = subprocess.run([sys.executable, "-c", KILL_PRIMARY, address], capture_output=True,
+                                  text=True, env=env, timeout=120)
+            assert kill.returncode == 0, kill.stderr
+            out, err = bench.communicate(timeout=120)
+        finally:
+            if bench.poll() is None:
+                bench.kill()
+                bench.wait()
+    assert bench.returncode == 1 and out == "", err
+    assert err.splitlines()[-1] == "strata_ray bench: strata:primary died: killed by ray.kill", err

@@ -13,6 +13,7 @@ from strata_ray.bench.llamacpp import (
     main,
     n_cpu_moe_for_budget,
     read_llama_bench,
+    read_ours,
     side_by_side,
 )
 
@@ -59,6 +60,17 @@ def test_side_by_side_reads_llama_bench_json_and_ours(tmp_path, capsys):
                  "--llama", str(prefill), str(decode)]) == 0
     table = capsys.readouterr().out
     assert "| 8192 | 1500.0 | 1000.0 | 1.50x | 25.0 | 50.0 | 0.50x |" in table
+
+
+def test_a_decode_that_was_not_measurable_reads_n_a(tmp_path):
+    """A flashbench decode that could not be timed (null, its reason in decode_note) is n/a, not a crash."""
+    ours_path = tmp_path / "ours.json"
+    context = {"context": 8192, "prefill_tps": 1500.0, "decode_tps": None, "decode_note": "not measurable"}
+    ours_path.write_text(json.dumps({"results": {"contexts": [context]}}))
+    ours = read_ours(str(ours_path))
+    assert ours == {"prefill": {8192: 1500.0}, "decode": {}}
+    table = side_by_side("cpu", ours, {"prefill": {8192: 1000.0}, "decode": {8192: 50.0}})
+    assert "| 8192 | 1500.0 | 1000.0 | 1.50x | n/a | 50.0 | n/a |" in table
 
 
 def test_a_missing_result_is_named_not_fatal(tmp_path, capsys):
