@@ -108,7 +108,8 @@ def build_generate_parser():
     sampling.add_argument("--temperature", metavar="T", default="0",
                           help="0 = greedy (default; below 1e-5 greedy too)")
     sampling.add_argument("--top-k", metavar="K", default="0", help="keep the K most likely tokens (0 = off)")
-    sampling.add_argument("--top-p", metavar="P", default="1", help="nucleus sampling mass (1 = off)")
+    sampling.add_argument("--top-p", metavar="P", default="1",
+                          help="nucleus sampling mass, 0 to 1 (1 = off; 0: the most likely token)")
     sampling.add_argument("--min-p", metavar="P", default="0", help="drop tokens below P x top (0 = off)")
     sampling.add_argument("--seed", metavar="S", default=None, help="random seed for sampling")
 
@@ -143,7 +144,7 @@ def request_values(ns, n_vocab: int) -> dict:
     sampling = dict(
         temperature=parse_value(float_range(0.0, 100.0), ns.temperature, "--temperature"),
         top_k=parse_value(int_range(0), ns.top_k, "--top-k"),
-        top_p=parse_value(float_range(0.0, 1.0, lo_open=True), ns.top_p, "--top-p"),
+        top_p=parse_value(float_range(0.0, 1.0), ns.top_p, "--top-p"),
         min_p=parse_value(float_range(0.0, 1.0), ns.min_p, "--min-p"),
         seed=None if ns.seed is None else parse_value(seed_value, ns.seed, "--seed"),
     )
@@ -232,6 +233,7 @@ def check_model_file(cfg):
 
     file = GGUFFile(resolve_model_path(cfg.model))
     hp = file.hparams  # ModelFormatError with the one-line reason
+    file.check_model()  # missing / misshapen tensors, unsupported types, no tokenizer: from the header
     given = (("--expert-cache", cfg.expert_cache), ("--vram-budget-mib", cfg.vram_budget_mib),
              ("--expert-profile", cfg.expert_profile), ("--expert-profile-save", cfg.expert_profile_save))
     unused = [flag for flag, value in given if value is not None]

@@ -22,6 +22,7 @@ from strata_ray.model.gguf_file import GGUFFile
 from strata_ray.model.hparams import ModelFormatError
 from strata_ray.model.moe import combine_rows
 from strata_ray.model.synth import write_synth
+from strata_ray.model.synth_presets import preset_hparams
 from strata_ray.model.tokenizer import Tokenizer
 from strata_ray.model.weights import load_dense_weights
 
@@ -176,7 +177,38 @@ def test_unknown_architecture(tmp_path):
     w.close()
     r = run_cli("--model", str(path))
     assert (r.returncode, r.stderr) == (
-        2, "strata_ray: unsupported model architecture 'llama' (supported: qwen3next, qwen3moe)\n")
+        2, f"strata_ray: {path}: unsupported model architecture 'llama' (supported: qwen3next, qwen3moe)\n")
+
+
+@pytest.mark.parametrize("fault", ["Q5_K experts", "no expert stack", "fewer blocks"])
+def test_tensors_the_engine_cannot_run_fail_before_ray(tmp_path, fault):
+    """Found from the header in the driver: one line and no Ray (its start would be the line before). These
+    failed in the primary after Ray started (10 s on 2 cores), the missing stack as `KeyError: 2`, and the
+    extra layer not at all."""
+    from dataclasses import replace
+
+    from gguf import GGMLQuantizationType
+
+    from tests.model.test_tensor_layout import layout_tensors, write_header
+
+    hp = preset_hparams("qwen3moe", "tiny")
+    tensors = layout_tensors(hp)
+    if fault == "Q5_K experts":
+        q5_k = GGMLQuantizationType.Q5_K
+        tensors = {n: (shape, q5_k if n.endswith("_exps.weight") else t) for n, (shape, t) in tensors.items()}
+        line = ("12 tensors are Q5_K, which this engine does not run (the first: blk.0.ffn_gate_exps.weight; "
+                "it runs F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K)")
+    elif fault == "no expert stack":
+        del tensors["blk.2.ffn_gate_exps.weight"]
+        line = "missing tensor blk.2.ffn_gate_exps.weight"
+    else:
+        hp = replace(hp, n_layer=3)
+        line = "tensor blk.3.attn_norm.weight lies past the 3 blocks of qwen3moe.block_count"
+    path = tmp_path / "bad.gguf"
+    write_header(path, hp, tensors)
+    r = run_cli("--model", str(path), "--device", "cpu", "--address", "local", "--prompt", "x",
+                "--max-tokens", "2")
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"strata_ray: {path}: {line}\n", "")
 
 
 @pytest.mark.parametrize(
@@ -184,7 +216,7 @@ def test_unknown_architecture(tmp_path):
     [
         (["--max-tokens", "0"], "--max-tokens: invalid value '0' (allowed: an integer >= 1)"),
         (["--temperature", "-1"], "--temperature: invalid value '-1' (allowed: a number >= 0 and <= 100)"),
-        (["--top-p", "0"], "--top-p: invalid value '0' (allowed: a number > 0 and <= 1)"),
+        (["--top-p", "1.5"], "--top-p: invalid value '1.5' (allowed: a number >= 0 and <= 1)"),
         (["--top-k", "x"], "--top-k: invalid value 'x' (allowed: an integer >= 0)"),
         (["--logprobs", "50"], "--logprobs: invalid value '50' (allowed: an integer from 0 to 20)"),
         (["--seed", str(2**64)],  # torch's generator takes 64 bits: refused here, not by the primary

@@ -118,7 +118,7 @@ def parse_sampling(ns, saved: dict | None = None):
     return SamplingParams(
         temperature=pick(ns.temperature, "temperature", float_range(0.0, 100.0), "--temperature", 0.0),
         top_k=pick(ns.top_k, "top_k", int_range(0), "--top-k", 0),
-        top_p=pick(ns.top_p, "top_p", float_range(0.0, 1.0, lo_open=True), "--top-p", 1.0),
+        top_p=pick(ns.top_p, "top_p", float_range(0.0, 1.0), "--top-p", 1.0),
         min_p=pick(ns.min_p, "min_p", float_range(0.0, 1.0), "--min-p", 0.0),
         seed=pick(ns.seed, "seed", seed_value, "--seed", None),
     )

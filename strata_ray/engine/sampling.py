@@ -29,7 +29,7 @@ class SamplingError(ValueError):
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax); below GREEDY_BELOW taken as 0
     top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
+    top_p: float = 1.0  # 1 = off; 0 keeps only the most likely token (OpenAI's range is 0 to 1)
     min_p: float = 0.0  # 0 = off
     seed: int | None = None  # None = a fresh random seed per Sampler
 
@@ -40,8 +40,8 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)  # every path's greedy test reads 0
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise SamplingError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed <= SEED_MAX:  # the bound run and the API check too
@@ -57,7 +57,8 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
 
 
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
-    """Keep the smallest set of most likely tokens whose probability mass reaches p (at least one token)."""
+    """Keep the smallest set of most likely tokens whose probability mass reaches p (at least one token: at
+    p = 0 the most likely, the first in id order of the tied ones)."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True, stable=True)  # ties: id order, anywhere

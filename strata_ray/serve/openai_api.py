@@ -106,14 +106,14 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _number(body, name, lo, hi, default, lo_open=False):
+def _number(body, name, lo, hi, default):
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise invalid(name, f"expected a number, got {json.dumps(v)}", "invalid_type")
-    if not (v > lo if lo_open else v >= lo) or not v <= hi:  # written so that NaN (json.loads takes it) fails
-        raise invalid(name, f"must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {v}")
+    if not (v >= lo and v <= hi):  # written so that NaN (json.loads takes it) fails
+        raise invalid(name, f"must be >= {lo:g} and <= {hi:g}, got {v}")
     return float(v)
 
 
@@ -149,7 +149,7 @@ def _sampling(body) -> Sampling:
         top_k = 0
     return Sampling(
         temperature=_number(body, "temperature", 0.0, MAX_TEMPERATURE, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0),  # OpenAI's range; 0: the most likely token
         top_k=_integer({"top_k": top_k}, "top_k", 0, 0),
         min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
         seed=_seed(body),

@@ -416,7 +416,7 @@ GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": 
     ({"sampling": {"temperature": "hot"}}, 'sampling.temperature "hot" is not a number'),
     ({"sampling": {"seed": 1.5}}, "sampling.seed 1.5 is not an integer"),
     ({"sampling": {"temperature": -1}}, "sampling: temperature must be >= 0, got -1"),
-    ({"sampling": {"top_p": 0}}, "sampling: top_p must be in (0, 1], got 0"),
+    ({"sampling": {"top_p": -1}}, "sampling: top_p must be in [0, 1], got -1"),
 ])
 def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_path, tmp_path, capsys, fields,
                                                                        problem):

@@ -95,11 +95,22 @@ def test_a_temperature_of_1e_5_still_samples():
     assert Sampler(SamplingParams(temperature=1e-5, seed=1)).params.temperature == 1e-5
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5),
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=-0.1), dict(top_p=1.5),
                                     dict(min_p=2.0), dict(seed=-1), dict(seed=2**64)])
 def test_invalid_params_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    """top_p = 0 (OpenAI's range is 0 to 1) leaves the first of the largest logits: a seeded draw at any
+    temperature is then the greedy token."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 3.0, 2.9])
+    kept = top_p_filter(logits, 0.0)
+    assert torch.isfinite(kept).tolist() == [False, True, False, False, False]
+    for seed in range(8):
+        draw = Sampler(SamplingParams(temperature=2.0, top_p=0.0, seed=seed)).choose(logits)
+        assert int(draw) == 1
 
 
 def test_a_draw_is_the_argmax_of_filtered_logits_over_temperature_plus_its_numbered_noise():
