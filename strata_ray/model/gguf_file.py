@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from strata_ray.model.hparams import HParams, ModelFormatError
+from strata_ray.model.tensor_layout import check_tensors
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -147,19 +148,22 @@ class _Cursor:
 
 
 def _map(path: Path) -> mmap.mmap:
-    """Map the whole file copy-on-write; raises ModelFormatError for missing / non-GGUF files."""
-    if not path.exists():
-        raise ModelFormatError(f"model file not found: {path}")
-    if not path.is_file():
-        what = "a folder" if path.is_dir() else "not a regular file"
-        raise ModelFormatError(f"model file {path} is {what}; give a .gguf file")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelFormatError(f"not a GGUF file: {path}")
-        try:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except OSError:  # strict overcommit can refuse a private writable map of a huge file: read-only views
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    """Map the whole file copy-on-write; raises ModelFormatError for missing / unreadable / non-GGUF files."""
+    try:  # a file without read permission, or one whose reads fail (EIO), was a traceback
+        if not path.exists():
+            raise ModelFormatError(f"model file not found: {path}")
+        if not path.is_file():
+            what = "a folder" if path.is_dir() else "not a regular file"
+            raise ModelFormatError(f"model file {path} is {what}; give a .gguf file")
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ModelFormatError(f"not a GGUF file: {path}")
+            try:
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except OSError:  # strict overcommit can refuse a private writable map of a huge file: read-only
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as e:
+        raise ModelFormatError(f"cannot read model file {path} ({e.strerror or e})") from None
 
 
 def _parse_shard(path: Path) -> tuple[dict[str, object], list[TensorInfo]]:
@@ -230,6 +234,14 @@ def _parse_header(buf: mmap.mmap, path: Path) -> tuple[dict[str, object], list[T
     return fields, tensors
 
 
+def _is_file(path: Path) -> bool:
+    """Path.is_file, with a path that cannot be looked at (EACCES on its folder) as no file."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def shard_paths(path: Path) -> list[Path]:
     """All shards of a split model named NAME-0000k-of-0000N.gguf (any shard may be given); else [path]."""
     m = SHARD_NAME.match(path.name)
@@ -246,7 +258,7 @@ class GGUFFile:
         self.path = Path(path)
         self.paths = shard_paths(self.path)
         for p in self.paths:
-            if p != self.path and not p.is_file():
+            if p != self.path and not _is_file(p):
                 raise ModelFormatError(
                     f"missing shard {p} of split model {self.path.name} ({len(self.paths)} shards)"
                 )
@@ -255,6 +267,12 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         for i, p in enumerate(self.paths):
             fields, tensors = _parse_shard(p)
+            no = fields.get("split.no", i) if len(self.paths) > 1 else i
+            if no != i:  # shards renamed or swapped: shard 1's model keys were looked for in another shard
+                raise ModelFormatError(
+                    f"shard {p} of split model {self.path.name} is shard {no + 1} by its split.no key "
+                    "(were the shards renamed?)"
+                )
             if i == 0:
                 self.fields = fields  # model keys live in shard 1; later shards carry only split.*
             for t in tensors:
@@ -265,7 +283,22 @@ class GGUFFile:
                 self.tensors[t.name] = t
         self._check_split()
         self.arch: str = str(self.fields.get("general.architecture", ""))
-        self.hparams: HParams = HParams.from_fields(self.fields)
+        try:
+            self.hparams: HParams = HParams.from_fields(self.fields)
+        except ModelFormatError as e:  # the key's problem alone did not say which file has it
+            raise ModelFormatError(f"{self.path}: {e}") from None
+
+    def check_model(self) -> None:
+        """What the engine needs beyond the hparams, from the header alone: every tensor it reads, at its
+        shape and of a type it runs (tensor_layout.check_tensors), and tokenizer keys it builds a tokenizer
+        from. ModelFormatError naming the file and the first problem."""
+        from strata_ray.model.tokenizer import check_tokenizer_keys
+
+        try:
+            check_tensors(self.hparams, self.tensors)
+            check_tokenizer_keys(self.fields)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{self.path}: {e}") from None
 
     def _check_split(self) -> None:
         count = int(self.fields.get("split.count", 1))

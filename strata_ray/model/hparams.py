@@ -59,6 +59,8 @@ class HParams:
     def from_fields(fields: Mapping[str, Any]) -> HParams:
         """Build from GGUF key/values (python values). Raises ModelFormatError naming a missing key."""
         arch = fields.get("general.architecture")
+        if arch is None:  # was "unsupported model architecture None"
+            raise ModelFormatError("missing GGUF key general.architecture")
         if arch not in SUPPORTED_ARCHS:
             raise ModelFormatError(
                 f"unsupported model architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
@@ -118,8 +120,12 @@ class HParams:
             rms_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_freq_base=float(opt("rope.freq_base", 10000.0)),
             n_rot=int(opt("rope.dimension_count", head_dim)),
-            context_length=int(need("context_length")),
+            context_length=positive("context_length"),  # 0 failed every prompt, after the load
         )
+        if not 0 <= common["n_rot"] <= head_dim:  # more rotary dims than a head has failed in the first step
+            raise ModelFormatError(
+                f"GGUF key {arch}.rope.dimension_count is {common['n_rot']}; a head has {head_dim} dims"
+            )
         if common["n_expert_used"] > common["n_expert"]:
             raise ModelFormatError(
                 f"GGUF key {arch}.expert_used_count is {common['n_expert_used']}, more than the "

@@ -6,9 +6,16 @@ Shapes are numpy order (reversed ggml ne): a weight used as `x @ W^T` is [out, i
 
 from __future__ import annotations
 
-from .hparams import HParams
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .hparams import HParams, ModelFormatError
 
 Shape = tuple[int, ...]
+OPTIONAL = ("output.weight",)  # absent -> tied to token_embd
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 def tensor_layout(hp: HParams) -> list[tuple[str, Shape]]:
@@ -118,3 +125,65 @@ def _moe(hp: HParams) -> list[tuple[str, Shape]]:
             ("ffn_down_shexp.weight", (E, Is)),
         ]
     return out
+
+
+def check_tensors(hp: HParams, tensors: Mapping[str, Any]) -> None:
+    """The file's tensors ({name: TensorInfo}, header only: no weight is read) against the layout: every
+    tensor the engine reads is there at its shape, or the fused / legacy form the loaders split; every
+    tensor is of a type the engine computes; no tensor lies past block_count. ModelFormatError naming the
+    first problem, in one line.
+
+    Checked where the header is parsed, so that a bad file fails before Ray starts: in the primary, after
+    the load, a type showed only once its tensor was dequantized, a missing expert stack as a KeyError in
+    decode, and expert stacks of another count than expert_count or layers past block_count not at all
+    (the model ran, reading the wrong bytes or skipping layers)."""
+    from .quants import SUPPORTED, type_name
+
+    bad = [(name, t.ggml_type) for name, t in tensors.items() if t.ggml_type not in SUPPORTED]
+    if bad:
+        runs = ", ".join(x.name for x in SUPPORTED)
+        kinds = sorted({type_name(t) for _, t in bad})
+        if len(bad) == 1:
+            raise ModelFormatError(f"tensor {bad[0][0]} is {kinds[0]}, a type this engine does not run "
+                                   f"(it runs {runs})")
+        raise ModelFormatError(f"{len(bad)} tensors are {' / '.join(kinds)}, which this engine does not run "
+                               f"(the first: {bad[0][0]}; it runs {runs})")
+    for name in tensors:
+        m = _BLOCK.match(name)
+        if m and int(m[1]) >= hp.block_count:  # the hparams say fewer layers than the file holds
+            raise ModelFormatError(f"tensor {name} lies past the {hp.block_count} blocks of "
+                                   f"{hp.arch}.block_count")
+    for name, shape in tensor_layout(hp):
+        if name in tensors:
+            got = tuple(tensors[name].shape)
+            # the shared expert's gate: a [1, E] matrix in some converters' files, read as its E values
+            shexp_gate = name.endswith("ffn_gate_inp_shexp.weight") and math.prod(got) == hp.n_embd
+            if got != shape and not shexp_gate:
+                raise ModelFormatError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+            continue
+        alt = _alternative(hp, name)
+        if alt is not None and alt[0] in tensors:
+            got = tuple(tensors[alt[0]].shape)
+            if got != alt[1]:
+                raise ModelFormatError(f"tensor {alt[0]} has shape {list(got)}, expected {list(alt[1])}")
+        elif name not in OPTIONAL:
+            raise ModelFormatError(f"missing tensor {name}")
+
+
+def _alternative(hp: HParams, name: str) -> tuple[str, Shape] | None:
+    """The tensor that stands for layout tensor `name` when it is absent (weights.load_dense_weights and
+    the expert stores split it), with its shape; None where there is none."""
+    prefix, _, short = name.rpartition(".")[0].rpartition(".")  # blk.N, attn_q
+    E = hp.n_embd
+    if short in ("ffn_gate_exps", "ffn_up_exps"):  # [X, 2I, E], gate rows first
+        return f"{prefix}.ffn_gate_up_exps.weight", (hp.n_expert, 2 * hp.n_ff_exp, E)
+    if not prefix.startswith("blk."):
+        return None
+    layer = int(prefix.split(".")[1])
+    recurrent = layer < hp.n_layer and hp.is_recurrent(layer)
+    if recurrent and short in ("attn_qkv", "attn_gate"):  # legacy ssm_in: per key head [q | k | v | z]
+        return f"{prefix}.ssm_in.weight", (2 * hp.ssm_n_group * hp.ssm_d_state + 2 * hp.ssm_d_inner, E)
+    if not recurrent and short in ("attn_q", "attn_k", "attn_v"):  # fused rows [q(+gate) | k | v]
+        q_rows = _attention(hp)[0][1][0]
+        return f"{prefix}.attn_qkv.weight", (q_rows + 2 * hp.n_head_kv * hp.head_dim, E)
+    return None

@@ -116,6 +116,17 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ModelFormatError(f"chat template does not parse: {e.message} (line {e.lineno})") from None
 
 
+def check_tokenizer_keys(fields) -> list[str]:
+    """The vocabulary of a GGUF's tokenizer keys; ModelFormatError where this engine builds no tokenizer from
+    them. GGUFFile.check_model calls it in the driver too: the primary found it after Ray and the load."""
+    model = fields.get("tokenizer.ggml.model", "gpt2")
+    if model != "gpt2":
+        raise ModelFormatError(f"unsupported tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ModelFormatError("missing GGUF key tokenizer.ggml.tokens (vocabulary)")
+    return fields["tokenizer.ggml.tokens"]
+
+
 class StreamDecoder:
     """Token ids in, text out, only ever complete UTF-8 characters (a character split over tokens waits)."""
 
@@ -176,12 +187,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, file: GGUFFile) -> Tokenizer:
         f = file.fields
-        model = f.get("tokenizer.ggml.model", "gpt2")
-        if model != "gpt2":
-            raise ModelFormatError(f"unsupported tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
-        if "tokenizer.ggml.tokens" not in f:
-            raise ModelFormatError("missing GGUF key tokenizer.ggml.tokens (vocabulary)")
-        tokens = f["tokenizer.ggml.tokens"]
+        tokens = check_tokenizer_keys(f)
         return cls(
             tokens,
             f.get("tokenizer.ggml.token_type", [NORMAL] * len(tokens)),

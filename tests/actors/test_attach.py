@@ -162,17 +162,23 @@ def test_a_dying_actor_is_reported_in_one_line(cluster, tmp_path):
 
 def test_kept_actors_are_removed_when_the_model_fails_to_load(cluster, tmp_path, monkeypatch):
     """--keep-actors keeps an engine only once its model has loaded: a file that passes the driver's header
-    check but lacks a tensor fails in the primary, and nothing is left holding the cluster's resources."""
-    from strata_ray.model import synth
+    checks (tensors, shapes, tokenizer keys) but whose tokenizer cannot be built (a merge of no two tokens)
+    fails in the primary, and nothing is left holding the cluster's resources."""
+    from strata_ray.model import gguf_writer
 
     address, _ = cluster
-    layout = synth.tensor_layout
-    monkeypatch.setattr(synth, "tensor_layout",
-                        lambda hp: [t for t in layout(hp) if t[0] != "blk.0.attn_norm.weight"])
+    fields = gguf_writer.tokenizer_fields
+
+    def bad_merge(tok):
+        f = fields(tok)
+        return {**f, "tokenizer.ggml.merges": [*f["tokenizer.ggml.merges"], "a q"]}  # "aq" is no token
+
+    monkeypatch.setattr(gguf_writer, "tokenizer_fields", bad_merge)
     broken = tmp_path / "broken.gguf"
     write_synth(broken, arch="qwen3next", preset="tiny", progress=False)
     r = run_cli(address, "--model", str(broken), "--prompt", "x", "--max-tokens", "2", "--keep-actors")
     assert r.returncode == 2
-    assert r.stderr.splitlines()[-1] == "strata_ray: missing tensor blk.0.attn_norm.weight", r.stderr
+    want = "strata_ray: tokenizer merge 'a q' does not combine two tokens of the vocabulary"
+    assert r.stderr.splitlines()[-1] == want, r.stderr
     assert strata_actors(address) == {}
 

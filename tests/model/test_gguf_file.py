@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -264,9 +265,73 @@ def test_error_unknown_arch(tmp_path):
     def extra(w):
         w.add_uint32("llama.block_count", 2)
 
+    path = write_gguf(tmp_path / "m.gguf", arch="llama", extra=extra)
     with pytest.raises(ModelFormatError) as e:
-        GGUFFile(write_gguf(tmp_path / "m.gguf", arch="llama", extra=extra))
-    assert str(e.value) == "unsupported model architecture 'llama' (supported: qwen3next, qwen3moe)"
+        GGUFFile(path)
+    assert str(e.value) == f"{path}: unsupported model architecture 'llama' (supported: qwen3next, qwen3moe)"
+
+
+def test_a_key_problem_names_the_file(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", extra=lambda w: w.add_uint32("qwen3moe.expert_used_count", 9))
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile(path)
+    assert str(e.value) == f"{path}: GGUF key qwen3moe.expert_used_count is 9, more than the 8 experts"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file without read permission")
+def test_a_file_without_read_permission_is_one_line(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf")
+    path.chmod(0)
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile(path)
+    assert str(e.value) == f"cannot read model file {path} (Permission denied)"
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+def test_a_file_whose_reads_fail_is_one_line():
+    """/proc/self/mem is a regular file whose first bytes cannot be read (EIO): it was a traceback."""
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile("/proc/self/mem")
+    assert str(e.value) == "cannot read model file /proc/self/mem (Input/output error)"
+
+
+def test_swapped_shards_are_told_as_such(tmp_path):
+    """Shard 2 (no model keys) named as shard 1 read as `unsupported model architecture None`."""
+    first, _ = split_model(tmp_path)
+    second = tmp_path / "m-00002-of-00002.gguf"
+    parked = tmp_path / "parked"
+    first.rename(parked)
+    second.rename(first)
+    parked.rename(second)
+    with pytest.raises(ModelFormatError) as e:
+        GGUFFile(second)
+    assert str(e.value) == (f"shard {first} of split model m-00002-of-00002.gguf is shard 2 by its split.no "
+                            "key (were the shards renamed?)")
+
+
+def test_check_model_names_the_file(tmp_path):
+    """GGUFFile opens a file of any tensors; check_model holds them to the layout (test_tensor_layout)."""
+    path = write_gguf(tmp_path / "m.gguf")
+    f = GGUFFile(path)
+    with pytest.raises(ModelFormatError) as e:
+        f.check_model()
+    assert str(e.value) == f"{path}: missing tensor output_norm.weight"
+
+
+def test_check_model_finds_a_missing_vocabulary(tmp_path):
+    """A file whose hparams carry vocab_size opens without tokenizer.ggml.tokens: the primary found it."""
+    from strata_ray.model.synth import write_synth
+
+    path = tmp_path / "m.gguf"
+    write_synth(path, "qwen3moe", "tiny", progress=False)
+    data = path.read_bytes()
+    key = b"tokenizer.ggml.tokens"
+    assert data.count(key) == 1
+    path.write_bytes(data.replace(key, b"tokenizer.ggml.tokenZ"))  # the key renamed, the same length
+    f = GGUFFile(path)
+    with pytest.raises(ModelFormatError) as e:
+        f.check_model()
+    assert str(e.value) == f"{path}: missing GGUF key tokenizer.ggml.tokens (vocabulary)"
 
 
 def test_error_missing_tensor(tmp_path):

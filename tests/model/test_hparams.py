@@ -34,6 +34,8 @@ def _refused(key, value) -> str:
         ("full_attention_interval", 0, "full_attention_interval is 0; it must be positive"),
         ("ssm.group_count", 0, "ssm.group_count is 0; it must be positive"),
         ("expert_used_count", 1000, "expert_used_count is 1000, more than the"),
+        ("context_length", 0, "context_length is 0; it must be positive"),
+        ("rope.dimension_count", 65, "rope.dimension_count is 65; a head has 64 dims"),
     ],
 )
 def test_bad_values_are_one_line_errors(key, value, message):
@@ -44,3 +46,11 @@ def test_nextn_layers_must_leave_a_trunk():
     blocks = preset_hparams("qwen3next", "tiny").block_count
     msg = _refused("nextn_predict_layers", blocks)
     assert msg == f"GGUF key qwen3next.nextn_predict_layers is {blocks}: no trunk left of {blocks} blocks"
+
+
+def test_a_file_without_an_architecture_key_is_told_so():
+    fields = hparams_fields(preset_hparams("qwen3moe", "tiny"))
+    fields.pop("general.architecture", None)
+    with pytest.raises(ModelFormatError) as e:
+        HParams.from_fields(fields)
+    assert str(e.value) == "missing GGUF key general.architecture"  # was "unsupported ... architecture None"
