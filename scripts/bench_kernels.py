@@ -141,6 +141,7 @@ WORDS_SWEEP = [  # words decode tile knobs (bits must not change)
     {"cuda": True, "cuda_early": True},  # one-entry tiles' slot and order loaded beside TILE_START
     {"cuda": True, "cuda_early": False},  # the prologue before EARLY (the default's rows: EARLY is on)
     {"cuda": True, "cuda_early": True, "cuda_early_down": False},  # EARLY in the gate / up launch only
+    {"cuda": True, "cuda_bias": True},  # the terms' float() as one subtraction of the int-to-float bias
 ]
 
 

@@ -142,7 +142,8 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cu
                            expert_rows_cuda._SOURCE, "expert_rows",
                            expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu,
                                                           bool(WORDS["cuda_cta_fold"]),
-                                                          expert_rows_cuda.rows_early(two)),
+                                                          expert_rows_cuda.rows_early(two),
+                                                          bool(WORDS["cuda_bias"])),
                            warps * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:

@@ -61,6 +61,13 @@ from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
 from .contract_c import swiglu_source
 
 _SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + r"""
+// BIAS (WORDS["cuda_bias"]): float(i) of an integer carried as i + I2F_BIAS (1.5 * 2^23 + i in the mantissa
+// for |i| < 2^22): one float subtraction, exact, where (float)i is an I2F
+#define I2F_BIAS 0x4B400000
+__device__ __forceinline__ float biased_f(int c) {
+    return __int_as_float(c) - 12582912.0f;
+}
+
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
 __device__ __forceinline__ float half_bits(unsigned bits) {
     float f;
@@ -399,6 +406,11 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
 #if Q4K || !(Q6K || Q80)
             const int2 as = *(const int2*)&as_s[e][b0];
 #endif
+#if BIAS && !(Q4K || Q6K || Q80)
+            // BIAS: the dot chains start at I2F_BIAS - 8 asum, so they end at the contract's dot plus the
+            // bias and float() is one subtraction (exact: |dot - 8 asum| < 2^22), with no I2F
+            const int2 zb = make_int2(I2F_BIAS - 8 * as.x, I2F_BIAS - 8 * as.y);
+#endif
 #pragma unroll
             for (int r = 0; r < RPW; ++r) {
                 // b0 even: its two terms one 8-byte store
@@ -415,8 +427,14 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
                         dot = __dp4a((int)nib, s ? ac[t].y : ac[t].x, dot);
                     }
                     const float a_d = s ? ad.y : ad.x;
+#if BIAS  // |dot sc| < 2^22 (60,960 x 63), |m asum| < 2^18
+                    const float t_i = biased_f(dot * sc[r][q][s] + I2F_BIAS) * (d[r][q][0] * a_d);
+                    const int m_as = mn[r][q][s] * (s ? as.y : as.x);
+                    const float t_m = biased_f(m_as + I2F_BIAS) * (d[r][q][1] * a_d);
+#else
                     const float t_i = (float)(dot * sc[r][q][s]) * (d[r][q][0] * a_d);
                     const float t_m = (float)(mn[r][q][s] * (s ? as.y : as.x)) * (d[r][q][1] * a_d);
+#endif
                     (s ? tt.y : tt.x) = t_i - t_m;
                 }
 #elif Q6K
@@ -432,16 +450,25 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
                     (half ? tt.y : tt.x) = (float)isum * (d[r][q] * (half ? ad.y : ad.x));
                 }
 #elif Q80
-                int dot[2] = {0, 0};
+                int dot[2] = {BIAS ? I2F_BIAS : 0, BIAS ? I2F_BIAS : 0};  // |dot| < 2^19 (32 x 127 x 127)
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     dot[0] = __dp4a((int)cw[r][q][k], ac[k].x, dot[0]);
                     dot[1] = __dp4a((int)cw[r][q][8 + k], ac[k].y, dot[1]);
                 }
+#if BIAS
+                tt.x = biased_f(dot[0]) * (d[r][q][0] * ad.x);
+                tt.y = biased_f(dot[1]) * (d[r][q][1] * ad.y);
+#else
                 tt.x = (float)dot[0] * (d[r][q][0] * ad.x);
                 tt.y = (float)dot[1] * (d[r][q][1] * ad.y);
+#endif
+#else
+#if BIAS
+                int dot[2] = {zb.x, zb.y};
 #else
                 int dot[2] = {0, 0};
+#endif
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     dot[0] = __dp4a((int)lo[r][q][k], ac[k].x, dot[0]);
@@ -449,8 +476,13 @@ extern "C" __global__ void ROWS_BOUNDS expert_rows(
                     dot[1] = __dp4a((int)lo[r][q][4 + k], ac[k].y, dot[1]);
                     dot[1] = __dp4a((int)hi[r][q][4 + k], ac[4 + k].y, dot[1]);
                 }
+#if BIAS
+                tt.x = biased_f(dot[0]) * (d[r][q][0] * ad.x);
+                tt.y = biased_f(dot[1]) * (d[r][q][1] * ad.y);
+#else
                 tt.x = (float)(dot[0] - 8 * as.x) * (d[r][q][0] * ad.x);
                 tt.y = (float)(dot[1] - 8 * as.y) * (d[r][q][1] * ad.y);
+#endif
 #endif
                 *(float2*)&term[b0] = tt;
             }
@@ -605,13 +637,13 @@ def _lanes(nu: int) -> int:
 
 def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int = Q4_0,
                   prefetch: bool = False, swiglu: bool = False, cta_fold: bool = False,
-                  early: bool = False) -> tuple[str, ...]:
+                  early: bool = False, bias: bool = False) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); prefetch: a
     row block's successor's words loaded before its arithmetic (the form for CTAs of several blocks);
     swiglu: a down launch that makes its codes from the gate / up rows (SWIGLU); cta_fold: the CTA's chains
     folded by its first threads after a barrier (CTAFOLD), not each warp's by its own lanes; early: a
     one-entry tile's slot and order loaded beside TILE_START, and one activation row read with no lookup
-    (EARLY)."""
+    (EARLY); bias: the terms' integers carried with the int-to-float bias, float() one subtraction (BIAS)."""
     if swiglu and two:
         raise KernelError("the SwiGLU form is a down launch's (one matrix, two=False)")
     geo = geometry(k, wtype)
@@ -621,6 +653,7 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
             f"-DTP={term_pitch(nb)}", f"-DG={g}", f"-DWL={wl}", f"-DNPL={npl}", *kinds, f"-DBT={bt}",
             f"-DRPW={rpw}", f"-DWARPS={warps}", f"-DTWO={int(two)}", f"-DPREFETCH={int(prefetch)}",
             f"-DSWIGLU={int(swiglu)}", f"-DCTAFOLD={int(cta_fold)}", f"-DEARLY={int(early)}",
+            f"-DBIAS={int(bias)}",
             # the walking form with the CTA's fold: ptxas gave it 115-125 registers against the per-warp
             # fold's 91-96 (sm_90, RPW 2), held at the CTAs 96 registers allow with no spill there. Only at
             # RPW <= 2: at 4 and 8 rows a group that cap spills 128-1,860 bytes (session 47's review)
@@ -630,8 +663,8 @@ def build_options(k: int, two: bool, bt: int, rpw: int, warps: int, wtype: int =
 
 @functools.cache
 def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype: int, prefetch: bool,
-            swiglu: bool = False, cta_fold: bool = False, early: bool = False):
-    opts = build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, cta_fold, early)
+            swiglu: bool = False, cta_fold: bool = False, early: bool = False, bias: bool = False):
+    opts = build_options(k, two, bt, rpw, warps, wtype, prefetch, swiglu, cta_fold, early, bias)
     return nvrtc.build(_SOURCE, "expert_rows", opts, device)
 
 
@@ -644,7 +677,7 @@ def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q
     from .expert_words import WORDS
 
     key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu,
-           bool(WORDS["cuda_cta_fold"]), rows_early(two))
+           bool(WORDS["cuda_cta_fold"]), rows_early(two), bool(WORDS["cuda_bias"]))
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)

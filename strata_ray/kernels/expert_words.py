@@ -90,10 +90,18 @@ from .triton_blocks import T_Q4_0, quant_blocks, row_offsets, swiglu
 # cuda_early_down: EARLY in the down launches too (off: the gate / up launch's only). Offline (ptxas, sm_90,
 # Q4_0) EARLY takes the one-entry SwiGLU down form from 48 to 56 registers (10 -> 9 CTAs an SM), a candidate
 # for the 4-8-token cost above; not yet measured on a GPU, so the default stays as measured (on).
+# cuda_bias: the CUDA C form's block terms with their integers carried as i + 1.5 * 2^23, so float(i) is one
+# float subtraction (expert_rows_cuda BIAS; exact below 2^22, which Q4_0 / Q8_0 / Q4_K block integers are;
+# Q6_K's are not and keep the conversion): Q4_0's and Q8_0's dot chains start at the bias (Q4_0's at the bias
+# - 8 asum, its subtraction gone too), Q4_K's products add it in their multiply. Session 53, offline (ptxas,
+# sm_90, Q4_0): no I2F left, the walking forms 1544 -> 1344 (gate / up, tiles of 4) and 1480 -> 1192 (down,
+# tiles of 8) instructions, the one-block forms unchanged in count. The MMA prompt rows' same change took
+# 3.5-4.5% off their launches (session 53). Off until a GPU has timed it (bench_kernels --sweep-with
+# cuda_bias); the bits do not depend on it.
 WORDS = dict(gu_br=32, gu_warps=8, down_br=32, down_warps=4, chunk_pairs=1, dp4a=True, types=(Q4_0,),
              split_gu=False, gu_split_br=16, cuda=True, cuda_rpw=2, cuda_warps=4,
              cuda_iters={1: 1, 2: 1, 4: 2, 8: 4}, cuda_down_iters={1: 1, 8: 4}, cuda_swiglu=1, cuda_bt=0,
-             cuda_cta_fold=True, cuda_early=True, cuda_early_down=True)
+             cuda_cta_fold=True, cuda_early=True, cuda_early_down=True, cuda_bias=False)
 _OPTS = dict(enable_fp_fusion=False)  # the contract forbids FMA contraction
 _PAIR = {Q4_0: (9, 16, 4, 18, 16), Q8_0: (17, 32, 8, 34, 32)}  # words, padded, S, block bytes, data bytes
 

@@ -383,6 +383,45 @@ def test_gpu_the_early_prologue_gives_the_cpu_rows(monkeypatch, early):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("iters", ["", "3"])  # the engine's walks, and an uneven walk of every tile size
+def test_gpu_the_biased_terms_give_the_cpu_rows(monkeypatch, iters):
+    """BIAS (WORDS["cuda_bias"]): the block integers carried with the int-to-float bias, float() one
+    subtraction, for every type that takes it (Q4_0, Q8_0, Q4_K; Q6_K's forms are the plain ones), in
+    one-entry tiles, tiles of several entries and the walking forms, with the SwiGLU in the down launch and
+    between."""
+    pytest.importorskip("cupy")
+    import strata_ray.kernels.expert_words as ew
+
+    monkeypatch.setenv("STRATA_WORDS_CUDA", "1")
+    if iters:
+        monkeypatch.setenv("STRATA_ROWS_ITERS", iters)
+    wide = _layer(2048, 512, 12)
+    for swiglu in (1, 0):
+        monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_bias": True, "cuda_swiglu": swiglu})
+        _check(wide, 10)
+        _check(wide, 40, n_tok=4, act_offset=4)
+        _check(wide, 80, n_tok=8)
+        _check(_layer(256, 192, 4), 9)
+        for gate_up, down in [(Q8_0, Q8_0), (Q4_K, Q4_K), (Q4_K, Q6_K)]:
+            layer = _layer(2048, 512, 12, down=down, gate_up=gate_up)
+            for n_tok, n_ent in [(1, 10), (3, 33), (8, 80)]:
+                _check(layer, n_ent, n_tok=n_tok)
+
+
+def test_the_bias_form_is_an_option_off_by_default():
+    """WORDS["cuda_bias"] is off until a GPU has timed it; on, every form is compiled with BIAS, and it is
+    part of a compiled kernel's key (a sweep that turns it on gets its own kernels)."""
+    import strata_ray.kernels.expert_rows_cuda as erc
+    import strata_ray.kernels.expert_words as ew
+
+    assert ew.WORDS["cuda_bias"] is False
+    assert "-DBIAS=0" in build_options(2048, True, 1, 2, 4, Q4_0)
+    assert "-DBIAS=1" in build_options(512, False, 8, 2, 4, Q4_K, prefetch=True, bias=True)
+    assert "#if BIAS" in erc._SOURCE and "I2F_BIAS" in erc._SOURCE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wtype", [Q4_0, Q8_0, Q4_K, Q6_K])
 @pytest.mark.parametrize("n_tok", [1, 3, 8])
 def test_gpu_the_swiglu_down_launch_is_the_swiglu_kernel_then_the_down_launch(wtype, n_tok):
@@ -432,7 +471,7 @@ def test_a_swiglu_form_that_cannot_be_built_is_not_ready(refusing_nvrtc, caplog)
     with caplog.at_level("WARNING", logger="strata_ray.kernels.nvrtc"):
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
         assert not erc.cuda_rows_ready(2048, 512, False, 1, Q4_0, 0, swiglu=True)
-    # the key: (k, two, bt, rpw, warps, device, wtype, prefetch, swiglu, cta_fold, early)
+    # the key: (k, two, bt, rpw, warps, device, wtype, prefetch, swiglu, cta_fold, early, bias)
     assert len(tries) == 1 and tries[0][8] is True
     assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
         "the SwiGLU kernel between the two launches takes its place (the same bits)"]
