@@ -251,7 +251,8 @@ def build_serve_parser():
     server.add_argument("--gpu", metavar="0,2", help="GPUs to use, nvidia-smi numbering (overrides \"gpu\")")
     server.add_argument("--replicas", metavar="N", help="engine replicas behind the server (default 1)")
     server.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
-                        help="Ray cluster to attach to (default: a running one, else a new local instance)")
+                        help="Ray cluster to attach to (default: RAY_ADDRESS, else a running cluster, else a "
+                        "new local instance; 'local' always starts a local instance)")
     server.add_argument("--verbose", "-v", action="store_true", help="show Ray's and Serve's logs")
     add_engine_args(parser)
     return parser

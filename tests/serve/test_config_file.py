@@ -250,3 +250,24 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_starting(tmp_path, 
         assert done.stderr == f"strata_ray: cannot listen on {host}:{port} (Address already in use)\n"
     else:
         assert done.stderr.startswith(f"strata_ray: cannot listen on {host}:{port} (")
+
+
+def test_serve_attaches_to_ray_address_as_its_help_says(tmp_path):
+    """serve's --address default is run's: RAY_ADDRESS first (its help left that out), then a running
+    cluster, then a local instance. A RAY_ADDRESS that nothing answers is one line, before the model loads."""
+    import socket
+
+    from strata_ray.serve.config_file import build_serve_parser
+
+    action = next(a for a in build_serve_parser()._actions if "--address" in a.option_strings)
+    assert action.help.startswith("Ray cluster to attach to (default: RAY_ADDRESS, else a running cluster")
+    with socket.socket() as free, socket.socket() as listen:  # ports nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        listen.bind(("127.0.0.1", 0))
+        address, port = f"127.0.0.1:{free.getsockname()[1]}", str(listen.getsockname()[1])
+    done = subprocess.run([sys.executable, "-m", "strata_ray.run", "serve", "--port", port],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address})
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"strata_ray: cannot connect to the Ray cluster at {address} (")
+    assert len(done.stderr.splitlines()) == 1
