@@ -271,6 +271,13 @@ def bench_main(argv: Sequence[str]) -> int:
                 raise ConfigError("--max-tokens applies with --save (--against runs the reference's count)")
             doc = gate.load(ns.against, command)
             job = GateJob(doc, reference_sampling(ns, doc), int(doc["gen_tokens"]))
+        if ns.url:  # the one seed a server cannot take, refused before the target opens
+            from strata_ray.bench.http_client import check_wire_seed
+
+            try:
+                check_wire_seed(job.sampling.seed)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         with open_target(ns, cfg) as target:
             add_bos = bool(target.file and target.file.fields.get("tokenizer.ggml.add_bos_token", False))
             builder = PromptBuilder(target.tokenizer, target.context_length, add_bos, target.count_tokens)

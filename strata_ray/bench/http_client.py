@@ -22,6 +22,21 @@ from strata_ray.bench.prompts import Prompt
 TIMEOUT_S = 3600.0  # a 128K-token prompt on a slow server can take many minutes
 
 
+def wire_seed(seed: int) -> int:
+    """A sampler seed (64 unsigned bits) as OpenAI's `seed`, an int64: one past 2**63 - 1 as its two's
+    complement, which our server maps back to the same 64 bits (serve/openai_api), so a seeded bench over
+    --url draws what the same --seed draws in-process; servers refuse seeds past the int64 range.
+    2**64 - 1 would be -1, llama.cpp's "unseeded": check_wire_seed refuses it before the run."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def check_wire_seed(seed: int | None) -> None:
+    """ValueError (one line) for the one seed --url cannot send: 2**64 - 1, whose int64 is -1 ("unseeded")."""
+    if seed is not None and wire_seed(seed) == -1:
+        raise ValueError(f"--seed {seed} cannot be sent to a server: its int64 form is -1, which servers "
+                         "take as unseeded; pick another seed")
+
+
 class ServerError(RuntimeError):
     """The server refused a request or cannot be reached; one line."""
 
@@ -136,7 +151,7 @@ class HttpRunner:
         if sampling.min_p:
             body["min_p"] = sampling.min_p
         if sampling.seed is not None:
-            body["seed"] = sampling.seed
+            body["seed"] = wire_seed(sampling.seed)
         body.update(self._content_fields(prompt.content))
         if self.token_ids:
             body["return_token_ids"] = True  # servers that know it (vLLM) send the ids; others ignore it

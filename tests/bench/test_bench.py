@@ -561,10 +561,11 @@ def test_url_that_does_not_answer_is_one_line(capsys):
 
 
 @contextmanager
-def stand_in_server(model_id: str, pace: str):
+def stand_in_server(model_id: str, pace: str, seen: list | None = None):
     """An OpenAI-compatible server in a thread, streaming max_tokens one-word chunks (usage last), without
     /tokenize. pace: "burst" (the whole stream in one write: what a buffering proxy delivers), "paced" (a
-    chunk every 3 ms, a real decode's arrivals) or "one chunk" (all the text in a single chunk)."""
+    chunk every 3 ms, a real decode's arrivals) or "one chunk" (all the text in a single chunk); seen: a list
+    that gets every request's path (GET) or JSON body (POST)."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -580,6 +581,8 @@ def stand_in_server(model_id: str, pace: str):
             self.wfile.write(body)
 
         def do_GET(self):
+            if seen is not None:
+                seen.append(self.path)
             if self.path != "/v1/models":
                 return self.send_error(404)
             listing = {"data": [{"id": model_id, "object": "model"}]}
@@ -587,6 +590,8 @@ def stand_in_server(model_id: str, pace: str):
 
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if seen is not None:
+                seen.append(request)
             if not self.path.endswith("/completions"):
                 return self.send_error(404)
             n = request["max_tokens"]
@@ -623,6 +628,25 @@ def url_bench(capsys, url, tmp_path, *extra, gen: int = 16):
     code, out, err = run_cli(capsys, "--url", url, "--contexts", "200", "--repeats", "1", "--gen", str(gen),
                              "--story-tokens", str(gen), "--no-warmup", "--json-out", str(out_json), *extra)
     return code, out, err, (json.loads(out_json.read_text()) if out_json.exists() else None)
+
+
+def test_url_seeds_go_as_openais_int64_and_the_one_it_cannot_send_is_refused(tmp_path, capsys):
+    """A seed past 2**63 - 1 goes as its int64 two's complement, which our server maps back to the same 64
+    bits (a seeded bench over --url draws what the seed draws in-process; servers refuse seeds past int64);
+    2**64 - 1 would be -1, "unseeded": one line before any request."""
+    seen: list = []
+    with stand_in_server("served-model", "burst", seen) as url:
+        code, _, err, _ = url_bench(capsys, url, tmp_path, "--temperature", "1", "--seed", str(2**63 + 5))
+        assert code == 0, err
+        bodies = [r for r in seen if isinstance(r, dict) and "max_tokens" in r]  # not /tokenize's
+        assert bodies and {b["seed"] for b in bodies} == {2**63 + 5 - 2**64}
+        seen.clear()
+        (tmp_path / "no").mkdir()
+        code, out, err, doc = url_bench(capsys, url, tmp_path / "no", "--temperature", "1", "--seed",
+                                        str(2**64 - 1))
+    assert (code, out, doc, seen) == (2, "", None, [])
+    assert err == (f"strata_ray bench: --seed {2**64 - 1} cannot be sent to a server: its int64 form is -1, "
+                   "which servers take as unseeded; pick another seed\n")
 
 
 def test_a_decode_is_timed_only_where_the_arrivals_can_time_it():
