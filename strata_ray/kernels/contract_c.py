@@ -65,6 +65,17 @@ CONTRACT_FN float c_swiglu(float g, float u) { return c_div(g, 1.0f + c_fexp(-g)
 """
 
 
+# The block integers' float() for the CUDA C kernels, exact below 2^22 (every Q8_0 / Q4_0 / Q4_K block
+# integer): an integer carried as i + I2F_BIAS holds 1.5 * 2^23 + i in a float's mantissa, so one subtraction
+# gives float(i) and no I2F runs. i2f adds the bias itself; biased_f takes an integer the kernel biased where
+# that is free (an MMA's accumulator input, the start of a dp4a chain).
+I2F_SOURCE = r"""
+#define I2F_BIAS 0x4B400000
+__device__ __forceinline__ float biased_f(int c) { return __int_as_float(c) - 12582912.0f; }
+__device__ __forceinline__ float i2f(int i) { return biased_f(i + I2F_BIAS); }
+"""
+
+
 def swiglu_source(host: bool = False) -> str:
     """c_rint, c_fexp and c_swiglu (float in, float out) with the contract's constants (C_TINY, C_Q_MAX and
     C_F32_MAX too, for the quantization around them), for NVRTC or (host) a host C++ compiler."""

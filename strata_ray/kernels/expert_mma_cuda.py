@@ -42,8 +42,9 @@ import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
+from .contract_c import I2F_SOURCE
 
-_SOURCE = r"""
+_SOURCE = I2F_SOURCE + r"""
 __device__ __forceinline__ float half_bits(unsigned bits) {
     float f;
     unsigned short h = (unsigned short)bits;
@@ -51,17 +52,6 @@ __device__ __forceinline__ float half_bits(unsigned bits) {
     return f;
 }
 
-// float(i), exact for |i| < 2^22: 1.5 * 2^23 + i formed in the mantissa, then 1.5 * 2^23 taken off
-#define I2F_BIAS 0x4B400000
-__device__ __forceinline__ float i2f(int i) {
-    return __int_as_float(i + I2F_BIAS) - 12582912.0f;
-}
-
-// i2f(i) of an MMA's i that the MMA itself biased by I2F_BIAS, through its accumulator input (c = i +
-// I2F_BIAS, exact in int32): i2f without its integer add
-__device__ __forceinline__ float biased_i2f(int c) {
-    return __int_as_float(c) - 12582912.0f;
-}
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
@@ -93,7 +83,7 @@ __device__ __forceinline__ unsigned q6_codes(unsigned ql, unsigned qh, int r) {
     return (code + 0x60606060u) ^ 0x80808080u;
 }
 
-// c = a b + z, z the accumulator input of every element (0, or I2F_BIAS for biased_i2f)
+// c = a b + z, z the accumulator input of every element (0, or I2F_BIAS for biased_f: contract_c)
 __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsigned b[2], int z) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -322,7 +312,7 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                             const float t2 = i2f(mn[ni][col] * asum[h]) * (wm_[ni][col] * ad[h]);
                             acc[mi][ni][v] = acc[mi][ni][v] + (t1 - t2);
 #else
-                            acc[mi][ni][v] = acc[mi][ni][v] + biased_i2f(c[v]) * (wd[ni][col] * ad[h]);
+                            acc[mi][ni][v] = acc[mi][ni][v] + biased_f(c[v]) * (wd[ni][col] * ad[h]);
 #endif
                         }
                     }

@@ -58,16 +58,10 @@ import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
-from .contract_c import swiglu_source
+from .contract_c import I2F_SOURCE, swiglu_source
 
-_SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + r"""
-// BIAS (WORDS["cuda_bias"]): float(i) of an integer carried as i + I2F_BIAS (1.5 * 2^23 + i in the mantissa
-// for |i| < 2^22): one float subtraction, exact, where (float)i is an I2F
-#define I2F_BIAS 0x4B400000
-__device__ __forceinline__ float biased_f(int c) {
-    return __int_as_float(c) - 12582912.0f;
-}
-
+# BIAS (WORDS["cuda_bias"]) takes contract_c's biased_f: one float subtraction where (float)i is an I2F
+_SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + I2F_SOURCE + r"""
 // IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
 __device__ __forceinline__ float half_bits(unsigned bits) {
     float f;
