@@ -155,11 +155,7 @@ def check_tensors(hp: HParams, tensors: Mapping[str, Any]) -> None:
                                    f"{hp.arch}.block_count")
     for name, shape in tensor_layout(hp):
         if name in tensors:
-            got = tuple(tensors[name].shape)
-            # the shared expert's gate: a [1, E] matrix in some converters' files, read as its E values
-            shexp_gate = name.endswith("ffn_gate_inp_shexp.weight") and math.prod(got) == hp.n_embd
-            if got != shape and not shexp_gate:
-                raise ModelFormatError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+            check_shape(hp, name, tuple(tensors[name].shape), shape)
             continue
         alt = _alternative(hp, name)
         if alt is not None and alt[0] in tensors:
@@ -168,6 +164,14 @@ def check_tensors(hp: HParams, tensors: Mapping[str, Any]) -> None:
                 raise ModelFormatError(f"tensor {alt[0]} has shape {list(got)}, expected {list(alt[1])}")
         elif name not in OPTIONAL:
             raise ModelFormatError(f"missing tensor {name}")
+
+
+def check_shape(hp: HParams, name: str, got: Shape, shape: Shape) -> None:
+    """ModelFormatError where layout tensor `name` has shape `got`, not the layout's `shape`. The shared
+    expert's gate may be a [1, E] matrix (some converters' files), read as its E values."""
+    shexp_gate = name.endswith("ffn_gate_inp_shexp.weight") and math.prod(got) == hp.n_embd
+    if tuple(got) != tuple(shape) and not shexp_gate:
+        raise ModelFormatError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
 
 
 def _alternative(hp: HParams, name: str) -> tuple[str, Shape] | None:

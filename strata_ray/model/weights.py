@@ -10,9 +10,7 @@ from torch import Tensor
 
 from strata_ray.model.hparams import HParams, ModelFormatError
 from strata_ray.model.quants import T, dequantize_tensor
-from strata_ray.model.tensor_layout import is_expert_tensor, tensor_layout
-
-OPTIONAL = ("output.weight",)  # absent -> tied to token_embd
+from strata_ray.model.tensor_layout import OPTIONAL, check_shape, is_expert_tensor, tensor_layout
 
 
 def _to_torch(info, device: torch.device) -> Tensor:
@@ -163,7 +161,4 @@ def check_weights(hp: HParams, weights: dict[str, Tensor], include_experts: bool
                     name.rsplit(".", 2)[0] + ".attn_qkv.weight" in weights:
                 continue  # fused q|k|v of a full-attention layer
             raise ModelFormatError(f"missing tensor {name}")
-        got = tuple(weights[name].shape)
-        if got != tuple(shape) and not (name.endswith("ffn_gate_inp_shexp.weight") and
-                                        weights[name].numel() == hp.n_embd):
-            raise ModelFormatError(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+        check_shape(hp, name, tuple(weights[name].shape), shape)
