@@ -76,6 +76,18 @@ __device__ __forceinline__ float i2f(int i) { return biased_f(i + I2F_BIAS); }
 """
 
 
+# A GGUF block's f16 scale bits as the float they are, exactly (cvt.f32.f16; no cuda_fp16.h, so NVRTC needs
+# no include path), for every CUDA C kernel that reads block scales
+HALF_SOURCE = r"""
+__device__ __forceinline__ float half_bits(unsigned bits) {
+    float f;
+    unsigned short h = (unsigned short)bits;
+    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+"""
+
+
 def swiglu_source(host: bool = False) -> str:
     """c_rint, c_fexp and c_swiglu (float in, float out) with the contract's constants (C_TINY, C_Q_MAX and
     C_F32_MAX too, for the quantization around them), for NVRTC or (host) a host C++ compiler."""

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import nvrtc
+from .contract_c import HALF_SOURCE
 
 CHUNK = 16  # codes a lane loads at once (16 bytes)
 WARPS = 8  # warps a CTA
@@ -41,14 +42,7 @@ TT_MAX = 4  # tokens a CTA applies each row to (a verify window of 16 runs as 4 
 X_SMEM_BYTES = 48 << 10  # activations staged a CTA: the default dynamic shared memory limit
 LOADS_A_GROUP = 4  # 16-byte loads a lane a row group (RPW * CH); the next group's go before the arithmetic
 
-_SOURCE = nvrtc.PDL_HOOKS + r"""
-// IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
-__device__ __forceinline__ float half_bits(unsigned short h) {
-    float f;
-    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-    return f;
-}
-
+_SOURCE = nvrtc.PDL_HOOKS + HALF_SOURCE + r"""
 // 16 bytes read once: not kept in L1, and L2 told to fetch 256 bytes (the row's next chunks)
 __device__ __forceinline__ uint4 load_stream(const signed char* p) {
     uint4 v;

@@ -42,16 +42,9 @@ import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
-from .contract_c import I2F_SOURCE
+from .contract_c import HALF_SOURCE, I2F_SOURCE
 
-_SOURCE = I2F_SOURCE + r"""
-__device__ __forceinline__ float half_bits(unsigned bits) {
-    float f;
-    unsigned short h = (unsigned short)bits;
-    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-    return f;
-}
-
+_SOURCE = I2F_SOURCE + HALF_SOURCE + r"""
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);

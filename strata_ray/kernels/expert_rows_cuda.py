@@ -58,18 +58,10 @@ import numpy as np
 
 from . import nvrtc
 from .contract import Q4_0, Q4_K, Q6_K, Q8_0, KernelError
-from .contract_c import I2F_SOURCE, swiglu_source
+from .contract_c import HALF_SOURCE, I2F_SOURCE, swiglu_source
 
 # BIAS (WORDS["cuda_bias"]) takes contract_c's biased_f: one float subtraction where (float)i is an I2F
-_SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + I2F_SOURCE + r"""
-// IEEE half bits -> float, exact (no cuda_fp16.h: NVRTC needs no include path)
-__device__ __forceinline__ float half_bits(unsigned bits) {
-    float f;
-    unsigned short h = (unsigned short)bits;
-    asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
-    return f;
-}
-
+_SOURCE = nvrtc.PDL_HOOKS + swiglu_source() + I2F_SOURCE + HALF_SOURCE + r"""
 // entry i's activation row (i in the sorted order): ACT_ROW[ORDER[i]], or ORDER[i] itself where ACT_ROW is
 // null (the down launch: each entry reads its own h row, one dependent load fewer). Every thread looks up the
 // entries it stages itself (a few cached words) rather than wait at a barrier for one warp's lookups
