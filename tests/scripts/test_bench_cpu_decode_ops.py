@@ -24,7 +24,10 @@ def test_a_line_a_call_with_its_ratio():
     for line in lines[1:]:
         torch_us, numba_us, ratio, taken = line[24:].split()
         assert float(torch_us) > 0 and float(numba_us) > 0 and taken == "yes"
-        assert abs(float(ratio) - float(torch_us) / float(numba_us)) < 0.01 + 0.01 * float(ratio)
+        # the ratio is of the unrounded times, which the line prints to 0.1 us: it lies within the ratios
+        # their rounding allows (a 3.3 us numba call was 3.25-3.35 us), to the ratio's own 0.01
+        t, n = float(torch_us), float(numba_us)
+        assert (t - 0.05) / (n + 0.05) - 0.005 <= float(ratio) <= (t + 0.05) / max(n - 0.05, 1e-9) + 0.005
 
 
 def test_a_width_the_experts_cannot_take_leaves_their_line_out():
