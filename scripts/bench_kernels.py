@@ -241,7 +241,8 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
-              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(4,)) -> dict:
+              variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(4,),
+              mma_warp_entries=(32,)) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
@@ -322,24 +323,29 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
         want = expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="simple")
         # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile; once per
-        # stage size in mma_stages (Q8_0 / Q4_0: 32-blocks a stage)
-        runs = [(v, None) for v in variants if v not in ("split", "words")]  # split's prompt tile is simple's
+        # stage size in mma_stages (Q8_0 / Q4_0: 32-blocks a stage) and warp tile in mma_warp_entries
+        runs = [(v, None, None) for v in variants if v not in ("split", "words")]  # split's: simple's tile
         if "words" in variants:
-            runs += [("words", kb) for kb in (mma_stages if wtype in (Q4_0, Q8_0) else (None,))]
-        for variant, kb in runs:
+            runs += [("words", kb, we) for kb in (mma_stages if wtype in (Q4_0, Q8_0) else (None,))
+                     for we in mma_warp_entries]
+        for variant, kb, we in runs:
             if kb is not None:
                 emc.MMA["stage_blocks"] = {**emc.MMA["stage_blocks"], wtype: kb}
+            if we is not None:
+                emc.MMA["warp_entries"] = we
             same = torch.equal(want, expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant))
             parts: dict = {}
             dt, _ = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
                                                      variant=variant), 3 if quick else 10, parts)
             by_time = sorted(parts.items(), key=lambda kv: -kv[1])
-            print(f"prompt {variant} {type_name(wtype)}: all kernels {dt * 1e6:.1f} us; "
+            tile = "" if we is None else f" we={we}"
+            print(f"prompt {variant}{tile} {type_name(wtype)}: all kernels {dt * 1e6:.1f} us; "
                   + ", ".join(f"{name[:40]} {sec * 1e6:.1f} us" for name, sec in by_time))
             tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
             pct = f" ({100 * tops / peak:.0f}% of {peak:.0f})" if peak else ""
             bits = "same" if same else "DIFFER"
             label = variant if kb is None else f"{variant}, {kb} blocks a stage"
+            label += "" if we is None else f", warps of {we} entries"
             rows.append((f"gpu prompt ({label})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
                          f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}, bits {bits}"))
@@ -518,6 +524,9 @@ def main() -> None:
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
     ap.add_argument("--mma-stages", default="4", type=int_list(4, 8),
                     help="32-blocks a stage of the MMA prompt rows to time, Q8_0 / Q4_0 (4, 8; e.g. 8,4)")
+    ap.add_argument("--mma-warp-entries", default="32", type=int_list(32, 64),
+                    help="the MMA prompt rows' warp tiles to time: 32 (32 entries x 32 rows) and / or 64 "
+                    "(64 x 16), e.g. 32,64")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
@@ -525,6 +534,8 @@ def main() -> None:
     args = ap.parse_args()
     if not set(args.mma_stages) <= {4, 8}:
         ap.error(f"--mma-stages: 4 or 8 blocks a stage, got {','.join(map(str, args.mma_stages))}")
+    if not set(args.mma_warp_entries) <= {32, 64}:
+        ap.error(f"--mma-warp-entries: 32 or 64, got {','.join(map(str, args.mma_warp_entries))}")
     if args.graph_probe:
         graph_probe(args.graph_probe)
         return
@@ -559,7 +570,8 @@ def main() -> None:
         types = tuple(TYPES[t] for t in args.types)
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
                          sweeps=not args.no_sweep, variants=args.variants, tokens=args.tokens,
-                         prompt=not args.no_prompt, mma_stages=args.mma_stages)
+                         prompt=not args.no_prompt, mma_stages=args.mma_stages,
+                         mma_warp_entries=args.mma_warp_entries)
         if args.host_weights:
             bench_host_weights(_Printing(rows), args.variants)
         if args.staging:

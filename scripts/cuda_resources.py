@@ -120,7 +120,7 @@ def ctas_an_sm(regs: int, threads: int, smem: int) -> tuple[int, str]:
 
 
 def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cuda.KQUANT_CTAS,
-          gemv_ctas: int = 1):
+          gemv_ctas: int = 1, mma_warp_entries: int | None = None):
     """(kernel, what, source, name, options, threads, dynamic shared bytes) of each form the engine launches
     at Qwen3-Next-80B-A3B's shapes."""
     names = {v: k for k, v in TYPES.items()}
@@ -153,7 +153,7 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cu
                     continue
                 ctas = kquant_ctas if wt in (Q4_K, Q6_K) else 1  # expert_mma_cuda.min_ctas's reach
                 yield ("mma", f"{names[wt]} {'gate+up' if two else 'down'} k={k}", expert_mma_cuda._SOURCE,
-                       "expert_mma", expert_mma_cuda.build_options(geo, two, wt, ctas), 128,
+                       "expert_mma", expert_mma_cuda.build_options(geo, two, wt, ctas, mma_warp_entries), 128,
                        expert_mma_cuda.shared_bytes(geo))
     if "gemv" in kernels:  # the dense Q8_0 GEMV: the 80b's widest matrices at 1 and 4 tokens
         for n, k in ((12352, 2048), (2048, 4096), (151936, 2048)):
@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                     metavar="N", help="the K-quant prompt rows compiled for N CTAs an SM "
                     f"(STRATA_MMA_KQUANT_CTAS; default {expert_mma_cuda.KQUANT_CTAS}, the engine's; 1: the "
                     "compiler's choice)")
+    ap.add_argument("--mma-warp-entries", type=int, choices=sorted(expert_mma_cuda.WARP_TILES), metavar="N",
+                    help="the prompt rows' warp tile: N entries a warp (32 or 64; default the engine's, "
+                    f"{expert_mma_cuda.MMA['warp_entries']})")
     ap.add_argument("--gemv-ctas", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="the dense GEMV compiled for N CTAs an SM (STRATA_GEMV_MIN_CTAS; default 1)")
     args = ap.parse_args(argv)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'CTAs/SM':>7s} {'warps/SM':>8s}  bound")
     types = [TYPES[t] for t in args.types]
     for kernel, what, source, name, options, threads, dyn in forms(kernels, types, args.kquant_ctas,
-                                                                   args.gemv_ctas):
+                                                                   args.gemv_ctas, args.mma_warp_entries):
         res = comp.resources(source, name, options)
         smem = res["smem"] + dyn
         ctas, bound = ctas_an_sm(res["regs"], threads, smem)

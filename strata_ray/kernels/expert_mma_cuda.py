@@ -18,14 +18,22 @@ for Q4_0, 2552 -> 2440 for Q8_0; an s8 x u8 MMA for Q4_0's unsigned nibbles, its
 to 2624: the per-entry accumulator inputs cost more moves than the nibbles' adds they saved).
 
 A CTA is a tile of up to BT = 64 entries routed to one expert (plan_tiles' prompt tiles) and BN = 64 rows of
-one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread). The K axis runs
-in stages of KB 32-blocks, double-buffered in shared memory by cp.async: the entries' activation codes
-(16-byte copies), their block scales (and Q4_K's code sums), and the 64 rows' raw GGUF block bytes (16-byte
-copies, or 8-byte ones where a stage of 4 Q8_0 / Q4_0 blocks is 136 / 72 bytes). Fragments come from the
-staged bytes: an entry row's code words as they are; a weight row's code words realigned by __byte_perm
-where a Q8_0 / Q4_0 block starts two bytes into a word, Q4_0's nibbles made signed (q - 8) byte-wise, Q4_K's
-left unsigned. Staged rows are padded to a stride of 4 words mod 8, so the 8 x 4 fragment reads of a warp
-hit 32 different banks. m16 tiles past the tile's entries are skipped (a warp-uniform branch).
+one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread; MMA["warp_entries"]
+64: 64 entries x 16 rows, 4 x 2). The K axis runs in stages of KB 32-blocks, double-buffered in shared memory
+by cp.async: the entries' activation codes (16-byte copies), their block scales (and Q4_K's code sums), and
+the 64 rows' raw GGUF block bytes (16-byte copies, or 8-byte ones where a stage of 4 Q8_0 / Q4_0 blocks is
+136 / 72 bytes), each thread's copies at the same places every stage. Fragments come from the staged bytes:
+the entries' code words by one ldmatrix (four 8 x 16-byte matrices: a whole A fragment); a weight row's code
+words realigned by __byte_perm where a Q8_0 / Q4_0 block starts two bytes into a word, Q4_0's nibbles made
+signed (q - 8) byte-wise, Q4_K's left unsigned. Staged rows are padded to a stride of 4 words mod 8, so the
+8 x 4 fragment reads of a warp hit 32 different banks. m16 tiles past the tile's entries are skipped (a
+warp-uniform branch).
+
+Session 54 on an H100 (bench_kernels, a 4096-token layer, the MMA launches): each thread's copies laid out
+once (~20 instructions a copy before, in divisions and 64-bit products), the tile's entries found by two
+ballots (a chain of up to 64 dependent loads before) and the A fragments by ldmatrix took Q4_0 2.06 -> 1.64
+ms, Q4_K 3.81 -> 3.15, Q6_K 3.73 -> 2.89; the 64-entry warp tile then 1.47, 2.87, 2.46 (Q8_0 1.67 -> 1.59):
+148 int8 TOP/s for Q4_0's layer with every expert kernel, 7.5% of the H100's peak.
 
 The plain twin is the contract itself (reference.py / the CPU kernels): integer sums are exact in any order,
 so the only arithmetic of this kernel that could differ is the fp32 epilogue, and that is the contract's
@@ -85,6 +93,17 @@ __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(z));
 }
 
+// An entry tile's A fragment of a 32-block (16 entries x 32 codes) by one ldmatrix of four 8 x 16-byte
+// matrices, where four 4-byte shared loads a thread took four issues: lane l gives the row of matrix l / 8,
+// entries 0-7 / 8-15 (lane & 15) at bytes 0 / 16 (lane >> 4), so a[0] = entry gid's codes 4 tig.., a[1] entry
+// gid + 8's, a[2] and a[3] the same at 16 + 4 tig (the m16n8k32 A layout). Staged rows at a stride of 4 words
+// mod 8 put each 8-row phase on 32 different banks
+__device__ __forceinline__ void a_frag(unsigned a[4], const unsigned char* row) {
+    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
 // The word of 4 bytes at byte offset off (even) of a 4-byte aligned shared row
 __device__ __forceinline__ unsigned word_at(const unsigned char* row, int off) {
     const unsigned* w = (const unsigned*)(row + (off & ~3));
@@ -102,13 +121,19 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 // OUT [M, 2, R], else W1's R rows into OUT [M, R].
 #define BT 64
 #define BN 64
+// a warp's tile: MI m16 tiles of entries by NI n8 tiles of rows (EM x RN), four warps a CTA's BT x BN
+#define EM (16 * MI)
+#define RN (8 * NI)
+#define WARPS_N (BN / RN)
+static_assert((BT / EM) * WARPS_N == 4, "four warps cover the CTA's tile");
 #define NSTAGE (NB / KB)
 #define A_BYTES (BT * AST)
 #define W_BYTES (BN * WST)
 #define S_BYTES (A_BYTES + W_BYTES + 2 * BT * KB * 4)   // + the entries' block scales and code sums
 
 // MIN_CTAS (STRATA_MMA_KQUANT_CTAS, K-quants only): CTAs an SM the registers are capped for; unset, the
-// compiler's choice (Q4_K / Q6_K: 244-255 registers, 2 CTAs an SM; scripts/cuda_resources.py)
+// compiler's choice (scripts/cuda_resources.py: at the 32-entry warp tile Q6_K takes 174 registers, 2 CTAs an
+// SM; at the 64-entry tile the K-quants take 128-140 under the cap or not, 3 CTAs by shared memory)
 #ifdef MIN_CTAS
 #define MMA_BOUNDS __launch_bounds__(128, MIN_CTAS)
 #else
@@ -123,16 +148,33 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
     float* __restrict__ OUT, int R, int M)
 {
     extern __shared__ __align__(16) unsigned char smem[];  // [2 stages][A | W | ad | as]
-    __shared__ int arow_s[BT];
+    __shared__ int arow_s[BT];                     // each entry's activation row
+    __shared__ const signed char* arow_p[BT];      // and its codes
+    __shared__ unsigned stop_s[BT / 32];           // the tile's entries: ballots of "not this slot's"
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int start = TILE_START[blockIdx.y];
     if (start < 0) return;
-    const int slot_id = SORTED_SLOT[start];
-    int n_ent = 1;
-    while (n_ent < BT && start + n_ent < M && SORTED_SLOT[start + n_ent] == slot_id) ++n_ent;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int gid = lane >> 2, tig = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;  // the warp's 32 entries and 32 rows of the tile
     const int K = 32 * NB;
+    // the tile is the run of entries from start in the slot of its first (at most BT): thread t < BT looks at
+    // entry start + t (its slot, order and activation row loaded at once), and the first that is past M or
+    // of another slot ends it. A loop from start took one dependent load an entry (64 in a row for a full
+    // tile, each behind the last's compare: ~1.4 us before a CTA's first copy)
+    const int slot_id = SORTED_SLOT[start];
+    bool stop = true;
+    if (tid < BT && start + tid < M) {  // a null ACT_ROW: each entry's own row (the down launch's h rows)
+        const int sl = SORTED_SLOT[start + tid], o = ORDER[start + tid];
+        const int ar = ACT_ROW ? ACT_ROW[o] : o;
+        arow_s[tid] = ar;
+        arow_p[tid] = AQ + (long long)ar * K;
+        stop = sl != slot_id;
+    }
+    const unsigned stops_w = __ballot_sync(0xFFFFFFFFu, stop);
+    if (tid < BT && lane == 0) stop_s[warp] = stops_w;
+    __syncthreads();
+    const unsigned long long stops = ((unsigned long long)stop_s[1] << 32) | stop_s[0];
+    const int n_ent = stops ? __ffsll((long long)stops) - 1 : BT;  // entry 0 is the slot's: n_ent >= 1
+    const int gid = lane >> 2, tig = lane & 3;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;  // the warp's EM entries and RN rows of the tile
 
     // the CTA's 64 rows, all of one matrix (R % 64 == 0)
     const int row0 = blockIdx.x * BN;
@@ -142,25 +184,33 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                                        : W1 + slot_id * stride1 + (long long)rr0 * rb1;
     const long long rb = which ? rb2 : rb1;
 
-    if (tid < n_ent) {  // a null ACT_ROW: each entry's own row (the down launch's h rows)
-        const int o = ORDER[start + tid];
-        arow_s[tid] = ACT_ROW ? ACT_ROW[o] : o;
-    }
-    __syncthreads();
+    // Each thread's copies of a stage sit at the same places every stage, so they are laid out once: thread
+    // tid copies piece ca of entries ea + EPI it (the codes), piece cw of rows nw + RPI it (the weights, LPR
+    // lanes a row of which C_W copy), each copy's addresses an immediate or one add from the last (the loops
+    // over i / pieces before spent ~20 instructions a copy on divisions and 64-bit products: ~6 an MMA)
+    constexpr int C_A = KB * 2;        // 16-byte pieces of an entry's codes a stage (8 or 16)
+    constexpr int EPI = 128 / C_A;     // entries a pass
+    constexpr int C_W = STAGE / CPB;   // CPB-byte pieces of a row's stage (9, 17 or 53)
+    constexpr int LPR = C_W <= 16 ? 16 : C_W <= 32 ? 32 : 64;  // lanes a row
+    constexpr int RPI = 128 / LPR;     // rows a pass
+    const int ca = tid % C_A, ea = tid / C_A;
+    const int cw = tid % LPR, nw = tid / LPR;
+    const unsigned char* const w_src = wbase + nw * rb + CPB * cw;
+    const long long w_step = RPI * rb;
 
     // stage s of the K axis into buffer buf: blocks s KB .. s KB + KB - 1
     auto load_stage = [&](int s, int buf) {
         unsigned char* base = smem + buf * S_BYTES;
-        const int c_a = KB * 2;  // 16-byte pieces of an entry's codes a stage
-        for (int i = tid; i < n_ent * c_a; i += 128) {
-            const int e = i / c_a, c = i % c_a;
-            cp16(base + e * AST + 16 * c, AQ + (long long)arow_s[e] * K + s * KB * 32 + 16 * c);
+#pragma unroll
+        for (int it = 0; it < BT / EPI; ++it) {
+            const int e = ea + EPI * it;
+            if (e < n_ent) cp16(base + e * AST + 16 * ca, arow_p[e] + s * KB * 32 + 16 * ca);
         }
-        const int c_s = KB / 4;  // 16-byte pieces of an entry's block scales (and sums) a stage
+        constexpr int C_S = KB / 4;  // 16-byte pieces of an entry's block scales (and sums) a stage
         float* ad_s = (float*)(base + A_BYTES + W_BYTES);
         int* as_s = (int*)(ad_s + BT * KB);
-        for (int i = tid; i < n_ent * c_s; i += 128) {
-            const int e = i / c_s, c = i % c_s;
+        if (tid < n_ent * C_S) {  // BT C_S <= 128: one piece a thread at most
+            const int e = tid / C_S, c = tid % C_S;
             const long long o = (long long)arow_s[e] * NB + s * KB + 4 * c;
             cp16(ad_s + e * KB + 4 * c, AD + o);
 #if Q4K
@@ -177,24 +227,27 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
 #endif
         // CPB-byte pieces of a row's stage (16; 8 where a stage of 4 Q8_0 / Q4_0 blocks is 136 / 72 bytes; 4
         // for Q6_K's 2-byte aligned super-blocks)
-        const int c_w = STAGE / CPB;
-        for (int i = tid; i < BN * c_w; i += 128) {
-            const int n = i / c_w, c = i % c_w;
-            unsigned char* dst = base + A_BYTES + n * WST + CPB * c;
-            const unsigned char* src = wbase + n * rb + w_off + CPB * c;
-            if (CPB == 16) cp16(dst, src); else if (CPB == 8) cp8(dst, src); else cp4(dst, src);
+        if (cw < C_W) {
+            unsigned char* dst = base + A_BYTES + nw * WST + CPB * cw;
+            const unsigned char* src = w_src + w_off;
+#pragma unroll
+            for (int it = 0; it < BN / RPI; ++it) {
+                if (CPB == 16) cp16(dst, src); else if (CPB == 8) cp8(dst, src); else cp4(dst, src);
+                dst += RPI * WST;
+                src += w_step;
+            }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    float acc[2][4][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+        for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[mi][ni][v] = 0.0f;
-    const bool live0 = 32 * wm < n_ent, live1 = 32 * wm + 16 < n_ent;
+    const bool live = EM * wm < n_ent;  // the warp has entries (m16 tiles past the tile's are skipped)
 
     load_stage(0, 0);
     for (int s = 0; s < NSTAGE; ++s) {
@@ -211,22 +264,22 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
         const float* ad_s = (const float*)(base + A_BYTES + W_BYTES);
         const int* as_s = (const int*)(ad_s + BT * KB);
         const int sh = Q6K ? (210 * s) & 3 : 0;  // the super-block's first byte in its staged row (0 or 2)
-        if (live0) {
+        if (live) {
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
-                // B fragments: row 32 wn + 8 ni + gid's codes k = 4 tig.. (b0) and 16 + 4 tig.. (b1); the
-                // epilogue's scales are those of rows 32 wn + 8 ni + 2 tig, + 1 (the C fragment's columns)
-                unsigned b[4][2];
-                float wd[4][2];
+                // B fragments: row RN wn + 8 ni + gid's codes k = 4 tig.. (b0) and 16 + 4 tig.. (b1); the
+                // epilogue's scales are those of rows RN wn + 8 ni + 2 tig, + 1 (the C fragment's columns)
+                unsigned b[NI][2];
+                float wd[NI][2];
 #if Q4K
-                float wm_[4][2];
-                int sc[4][2], mn[4][2];
+                float wm_[NI][2];
+                int sc[NI][2], mn[NI][2];
 #elif Q6K
-                int sc[4][2][2];  // the scales of the block's two halves, a row
+                int sc[NI][2][2];  // the scales of the block's two halves, a row
 #endif
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni) {
-                    const unsigned char* wr = w_s + (32 * wn + 8 * ni + gid) * WST;
+                for (int ni = 0; ni < NI; ++ni) {
+                    const unsigned char* wr = w_s + (RN * wn + 8 * ni + gid) * WST;
 #if Q80
                     b[ni][0] = word_at(wr, 34 * j + 2 + 4 * tig);
                     b[ni][1] = word_at(wr, 34 * j + 18 + 4 * tig);
@@ -248,7 +301,7 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
 #endif
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
-                        const unsigned char* sr = w_s + (32 * wn + 8 * ni + 2 * tig + v) * WST;
+                        const unsigned char* sr = w_s + (RN * wn + 8 * ni + 2 * tig + v) * WST;
 #if Q4K
                         const unsigned* hw = (const unsigned*)sr;  // d dmin, then the 12 scale bytes
                         wd[ni][v] = half_bits(hw[0] & 0xFFFFu);
@@ -270,19 +323,17 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                     }
                 }
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    if (mi == 1 && !live1) break;
-                    const int e0 = 32 * wm + 16 * mi + gid;  // C rows e0 (v 0, 1) and e0 + 8 (v 2, 3)
-                    const unsigned char* ar0 = a_s + e0 * AST + 32 * j + 4 * tig;
-                    const unsigned char* ar1 = ar0 + 8 * AST;
-                    const unsigned a[4] = {*(const unsigned*)ar0, *(const unsigned*)ar1,
-                                           *(const unsigned*)(ar0 + 16), *(const unsigned*)(ar1 + 16)};
+                for (int mi = 0; mi < MI; ++mi) {
+                    if (mi > 0 && EM * wm + 16 * mi >= n_ent) break;
+                    const int e0 = EM * wm + 16 * mi + gid;  // C rows e0 (v 0, 1) and e0 + 8 (v 2, 3)
+                    unsigned a[4];
+                    a_frag(a, a_s + (EM * wm + 16 * mi + (lane & 15)) * AST + 32 * j + 16 * (lane >> 4));
                     const float ad[2] = {ad_s[e0 * KB + j], ad_s[(e0 + 8) * KB + j]};
 #if Q4K
                     const int asum[2] = {as_s[e0 * KB + j], as_s[(e0 + 8) * KB + j]};
 #endif
 #pragma unroll
-                    for (int ni = 0; ni < 4; ++ni) {
+                    for (int ni = 0; ni < NI; ++ni) {
                         int c[4];
 #if Q6K
                         int c_hi[4];
@@ -315,18 +366,18 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
         __syncthreads();  // the buffer is the stage after next's
     }
 
-    // rows 32 wn + 8 ni + 2 tig, + 1 of entries e0, e0 + 8: two consecutive floats
+    // rows RN wn + 8 ni + 2 tig, + 1 of entries e0, e0 + 8: two consecutive floats
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
+    for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int e = 32 * wm + 16 * mi + gid + 8 * h;
+            const int e = EM * wm + 16 * mi + gid + 8 * h;
             if (e >= n_ent) continue;
             const long long ent = ORDER[start + e];
             float* orow = OUT + (TWO ? (ent * 2 + which) : ent) * R + rr0;
 #pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = 32 * wn + 8 * ni + 2 * tig;
+            for (int ni = 0; ni < NI; ++ni) {
+                const int n = RN * wn + 8 * ni + 2 * tig;
                 *(float2*)(orow + n) = make_float2(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
             }
         }
@@ -342,7 +393,14 @@ Q6_STAGE = 212  # bytes of a row copied a Q6_K stage: a 210-byte super-block fro
 # type (bits do not depend on it; Q4_K and Q6_K stage whole super-blocks: 8); fewer make a smaller CTA
 # (shared memory: two stages), so more of them fit an SM (session 18: Q8_0 870 -> 700 us with 4, Q4_0 713 ->
 # 674).
-MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8})
+# warp_entries: a warp's tile, 32 entries x 32 rows (2 x 4 MMA tiles) or 64 x 16 (4 x 2: each weight fragment
+# and its scales made once for the tile's 64 entries rather than by two warps; the activation fragments twice
+# as often; 92-96 registers for Q4_0 / Q8_0, 5 CTAs an SM, against 107-128; the K-quants 128-140 against 168
+# with spills). Session 54 on an H100 (bench_kernels, 4096 tokens x top-10 over 256 experts, the MMA launches
+# of a layer, 32 -> 64, the same bits): Q4_0 1.64 -> 1.47 ms, Q8_0 1.67 -> 1.59, Q4_K 3.15 -> 2.87, Q6_K 2.89
+# -> 2.46. The bits do not depend on it.
+MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8}, warp_entries=64)
+WARP_TILES = {32: (2, 4), 64: (4, 2)}  # warp_entries -> (MI, NI): m16 tiles of entries, n8 tiles of rows
 
 
 class Geometry(NamedTuple):
@@ -403,10 +461,12 @@ def mma_serves(k: int, r: int, wtype: int, bt: int) -> bool:
     return geometry(k, wtype) is not None and r % BN == 0 and 1 <= bt <= BT
 
 
-def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1) -> tuple[str, ...]:
+def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1,
+                  warp_entries: int | None = None) -> tuple[str, ...]:
     """NVRTC's options for that form (scripts/cuda_resources.py compiles the same ones offline); min_ctas > 1:
-    registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's)."""
-    return ("--fmad=false", *defines(geo, two, wtype), *nvrtc.min_ctas_option(min_ctas))
+    registers capped so that many CTAs fit an SM (only where asked: the default code is the compiler's);
+    warp_entries None: MMA's."""
+    return ("--fmad=false", *defines(geo, two, wtype, warp_entries), *nvrtc.min_ctas_option(min_ctas))
 
 
 KQUANT_CTAS = 3  # the K-quant forms' CTAs an SM where STRATA_MMA_KQUANT_CTAS is unset (see min_ctas)
@@ -418,24 +478,31 @@ def min_ctas(wtype: int) -> int:
     against 4 for Q4_0 / Q8_0 (128 registers). 3 caps them at 168 registers with 4-12 bytes of spills (ptxas,
     session 31; 4 spills ~470 bytes and shared memory allows 3 anyway): on an H100 at 4096 tokens over 256
     experts that took Q4_K 4.10 -> 3.78-3.81 ms a layer and Q6_K 4.10-4.11 -> 3.71-3.73 (session 53,
-    interleaved). The bits do not depend on it (register allocation only)."""
+    interleaved). Since session 54's copies the 32-entry tile's Q4_K takes 168 uncapped and Q6_K 174; the
+    64-entry tile (the default) 128-140 with or without the cap, 3 CTAs an SM by shared memory, so the cap
+    is the measured form's and no longer what bounds it. The bits do not depend on it (register allocation
+    only)."""
     if wtype not in (Q4_K, Q6_K):
         return 1
     raw = os.environ.get("STRATA_MMA_KQUANT_CTAS", "")
     return int(raw) if raw else KQUANT_CTAS
 
 
-def defines(geo: Geometry, two: bool, wtype: int) -> tuple[str, ...]:
-    """The kernel's -D options for that geometry and type."""
+def defines(geo: Geometry, two: bool, wtype: int, warp_entries: int | None = None) -> tuple[str, ...]:
+    """The kernel's -D options for that geometry, type and warp tile (warp_entries None: MMA's)."""
+    we = MMA["warp_entries"] if warp_entries is None else warp_entries
+    if we not in WARP_TILES:
+        raise KernelError(f"MMA warp_entries must be one of {sorted(WARP_TILES)}, not {we}")
+    mi, ni = WARP_TILES[we]
     return (f"-DNB={geo.nb}", f"-DKB={geo.kb}", f"-DBB={geo.bb}", f"-DSTAGE={geo.stage}", f"-DCPB={geo.cpb}",
             f"-DAST={geo.ast}", f"-DWST={geo.wst}", f"-DTWO={int(two)}", f"-DQ80={int(wtype == Q8_0)}",
-            f"-DQ4K={int(wtype == Q4_K)}", f"-DQ6K={int(wtype == Q6_K)}")
+            f"-DQ4K={int(wtype == Q4_K)}", f"-DQ6K={int(wtype == Q6_K)}", f"-DMI={mi}", f"-DNI={ni}")
 
 
 @functools.cache
-def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1):
+def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1, warp_entries: int = 32):
     geo = _geometry(k, wtype, kb)
-    kern = nvrtc.build(_SOURCE, "expert_mma", build_options(geo, two, wtype, ctas), device)
+    kern = nvrtc.build(_SOURCE, "expert_mma", build_options(geo, two, wtype, ctas, warp_entries), device)
     import cupy
 
     with cupy.cuda.Device(device):
@@ -445,7 +512,7 @@ def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1):
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
-    key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype))
+    key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype), MMA["warp_entries"])
     return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
                                "the Triton prompt tile takes their launches (the same bits)")
 

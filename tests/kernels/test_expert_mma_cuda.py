@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from strata_ray.kernels import expert_mma_cuda as emc
-from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer
+from strata_ray.kernels.contract import Q4_0, Q4_K, Q6_K, Q8_0, ExpertLayer, KernelError
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.random_weights import random_layer
 
@@ -98,12 +98,14 @@ def _check(layer: ExpertLayer, n_tok: int, top_k: int, seed: int = 0, one_expert
 @pytest.mark.parametrize("gate_up,down,kb", [(Q8_0, Q8_0, 8), (Q8_0, Q8_0, 4), (Q4_0, Q4_0, 8),
                                               (Q4_0, Q4_0, 4), (Q4_K, Q4_K, 8), (Q4_K, Q6_K, 8),
                                               (Q6_K, Q6_K, 8)])
-def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb):
-    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks; Q4_K + Q6_K: a Q4_K_M file's experts; the
-    256 x 768 layer's rows are not served (its launches take the Triton tile)."""
+@pytest.mark.parametrize("warp_entries", [32, 64])
+def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb, warp_entries):
+    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks, both warp tiles; Q4_K + Q6_K: a Q4_K_M
+    file's experts; the 256 x 768 layer's rows are not served (its launches take the Triton tile)."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
     monkeypatch.setitem(emc.MMA, "stage_blocks", {**emc.MMA["stage_blocks"], gate_up: kb})
+    monkeypatch.setitem(emc.MMA, "warp_entries", warp_entries)
     layer = _layer(2048, 512, 24, gate_up, down)
     for n_tok, top_k in [(1, 10), (33, 8), (222, 10)]:
         _check(layer, n_tok, top_k)
@@ -133,6 +135,22 @@ def test_gpu_mma_rows_equal_the_triton_prompt_tile(monkeypatch):
         rows[on] = expert_ffn_gpu(x, tok, exp, slots, mode="prompt", variant="words", out=out).cpu().numpy()
         assert not np.isnan(rows[on]).any()
     assert np.array_equal(rows["1"].view(np.int32), rows["0"].view(np.int32))
+
+
+def test_the_warp_tile_is_one_of_two(monkeypatch):
+    """MMA["warp_entries"] picks the warp tile's MI x NI MMA tiles (32: 2 x 4, 64: 4 x 2; four warps cover
+    the CTA's 64 x 64 either way); another value is refused in one line, not compiled."""
+    geo = emc.geometry(2048, Q4_0)
+    assert emc.MMA["warp_entries"] == 64  # session 54's measure: 64 x 16 the faster for every type
+    assert emc.defines(geo, True, Q4_0)[-2:] == ("-DMI=4", "-DNI=2")
+    assert emc.defines(geo, True, Q4_0, 32)[-2:] == ("-DMI=2", "-DNI=4")
+    monkeypatch.setitem(emc.MMA, "warp_entries", 32)
+    assert emc.build_options(geo, True, Q4_0)[-2:] == ("-DMI=2", "-DNI=4")
+    monkeypatch.setitem(emc.MMA, "warp_entries", 16)
+    with pytest.raises(KernelError, match="warp_entries must be one of \\[32, 64\\], not 16"):
+        emc.defines(geo, True, Q4_0)
+    for mi, ni in emc.WARP_TILES.values():
+        assert (emc.BT // (16 * mi)) * (emc.BN // (8 * ni)) == 4
 
 
 def test_the_kquant_register_cap_is_the_kquants_only(monkeypatch):

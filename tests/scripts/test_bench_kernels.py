@@ -17,7 +17,8 @@ def test_bad_flags_are_refused_with_one_line():
                            (["--types", "Q5_0"], "--types: unknown 'Q5_0' (allowed: a comma-separated"),
                            (["--variants", "words,fast"], "--variants: unknown 'fast'"),
                            (["--mma-stages", "8,9"], "--mma-stages: invalid value '8,9'"),
-                           (["--mma-stages", "8,6"], "--mma-stages: 4 or 8 blocks a stage, got 8,6")):
+                           (["--mma-stages", "8,6"], "--mma-stages: 4 or 8 blocks a stage, got 8,6"),
+                           (["--mma-warp-entries", "32,48"], "--mma-warp-entries: 32 or 64, got 32,48")):
         r = subprocess.run([sys.executable, SCRIPT, *flags, "--no-gpu"], capture_output=True, text=True,
                            timeout=300)
         assert r.returncode == 2 and message in r.stderr.splitlines()[-1], (flags, r.stderr)
