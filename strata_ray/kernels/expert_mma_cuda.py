@@ -18,8 +18,8 @@ for Q4_0, 2552 -> 2440 for Q8_0; an s8 x u8 MMA for Q4_0's unsigned nibbles, its
 to 2624: the per-entry accumulator inputs cost more moves than the nibbles' adds they saved).
 
 A CTA is a tile of up to BT = 64 entries routed to one expert (plan_tiles' prompt tiles) and BN = 64 rows of
-one matrix; 4 warps of 32 entries x 32 rows each (2 x 4 MMA tiles, 32 fp32 sums a thread; MMA["warp_entries"]
-64: 64 entries x 16 rows, 4 x 2). The K axis runs in stages of KB 32-blocks, double-buffered in shared memory
+one matrix; 4 warps of 64 entries x 16 rows each (4 x 2 MMA tiles, 32 fp32 sums a thread; MMA["warp_entries"]
+32: 32 entries x 32 rows, 2 x 4). The K axis runs in stages of KB 32-blocks, double-buffered in shared memory
 by cp.async: the entries' activation codes (16-byte copies), their block scales (and Q4_K's code sums), and
 the 64 rows' raw GGUF block bytes (16-byte copies, or 8-byte ones where a stage of 4 Q8_0 / Q4_0 blocks is
 136 / 72 bytes), each thread's copies at the same places every stage. Fragments come from the staged bytes:
@@ -126,6 +126,7 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 #define RN (8 * NI)
 #define WARPS_N (BN / RN)
 static_assert((BT / EM) * WARPS_N == 4, "four warps cover the CTA's tile");
+static_assert(BT == 64, "a tile's entries are found by two warps' ballots");
 #define NSTAGE (NB / KB)
 #define A_BYTES (BT * AST)
 #define W_BYTES (BN * WST)
