@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from strata_ray.config import name_list  # noqa: E402
 from strata_ray.kernels import dense_q8_cuda, expert_mma_cuda, expert_rows_cuda  # noqa: E402
-from strata_ray.kernels.contract import Q4_K, Q6_K  # noqa: E402
 from strata_ray.kernels.expert_words import WORDS  # noqa: E402
 from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES  # noqa: E402
 
@@ -124,7 +123,6 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cu
     """(kernel, what, source, name, options, threads, dynamic shared bytes) of each form the engine launches
     at Qwen3-Next-80B-A3B's shapes."""
     names = {v: k for k, v in TYPES.items()}
-    rpw, warps = WORDS["cuda_rpw"], WORDS["cuda_warps"]
     # decode rows: gate + up (two) over E values, then down over N_FF; 1, 4, 8 entries a tile
     if "rows" in kernels:
         for wt in types:
@@ -140,20 +138,18 @@ def forms(kernels: list[str], types: list[int], kquant_ctas: int = expert_mma_cu
                     yield ("rows", f"{names[wt]} {'gate+up' if two else 'down'} k={k} bt={bt}"
                            f"{' prefetch' if prefetch else ''}{' swiglu' if swiglu else ''}",
                            expert_rows_cuda._SOURCE, "expert_rows",
-                           expert_rows_cuda.build_options(k, two, bt, rpw, warps, wt, prefetch, swiglu,
-                                                          bool(WORDS["cuda_cta_fold"]),
-                                                          expert_rows_cuda.rows_early(two),
-                                                          bool(WORDS["cuda_bias"])),
-                           warps * 32, 0)
+                           expert_rows_cuda.build_options(
+                               **expert_rows_cuda.engine_form(k, two, bt, wt, prefetch, swiglu)),
+                           WORDS["cuda_warps"] * 32, 0)
     if "mma" in kernels:  # prompt rows on the int8 tensor cores
         for wt in types:
             for k, two in ((E, True), (N_FF, False)):
                 geo = expert_mma_cuda.geometry(k, wt)
                 if geo is None:
                     continue
-                ctas = kquant_ctas if wt in (Q4_K, Q6_K) else 1  # expert_mma_cuda.min_ctas's reach
                 yield ("mma", f"{names[wt]} {'gate+up' if two else 'down'} k={k}", expert_mma_cuda._SOURCE,
-                       "expert_mma", expert_mma_cuda.build_options(geo, two, wt, ctas, mma_warp_entries), 128,
+                       "expert_mma",
+                       expert_mma_cuda.engine_options(k, two, wt, kquant_ctas, mma_warp_entries), 128,
                        expert_mma_cuda.shared_bytes(geo))
     if "gemv" in kernels:  # the dense Q8_0 GEMV: the 80b's widest matrices at 1 and 4 tokens
         for n, k in ((12352, 2048), (2048, 4096), (151936, 2048)):

@@ -511,6 +511,15 @@ def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1, 
     return kern
 
 
+def engine_options(k: int, two: bool, wtype: int, kquant_ctas: int | None = None,
+                   warp_entries: int | None = None) -> tuple[str, ...]:
+    """NVRTC's options for the form the engine launches for that shape (MMA's stage and warp tile,
+    min_ctas' cap), or with the K-quants' cap (kquant_ctas) or the warp tile given: what
+    scripts/cuda_resources.py compiles offline."""
+    ctas = min_ctas(wtype) if kquant_ctas is None or wtype not in (Q4_K, Q6_K) else kquant_ctas
+    return build_options(geometry(k, wtype), two, wtype, ctas, warp_entries)
+
+
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
     key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype), MMA["warp_entries"])

@@ -654,16 +654,26 @@ def _kernel(k: int, two: bool, bt: int, rpw: int, warps: int, device: int, wtype
     return nvrtc.build(_SOURCE, "expert_rows", opts, device)
 
 
+def engine_form(k: int, two: bool, bt: int, wtype: int, prefetch: bool = False, swiglu: bool = False) -> dict:
+    """build_options' arguments for the form the engine launches for that shape under WORDS as they are now
+    (rows a group, warps, the CTA fold, EARLY, BIAS): what cuda_rows_kernel compiles, and what
+    scripts/cuda_resources.py compiles offline."""
+    from .expert_words import WORDS
+
+    return dict(k=k, two=two, bt=bt, rpw=WORDS["cuda_rpw"], warps=WORDS["cuda_warps"], wtype=wtype,
+                prefetch=prefetch, swiglu=swiglu, cta_fold=bool(WORDS["cuda_cta_fold"]),
+                early=rows_early(two), bias=bool(WORDS["cuda_bias"]))
+
+
 def cuda_rows_kernel(k: int, two: bool, device: int, bt: int = 1, wtype: int = Q4_0, prefetch: bool = False,
                      swiglu: bool = False):
     """The compiled kernel for rows of k values of type wtype in tiles of up to bt entries on CUDA device
     `device` (swiglu: the down form that makes its codes from the gate / up rows), or None where it cannot be
     built (an NVRTC or driver too old for the GPU, say): a Triton tile then, with the same bits, after one
     warning."""
-    from .expert_words import WORDS
-
-    key = (k, two, bt, WORDS["cuda_rpw"], WORDS["cuda_warps"], device, wtype, prefetch, swiglu,
-           bool(WORDS["cuda_cta_fold"]), rows_early(two), bool(WORDS["cuda_bias"]))
+    f = engine_form(k, two, bt, wtype, prefetch, swiglu)
+    key = (k, two, bt, f["rpw"], f["warps"], device, wtype, prefetch, swiglu, f["cta_fold"], f["early"],
+           f["bias"])
     fallback = ("the SwiGLU kernel between the two launches takes its place (the same bits)" if swiglu
                 else "a Triton tile takes their launches (the same bits)")
     return nvrtc.build_or_none(("expert_rows", *key), lambda: _kernel(*key), "expert rows", fallback)

@@ -153,6 +153,17 @@ def test_the_warp_tile_is_one_of_two(monkeypatch):
         assert (emc.BT // (16 * mi)) * (emc.BN // (8 * ni)) == 4
 
 
+def test_the_engine_options_are_the_launched_forms(monkeypatch):
+    """engine_options: what mma_kernel compiles for a shape (MMA's tile, min_ctas' cap), or with the cap or
+    the tile given, as cuda_resources asks; a given cap reaches the K-quants only."""
+    monkeypatch.delenv("STRATA_MMA_KQUANT_CTAS", raising=False)
+    geo = emc.geometry(2048, Q4_K)
+    assert emc.engine_options(2048, True, Q4_K) == emc.build_options(geo, True, Q4_K, emc.KQUANT_CTAS)
+    assert emc.engine_options(2048, True, Q4_K, 1, 32) == emc.build_options(geo, True, Q4_K, 1, 32)
+    g40 = emc.geometry(2048, Q4_0)
+    assert emc.engine_options(2048, True, Q4_0, 3) == emc.build_options(g40, True, Q4_0, 1)
+
+
 def test_the_kquant_register_cap_is_the_kquants_only(monkeypatch):
     """The K-quant forms are capped for KQUANT_CTAS (3) CTAs an SM unless STRATA_MMA_KQUANT_CTAS says
     otherwise; 1 is the compiler's choice (no MIN_CTAS option, the code as before the cap); Q4_0 / Q8_0 are

@@ -420,6 +420,21 @@ def test_the_bias_form_is_an_option_off_by_default():
     assert "#if BIAS" in erc._SOURCE and "I2F_BIAS" in erc._SOURCE
 
 
+def test_the_engine_form_follows_the_words_of_now(monkeypatch):
+    """engine_form: build_options' arguments of the form the engine launches (and cuda_resources compiles),
+    read from WORDS at the call, so a sweep's or a test's WORDS reach both."""
+    import strata_ray.kernels.expert_rows_cuda as erc
+    import strata_ray.kernels.expert_words as ew
+
+    form = erc.engine_form(2048, True, 4, Q4_0, prefetch=True)
+    assert form == dict(k=2048, two=True, bt=4, rpw=ew.WORDS["cuda_rpw"], warps=ew.WORDS["cuda_warps"],
+                        wtype=Q4_0, prefetch=True, swiglu=False, cta_fold=bool(ew.WORDS["cuda_cta_fold"]),
+                        early=rows_early(True), bias=bool(ew.WORDS["cuda_bias"]))
+    monkeypatch.setitem(ew.__dict__, "WORDS", {**ew.WORDS, "cuda_bias": True, "cuda_rpw": 4})
+    opts = build_options(**erc.engine_form(512, False, 8, Q4_K))
+    assert "-DBIAS=1" in opts and "-DRPW=4" in opts
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("wtype", [Q4_0, Q8_0, Q4_K, Q6_K])
