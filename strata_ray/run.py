@@ -178,8 +178,42 @@ def build_request(ns, values: dict):
     return GenerationRequest(**values)
 
 
+def check_prompt_fits(request, model: str | None, context: int) -> None:
+    """A prompt that leaves no room in the model's context is refused here, in one line, before Ray starts:
+    the primary refused it only after the model's load (minutes for a large one). Ids count as given; a
+    text is tokenized as the primary will (text_prompt_ids), unless it fits whatever its tokens (a
+    byte-level vocabulary spells each byte with one token at most, NFC makes a UTF-8 text at most 3x longer,
+    and a BOS is one more; the chat template's own text is not known before it is applied): a short prompt
+    costs no tokenizer build (~0.6 s at a 152K vocabulary)."""
+    from strata_ray.engine.engine import text_prompt_ids, too_long
+    from strata_ray.model.gguf_file import GGUFFile
+    from strata_ray.model.loader import resolve_model_path
+    from strata_ray.model.tokenizer import ChatTemplateError, Tokenizer
+
+    if request.prompt_ids is not None:
+        count = len(request.prompt_ids)
+    else:
+        if not request.chat and 3 * len(request.prompt.encode("utf-8")) + 1 < context:
+            return
+        file = GGUFFile(resolve_model_path(model))
+        tokenizer = Tokenizer.from_gguf(file)
+        least = tokenizer.fewest_tokens(request.prompt)  # a huge text refused unread, as serve refuses it
+        if least >= context:
+            raise ConfigError(too_long(f"at least {least}", context))
+        try:
+            count = len(text_prompt_ids(tokenizer, file.fields, request.prompt, request.chat))
+        except ChatTemplateError as e:  # the primary's one line, sooner
+            raise ConfigError(str(e).splitlines()[0]) from None
+    if count >= context:
+        raise ConfigError(too_long(count, context))
+
+
 def read_prompt(ns) -> str:
     if ns.prompt is not None:
+        try:  # argv bytes that are not UTF-8 arrive as lone surrogates (os.fsdecode); they ended the run
+            ns.prompt.encode("utf-8")  # after the load, "UnicodeEncodeError" and exit 1
+        except UnicodeEncodeError:
+            raise ConfigError("--prompt is not UTF-8 text") from None
         return ns.prompt
     if ns.prompt_file is not None:
         try:
@@ -326,6 +360,7 @@ def generate_main(argv: Sequence[str]) -> int:
 
         check_supported(cfg)
         request = build_request(ns, values)
+        check_prompt_fits(request, cfg.model, hp.context_length)
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     from strata_ray.actors import launch

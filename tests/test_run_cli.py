@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +266,60 @@ def test_a_prompt_that_never_ends_is_refused_not_read_until_memory_ends(tiny_mod
     with pytest.raises(ConfigError, match="^the prompt on stdin is longer than .* MiB; a prompt is text$"):
         run_module.read_prompt(argparse.Namespace(prompt=None, prompt_file=None))
 
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_ray_starts(tiny_model, tmp_path):
+    """Token ids, a file, a chat-wrapped file and stdin that leave no room in the context: one line, exit 2,
+    before Ray starts and the model loads (the primary refused them only after the load, minutes for a large
+    model). A text is counted as the primary counts it, its chat template included; a huge one is refused
+    on the lower bound, unread."""
+    tok = Tokenizer.from_gguf(GGUFFile(tiny_model))
+    context = GGUFFile(tiny_model).hparams.context_length
+
+    def line(count) -> str:
+        return f"strata_ray: the prompt has {count} tokens; the model's context is {context} tokens\n"
+
+    text = "x" * (context - 5)  # fits alone, not in the chat template
+    (tmp_path / "p.txt").write_text(text)
+    chat = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": text}])))
+    assert len(tok.encode(text)) < context <= chat
+    huge = "x" * (4 * tok.max_token_bytes * context)
+    (tmp_path / "huge.txt").write_text(huge)
+    for args, stdin, count in (
+        (["--prompt-ids", ",".join(["5"] * context)], None, context),
+        (["--prompt-ids", ",".join(["5"] * (context + 100))], None, context + 100),
+        (["--prompt-file", str(tmp_path / "p.txt"), "--chat"], None, chat),
+        ([], "x" * context, context),
+        (["--prompt-file", str(tmp_path / "huge.txt")], None, f"at least {context}"),
+    ):
+        started = time.monotonic()
+        r = run_cli("--model", tiny_model, "--address", "local", *args, stdin=stdin, timeout=60)
+        assert (r.returncode, r.stderr, r.stdout) == (2, line(count), ""), args[:1]
+        assert time.monotonic() - started < 30, args[:1]  # Python's imports; no Ray, no load
+
+
+def test_the_last_prompt_that_fits_generates_one_token_and_ends_with_length(tiny_model):
+    """A prompt one token short of the context runs (the driver's check counts as the primary does) and
+    ends at the context: one token, "length", whatever --max-tokens asks; --prefill 64 cuts it into 63 full
+    chunks and one of 63 tokens."""
+    context = GGUFFile(tiny_model).hparams.context_length
+    ids = ",".join(str((i * 37 + 11) % 250 + 5) for i in range(context - 1))
+    r = run_cli("--model", tiny_model, "--address", "local", "--prompt-ids", ids, "--max-tokens", "2",
+                "--prefill", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["prompt_tokens"], doc["generated_tokens"], doc["finish_reason"]) == (context - 1, 1, "length")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tiny_model):
+    """--prompt with bytes that are not UTF-8 (a shell's $'\\xff'): it ended "UnicodeEncodeError: ...
+    surrogates not allowed" and exit 1 after the load."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("RAY_ADDRESS", None)
+    argv = [os.fsencode(sys.executable), b"-m", b"strata_ray.run", b"--model", os.fsencode(tiny_model),
+            b"--address", b"local", b"--prompt", b"ab\xffcd" * 2000]
+    r = subprocess.run(argv, capture_output=True, env=env, cwd=REPO, timeout=60, stdin=subprocess.DEVNULL)
+    assert (r.returncode, r.stderr, r.stdout) == (2, b"strata_ray: --prompt is not UTF-8 text\n", b"")
 
 
 def test_the_same_profile_path_for_both_flags_resumes_learning(tiny_model, tmp_path, capsys):

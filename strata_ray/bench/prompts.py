@@ -148,6 +148,9 @@ class PromptBuilder:
             limit = int(limit * ESTIMATE_SLACK)
         if limit is None or n_tokens <= limit:
             return n_tokens, None
+        if limit < 1:  # was "cut from 1024 to -2960 tokens", then a second line about that prompt
+            raise PromptError(f"no prompt fits the model's context of {self.context_length} tokens beside "
+                              f"{gen_tokens} generated ones")
         return limit, (
             f"prompt cut from {n_tokens} to {limit} tokens to fit the model's context of "
             f"{self.context_length} with {gen_tokens} generated tokens"

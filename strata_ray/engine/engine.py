@@ -99,6 +99,20 @@ def check_supported(cfg: EngineConfig) -> None:
         raise FeatureNotAvailable(f"{flag} is not available yet")
 
 
+def text_prompt_ids(tokenizer, fields, text: str, chat: bool) -> list[int]:
+    """The ids a text prompt runs: wrapped in the chat template where asked, after a BOS where the GGUF's
+    tokenizer.ggml.add_bos_token says. One function for the engine and `run`'s early check, so both count
+    the same tokens."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(text, add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+
+
+def too_long(tokens: int | str, context: int) -> str:
+    """The one line for a prompt that leaves no room in the context (a prompt needs one token after it)."""
+    return f"the prompt has {tokens} tokens; the model's context is {context} tokens"
+
+
 def resolve_device(device: str) -> str:
     import torch
 
@@ -169,16 +183,12 @@ class Engine:
             if bad is not None:
                 raise RequestError(f"prompt token id {bad} is out of range (vocabulary of {n_vocab} tokens)")
         else:
-            text = request.prompt or ""
-            if request.chat:
-                text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            add_bos = bool(self.loaded.file.fields.get("tokenizer.ggml.add_bos_token", False))
-            ids = self.tokenizer.encode(text, add_bos=add_bos)
+            ids = text_prompt_ids(self.tokenizer, self.loaded.file.fields, request.prompt or "", request.chat)
         if not ids:
             raise RequestError("the prompt is empty")
         context = self.loaded.hp.context_length
         if len(ids) >= context:
-            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {context}")
+            raise RequestError(too_long(len(ids), context))
         return ids
 
     def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None,

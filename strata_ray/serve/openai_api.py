@@ -405,10 +405,7 @@ def encode(job: Completion, tokenizer, add_bos: bool, context: int | None = None
         except (ChatTemplateError, TypeError) as e:
             raise invalid("messages", str(e).splitlines()[0]) from None
     if context is not None:
-        # at least this many tokens, none spelling more bytes than the vocabulary's longest, and the
-        # normalizer's NFC at most 4x shorter (3 Hangul jamo -> one syllable is 3x): a prompt that cannot
-        # fit is refused before its encode (a 20 MB prompt took 22 s of CPU to be refused after it)
-        least = -(-len(text.encode("utf-8", "surrogatepass")) // (4 * max(1, tokenizer.max_token_bytes)))
+        least = tokenizer.fewest_tokens(text)  # a prompt that cannot fit is refused before its encode
         if least >= context:
             raise context_exceeded(f"at least {least}", context, "messages" if job.chat else "prompt")
     return tokenizer.encode(text, add_bos=add_bos)

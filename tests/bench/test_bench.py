@@ -27,7 +27,7 @@ import pytest
 from strata_ray.bench import targets
 from strata_ray.bench.cli import bench_main
 from strata_ray.bench.gate import first_difference
-from strata_ray.bench.prompts import PromptBuilder, parse_token_count
+from strata_ray.bench.prompts import PromptBuilder, PromptError, parse_token_count
 
 CONTEXT = 256
 FAST = ["--gen", "4", "--story-tokens", "6", "--no-warmup"]
@@ -212,6 +212,25 @@ def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
 def test_an_empty_contexts_or_repeats_is_refused_not_the_default(model_path, capsys, flag, line):
     code, _, err = run_cli(capsys, "--local", "--model", model_path, flag, "")
     assert (code, err) == (2, f"strata_ray bench: {line}\n")
+
+
+@pytest.mark.parametrize("command", [["--contexts", "64", "--story-tokens", "0", "--no-warmup"],
+                                     ["gate", "--save", "ref.json"]])
+def test_generated_tokens_that_fill_the_context_are_one_line(model_path, tmp_path, capsys, command):
+    """--gen (or the gate's --max-tokens) at the model's context or past it: it said "prompt cut from 64 to
+    -56 tokens", then that a prompt of -56 tokens was shorter than its fixed text. Now one line, and nothing
+    runs."""
+    gen = ["--gen", str(CONTEXT)] if command[0] != "gate" else ["--max-tokens", str(CONTEXT)]
+    command = [tmp_path / c if c.endswith(".json") else c for c in command]
+    code, out, err = run_cli(capsys, *map(str, command), "--local", "--model", model_path, *gen)
+    assert (code, out) == (2, "")
+    assert err.splitlines()[-1] == (f"strata_ray bench: no prompt fits the model's context of {CONTEXT} "
+                                    f"tokens beside {CONTEXT} generated ones")
+    assert "cut from" not in err and not (tmp_path / "ref.json").exists()
+    builder = PromptBuilder(None, CONTEXT)  # an estimate (a foreign server): the same refusal
+    with pytest.raises(PromptError, match=f"^no prompt fits the model's context of {CONTEXT} tokens"):
+        builder.fit(64, CONTEXT - 8)
+    assert builder.fit(64, CONTEXT - 16)[0] >= 1  # room left: a cut prompt, as before
 
 
 def test_a_seed_beyond_64_bits_is_one_line_before_the_model_loads(model_path, capsys):

@@ -1,6 +1,7 @@
 """Engine without Ray: prompts (text, chat, ids), streaming batches, stop(), request errors."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -41,13 +42,56 @@ def test_text_prompt_and_chat_template(engine):
         (GenerationRequest(prompt=""), "the prompt is empty"),
         (GenerationRequest(prompt_ids=(1, 100000)),
          "prompt token id 100000 is out of range (vocabulary of 288 tokens)"),
-        (GenerationRequest(prompt="x" * 5000), "the prompt has 5000 tokens; the model's context is 4096"),
+        (GenerationRequest(prompt="x" * 5000),
+         "the prompt has 5000 tokens; the model's context is 4096 tokens"),
     ],
 )
 def test_request_errors_are_one_line(engine, request_, message):
     with pytest.raises(RequestError) as e:
         engine.prompt_ids(request_)
     assert str(e.value) == message
+
+
+def spread_ids(n: int) -> tuple[int, ...]:
+    """n prompt ids spread over the tiny vocabulary (288 tokens), none of them a control token."""
+    return tuple((i * 37 + 11) % 250 + 5 for i in range(n))
+
+
+@pytest.mark.parametrize("prompt", [1, 63, 64, 65, 127, 128, 129, " ", "\n\n\t "])
+def test_the_prompt_chunk_does_not_change_the_tokens_at_its_edges(engine, monkeypatch, prompt):
+    """--prefill 64, 128 and 512 (the CPU's auto) over prompts of one token, a chunk, one more and one less,
+    and whitespace alone: the same greedy ids, and prompt logprobs (an echo's) equal to rounding. Their last
+    bits may move with the chunking on the CPU, whose F.linear rounds calls of a few rows differently (DESIGN
+    section 7's batch invariance, a known gap of the CPU dense path)."""
+    import numpy as np
+
+    if isinstance(prompt, int):
+        request = GenerationRequest(prompt_ids=spread_ids(prompt), max_tokens=6, prompt_logprobs=2)
+    else:
+        request = GenerationRequest(prompt=prompt, max_tokens=6, prompt_logprobs=2)
+    outputs, scores = set(), []
+    for chunk in (64, 128, 512):
+        monkeypatch.setattr(engine, "config", replace(engine.config, prefill=chunk))
+        summary = engine.generate(request)
+        outputs.add((summary.token_ids, summary.finish_reason))
+        scores.append([lp.logprob for lp in summary.prompt_logprobs])
+    assert len(outputs) == 1
+    (ids, finish), = outputs
+    assert len(scores[0]) == summary.prompt_tokens - 1 and (len(ids) == 6 or finish == "stop")
+    assert all(np.allclose(s, scores[0], rtol=1e-5, atol=1e-6) for s in scores[1:])
+
+
+def test_a_generation_ends_at_the_context_with_length(engine):
+    """prompt + generated tokens fill the context at most (as vLLM's max_model_len and llama.cpp's n_ctx
+    count them): past it max_tokens is cut, and the end is "length", the last prompt that fits being one
+    token short of the context."""
+    context = engine.loaded.hp.context_length
+    for n, max_tokens, generated in ((context - 1, 1, 1), (context - 1, 2, 1), (context - 2, 2, 2),
+                                     (context - 2, 500, 2)):
+        summary = engine.generate(GenerationRequest(prompt_ids=spread_ids(n), max_tokens=max_tokens))
+        assert (len(summary.token_ids), summary.finish_reason) == (generated, "length"), (n, max_tokens)
+    with pytest.raises(RequestError, match=f"^the prompt has {context} tokens; the model's context is "):
+        engine.generate(GenerationRequest(prompt_ids=spread_ids(context), max_tokens=1))
 
 
 def test_stream_batches_add_up_to_the_summary(engine):

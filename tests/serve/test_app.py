@@ -404,6 +404,51 @@ def test_load_50_requests_from_4_threads(server):
     assert totals["completed"] - before["completed"] == 50
 
 
+def test_the_context_boundary_and_long_prompts_beside_short_ones(server):
+    """Sent together from threads: prompts one and two tokens short of the context (one streamed, with no
+    max_tokens) answer up to the context and end with "length" (usage: the context at most); one of the
+    context is a 400 in OpenAI's shape at once, while the long ones run; the short ones all answer."""
+    ctx = server.get("/v1/models").json()["data"][0]["max_model_len"]
+
+    def ids(n: int) -> list[int]:
+        return [(i * 37 + 11) % 250 + 5 for i in range(n)]
+
+    jobs = {
+        "last": ({"prompt": ids(ctx - 1), "max_tokens": 2}, 1),
+        "two": ({"prompt": ids(ctx - 2), "stream": True, "stream_options": {"include_usage": True}}, 2),
+        "over": ({"prompt": ids(ctx), "max_tokens": 1}, None),
+        **{f"short{i}": ({"prompt": f"def f{i}():", "max_tokens": 4}, 4) for i in range(6)},
+    }
+    answers: dict = {}
+
+    def send(name: str, body: dict) -> None:
+        started = time.monotonic()
+        r = server.post("/v1/completions", {**body, "temperature": 0}, stream=body.get("stream", False))
+        answers[name] = (r, sse_events(r) if body.get("stream") else None, time.monotonic() - started)
+
+    threads = [threading.Thread(target=send, args=(name, body)) for name, (body, _) in jobs.items()]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)  # in this order
+    for t in threads:
+        t.join(timeout=170)
+    r, _, seconds = answers.pop("over")
+    assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert r.json()["error"]["message"] == f"the prompt has {ctx} tokens; the model's context is {ctx} tokens"
+    assert seconds < answers["last"][2]  # refused beside the engine, not after the long prompt before it
+    for name, (r, events, _) in answers.items():
+        assert r.status_code == 200, (name, r.text)
+        if events is not None:
+            assert events[-1] == "[DONE]"
+            finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
+            usage = events[-2]["usage"]
+        else:
+            finish, usage = r.json()["choices"][0]["finish_reason"], r.json()["usage"]
+        room = jobs[name][1]  # max_tokens or the context's room: all of it, unless a stop token came first
+        assert (finish == "length") == (usage["completion_tokens"] == room), (name, finish, usage)
+        assert usage["total_tokens"] <= ctx and usage["completion_tokens"] <= room, (name, usage)
+
+
 # --- status and metrics ----------------------------------------------------------------------------------
 
 
