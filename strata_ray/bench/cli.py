@@ -249,11 +249,14 @@ def bench_main(argv: Sequence[str]) -> int:
             if path:  # a file written after the whole run: refused now, not then; never over an input or
                 # a file of another kind
                 check_save_path(os.path.abspath(path), flag, inputs, magic, kind)
-        if not ns.url and (cfg.expert_profile or cfg.expert_profile_save):  # as `run` and `serve` read them
+        hp = None
+        if not ns.url:  # the model's header before any Ray work or load, as `run` reads it: a bad file fails
+            # in a second
             from strata_ray.run import check_model_file, check_profile_files
 
             model_path, hp = check_model_file(cfg)
-            cfg = check_profile_files(replace(cfg, model=model_path), hp)
+            if cfg.expert_profile or cfg.expert_profile_save:  # as `run` and `serve` read them
+                cfg = check_profile_files(replace(cfg, model=model_path), hp)
         if command == "run":
             job = BenchJob(parse_plan(ns), parse_sampling(ns))
             if ns.plot:
@@ -271,6 +274,9 @@ def bench_main(argv: Sequence[str]) -> int:
                 raise ConfigError("--max-tokens applies with --save (--against runs the reference's count)")
             doc = gate.load(ns.against, command)
             job = GateJob(doc, reference_sampling(ns, doc), int(doc["gen_tokens"]))
+        if hp is not None:  # a generation that leaves no room for a prompt, refused before the load
+            PromptBuilder(context_length=hp.context_length).check_room(
+                job.plan.gen_tokens if command == "run" else job.gen_tokens)
         if ns.url:  # the one seed a server cannot take, refused before the target opens
             from strata_ray.bench.http_client import check_wire_seed
 

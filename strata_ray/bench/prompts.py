@@ -140,6 +140,17 @@ class PromptBuilder:
             return None
         return self.context_length - gen_tokens - CONTEXT_MARGIN
 
+    def check_room(self, gen_tokens: int) -> None:
+        """PromptError where gen_tokens generated ones leave no room for a prompt in the model's context (an
+        unknown context: none): bench checks it from the model's header, before the load."""
+        limit = self.max_prompt_tokens(gen_tokens)
+        if limit is not None and limit < 1:
+            raise self._no_room(gen_tokens)
+
+    def _no_room(self, gen_tokens: int) -> PromptError:
+        return PromptError(f"no prompt fits the model's context of {self.context_length} tokens beside "
+                           f"{gen_tokens} generated ones")
+
     def fit(self, n_tokens: int, gen_tokens: int) -> tuple[int, str | None]:
         """(tokens to use, note) for a prompt of n_tokens followed by gen_tokens generated ones."""
         limit = self.max_prompt_tokens(gen_tokens)
@@ -149,8 +160,7 @@ class PromptBuilder:
         if limit is None or n_tokens <= limit:
             return n_tokens, None
         if limit < 1:  # was "cut from 1024 to -2960 tokens", then a second line about that prompt
-            raise PromptError(f"no prompt fits the model's context of {self.context_length} tokens beside "
-                              f"{gen_tokens} generated ones")
+            raise self._no_room(gen_tokens)
         return limit, (
             f"prompt cut from {n_tokens} to {limit} tokens to fit the model's context of "
             f"{self.context_length} with {gen_tokens} generated tokens"

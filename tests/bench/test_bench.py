@@ -216,10 +216,17 @@ def test_an_empty_contexts_or_repeats_is_refused_not_the_default(model_path, cap
 
 @pytest.mark.parametrize("command", [["--contexts", "64", "--story-tokens", "0", "--no-warmup"],
                                      ["gate", "--save", "ref.json"]])
-def test_generated_tokens_that_fill_the_context_are_one_line(model_path, tmp_path, capsys, command):
+def test_generated_tokens_that_fill_the_context_are_one_line(model_path, tmp_path, capsys, monkeypatch,
+                                                              command):
     """--gen (or the gate's --max-tokens) at the model's context or past it: it said "prompt cut from 64 to
-    -56 tokens", then that a prompt of -56 tokens was shorter than its fixed text. Now one line, and nothing
-    runs."""
+    -56 tokens", then that a prompt of -56 tokens was shorter than its fixed text, after the model's load.
+    Now one line from the model's header, and no target opens (no load, no Ray)."""
+    import strata_ray.bench.cli as bench_cli
+
+    def no_target(*_):
+        raise AssertionError("the target opened")
+
+    monkeypatch.setattr(bench_cli, "open_target", no_target)
     gen = ["--gen", str(CONTEXT)] if command[0] != "gate" else ["--max-tokens", str(CONTEXT)]
     command = [tmp_path / c if c.endswith(".json") else c for c in command]
     code, out, err = run_cli(capsys, *map(str, command), "--local", "--model", model_path, *gen)
@@ -227,6 +234,10 @@ def test_generated_tokens_that_fill_the_context_are_one_line(model_path, tmp_pat
     assert err.splitlines()[-1] == (f"strata_ray bench: no prompt fits the model's context of {CONTEXT} "
                                     f"tokens beside {CONTEXT} generated ones")
     assert "cut from" not in err and not (tmp_path / "ref.json").exists()
+    with pytest.raises(PromptError, match=f"^no prompt fits the model's context of {CONTEXT} tokens"):
+        PromptBuilder(context_length=CONTEXT).check_room(CONTEXT - 8)
+    PromptBuilder(context_length=CONTEXT).check_room(CONTEXT - 16)  # room left
+    PromptBuilder().check_room(10**9)  # an unknown context: no refusal
     builder = PromptBuilder(None, CONTEXT)  # an estimate (a foreign server): the same refusal
     with pytest.raises(PromptError, match=f"^no prompt fits the model's context of {CONTEXT} tokens"):
         builder.fit(64, CONTEXT - 8)
