@@ -473,8 +473,9 @@ def build_options(geo: Geometry, two: bool, wtype: int, min_ctas: int = 1,
 KQUANT_CTAS = 3  # the K-quant forms' CTAs an SM where STRATA_MMA_KQUANT_CTAS is unset (see min_ctas)
 
 
-def min_ctas(wtype: int) -> int:
-    """STRATA_MMA_KQUANT_CTAS (1-4; 1: the compiler's choice; default KQUANT_CTAS) for Q4_K / Q6_K, else 1.
+def min_ctas(wtype: int, kquant_ctas: int | None = None) -> int:
+    """kquant_ctas where given, else STRATA_MMA_KQUANT_CTAS (1-4; 1: the compiler's choice; default
+    KQUANT_CTAS), for Q4_K / Q6_K; 1 for the other types.
     Left to the compiler, the K-quant forms take 244-255 registers, so an SM holds 2 of their CTAs (8 warps)
     against 4 for Q4_0 / Q8_0 (128 registers). 3 caps them at 168 registers with 4-12 bytes of spills (ptxas,
     session 31; 4 spills ~470 bytes and shared memory allows 3 anyway): on an H100 at 4096 tokens over 256
@@ -485,6 +486,8 @@ def min_ctas(wtype: int) -> int:
     only)."""
     if wtype not in (Q4_K, Q6_K):
         return 1
+    if kquant_ctas is not None:
+        return kquant_ctas
     raw = os.environ.get("STRATA_MMA_KQUANT_CTAS", "")
     return int(raw) if raw else KQUANT_CTAS
 
@@ -516,8 +519,7 @@ def engine_options(k: int, two: bool, wtype: int, kquant_ctas: int | None = None
     """NVRTC's options for the form the engine launches for that shape (MMA's stage and warp tile,
     min_ctas' cap), or with the K-quants' cap (kquant_ctas) or the warp tile given: what
     scripts/cuda_resources.py compiles offline."""
-    ctas = min_ctas(wtype) if kquant_ctas is None or wtype not in (Q4_K, Q6_K) else kquant_ctas
-    return build_options(geometry(k, wtype), two, wtype, ctas, warp_entries)
+    return build_options(geometry(k, wtype), two, wtype, min_ctas(wtype, kquant_ctas), warp_entries)
 
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
