@@ -25,6 +25,7 @@ from strata_ray.config import int_list, name_list
 from strata_ray.kernels.contract import KERNEL_VARIANTS, Q4_0, Q4_K, Q8_0, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool, cpu_count
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
+from strata_ray.kernels.expert_mma_cuda import MMA, WARP_TILES
 from strata_ray.kernels.random_weights import Q_TYPES_FOR_TESTS as TYPES  # the types random_layer builds
 from strata_ray.kernels.random_weights import random_layer
 
@@ -242,7 +243,7 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
               variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(4,),
-              mma_warp_entries=(32,)) -> dict:
+              mma_warp_entries=(MMA["warp_entries"],)) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
@@ -524,9 +525,9 @@ def main() -> None:
     ap.add_argument("--no-prompt", action="store_true", help="skip the prompt-chunk kernels")
     ap.add_argument("--mma-stages", default="4", type=int_list(4, 8),
                     help="32-blocks a stage of the MMA prompt rows to time, Q8_0 / Q4_0 (4, 8; e.g. 8,4)")
-    ap.add_argument("--mma-warp-entries", default="32", type=int_list(32, 64),
+    ap.add_argument("--mma-warp-entries", default=str(MMA["warp_entries"]), type=int_list(32, 64),
                     help="the MMA prompt rows' warp tiles to time: 32 (32 entries x 32 rows) and / or 64 "
-                    "(64 x 16), e.g. 32,64")
+                    f"(64 x 16), e.g. 32,64; default the engine's, {MMA['warp_entries']}")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
@@ -534,7 +535,7 @@ def main() -> None:
     args = ap.parse_args()
     if not set(args.mma_stages) <= {4, 8}:
         ap.error(f"--mma-stages: 4 or 8 blocks a stage, got {','.join(map(str, args.mma_stages))}")
-    if not set(args.mma_warp_entries) <= {32, 64}:
+    if not set(args.mma_warp_entries) <= set(WARP_TILES):
         ap.error(f"--mma-warp-entries: 32 or 64, got {','.join(map(str, args.mma_warp_entries))}")
     if args.graph_probe:
         graph_probe(args.graph_probe)
