@@ -99,6 +99,7 @@ from strata_ray.kernels.fused_small import fused_enabled, gather_rows
 from strata_ray.kernels.gather_copy import ahead_programs, share_programs, stage_experts, stage_table
 from strata_ray.kernels.publish import ActCodes, publish
 from strata_ray.kernels.stream_flags import HostFlag
+from strata_ray.model.graph_capture import capture_graph
 
 # experts a layer copies ahead of its routing by default in the token graphs: on the H200 at 8K, 24 GiB card
 # (session 20, one host): 77.2 tok/s with none, 87.0 with 2 (both with the device attention); 3 without it
@@ -418,7 +419,7 @@ class PipelinedDecodeRows:
         for layer in self._stage if capture else ():
             for graphs, body in bodies[layer]:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=tile_pool if graphs is self._tile_graphs else ahead_pool):
+                with capture_graph(g, tile_pool if graphs is self._tile_graphs else ahead_pool):
                     body()
                 graphs[layer] = g
 
@@ -560,7 +561,7 @@ class PipelinedDecodeRows:
         pool = torch.cuda.graph_pool_handle()
         for layer in range(self.tiers.n_layers) if graphs else ():
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capture_graph(g, pool):
                 self._layer_graph(layer, xs[layer], ids[layer], besides[layer])
             self._graphs[layer] = g
         if self.ahead:

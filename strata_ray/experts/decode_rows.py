@@ -48,6 +48,7 @@ from strata_ray.kernels.expert_cpu import expert_ffn_cpu
 from strata_ray.kernels.fused_small import gather_rows
 from strata_ray.kernels.stream_flags import host_flag
 from strata_ray.kernels.tile_plan import plan_tiles_host
+from strata_ray.model.graph_capture import capture_graph
 
 # With the helper thread two Python threads share each layer's step, and CPython passes the GIL to a waiting
 # thread only when the holder blocks or after the switch interval (5 ms by default): on the H200 the helper's
@@ -129,7 +130,7 @@ class DecodeRows:
         pool = torch.cuda.graph_pool_handle()
         for layer in range(self.tiers.n_layers):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capture_graph(g, pool):
                 self._resident_rows(layer, xs[layer])
             self._graphs[layer] = g
         return False

@@ -57,6 +57,7 @@ from strata_ray.kernels.fused_small import combine_fused, fused_enabled
 from strata_ray.model import ops
 from strata_ray.model.attention import attention_inputs, attention_output
 from strata_ray.model.gdn import gdn_block
+from strata_ray.model.graph_capture import capture_graph
 from strata_ray.model.moe import combine_rows, route, shared_expert
 from strata_ray.model.state import GDNState, SequenceState
 
@@ -416,7 +417,7 @@ class DecodeGraphs:
         graphs = {}
         for fn in flat:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capture_graph(g, pool):
                 fn()
             graphs[fn] = g.replay
         return [tuple(graphs[f] if f is not None else None for f in fns) for fns in segments], graphs[head]
@@ -458,7 +459,7 @@ class DecodeGraphs:
                 out.append(piece)
                 continue
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with capture_graph(g, pool):
                 for fn in piece:
                     fn()
             out.append(g.replay)
