@@ -3,13 +3,14 @@
 torch.cuda.graph no longer collects garbage before a capture (recent torch does only under
 torch.compiler.config.force_cudagraph_gc: a collection before each of many captures is slow), so a reference
 cycle that became garbage before a capture (an earlier engine's buffers, a test's model) may be collected
-inside it, whenever an allocation there crosses the collector's threshold. Freeing such a cycle's tensors
-there runs their deleters under the capture: a page-locked tensor of torch's host allocator records or
-queries CUDA events as it goes, which a capture in global mode forbids, and an error inside a C++ deleter
-ends the process (session 55: `pytest -m gpu tests/experts/test_tiered_gpu.py` aborted on an H100 with the
-main thread "Garbage-collecting" under the decode graphs' capture, no message). With the collector held off,
-such garbage waits for the next collection, outside any capture; tensors freed by their last reference inside
-a capture are the capturing code's own (none of the engine's are page-locked).
+inside it, whenever an allocation there crosses the collector's threshold, and its finalizers and deleters
+then run under the capture: the host arena's cudaHostUnregister, a cupy module's unload, a pinned tensor's
+event bookkeeping, calls a capture in global mode may forbid (and a failure inside a C++ deleter ends the
+process). Session 55: `pytest -m gpu tests/experts/test_tiered_gpu.py` aborted once on an H100, no message,
+with the main thread "Garbage-collecting" under the decode graphs' capture; two later runs of the file passed,
+and a probe that frees a dead cycle's pinned tensor inside a plain capture did not abort, so which object's
+free ended that run is not known. With the collector held off no collection runs inside a capture: such
+garbage waits for the next one, outside any capture.
 """
 
 from __future__ import annotations

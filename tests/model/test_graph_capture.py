@@ -78,4 +78,4 @@ def test_capture_leaves_a_dead_pinned_cycle_to_after_the_capture(n, collector_on
     assert ref() is None
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(dev.cpu(), torch.arange(n, dtype=torch.float32) * 4)
+    assert torch.equal(dev.cpu(), torch.arange(n, dtype=torch.float32) * 2)  # the capture itself ran nothing
