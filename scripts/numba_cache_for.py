@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 # the kernels package's files with cached njit functions
-MODULES = ("act_quant", "blocks", "expert_cpu_kernels", "expert_cpu_token")
+MODULES = ("act_quant", "blocks", "cpu_atomics", "expert_cpu_kernels", "expert_cpu_token")
 # indexes made on the GPU machines' hosts (a probe: one cached njit function compiled there), one a CPU:
 # the H200 host's (session 12); a host without one here compiles the kernels itself (~110 s, session 38)
 TARGETS = Path(__file__).parent / "numba_targets"

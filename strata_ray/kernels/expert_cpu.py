@@ -18,6 +18,7 @@ import numpy as np
 
 from .act_quant import quantize_act_sums
 from .contract import QK, ExpertLayer, KernelError, readonly_blocks
+from .cpu_atomics import raise_flag_value
 from .cpu_pool import CpuPool, default_pool, numba_threads
 from .expert_cpu_kernels import down_float_job, down_share, ffn_parallel, gate_up_float_job, gate_up_share
 from .spec import float_weights
@@ -219,6 +220,7 @@ def _output(out: np.ndarray | None, m: int, n_embd: int) -> np.ndarray:
 
 
 def _set_done(done: tuple[np.ndarray, int] | None) -> None:
-    """Set the done flag from Python (the paths that do not run ffn_parallel)."""
+    """Set the done flag from Python (the paths that do not run ffn_parallel): a release store, as
+    ffn_parallel's (cpu_atomics)."""
     if done is not None:
-        done[0][0] = done[1]
+        raise_flag_value(done[0], done[1])

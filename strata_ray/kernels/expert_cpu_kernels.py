@@ -14,6 +14,7 @@ from .act_quant import quantize_block, swiglu
 from .block_dots import HALF_ROWS, ROWS
 from .blocks import tile_sums, tile_sums_half
 from .contract import QK
+from .cpu_atomics import store_release
 
 f32 = np.float32
 
@@ -142,8 +143,8 @@ def ffn_parallel(gate, gtype, up, utype, down, dtype, aq, ad, asum, tok, ents, g
                       h, hq, hd, hs)
     for t in prange(n_down):
         down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, np.int64(t), n_down, out)
-    if flag.shape[0]:  # after the loop's barrier: every share's rows are written (x86 keeps store order)
-        flag[0] = flag_value
+    if flag.shape[0]:  # after the loop's barrier: every share's rows are written, and seen before it
+        store_release(flag, 0, flag_value)
 
 
 @njit(inline="always", nogil=True, cache=True)

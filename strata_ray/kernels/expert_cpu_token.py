@@ -32,6 +32,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .contract import QK, pcie_entries
+from .cpu_atomics import fetch_add as _fetch_add
+from .cpu_atomics import load_acquire as _load_acquire
+from .cpu_atomics import store_release as _store_release
 from .expert_cpu_kernels import (
     _share,
     down_share,
@@ -40,50 +43,6 @@ from .expert_cpu_kernels import (
     gate_up_share,
     quant_share,
 )
-
-
-def _element(context, builder, signature, args):
-    """The address of arr[idx] (args: the array, the index)."""
-    ary = context.make_array(signature.args[0])(context, builder, args[0])
-    return builder.gep(ary.data, [args[1]])
-
-
-@intrinsic
-def _load_acquire(typingctx, arr, idx):
-    """arr[idx] as an acquire load: read again on every call (another thread, or the device, writes it),
-    and no later read moves before it."""
-    sig = arr.dtype(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        return builder.load_atomic(_element(context, builder, signature, args), ordering="acquire",
-                                   align=arr.dtype.bitwidth // 8)
-
-    return sig, codegen
-
-
-@intrinsic
-def _store_release(typingctx, arr, idx, val):
-    """arr[idx] = val (of arr's dtype) as a release store: the writes before it are seen first."""
-    sig = types.void(arr, idx, arr.dtype)
-
-    def codegen(context, builder, signature, args):
-        builder.store_atomic(args[2], _element(context, builder, signature, args), ordering="release",
-                             align=arr.dtype.bitwidth // 8)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _fetch_add(typingctx, arr, idx, val):
-    """arr[idx] += val atomically, returning the old value (acquire-release: a barrier's arrival publishes
-    the member's writes)."""
-    sig = arr.dtype(arr, idx, arr.dtype)
-
-    def codegen(context, builder, signature, args):
-        return builder.atomic_rmw("add", _element(context, builder, signature, args), args[2], "acq_rel")
-
-    return sig, codegen
 
 
 @intrinsic
@@ -369,7 +328,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
         m = _plan_layer(layer, ids_buf, res, n_expert, shares[layer], staged, seen_ids, inv, n_miss, n_pcie,
                         n_ahead, exp, ents_k, g_start_k, g_exp_k, xq_buf, xd_buf, xs_buf, xq, xd, xs)
         if m == 0:
-            rows_flag[0] = v
+            _store_release(rows_flag, 0, v)
             busy[layer] = _cycles() - t0
             continue
         gate, up, down = gates[layer], ups[layer], downs[layer]
@@ -393,7 +352,7 @@ def token_rows(gates, ups, downs, wtypes, res, n_expert, shares, staged, ids_buf
             gate_up_share(gate, gtype, up, utype, xq, xd, xs, tok[:m], ents, g_start, g_exp, np.int64(0),
                           np.int64(1), h, hq, hd, hs)
             down_share(down, dtype, hq, hd, hs, ents, g_start, g_exp, np.int64(0), np.int64(1), out)
-            rows_flag[0] = v
+            _store_release(rows_flag, 0, v)
         busy[layer] = _cycles() - t0
     return -1
 

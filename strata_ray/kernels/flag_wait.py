@@ -9,8 +9,8 @@ layers be one graph: this kernel spins (one thread) until the flag reaches base 
 device (set once a token, as publish reads it), so the value changes every token without a new graph.
 
 The comparison is HostFlag's: (int32)(flag - target) >= 0 releases, so a stale value never releases a
-later wait, across the 32-bit wrap too. The worker writes its rows, then the flag (x86 stores are seen in
-order); kernels after this one read the rows.
+later wait, across the 32-bit wrap too. The worker writes its rows, then the flag by a release store
+(kernels/cpu_atomics); kernels after this one read the rows.
 
 `wait_flag_reference` is the plain twin (the host spins), for tests.
 """

@@ -21,6 +21,8 @@ import functools
 import numpy as np
 import torch
 
+from .cpu_atomics import raise_flag_value
+
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0
 
 
@@ -64,6 +66,7 @@ class HostFlag:
         if host_ptr(ctypes.byref(dptr), ctypes.c_void_p(self.tensor.data_ptr()), 0) != 0:
             dptr.value = self.tensor.data_ptr()  # unified addressing: the host address is the device's
         self._dptr = dptr.value
+        raise_flag_value(self._host, 0)  # its numba function loaded (or compiled) now, not at a token's flag
         self.wait(0)  # already reached: checks the driver takes the call, then leaves the stream as it was
         torch.cuda.current_stream(device).synchronize()
 
@@ -86,9 +89,10 @@ class HostFlag:
             raise StreamFlagError(f"cuStreamWaitValue32 failed (CUresult {rc})")
 
     def set(self, value: int) -> None:
-        """Release the waits for values up to `value` (call after the guarded host writes: x86 stores are
-        seen in order, so the device reads the data written before the flag)."""
-        self._host[0] = value
+        """Release the waits for values up to `value` (call after the guarded host writes): a release store
+        (cpu_atomics.raise_flag), so the device reads the data written before the flag on any host, not
+        only where the CPU keeps stores in order (x86)."""
+        raise_flag_value(self._host, value)
 
 
 def host_flag(device: torch.device) -> HostFlag | None:
