@@ -185,7 +185,8 @@ def check_prompt_fits(request, model: str | None, context: int) -> None:
     byte-level vocabulary spells each byte with one token at most, NFC makes a UTF-8 text at most 3x longer,
     and a BOS is one more; the chat template's own text is not known before it is applied): a short prompt
     costs no tokenizer build (~0.6 s at a 152K vocabulary)."""
-    from strata_ray.engine.engine import text_prompt_ids, too_long
+    from strata_ray.engine.context_room import prompt_fits, too_long
+    from strata_ray.engine.engine import text_prompt_ids
     from strata_ray.model.gguf_file import GGUFFile
     from strata_ray.model.loader import resolve_model_path
     from strata_ray.model.tokenizer import ChatTemplateError, Tokenizer
@@ -198,13 +199,13 @@ def check_prompt_fits(request, model: str | None, context: int) -> None:
         file = GGUFFile(resolve_model_path(model))
         tokenizer = Tokenizer.from_gguf(file)
         least = tokenizer.fewest_tokens(request.prompt)  # a huge text refused unread, as serve refuses it
-        if least >= context:
+        if not prompt_fits(least, context, request.max_tokens):
             raise ConfigError(too_long(f"at least {least}", context))
         try:
             count = len(text_prompt_ids(tokenizer, file.fields, request.prompt, request.chat))
         except ChatTemplateError as e:  # the primary's one line, sooner
             raise ConfigError(str(e).splitlines()[0]) from None
-    if count >= context:
+    if not prompt_fits(count, context, request.max_tokens):
         raise ConfigError(too_long(count, context))
 
 

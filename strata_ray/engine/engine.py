@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata_ray.config import ConfigError, EngineConfig, check_peer_device_visible
+from strata_ray.engine.context_room import prompt_fits, too_long
 from strata_ray.engine.progress import LoadProgress, local_progress
 from strata_ray.engine.rates import TokenRates
 from strata_ray.engine.sampling import SamplingParams
@@ -108,11 +109,6 @@ def text_prompt_ids(tokenizer, fields, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
 
 
-def too_long(tokens: int | str, context: int) -> str:
-    """The one line for a prompt that leaves no room in the context (a prompt needs one token after it)."""
-    return f"the prompt has {tokens} tokens; the model's context is {context} tokens"
-
-
 def resolve_device(device: str) -> str:
     import torch
 
@@ -187,7 +183,7 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty")
         context = self.loaded.hp.context_length
-        if len(ids) >= context:
+        if not prompt_fits(len(ids), context, request.max_tokens):
             raise RequestError(too_long(len(ids), context))
         return ids
 

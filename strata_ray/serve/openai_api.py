@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata_ray.engine.context_room import prompt_fits
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4  # OpenAI's limit ("up to 4 sequences")
 MAX_TEMPERATURE = 2.0  # OpenAI's range is 0 to 2
@@ -406,7 +408,7 @@ def encode(job: Completion, tokenizer, add_bos: bool, context: int | None = None
             raise invalid("messages", str(e).splitlines()[0]) from None
     if context is not None:
         least = tokenizer.fewest_tokens(text)  # a prompt that cannot fit is refused before its encode
-        if least >= context:
+        if not prompt_fits(least, context, job.max_tokens):
             raise context_exceeded(f"at least {least}", context, "messages" if job.chat else "prompt")
     return tokenizer.encode(text, add_bos=add_bos)
 
@@ -449,7 +451,7 @@ def prompt_ids(job: Completion, tokenizer, add_bos: bool, context: int) -> list[
         ids = encode(job, tokenizer, add_bos, context)
     if not ids:
         raise invalid(param, "the prompt is empty")
-    if len(ids) >= context:
+    if not prompt_fits(len(ids), context, job.max_tokens):
         raise context_exceeded(str(len(ids)), context, param)
     return ids
 

@@ -92,6 +92,10 @@ def test_a_generation_ends_at_the_context_with_length(engine):
         assert (len(summary.token_ids), summary.finish_reason) == (generated, "length"), (n, max_tokens)
     with pytest.raises(RequestError, match=f"^the prompt has {context} tokens; the model's context is "):
         engine.generate(GenerationRequest(prompt_ids=spread_ids(context), max_tokens=1))
+    # the whole context scored (echo with max_tokens 0): no row is needed after it
+    whole = GenerationRequest(prompt_ids=spread_ids(context), max_tokens=0, prompt_logprobs=1)
+    scored = engine.generate(whole)
+    assert (scored.token_ids, scored.prompt_tokens, len(scored.prompt_logprobs)) == ((), context, context - 1)
 
 
 def test_stream_batches_add_up_to_the_summary(engine):

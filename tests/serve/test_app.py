@@ -315,6 +315,21 @@ def test_bad_completion_requests(server):
     assert_error(server.get("/v1/nowhere"), 404)
 
 
+def test_a_prompt_of_the_whole_context_is_scored_with_echo_and_max_tokens_0(server):
+    """An evaluation harness's loglikelihood request over the whole context makes no token, so it needs no
+    row after the prompt: answered, every prompt token scored; with a token to make it is a 400."""
+    ctx = server.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"prompt": [5] * ctx, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["usage"] == {"prompt_tokens": ctx, "completion_tokens": 0, "total_tokens": ctx}
+    choice = doc["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == ctx and choice["finish_reason"] == "length"
+    assert_error(server.post("/v1/completions", {**body, "max_tokens": 1}), 400, "prompt",
+                 "context_length_exceeded")
+
+
 @pytest.mark.parametrize("path, field, ok, past, extra", [
     ("/v1/chat/completions", "stop", [f"never-{i}" for i in range(4)], [f"never-{i}" for i in range(5)], {}),
     ("/v1/chat/completions", "temperature", 2, math.nextafter(2, 3), {"seed": 1}),

@@ -75,6 +75,20 @@ def test_prompt_ids_chat_and_context(tok):
     assert "empty" in info.value.message
 
 
+def test_a_prompt_of_the_whole_context_is_scored_only_with_max_tokens_0(tok):
+    """echo with max_tokens 0 (how evaluation harnesses score a text) takes a prompt as long as the context:
+    it makes no token, so it needs no row after the prompt; any other request needs one."""
+    ids = tok.encode("def f(x): return x")
+    scored = oa.parse_text({"prompt": list(ids), "echo": True, "max_tokens": 0})
+    assert oa.prompt_ids(scored, tok, add_bos=False, context=len(ids)) == list(ids)
+    for body in ({"echo": True, "max_tokens": 1}, {"echo": True}, {}):
+        with pytest.raises(oa.APIError) as info:
+            oa.prompt_ids(oa.parse_text({"prompt": list(ids), **body}), tok, add_bos=False, context=len(ids))
+        assert info.value.code == "context_length_exceeded", body
+    text = oa.parse_text({"prompt": "def f(x): return x", "echo": True, "max_tokens": 0})
+    assert oa.prompt_ids(text, tok, add_bos=False, context=len(ids)) == list(ids)
+
+
 def test_chat_template_kwargs_reach_the_template():
     spec = byte_level_tokenizer_spec(chat_template="{{ greeting }}{% for m in messages %}{{ m.content }}"
                                      "{% endfor %}")
