@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_ray.engine.context_room import prompt_fits
+from strata_ray.engine.context_room import prompt_fits, too_long
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 4  # OpenAI's limit ("up to 4 sequences")
@@ -414,8 +414,7 @@ def encode(job: Completion, tokenizer, add_bos: bool, context: int | None = None
 
 
 def context_exceeded(tokens: str, context: int, param: str) -> APIError:
-    return APIError(400, f"the prompt has {tokens} tokens; the model's context is {context} tokens",
-                    param=param, code="context_length_exceeded")
+    return APIError(400, too_long(tokens, context), param=param, code="context_length_exceeded")
 
 
 def tokenize_doc(ids: list[int], token_bytes: Sequence[bytes], with_pieces: bool, context: int,

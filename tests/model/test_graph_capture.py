@@ -1,5 +1,5 @@
-"""graph_capture: the cycle collector held off for a capture (session 55: a collection inside the decode
-graphs' capture freed an earlier model's page-locked tensors and the process aborted)."""
+"""graph_capture: the cycle collector held off for a capture (session 55: the tier tests aborted once with
+a collection running inside the decode graphs' capture; what it freed is not known)."""
 
 from __future__ import annotations
 
