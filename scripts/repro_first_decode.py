@@ -59,10 +59,9 @@ def run(args) -> None:
     from strata_ray.experts.build import load_tiered_model
     from strata_ray.model.synth import write_synth
 
-    if not os.path.exists(args.model):
+    if not os.path.exists(args.model):  # written whole or not at all (the GGUF writer renames it in)
         os.makedirs(os.path.dirname(os.path.abspath(args.model)), exist_ok=True)
-        write_synth(args.model + ".part", arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False)
-        os.replace(args.model + ".part", args.model)
+        write_synth(args.model, arch="qwen3next", preset="tiny", expert_type="Q4_0", progress=False)
     if args.fill:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True
