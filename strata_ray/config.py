@@ -546,7 +546,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
 # STRATA_ROWS_EARLY: 1 / 0 the CUDA decode expert rows' EARLY prologue, over WORDS["cuda_early"], the same;
 # STRATA_GDN_COLUMNS: the value columns a GDN delta program takes, kernels/gdn_step; STRATA_PDL: 0 launches
-# the decode chain's kernels without programmatic dependent launch, kernels/pdl)
+# the decode chain's kernels without programmatic dependent launch, kernels/pdl; STRATA_FLAG_ORDER: the
+# in-graph host-flag wait's loads, acquire, fence or relaxed, kernels/flag_wait)
 READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_FUSED_DECODE": _choice("0", "1"),
     "STRATA_GATHER_COPY": _choice("0", "1"),
@@ -578,6 +579,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_ROWS_EARLY": _choice("0", "1"),
     "STRATA_GDN_COLUMNS": gdn_columns_value,
     "STRATA_PDL": pdl_value,
+    "STRATA_FLAG_ORDER": _choice("acquire", "fence", "relaxed"),
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

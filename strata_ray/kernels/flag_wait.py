@@ -10,7 +10,12 @@ device (set once a token, as publish reads it), so the value changes every token
 
 The comparison is HostFlag's: (int32)(flag - target) >= 0 releases, so a stale value never releases a
 later wait, across the 32-bit wrap too. The worker writes its rows, then the flag by a release store
-(kernels/cpu_atomics); kernels after this one read the rows.
+(kernels/cpu_atomics); kernels after this one read the rows. The spin's loads are volatile ("relaxed"): in
+the PTX memory model a relaxed load orders nothing after it, so the kernels after this one are not promised
+the rows the worker wrote before its release store (in practice they always saw them: session 56 found no
+stale read). "acquire" spins on `ld.acquire.sys` loads and "fence" adds one `fence.acq_rel.sys` after a
+relaxed spin: either gives the promise. STRATA_FLAG_ORDER picks one (scripts/bench_flag_wait times them;
+DEFAULT_ORDER); under the Triton interpreter (no inline PTX) the loads are volatile.
 
 `wait_flag_reference` is the plain twin (the host spins), for tests.
 """
@@ -18,33 +23,68 @@ later wait, across the 32-bit wrap too. The worker writes its rows, then the fla
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
 from torch import Tensor
 
+from .env_knob import env_knob
 from .lazy_triton import jit_bodies
 from .pdl import pdl_args
 
 tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launch
 
 
-def _wait_body(FLAG, BASE, layer, PDL: tl.constexpr):
-    # FLAG int32 [1] (page-locked host memory, read over PCIe each time: volatile); BASE int64 [1] (device).
-    # One program of one warp. PDL: it starts early, then waits for the kernel before (kernels/pdl.py: the
-    # kernels after this one count on everything before it having completed)
+ORDERS = ("acquire", "fence", "relaxed")
+# relaxed until bench_flag_wait has priced the others on a GPU (session 57 got none): the form every run so
+# far used, and in practice the rows were always seen
+DEFAULT_ORDER = "relaxed"
+
+
+def _wait_body(FLAG, BASE, layer, ORDER: tl.constexpr, PDL: tl.constexpr):
+    # FLAG int32 [1] (page-locked host memory); BASE int64 [1] (device). One program of one warp. ORDER: 1
+    # acquiring loads, 2 relaxed ones and a fence after, 0 relaxed ones (the interpreter's). PDL: it starts
+    # early, then waits for the kernel before (kernels/pdl.py: the kernels after this one count on everything
+    # before it having completed)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     target = ((tl.load(BASE) + layer) & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-    v = tl.load(FLAG, volatile=True)
+    v = target - 1
     while v - target < 0:  # int32 arithmetic wraps: the flag's distance to the target, signed
-        v = tl.load(FLAG, volatile=True)
+        # a load over PCIe each time, never a cached copy: volatile, or an acquire at system scope
+        if ORDER == 1:
+            v = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [FLAG],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            v = tl.load(FLAG, volatile=True)
+    if ORDER == 2:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, $1;", "=r,r", [tl.zeros((1,), tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.cache
 def _kernel():
     return jit_bodies(_wait_body, do_not_specialize=["layer"])[0]
+
+
+def _order_code(order: str | None) -> int:
+    """The body's ORDER for a form's name (None: STRATA_FLAG_ORDER, else DEFAULT_ORDER); 0 under the
+    interpreter, which runs no inline PTX."""
+    if order is None:
+        order = env_knob("STRATA_FLAG_ORDER", _parse_order, DEFAULT_ORDER)
+    else:
+        _parse_order(order)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return {"acquire": 1, "fence": 2, "relaxed": 0}[order]
+
+
+def _parse_order(value: str) -> str:
+    if value not in ORDERS:
+        raise ValueError(", ".join(ORDERS))
+    return value
 
 
 def _check(flag: Tensor, base: Tensor) -> None:
@@ -54,14 +94,15 @@ def _check(flag: Tensor, base: Tensor) -> None:
         raise ValueError("wait_flag: base must be one int64")
 
 
-def wait_flag(flag: Tensor, base: Tensor, layer: int) -> None:
+def wait_flag(flag: Tensor, base: Tensor, layer: int, order: str | None = None) -> None:
     """On the current stream: stop until (int32)(flag - (base + layer) mod 2^32) >= 0. flag: int32 [1],
     page-locked (or, under the Triton interpreter, a CPU tensor); base: int64 [1] on the device. No host
-    sync: graph-capturable. Never released if nothing raises the flag (the worker's abort raises it)."""
+    sync: graph-capturable. Never released if nothing raises the flag (the worker's abort raises it).
+    order: one of ORDERS (None: STRATA_FLAG_ORDER, else DEFAULT_ORDER); the values waited on are the same."""
     _check(flag, base)
     if layer < 0:
         raise ValueError(f"wait_flag: layer {layer} < 0")
-    _kernel()[(1,)](flag, base, layer, num_warps=1, **pdl_args(base))
+    _kernel()[(1,)](flag, base, layer, ORDER=_order_code(order), num_warps=1, **pdl_args(base))
 
 
 def wait_flag_reference(flag: Tensor, base: Tensor, layer: int, timeout_s: float = 10.0) -> None:

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from strata_ray.kernels.flag_wait import wait_flag, wait_flag_reference
+from strata_ray.kernels.flag_wait import ORDERS, wait_flag, wait_flag_reference
 from tests.kernels.triton_interpret import interpret
 
 HAS_CUDA = torch.cuda.is_available()
@@ -46,6 +46,14 @@ def test_errors():
         wait_flag_reference(flag, base.int(), 0)
     with pytest.raises(ValueError, match="layer -1"):
         wait_flag(flag, base, -1)
+    with pytest.raises(ValueError, match="acquire, fence, relaxed"):
+        wait_flag(flag, base, 0, order="seq_cst")
+
+
+def test_a_bad_order_in_the_environment_is_one_line(monkeypatch):
+    monkeypatch.setenv("STRATA_FLAG_ORDER", "sc")
+    with pytest.raises(ValueError, match=r"STRATA_FLAG_ORDER: invalid value 'sc' \(allowed: acquire, fence"):
+        wait_flag(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 0)
 
 
 def _raise_later(flag: torch.Tensor, value: int, delay_s: float) -> threading.Thread:
@@ -74,9 +82,12 @@ def test_interpreted_wait_holds_until_the_flag_reaches_the_target(base, layer, r
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_gpu_graph_waits_for_the_host_each_replay_at_its_base():
+@pytest.mark.parametrize("order", ORDERS)
+def test_gpu_graph_waits_for_the_host_each_replay_at_its_base(order, monkeypatch):
     """A captured wait, then a write the host can see: the write lands only after the host raises the flag
-    to the target, which moves with the device's base on every replay (no new graph)."""
+    to the target, which moves with the device's base on every replay (no new graph). Each order's form
+    (chosen by the environment, as the engine's graphs are)."""
+    monkeypatch.setenv("STRATA_FLAG_ORDER", order)
     from strata_ray.kernels.stream_flags import HostFlag
 
     dev = torch.device("cuda")
