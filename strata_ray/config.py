@@ -540,7 +540,8 @@ def config_from_args(ns: argparse.Namespace, env: Mapping[str, str] | None = Non
 # experts/decode_pipeline; STRATA_DOWN_PREFETCH: the team's down units prefetched, experts/decode_pipeline;
 # STRATA_TEAM_UNITS: the team's gate/up units, half or whole tiles, experts/decode_pipeline;
 # STRATA_MMA_KQUANT_CTAS: the CTAs an SM the K-quant prompt rows' registers are capped for,
-# kernels/expert_mma_cuda; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
+# kernels/expert_mma_cuda; STRATA_MMA_FULL_TILES: 1 / 0 the prompt rows' full-tile form, over
+# MMA["full_tiles"], the same; STRATA_GEMV_MIN_CTAS: the same for the dense Q8_0 GEMV, kernels/dense_q8_cuda;
 # STRATA_AHEAD_LAYER: where a layer's copies ahead are picked, same or next, experts/decode_pipeline;
 # STRATA_ROWS_ITERS: about how many row blocks a CTA of the CUDA decode expert rows walks in both launches,
 # over kernels/expert_words.WORDS["cuda_iters"] and ["cuda_down_iters"], kernels/expert_rows_cuda;
@@ -571,6 +572,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_DOWN_PREFETCH": _choice("0", "1"),
     "STRATA_TEAM_UNITS": _choice("half", "whole"),
     "STRATA_MMA_KQUANT_CTAS": int_range(1, 4),
+    "STRATA_MMA_FULL_TILES": _choice("0", "1"),
     "STRATA_GEMV_MIN_CTAS": int_range(1, 4),
     "STRATA_PRECOMPILE": _choice("0", "1"),
     "STRATA_RING_SLOTS": ring_slots_value,

@@ -93,13 +93,12 @@ __device__ __forceinline__ void mma_s8(int c[4], const unsigned a[4], const unsi
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(z));
 }
 
-// An entry tile's A fragment of a 32-block (16 entries x 32 codes) by one ldmatrix of four 8 x 16-byte
-// matrices, where four 4-byte shared loads a thread took four issues: lane l gives the row of matrix l / 8,
-// entries 0-7 / 8-15 (lane & 15) at bytes 0 / 16 (lane >> 4), so a[0] = entry gid's codes 4 tig.., a[1] entry
-// gid + 8's, a[2] and a[3] the same at 16 + 4 tig (the m16n8k32 A layout). Staged rows at a stride of 4 words
-// mod 8 put each 8-row phase on 32 different banks
-__device__ __forceinline__ void a_frag(unsigned a[4], const unsigned char* row) {
-    const unsigned addr = (unsigned)__cvta_generic_to_shared(row);
+// An entry tile's A fragment of a 32-block (16 entries x 32 codes) from its shared-window address by one
+// ldmatrix of four 8 x 16-byte matrices, where four 4-byte shared loads a thread took four issues: lane l
+// gives the row of matrix l / 8, entries 0-7 / 8-15 (lane & 15) at bytes 0 / 16 (lane >> 4), so a[0] = entry
+// gid's codes 4 tig.., a[1] entry gid + 8's, a[2] and a[3] the same at 16 + 4 tig (the m16n8k32 A layout).
+// Staged rows at a stride of 4 words mod 8 put each 8-row phase on 32 different banks
+__device__ __forceinline__ void a_frag(unsigned a[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
 }
@@ -128,6 +127,10 @@ __device__ __forceinline__ unsigned signed_nibbles(unsigned n) {
 static_assert((BT / EM) * WARPS_N == 4, "four warps cover the CTA's tile");
 static_assert(BT == 64, "a tile's entries are found by two warps' ballots");
 #define NSTAGE (NB / KB)
+// FULL_TILES (MMA["full_tiles"]): a full tile's MMAs a form of their own (see compute), with the A
+// fragments' shared-window address made once a CTA (a_addr); Q4_0 / Q8_0 only: a_addr alone took Q6_K's
+// down form from 122 registers to 168 with a spill (ptxas, sm_90)
+#define FULL (FULL_TILES && !Q4K && !Q6K)
 #define A_BYTES (BT * AST)
 #define W_BYTES (BN * WST)
 #define S_BYTES (A_BYTES + W_BYTES + 2 * BT * KB * 4)   // + the entries' block scales and code sums
@@ -248,8 +251,13 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
         for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
             for (int v = 0; v < 4; ++v) acc[mi][ni][v] = 0.0f;
-    const bool live = EM * wm < n_ent;  // the warp has entries (m16 tiles past the tile's are skipped)
 
+    // FULL: the lane's ldmatrix row of the warp's first m16 tile in stage buffer 0 as a shared-window
+    // address, the loop adding constants to it (a generic pointer converted every stage: ~30 instructions)
+#if FULL
+    const unsigned a_addr = (unsigned)__cvta_generic_to_shared(smem) + (EM * wm + (lane & 15)) * AST
+                            + 16 * (lane >> 4);
+#endif
     load_stage(0, 0);
     for (int s = 0; s < NSTAGE; ++s) {
         if (s + 1 < NSTAGE) {
@@ -260,12 +268,15 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
         }
         __syncthreads();
         const unsigned char* base = smem + (s & 1) * S_BYTES;
-        const unsigned char* a_s = base;
         const unsigned char* w_s = base + A_BYTES;
         const float* ad_s = (const float*)(base + A_BYTES + W_BYTES);
         const int* as_s = (const int*)(ad_s + BT * KB);
         const int sh = Q6K ? (210 * s) & 3 : 0;  // the super-block's first byte in its staged row (0 or 2)
-        if (live) {
+        // a stage's MMAs: full (every m16 tile of the warp's holds entries: no check a tile, ~10% fewer
+        // instructions a stage) or not, each call a form of its own once the lambda is inlined. Q4_0 / Q8_0
+        // only (FULL): with both forms the K-quants take 168 registers, Q6_K's down form spilling 112 bytes.
+        // Session 55 ran the bits of FULL_TILES 1 (18 GPU tests); its time is not measured yet, so it is off
+        auto compute = [&](const bool full) {
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
                 // B fragments: row RN wn + 8 ni + gid's codes k = 4 tig.. (b0) and 16 + 4 tig.. (b1); the
@@ -325,10 +336,15 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                 }
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
-                    if (mi > 0 && EM * wm + 16 * mi >= n_ent) break;
+                    if (!full && mi > 0 && EM * wm + 16 * mi >= n_ent) break;
                     const int e0 = EM * wm + 16 * mi + gid;  // C rows e0 (v 0, 1) and e0 + 8 (v 2, 3)
                     unsigned a[4];
-                    a_frag(a, a_s + (EM * wm + 16 * mi + (lane & 15)) * AST + 32 * j + 16 * (lane >> 4));
+#if FULL
+                    a_frag(a, a_addr + (s & 1) * S_BYTES + 16 * mi * AST + 32 * j);
+#else
+                    const unsigned char* a_row = base + (EM * wm + 16 * mi + (lane & 15)) * AST;
+                    a_frag(a, (unsigned)__cvta_generic_to_shared(a_row + 32 * j + 16 * (lane >> 4)));
+#endif
                     const float ad[2] = {ad_s[e0 * KB + j], ad_s[(e0 + 8) * KB + j]};
 #if Q4K
                     const int asum[2] = {as_s[e0 * KB + j], as_s[(e0 + 8) * KB + j]};
@@ -363,6 +379,11 @@ extern "C" __global__ void MMA_BOUNDS expert_mma(
                     }
                 }
             }
+        };
+        if (FULL && EM * wm + EM <= n_ent) {
+            compute(true);
+        } else if (EM * wm < n_ent) {  // the warp has entries (m16 tiles past the tile's are skipped)
+            compute(false);
         }
         __syncthreads();  // the buffer is the stage after next's
     }
@@ -400,7 +421,12 @@ Q6_STAGE = 212  # bytes of a row copied a Q6_K stage: a 210-byte super-block fro
 # with spills). Session 54 on an H100 (bench_kernels, 4096 tokens x top-10 over 256 experts, the MMA launches
 # of a layer, 32 -> 64, the same bits): Q4_0 1.64 -> 1.47 ms, Q8_0 1.67 -> 1.59, Q4_K 3.15 -> 2.87, Q6_K 2.89
 # -> 2.46. The bits do not depend on it.
-MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8}, warp_entries=64)
+# full_tiles (STRATA_MMA_FULL_TILES over it): a warp whose m16 tiles all hold entries runs a stage's MMAs
+# with no check a tile (Q4_0 / Q8_0; the K-quants' registers would not hold both forms), and the A fragments'
+# shared addresses are made once a CTA: offline (ptxas, sm_90) ~11% fewer instructions a stage. Session 55:
+# the same bits (the MMA GPU bit tests, 18); its time could not be measured cleanly, so it stays off until a
+# bench_kernels A/B on a GPU
+MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8}, warp_entries=64, full_tiles=False)
 WARP_TILES = {32: (2, 4), 64: (4, 2)}  # warp_entries -> (MI, NI): m16 tiles of entries, n8 tiles of rows
 
 
@@ -492,19 +518,28 @@ def min_ctas(wtype: int, kquant_ctas: int | None = None) -> int:
     return int(raw) if raw else KQUANT_CTAS
 
 
+def full_tiles() -> bool:
+    """STRATA_MMA_FULL_TILES (0 / 1), else MMA["full_tiles"]."""
+    raw = os.environ.get("STRATA_MMA_FULL_TILES", "")
+    return raw == "1" if raw else bool(MMA["full_tiles"])
+
+
 def defines(geo: Geometry, two: bool, wtype: int, warp_entries: int | None = None) -> tuple[str, ...]:
-    """The kernel's -D options for that geometry, type and warp tile (warp_entries None: MMA's)."""
+    """The kernel's -D options for that geometry, type and warp tile (warp_entries None: MMA's), the full
+    tiles' form as full_tiles() says."""
     we = MMA["warp_entries"] if warp_entries is None else warp_entries
     if we not in WARP_TILES:
         raise KernelError(f"MMA warp_entries must be one of {sorted(WARP_TILES)}, not {we}")
     mi, ni = WARP_TILES[we]
     return (f"-DNB={geo.nb}", f"-DKB={geo.kb}", f"-DBB={geo.bb}", f"-DSTAGE={geo.stage}", f"-DCPB={geo.cpb}",
             f"-DAST={geo.ast}", f"-DWST={geo.wst}", f"-DTWO={int(two)}", f"-DQ80={int(wtype == Q8_0)}",
-            f"-DQ4K={int(wtype == Q4_K)}", f"-DQ6K={int(wtype == Q6_K)}", f"-DMI={mi}", f"-DNI={ni}")
+            f"-DQ4K={int(wtype == Q4_K)}", f"-DQ6K={int(wtype == Q6_K)}", f"-DFULL_TILES={int(full_tiles())}",
+            f"-DMI={mi}", f"-DNI={ni}")
 
 
 @functools.cache
-def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1, warp_entries: int = 32):
+def _kernel(k: int, two: bool, device: int, wtype: int, kb: int, ctas: int = 1, warp_entries: int = 32,
+            full: bool = False):  # full: full_tiles() at the call, a key only (build_options reads it)
     geo = _geometry(k, wtype, kb)
     kern = nvrtc.build(_SOURCE, "expert_mma", build_options(geo, two, wtype, ctas, warp_entries), device)
     import cupy
@@ -524,7 +559,7 @@ def engine_options(k: int, two: bool, wtype: int, kquant_ctas: int | None = None
 
 def mma_kernel(k: int, two: bool, device: int, wtype: int):
     """The compiled kernel, or None where it cannot be built here (the Triton prompt tile then, same bits)."""
-    key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype), MMA["warp_entries"])
+    key = (k, two, device, wtype, geometry(k, wtype).kb, min_ctas(wtype), MMA["warp_entries"], full_tiles())
     return nvrtc.build_or_none(("expert_mma", *key), lambda: _kernel(*key), "prompt expert rows",
                                "the Triton prompt tile takes their launches (the same bits)")
 

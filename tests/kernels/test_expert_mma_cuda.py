@@ -98,12 +98,14 @@ def _check(layer: ExpertLayer, n_tok: int, top_k: int, seed: int = 0, one_expert
 @pytest.mark.parametrize("gate_up,down,kb", [(Q8_0, Q8_0, 8), (Q8_0, Q8_0, 4), (Q4_0, Q4_0, 8),
                                               (Q4_0, Q4_0, 4), (Q4_K, Q4_K, 8), (Q4_K, Q6_K, 8),
                                               (Q6_K, Q6_K, 8)])
-@pytest.mark.parametrize("warp_entries", [32, 64])
-def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb, warp_entries):
-    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks, both warp tiles; Q4_K + Q6_K: a Q4_K_M
-    file's experts; the 256 x 768 layer's rows are not served (its launches take the Triton tile)."""
+@pytest.mark.parametrize("warp_entries,full", [(32, "0"), (64, "0"), (64, "1")])
+def test_gpu_mma_rows_equal_cpu_rows(monkeypatch, gate_up, down, kb, warp_entries, full):
+    """The 80b-a3b's widths (2048 / 512), stages of 8 and 4 blocks, both warp tiles, the full tiles' form;
+    Q4_K + Q6_K: a Q4_K_M file's experts; the 256 x 768 layer's rows are not served (its launches take the
+    Triton tile). One slot's 200 entries: three full tiles of 64 and a tile of 8 (partial)."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("STRATA_PROMPT_MMA", "1")
+    monkeypatch.setenv("STRATA_MMA_FULL_TILES", full)
     monkeypatch.setitem(emc.MMA, "stage_blocks", {**emc.MMA["stage_blocks"], gate_up: kb})
     monkeypatch.setitem(emc.MMA, "warp_entries", warp_entries)
     layer = _layer(2048, 512, 24, gate_up, down)
@@ -151,6 +153,19 @@ def test_the_warp_tile_is_one_of_two(monkeypatch):
         emc.defines(geo, True, Q4_0)
     for mi, ni in emc.WARP_TILES.values():
         assert (emc.BT // (16 * mi)) * (emc.BN // (8 * ni)) == 4
+
+
+def test_the_full_tiles_form_is_a_define_off_by_default(monkeypatch):
+    """STRATA_MMA_FULL_TILES over MMA["full_tiles"] (off: untimed) sets FULL_TILES, which the source's FULL
+    takes for Q4_0 / Q8_0 only; the kernel's cache key carries it, so a switch compiles the other form."""
+    geo = emc.geometry(2048, Q4_0)
+    monkeypatch.delenv("STRATA_MMA_FULL_TILES", raising=False)
+    assert emc.MMA["full_tiles"] is False and "-DFULL_TILES=0" in emc.defines(geo, True, Q4_0)
+    monkeypatch.setitem(emc.MMA, "full_tiles", True)
+    assert "-DFULL_TILES=1" in emc.defines(geo, True, Q4_0)
+    monkeypatch.setenv("STRATA_MMA_FULL_TILES", "0")
+    assert "-DFULL_TILES=0" in emc.build_options(geo, True, Q4_0)
+    assert "#define FULL (FULL_TILES && !Q4K && !Q6K)" in emc._SOURCE
 
 
 def test_the_engine_options_are_the_launched_forms(monkeypatch):
