@@ -243,7 +243,7 @@ def prompt_sweep(rows, slots, wname, x, tok, slot, peak, quick) -> None:
 
 def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K), sweeps: bool = True,
               variants=KERNEL_VARIANTS, tokens=(1, 2, 4, 8), prompt: bool = True, mma_stages=(4,),
-              mma_warp_entries=(MMA["warp_entries"],)) -> dict:
+              mma_warp_entries=(MMA["warp_entries"],), mma_full_tiles=(None,)) -> dict:
     import torch
 
     import strata_ray.kernels.expert_words as ew
@@ -324,22 +324,26 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
         peak = next((v for k, v in INT8_PEAK_TOPS.items() if k in info["gpu"]), None)
         want = expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant="simple")
         # words: the int8 MMA rows (expert_mma_cuda) where they serve the type, else simple's tile; once per
-        # stage size in mma_stages (Q8_0 / Q4_0: 32-blocks a stage) and warp tile in mma_warp_entries
-        runs = [(v, None, None) for v in variants if v not in ("split", "words")]  # split's: simple's tile
+        # stage size in mma_stages (Q8_0 / Q4_0: 32-blocks a stage), warp tile in mma_warp_entries and full
+        # tiles' form in mma_full_tiles (Q8_0 / Q4_0; in the order given, so 0,1,0,1 interleaves them)
+        runs = [(v, None, None, None) for v in variants if v not in ("split", "words")]  # split: simple's
         if "words" in variants:
-            runs += [("words", kb, we) for kb in (mma_stages if wtype in (Q4_0, Q8_0) else (None,))
-                     for we in mma_warp_entries]
-        for variant, kb, we in runs:
+            runs += [("words", kb, we, full) for kb in (mma_stages if wtype in (Q4_0, Q8_0) else (None,))
+                     for we in mma_warp_entries
+                     for full in (mma_full_tiles if wtype in (Q4_0, Q8_0) else (None,))]
+        for variant, kb, we, full in runs:
             if kb is not None:
                 emc.MMA["stage_blocks"] = {**emc.MMA["stage_blocks"], wtype: kb}
             if we is not None:
                 emc.MMA["warp_entries"] = we
+            if full is not None:  # read at the kernel's build (its cache key too)
+                os.environ["STRATA_MMA_FULL_TILES"] = str(full)
             same = torch.equal(want, expert_ffn_gpu(x, tok, slot, slots, mode="prompt", variant=variant))
             parts: dict = {}
             dt, _ = device_seconds(functools.partial(expert_ffn_gpu, x, tok, slot, slots, mode="prompt",
                                                      variant=variant), 3 if quick else 10, parts)
             by_time = sorted(parts.items(), key=lambda kv: -kv[1])
-            tile = "" if we is None else f" we={we}"
+            tile = ("" if we is None else f" we={we}") + ("" if full is None else f" full={full}")
             print(f"prompt {variant}{tile} {type_name(wtype)}: all kernels {dt * 1e6:.1f} us; "
                   + ", ".join(f"{name[:40]} {sec * 1e6:.1f} us" for name, sec in by_time))
             tops = 2 * tok.numel() * 3 * E * N_FF / dt / 1e12
@@ -347,6 +351,7 @@ def bench_gpu(rows: list, quick: bool, use_graphs: bool, types=(Q4_0, Q8_0, Q4_K
             bits = "same" if same else "DIFFER"
             label = variant if kb is None else f"{variant}, {kb} blocks a stage"
             label += "" if we is None else f", warps of {we} entries"
+            label += "" if full is None else f", full tiles {full}"
             rows.append((f"gpu prompt ({label})", type_name(wtype),
                          f"{n_tok} tok x top-{TOP_K} over {n_slots} experts",
                          f"{dt * 1e3:.2f} ms", f"{tops:.0f} int8 TOP/s{pct}, bits {bits}"))
@@ -528,6 +533,9 @@ def main() -> None:
     ap.add_argument("--mma-warp-entries", default=str(MMA["warp_entries"]), type=int_list(32, 64),
                     help="the MMA prompt rows' warp tiles to time: 32 (32 entries x 32 rows) and / or 64 "
                     f"(64 x 16), e.g. 32,64; default the engine's, {MMA['warp_entries']}")
+    ap.add_argument("--mma-full-tiles", default=None, type=int_list(0, 1),
+                    help="the Q4_0 / Q8_0 MMA prompt rows' full-tile form (STRATA_MMA_FULL_TILES) to time, "
+                    "in this order: e.g. 0,1,0,1 interleaves off and on; default the engine's")
     ap.add_argument("--staging", action="store_true",
                     help="time the PCIe share's staging copies (stage_experts) against copy_ calls")
     ap.add_argument("--host-weights", action="store_true",
@@ -572,7 +580,8 @@ def main() -> None:
         info = bench_gpu(_Printing(rows), args.quick, use_graphs=probes[-1].endswith("PASS"), types=types,
                          sweeps=not args.no_sweep, variants=args.variants, tokens=args.tokens,
                          prompt=not args.no_prompt, mma_stages=args.mma_stages,
-                         mma_warp_entries=args.mma_warp_entries)
+                         mma_warp_entries=args.mma_warp_entries,
+                         mma_full_tiles=args.mma_full_tiles or (None,))
         if args.host_weights:
             bench_host_weights(_Printing(rows), args.variants)
         if args.staging:

@@ -46,6 +46,9 @@
 #               bandwidth; DENSE_ARGS adds arguments (e.g. "--sweep --no-f32")
 #     launch    the host cost of replaying a CUDA graph by node kind, forked graphs too (bench_graph_launch.py;
 #               LAUNCH_ARGS, default "--nodes 25,100")
+#     flagorder bench_flag_wait.py (the in-graph flag wait's memory orders) and the wait's GPU tests
+#     fulltiles the prompt MMA rows' full-tile form off / on, interleaved (bench_kernels --mma-full-tiles)
+#     firstdecode  FIRSTDECODE_RUNS (40) processes of repro_first_decode.py (FIRSTDECODE_ARGS), then --analyze
 #     warm      compile the CPU pool's parallel kernel (numba, minutes when not cached) before timed steps
 #   CPU_SPINS="100 300000"   the cpu step once per GOMP_SPINCOUNT (default "100")
 #   TESTS="tests/..."   the GPU tests to run (default: all); BACKGROUND_TESTS=1 runs them beside the others
@@ -218,6 +221,21 @@ step rows 200 python scripts/bench_token_rows.py --threads 14 --tokens 10 --fres
 step dense 150 python scripts/bench_dense_q8.py --tokens 1,4 ${DENSE_ARGS:-}
 # the host cost of a graph replay by node kind (kernels, device-to-device copies, copies as kernels)
 step launch 90 python scripts/bench_graph_launch.py ${LAUNCH_ARGS:---nodes 25,100}
+# the in-graph host-flag wait's memory orders (STRATA_FLAG_ORDER): each one's cost a layer in a graph of 48,
+# then the wait's GPU tests in each order
+step flagorder 90 python scripts/bench_flag_wait.py --json-out "$work/flag_wait.json"
+step flagorder 90 python -m pytest -m gpu -q -s -p no:cacheprovider tests/kernels/test_flag_wait.py
+# the Q4_0 / Q8_0 prompt MMA rows' full-tile form (STRATA_MMA_FULL_TILES) off, on, off, on in one process
+# (the prompt lines print before the CPU kernels', which the limit may cut)
+step fulltiles 240 python scripts/bench_kernels.py --types Q4_0,Q8_0 --no-sweep --variants words --tokens 1 \
+    --mma-full-tiles 0,1,0,1
+# the first decode after a CUDA load in fresh processes (session 55's flaky case): FIRSTDECODE_RUNS of
+# repro_first_decode (default 40; each 3 loads x 3 generates, ~10 s), FIRSTDECODE_ARGS added (e.g. --fill),
+# then its count of the loads whose first generate differed
+# shellcheck disable=SC2016
+step firstdecode 500 bash -c 'for _ in $(seq "$1"); do timeout 100 python scripts/repro_first_decode.py $2 \
+    >> "$0/first_decode.jsonl"; done; python scripts/repro_first_decode.py --analyze "$0/first_decode.jsonl"' \
+    "$work" "${FIRSTDECODE_RUNS:-40}" "${FIRSTDECODE_ARGS:---tag base}"
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 # (once per TRACE_ENVS entry as LTIMES_ENVS: "-" the defaults, else variables joined by commas)
 for gib in ${TRACE_CARDS:-24}; do
