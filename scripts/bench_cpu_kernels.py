@@ -8,6 +8,11 @@ so the weights come from DRAM. GB/s = bytes of every
 distinct expert's gate+up+down read per call / time per call; memcpy is counted read + write, the
 same way as scripts/bench_kernels.py.
 
+`--paired N` times N passes of each case, each right after a host memcpy of its own, and gives the median of
+the N ratios (kernel GB/s / that memcpy's) with their range: on a shared VM both rates swing up to 2x from
+minute to minute (session 57: memcpy 28-57 GB/s, Q4_0 0.76-1.57 ms a call in five runs), so a ratio of
+best passes measured minutes apart says little, while the two halves of a pair share the machine's state.
+
 `--model` runs the same calls over a GGUF's expert layers as the engine holds them (the host store: views of
 the memory-mapped file, or with `--arena` copies in anonymous memory), one layer per pass in turn, so the
 kernels' rate in the bench and in the engine can be told apart from where the bytes live.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import numba
@@ -39,19 +45,21 @@ _LAYERS: dict = {}
 
 
 def bench_type(wtype: int, pool: CpuPool, n_tok: int, n_expert: int, reps: int, rng,
-               top_k: int = TOP_K) -> tuple[float, float]:
-    """(ms per call, GB/s) for n_tok tokens x top_k experts over a pool of n_expert experts."""
+               top_k: int = TOP_K, ratios: list | None = None) -> tuple[float, float]:
+    """(ms per call, GB/s) for n_tok tokens x top_k experts over a pool of n_expert experts (ratios:
+    bench_layers')."""
     key = (wtype, n_expert)
     if key not in _LAYERS:  # one random pool per type and size (random bytes of a GB take seconds)
         _LAYERS.clear()
         _LAYERS[key] = random_layer(rng, n_expert, E, N_FF, (wtype,) * 3)
-    return bench_layers([_LAYERS[key]], pool, n_tok, reps, rng, top_k)
+    return bench_layers([_LAYERS[key]], pool, n_tok, reps, rng, top_k, ratios)
 
 
 def bench_layers(layers: list[ExpertLayer], pool: CpuPool, n_tok: int, reps: int, rng,
-                 top_k: int = TOP_K) -> tuple[float, float]:
+                 top_k: int = TOP_K, ratios: list | None = None) -> tuple[float, float]:
     """(ms per call, GB/s): n_tok tokens x top_k distinct experts a call, every expert of every layer
-    once per pass (layer after layer, as a decode token walks them), best pass of `reps`."""
+    once per pass (layer after layer, as a decode token walks them), best pass of `reps`. ratios: a list to
+    which each pass appends (its GB/s, the GB/s of a host memcpy just before it), the memcpy run first."""
     per = sum(w.shape[1] * w.shape[2] for w in (layers[0].gate, layers[0].up, layers[0].down))
     n_embd = layers[0].n_embd
     x = rng.standard_normal((n_tok, n_embd)).astype(np.float32)
@@ -64,12 +72,49 @@ def bench_layers(layers: list[ExpertLayer], pool: CpuPool, n_tok: int, reps: int
             calls.append((layer, tok, exp))
     expert_ffn_cpu(x, *calls[0][1:], calls[0][0], pool=pool)  # compile / warm
     best = 1e9
+    copier = PassCopy(pool) if ratios is not None else None
     for _ in range(reps):
+        copy_gbs = 0.0
+        if copier is not None:
+            copy_gbs = copier.gbs()
+            # the pool's threads wake on an untimed call: the pass's last, whose experts the pass's first
+            # calls evict from the caches before it comes round (a pass is twice the L3)
+            expert_ffn_cpu(x, calls[-1][1], calls[-1][2], calls[-1][0], pool=pool)
         t = time.perf_counter()
         for layer, tk, ex in calls:
             expert_ffn_cpu(x, tk, ex, layer, pool=pool)
-        best = min(best, (time.perf_counter() - t) / len(calls))
+        dt = (time.perf_counter() - t) / len(calls)
+        best = min(best, dt)
+        if ratios is not None:
+            ratios.append((top_k * per / dt / 1e9, copy_gbs))
     return best * 1e3, top_k * per / best / 1e9
+
+
+def paired_line(pairs: list[tuple[float, float]]) -> str:
+    """The pairs' median ratio of kernel to memcpy GB/s, its range, and the median of each rate."""
+    ratios = [k / c for k, c in pairs]
+    kernel, copy = statistics.median(k for k, _ in pairs), statistics.median(c for _, c in pairs)
+    return (f"paired: {100 * statistics.median(ratios):.0f}% of memcpy (median of {len(pairs)}; "
+            f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}%), kernel {kernel:.1f} GB/s, "
+            f"memcpy {copy:.1f} GB/s")
+
+
+class PassCopy:
+    """One timed host memcpy pass over the pool's threads (read + write GB/s), its buffers made and touched
+    once: host_copy_gbs' measure without its allocation on every pair."""
+
+    def __init__(self, pool: CpuPool, n_bytes: int = 1 << 28):
+        self.pool, self.n_bytes = pool, n_bytes
+        src = np.ones(n_bytes, np.uint8)
+        dst = np.empty_like(src)
+        cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
+        self.jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        pool.run(np.copyto, self.jobs)  # first touch
+
+    def gbs(self) -> float:
+        t = time.perf_counter()
+        self.pool.run(np.copyto, self.jobs)
+        return 2 * self.n_bytes / (time.perf_counter() - t) / 1e9
 
 
 def model_layers(path: str, n_layers: int, arena: bool) -> tuple[list[ExpertLayer], str]:
@@ -118,7 +163,10 @@ def main() -> None:
                     help="experts per call, e.g. 2,5,10: the time per call "
                     "against the count gives the call's fixed cost (the engine's decode calls hold ~5)")
     ap.add_argument("--experts", type=int, default=None, help="expert pool size (default: twice the L3)")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls of each case")
+    ap.add_argument("--reps", type=int, default=5, help="timed passes of each case (the best is shown)")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="N passes of each case instead, each after a host memcpy of its own: the median "
+                    "ratio of the pairs (a shared machine's rates swing between minutes)")
     ap.add_argument("--drivers", default="numba", type=name_list(("numba", "pool")),
                     help="numba (one parallel numba call), pool (a job per "
                     "Python thread), or both: numba,pool")
@@ -134,6 +182,8 @@ def main() -> None:
                  "distinct")
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, not {args.reps}")
+    if args.paired < 0 or args.paired == 1:
+        ap.error(f"--paired must be 0 (off) or at least 2, not {args.paired}")
     if args.model and args.layers < 1:  # read only with --model
         ap.error(f"--layers must be at least 1, not {args.layers}")
     rng = np.random.default_rng(0)
@@ -146,9 +196,12 @@ def main() -> None:
             for name in args.types:
                 for n_tok, k in cases:
                     n_expert = pool_experts(TYPES[name], args.experts)
-                    ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.reps, rng, k)
+                    pairs = [] if args.paired else None
+                    ms, gbs = bench_type(TYPES[name], pool, n_tok, n_expert, args.paired or args.reps, rng, k,
+                                         pairs)
                     case = f"{type_name(TYPES[name]):5s} {n_tok} tok x top-{k}"
-                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
+                    paired = f"; {paired_line(pairs)}" if pairs else ""
+                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s{paired}", flush=True)
             if driver == "numba" and n_threads > 1:  # omp, tbb or workqueue
                 print(f"  numba threading layer: {numba.threading_layer()}, GOMP_SPINCOUNT="
                       f"{os.environ.get('GOMP_SPINCOUNT')}")
@@ -156,9 +209,11 @@ def main() -> None:
                 layers, label = model
                 print(f"  {label}:")
                 for n_tok, k in cases:
-                    ms, gbs = bench_layers(layers, pool, n_tok, args.reps, rng, k)
+                    pairs = [] if args.paired else None
+                    ms, gbs = bench_layers(layers, pool, n_tok, args.paired or args.reps, rng, k, pairs)
                     case = f"{type_name(layers[0].gate_type):5s} {n_tok} tok x top-{k}"
-                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s", flush=True)
+                    paired = f"; {paired_line(pairs)}" if pairs else ""
+                    print(f"  {case}: {ms:7.2f} ms  {gbs:6.1f} GB/s{paired}", flush=True)
 
 
 if __name__ == "__main__":
