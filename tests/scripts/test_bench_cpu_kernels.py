@@ -2,18 +2,14 @@
 kernel pass, the median of their ratios) on a tiny pool."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts.script_run import last_line, run_script
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/bench_cpu_kernels.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+def _run(*args: str):
+    return run_script("bench_cpu_kernels.py", *args, timeout=600)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -24,7 +20,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 ])
 def test_bad_flags_are_one_line(args, message):
     out = _run(*args)
-    assert out.returncode == 2 and message in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and message in last_line(out)
 
 
 def test_paired_passes_give_a_median_ratio():
