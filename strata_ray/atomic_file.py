@@ -11,7 +11,15 @@ import secrets
 def regular_target(path: str | os.PathLike) -> str:
     """The file a write to path replaces: path, or the file its symbolic links lead to (the write keeps the
     links and updates what they point at). OSError where that exists and is not a regular file (a device such
-    as /dev/null, a FIFO, a socket: a file renamed over it would replace the node itself; a folder)."""
+    as /dev/null, a FIFO, a socket: a file renamed over it would replace the node itself; a folder), or where
+    the links go round (ELOOP: no file to write through them)."""
+    try:
+        os.stat(path)  # follows the links: ELOOP where they go round (realpath returns a link of the loop)
+    except FileNotFoundError:
+        pass  # a new file, or a link to one
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise
     real = os.path.realpath(path)
     if os.path.isdir(real):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))

@@ -457,7 +457,8 @@ def load_model_remote(dep, reused: bool, verbose: bool = False) -> dict:
         finally:
             bars.close()
     info = ray.get(ref)
-    what = (f"{os.path.basename(info['path'])} ({info['arch']}, {info['n_layer']} layers, "
+    layers = f"{info['n_layer']} layer{'s' if info['n_layer'] != 1 else ''}"
+    what = (f"{os.path.basename(info['path'])} ({info['arch']}, {layers}, "
             f"{info['n_expert']} experts) on {info['device']}")
     say(f"model already loaded: {what}" if reused else f"loaded {what} in {time.monotonic() - started:.1f} s")
     if info.get("expert_cache") and not reused and not verbose:

@@ -1,6 +1,7 @@
 """atomic_file: a whole file or none; writes through symbolic links; never renames a file over a device or a
 FIFO; the folder probe."""
 
+import errno
 import os
 
 import pytest
@@ -29,6 +30,19 @@ def test_a_symbolic_link_is_written_through_and_kept(tmp_path):
     dangling.symlink_to(tmp_path / "real" / "later.strp")
     write_atomic(dangling, b"made")
     assert dangling.is_symlink() and (tmp_path / "real" / "later.strp").read_bytes() == b"made"
+
+
+def test_a_loop_of_links_is_refused_and_kept(tmp_path):
+    """Links that lead round to each other have no file to write through: ELOOP, where the write replaced
+    one link of the loop with a file."""
+    os.symlink("b", tmp_path / "a")
+    os.symlink("a", tmp_path / "b")
+    with pytest.raises(OSError) as e:
+        regular_target(tmp_path / "a")
+    assert e.value.errno == errno.ELOOP
+    with pytest.raises(OSError):
+        write_atomic(tmp_path / "a", b"x")
+    assert (tmp_path / "a").is_symlink() and sorted(os.listdir(tmp_path)) == ["a", "b"]
 
 
 def test_a_fifo_or_a_device_is_refused_and_kept(tmp_path):

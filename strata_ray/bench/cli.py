@@ -192,7 +192,8 @@ def fit_contexts(plan: measure.BenchPlan, builder: PromptBuilder) -> measure.Ben
         if note:
             say(f"note: context {c}: {note}")
         if n in sizes:
-            say(f"note: context {c} is the same as context {sizes[n]} after the cut; measured once")
+            same = "listed twice" if c == sizes[n] else f"the same as context {sizes[n]} after the cut"
+            say(f"note: context {c} is {same}; measured once")
             continue
         sizes[n] = c
         kept.append(c)
@@ -246,6 +247,8 @@ def bench_main(argv: Sequence[str]) -> int:
                  "--save": (b"{", "a gate reference")}
         for flag, (magic, kind) in kinds.items():
             path = getattr(ns, flag[2:].replace("-", "_"), None)
+            if path == "":  # not "no file": a run whose report went nowhere, or --save read as --against
+                raise ConfigError(f"{flag}: an empty path; give the file to write")
             if path:  # a file written after the whole run: refused now, not then; never over an input or
                 # a file of another kind
                 check_save_path(os.path.abspath(path), flag, inputs, magic, kind)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import math
+import os
 import shutil
 import signal
 import sys
@@ -273,6 +275,8 @@ def write_synth(
     hp = preset_hparams(arch, preset, layers)
     if not str(path):
         raise SynthError("-o: an empty path; give the .gguf file to write")
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: a folder named as one became a file
+        raise SynthError(f"-o {path}: names a folder; give the .gguf file to write")
     path = Path(path)
     if not path.parent.is_dir():
         raise SynthError(f"-o {path}: output directory {path.parent} does not exist")
@@ -281,8 +285,9 @@ def write_synth(
     try:  # the file the writer writes: a symbolic link's target, whose folder is checked and filled; a
         # folder, a device or a FIFO is refused here
         target = Path(regular_target(path))
-    except OSError:
-        raise SynthError(f"-o {path}: exists and is not a regular file") from None
+    except OSError as e:
+        why = "a loop of symbolic links" if e.errno == errno.ELOOP else "exists and is not a regular file"
+        raise SynthError(f"-o {path}: {why}") from None
     if not target.parent.is_dir():
         raise SynthError(f"-o {path}: leads to {target}, whose folder does not exist")
     _check_writable(path, target.parent)

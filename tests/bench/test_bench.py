@@ -205,6 +205,29 @@ def test_an_atomic_write_that_fails_leaves_nothing_behind(tmp_path):
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o666 & ~mask  # as open() makes it (not 0600)
 
 
+@pytest.mark.parametrize("command, flag", [("run", "--json-out"), ("run", "--plot"), ("gate", "--save")])
+def test_an_empty_output_path_is_refused_not_dropped(model_path, capsys, command, flag):
+    """An empty --json-out or --plot ran the whole bench and wrote nothing; an empty --save was read as no
+    --save and the gate then loaded a reference of None (a TypeError). One line before any work now."""
+    head = [] if command == "run" else [command]
+    code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, "")
+    assert (code, err) == (2, f"strata_ray bench: {flag}: an empty path; give the file to write\n")
+
+
+def test_a_context_listed_twice_is_measured_once_and_said_so(capsys):
+    """A context named twice is one measurement, told as "listed twice" (it said "the same as context 1024
+    after the cut" where nothing was cut); a context the cut brings to an earlier one's size still says so."""
+    from strata_ray.bench.cli import fit_contexts
+    from strata_ray.bench.measure import BenchPlan
+
+    plan = BenchPlan(contexts=(100, 100, 300, 400), gen_tokens=16, repeats=1, story_tokens=0)
+    kept = fit_contexts(plan, PromptBuilder(context_length=CONTEXT))  # 300 and 400 both cut to 208
+    assert kept.contexts == (100, 300)
+    err = capsys.readouterr().err
+    assert "note: context 100 is listed twice; measured once" in err
+    assert "note: context 400 is the same as context 300 after the cut; measured once" in err
+
+
 @pytest.mark.parametrize("flag, line", [
     ("--contexts", "--contexts: invalid value '' (allowed: token counts such as 8192 or 8k (k = 1024))"),
     ("--repeats", "--repeats: invalid value '' (allowed: an integer >= 1)"),

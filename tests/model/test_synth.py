@@ -1,5 +1,6 @@
 import hashlib
 import math
+import os
 
 import gguf
 import numpy as np
@@ -257,6 +258,9 @@ def test_dense_type(tmp_path):
          "--seed: invalid value '-1' (allowed: an integer >= 0)"),
         (["--arch", "qwen3next", "--preset", "tiny", "-o", "."], "-o .: exists and is not a regular file"),
         (["--arch", "qwen3next", "--preset", "tiny", "-o", ""], "-o: an empty path"),
+        # Path() dropped the slash: a file named "newdir" was written
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", "newdir/"], "-o newdir/: names a folder"),
+        (["--arch", "qwen3next", "--preset", "tiny", "-o", "loop1"], "-o loop1: a loop of symbolic links"),
         # a folder nobody writes in, root included (it said "not enough disk space: 0.0 GB free")
         (["--arch", "qwen3next", "--preset", "tiny", "-o", "/proc/x.gguf"],
          "-o /proc/x.gguf: cannot write in /proc"),
@@ -264,10 +268,13 @@ def test_dense_type(tmp_path):
 )
 def test_cli_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    os.symlink("loop2", tmp_path / "loop1")  # two links that lead to each other: no file to write through
+    os.symlink("loop1", tmp_path / "loop2")
     assert synth_main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("strata_ray synth: ") and message in err
-    assert not (tmp_path / "x.gguf").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop1", "loop2"]  # nothing written
+    assert (tmp_path / "loop1").is_symlink() and (tmp_path / "loop2").is_symlink()
 
 
 def test_an_existing_file_at_o_is_never_overwritten_unasked(tmp_path, capsys):
