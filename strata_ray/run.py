@@ -395,6 +395,8 @@ def generate_main(argv: Sequence[str]) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush would raise
             return 141  # 128 + SIGPIPE
         say(summary.summary_line())
+        if summary.seed is not None and request.sampling.seed is None:  # else the run could not be repeated
+            say(f"sampled with seed {summary.seed}; --seed {summary.seed} draws the same tokens")
         for line in summary.warnings:  # after the text and the summary: nothing generated is lost
             say(line)
         return 1 if summary.warnings else 0
@@ -516,6 +518,7 @@ def summary_json(s, adaptive: dict | None = None) -> dict:
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": len(s.token_ids),
         "finish_reason": s.finish_reason,
+        "seed": s.seed,
         "timings": {
             "prompt_seconds": s.prompt_seconds,
             "decode_seconds": s.decode_seconds,

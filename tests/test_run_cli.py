@@ -88,6 +88,22 @@ def json_run(tiny_model):
     return ids, r
 
 
+def test_a_sampled_run_names_its_seed_and_that_seed_repeats_it(tiny_model):
+    """Without --seed a sampled run draws a seed: stderr and the JSON name it, and --seed with it gives the
+    same ids (the README's "exact, reproducible output"). A greedy run's seed is null."""
+    args = ("--model", tiny_model, "--address", "local", "--prompt", PROMPT, "--max-tokens", "8", "--json",
+            "--temperature", "0.9")
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    seed = json.loads(first.stdout)["seed"]
+    assert isinstance(seed, int)
+    assert f"strata_ray: sampled with seed {seed}; --seed {seed} draws the same tokens" in first.stderr
+    again = run_cli(*args, "--seed", str(seed))
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert json.loads(again.stdout)["seed"] == seed and "sampled with seed" not in again.stderr
+
+
 def test_json_token_ids_equal_the_reference_forward(tiny_model, json_run):
     ids, r = json_run
     assert r.returncode == 0, r.stderr
@@ -101,6 +117,7 @@ def test_json_token_ids_equal_the_reference_forward(tiny_model, json_run):
     assert doc["prompt_tokens"] == len(ids) and doc["generated_tokens"] == len(got)
     assert set(doc["timings"]) >= {"prompt_seconds", "decode_seconds", "prompt_tokens_per_second",
                                    "decode_tokens_per_second"}
+    assert doc["seed"] is None  # greedy
     assert len(doc["logprobs"]) == len(got)
     for chosen, top in zip(got, doc["logprobs"], strict=True):
         assert len(top) == 3 and top[0]["token_id"] == chosen  # greedy picks the most likely token

@@ -31,6 +31,7 @@ class RunTotals:
     generations: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    decode_forwards: int = 0  # the one-token forwards decode_seconds holds (rates.TokenRates.decode_forwards)
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     failures: int = 0
@@ -61,15 +62,18 @@ class Coordinator:
         log.info("strata coordinator: model loaded %s", shown)
 
     def record_generation(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float,
-                          decode_seconds: float) -> None:
+                          decode_seconds: float, decode_forwards: int | None = None) -> None:
+        """decode_forwards: the forwards decode_seconds holds (None: generated_tokens, as before)."""
+        forwards = generated_tokens if decode_forwards is None else decode_forwards
         t = self.totals
         t.generations += 1
         t.prompt_tokens += prompt_tokens
         t.generated_tokens += generated_tokens
+        t.decode_forwards += forwards
         t.prompt_seconds += prompt_seconds
         t.decode_seconds += decode_seconds
         if self._metrics:
-            self._metrics.record(prompt_tokens, generated_tokens, prompt_seconds, decode_seconds)
+            self._metrics.record(prompt_tokens, generated_tokens, prompt_seconds, decode_seconds, forwards)
 
     def record_failure(self, reason: str) -> None:
         self.totals.failures += 1
@@ -114,7 +118,7 @@ class Coordinator:
             **asdict(t),
             "adaptive": asdict(self.adaptive),
             "prompt_tokens_per_second": t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0,
-            "decode_tokens_per_second": t.generated_tokens / t.decode_seconds if t.decode_seconds else 0.0,
+            "decode_tokens_per_second": t.decode_forwards / t.decode_seconds if t.decode_seconds else 0.0,
         }
 
 
@@ -151,7 +155,8 @@ class _RayMetrics:
         if swaps:
             self.adapt_swaps.inc(swaps)
 
-    def record(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float, decode_seconds: float):
+    def record(self, prompt_tokens: int, generated_tokens: int, prompt_seconds: float, decode_seconds: float,
+               decode_forwards: int):
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         if generated_tokens:
@@ -159,4 +164,4 @@ class _RayMetrics:
         if prompt_seconds > 0:
             self.prefill_tps.set(prompt_tokens / prompt_seconds)
         if decode_seconds > 0:
-            self.decode_tps.set(generated_tokens / decode_seconds)
+            self.decode_tps.set(decode_forwards / decode_seconds)

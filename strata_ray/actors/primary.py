@@ -85,7 +85,7 @@ class Primary:
     def _report(self, s: GenerationSummary | None) -> None:
         if s is not None and self.coordinator is not None:
             self.coordinator.record_generation.remote(
-                s.prompt_tokens, len(s.token_ids), s.prompt_seconds, s.decode_seconds
+                s.prompt_tokens, len(s.token_ids), s.prompt_seconds, s.decode_seconds, s.decode_forwards
             )
 
 

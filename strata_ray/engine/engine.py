@@ -73,6 +73,7 @@ class GenerationSummary(TokenRates):
     experts: str | None = None  # the expert tiers' line of this request (hit rates, CPU entries, ms/token)
     expert_stats: dict | None = None  # the tiers' counters of this request (TierMetrics.summary(since))
     warnings: tuple[str, ...] = ()  # what the request asked and could not do, a line each (a profile save)
+    seed: int | None = None  # the sampled draws' seed, the request's or one drawn for it; None: greedy
 
 
     def summary_line(self) -> str:
@@ -251,6 +252,7 @@ class Engine:
             experts=experts,
             expert_stats=expert_stats,
             warnings=warnings,
+            seed=result.seed,
         )
 
     def text_of(self, token_ids) -> str:

@@ -39,6 +39,7 @@ class GenerationResult(TokenRates):
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
     finish_reason: str = "length"  # "stop" (a stop id was sampled) or "length" (max_tokens / context full)
     stop: tuple | None = None  # (the stop id sampled, its TokenLogprob when logprobs > 0, else None)
+    seed: int | None = None  # the draws' seed (the request's, or one drawn for it); None: greedy
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def generate(
             torch.cuda.synchronize(last.device)  # the prompt's time ends when its logits are there
         t1 = time.perf_counter()
 
-        result = GenerationResult([], len(prompt), t1 - t0, 0.0, prompt_logprobs=scored)
+        result = GenerationResult([], len(prompt), t1 - t0, 0.0, prompt_logprobs=scored,
+                                  seed=sampler.seed if sampler.params.temperature > 0 else None)
         if on_prompt is not None and prompt_logprobs > 0:
             on_prompt(scored)
         graphs = getattr(model, "decode_graphs", None)

@@ -151,9 +151,13 @@ def test_primary_and_coordinator_without_ray(engine):
     items = list(primary.generate_stream(GenerationRequest(prompt="x", max_tokens=5)))
     summary = items[-1]
     coordinator.record_generation(summary.prompt_tokens, len(summary.token_ids), summary.prompt_seconds,
-                                  summary.decode_seconds)
+                                  summary.decode_seconds, summary.decode_forwards)
     status = coordinator.status()
     assert status["generations"] == 1 and status["generated_tokens"] == len(summary.token_ids)
+    # 5 tokens ("length"): 4 one-token forwards after the prompt's, and the rate counts those
+    assert (summary.finish_reason, status["decode_forwards"]) == ("length", 4)
+    rate = summary.decode_tokens_per_second
+    assert status["decode_tokens_per_second"] == 4 / summary.decode_seconds == rate
 
 
 def test_flags_whose_engine_part_is_missing_say_so():
