@@ -30,6 +30,7 @@ import numpy as np
 from bandwidth import host_copy_gbs  # a sibling module (scripts/ is sys.path[0] when run)
 
 from strata_ray.config import int_list, name_list
+from strata_ray.experts.pcie_share import HostCopy
 from strata_ray.kernels.contract import BLOCK, ExpertLayer, type_name
 from strata_ray.kernels.cpu_pool import CpuPool
 from strata_ray.kernels.expert_cpu import expert_ffn_cpu
@@ -72,7 +73,7 @@ def bench_layers(layers: list[ExpertLayer], pool: CpuPool, n_tok: int, reps: int
             calls.append((layer, tok, exp))
     expert_ffn_cpu(x, *calls[0][1:], calls[0][0], pool=pool)  # compile / warm
     best = 1e9
-    copier = PassCopy(pool) if ratios is not None else None
+    copier = HostCopy(pool, 1 << 28) if ratios is not None else None  # one memcpy pass before each
     for _ in range(reps):
         copy_gbs = 0.0
         if copier is not None:
@@ -97,24 +98,6 @@ def paired_line(pairs: list[tuple[float, float]]) -> str:
     return (f"paired: {100 * statistics.median(ratios):.0f}% of memcpy (median of {len(pairs)}; "
             f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}%), kernel {kernel:.1f} GB/s, "
             f"memcpy {copy:.1f} GB/s")
-
-
-class PassCopy:
-    """One timed host memcpy pass over the pool's threads (read + write GB/s), its buffers made and touched
-    once: host_copy_gbs' measure without its allocation on every pair."""
-
-    def __init__(self, pool: CpuPool, n_bytes: int = 1 << 28):
-        self.pool, self.n_bytes = pool, n_bytes
-        src = np.ones(n_bytes, np.uint8)
-        dst = np.empty_like(src)
-        cuts = np.linspace(0, n_bytes, pool.n_threads * 4 + 1).astype(np.int64)
-        self.jobs = [(dst[a:b], src[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
-        pool.run(np.copyto, self.jobs)  # first touch
-
-    def gbs(self) -> float:
-        t = time.perf_counter()
-        self.pool.run(np.copyto, self.jobs)
-        return 2 * self.n_bytes / (time.perf_counter() - t) / 1e9
 
 
 def model_layers(path: str, n_layers: int, arena: bool) -> tuple[list[ExpertLayer], str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from strata_ray.kernels.attention_decode import attn_tiles_value
 from strata_ray.kernels.contract import KERNEL_VARIANTS
+from strata_ray.kernels.flag_wait import order_value
 from strata_ray.kernels.gather_copy import gather_programs_value, stage_chunk_kib
 from strata_ray.kernels.gdn_step import gdn_columns_value
 from strata_ray.kernels.pdl import pdl_value
@@ -588,7 +589,7 @@ READ_WHERE_USED: dict[str, Callable[[str], object]] = {
     "STRATA_ROWS_EARLY": _choice("0", "1"),
     "STRATA_GDN_COLUMNS": gdn_columns_value,
     "STRATA_PDL": pdl_value,
-    "STRATA_FLAG_ORDER": _choice("acquire", "fence", "relaxed"),
+    "STRATA_FLAG_ORDER": order_value,
 }
 # read by the engine's own processes, never set by a user: allowed in serve.json's env all the same
 INTERNAL_ENV = ("STRATA_PRECOMPILE_PARENT",)

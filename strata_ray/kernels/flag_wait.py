@@ -73,15 +73,16 @@ def _order_code(order: str | None) -> int:
     """The body's ORDER for a form's name (None: STRATA_FLAG_ORDER, else DEFAULT_ORDER); 0 under the
     interpreter, which runs no inline PTX."""
     if order is None:
-        order = env_knob("STRATA_FLAG_ORDER", _parse_order, DEFAULT_ORDER)
+        order = env_knob("STRATA_FLAG_ORDER", order_value, DEFAULT_ORDER)
     else:
-        _parse_order(order)
+        order_value(order)
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     return {"acquire": 1, "fence": 2, "relaxed": 0}[order]
 
 
-def _parse_order(value: str) -> str:
+def order_value(value: str) -> str:
+    """STRATA_FLAG_ORDER's value (and wait_flag's order): one of ORDERS (config.py checks it at start)."""
     if value not in ORDERS:
         raise ValueError(", ".join(ORDERS))
     return value
