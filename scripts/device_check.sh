@@ -231,11 +231,12 @@ step fulltiles 240 python scripts/bench_kernels.py --types Q4_0,Q8_0 --no-sweep 
     --mma-full-tiles 0,1,0,1
 # the first decode after a CUDA load in fresh processes (session 55's flaky case): FIRSTDECODE_RUNS of
 # repro_first_decode (default 40; each 3 loads x 3 generates, ~10 s), FIRSTDECODE_ARGS added (e.g. --fill),
-# then its count of the loads whose first generate differed
+# then its count of the loads whose first generate differed (a step of its own: session 58's limit cut the
+# processes, and the count with them)
 # shellcheck disable=SC2016
 step firstdecode 500 bash -c 'for _ in $(seq "$1"); do timeout 100 python scripts/repro_first_decode.py $2 \
-    >> "$0/first_decode.jsonl"; done; python scripts/repro_first_decode.py --analyze "$0/first_decode.jsonl"' \
-    "$work" "${FIRSTDECODE_RUNS:-40}" "${FIRSTDECODE_ARGS:---tag base}"
+    >> "$0/first_decode.jsonl"; done' "$work" "${FIRSTDECODE_RUNS:-40}" "${FIRSTDECODE_ARGS:---tag base}"
+step firstdecode 60 python scripts/repro_first_decode.py --analyze "$work/first_decode.jsonl"
 # one 8K decode's op tables and a Chrome trace of 3 tokens: where a token's time goes, device and host
 # (once per TRACE_ENVS entry as LTIMES_ENVS: "-" the defaults, else variables joined by commas)
 for gib in ${TRACE_CARDS:-24}; do

@@ -423,10 +423,11 @@ Q6_STAGE = 212  # bytes of a row copied a Q6_K stage: a 210-byte super-block fro
 # -> 2.46. The bits do not depend on it.
 # full_tiles (STRATA_MMA_FULL_TILES over it): a warp whose m16 tiles all hold entries runs a stage's MMAs
 # with no check a tile (Q4_0 / Q8_0; the K-quants' registers would not hold both forms), and the A fragments'
-# shared addresses are made once a CTA: offline (ptxas, sm_90) ~11% fewer instructions a stage. Session 55:
-# the same bits (the MMA GPU bit tests, 18); its time could not be measured cleanly, so it stays off until a
-# bench_kernels A/B on a GPU
-MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8}, warp_entries=64, full_tiles=False)
+# shared addresses are made once a CTA: offline (ptxas, sm_90) ~11% fewer instructions a stage, at 125-128
+# registers (4 CTAs an SM) against 91-95 (5). Session 55: the same bits (the MMA GPU bit tests). Session 58 on
+# an H100 (bench_kernels --mma-full-tiles 0,1,0,1, 4096 tokens x top-10 over 256 experts, ms a layer): Q4_0
+# 1.76 / 1.72 / 1.75 / 1.70, Q8_0 1.88 / 1.79 / 1.87 / 1.77: on, 2-3% and 5% faster in both pairs
+MMA = dict(on=True, stage_blocks={Q8_0: 4, Q4_0: 4, Q4_K: 8, Q6_K: 8}, warp_entries=64, full_tiles=True)
 WARP_TILES = {32: (2, 4), 64: (4, 2)}  # warp_entries -> (MI, NI): m16 tiles of entries, n8 tiles of rows
 
 

@@ -14,8 +14,8 @@ later wait, across the 32-bit wrap too. The worker writes its rows, then the fla
 the PTX memory model a relaxed load orders nothing after it, so the kernels after this one are not promised
 the rows the worker wrote before its release store (in practice they always saw them: session 56 found no
 stale read). "acquire" spins on `ld.acquire.sys` loads and "fence" adds one `fence.acq_rel.sys` after a
-relaxed spin: either gives the promise. STRATA_FLAG_ORDER picks one (scripts/bench_flag_wait times them;
-DEFAULT_ORDER); under the Triton interpreter (no inline PTX) the loads are volatile.
+relaxed spin: either gives the promise. STRATA_FLAG_ORDER picks one (scripts/bench_flag_wait times them);
+DEFAULT_ORDER is acquire; under the Triton interpreter (no inline PTX) the loads are volatile.
 
 `wait_flag_reference` is the plain twin (the host spins), for tests.
 """
@@ -37,9 +37,10 @@ tl = None  # triton.language, bound by lazy_triton.jit_bodies at the first launc
 
 
 ORDERS = ("acquire", "fence", "relaxed")
-# relaxed until bench_flag_wait has priced the others on a GPU (session 57 got none): the form every run so
-# far used, and in practice the rows were always seen
-DEFAULT_ORDER = "relaxed"
+# acquire: what the PTX memory model asks for, at no measured cost. Session 58 on an H100 (bench_flag_wait,
+# a graph of 48 layers, us a layer over the page-locked reads alone): acquire 2.156 (rounds 8.684-8.736 in
+# all), relaxed 2.140 (8.684-8.740), fence 2.866 (the system fence ~0.7 us a layer more)
+DEFAULT_ORDER = "acquire"
 
 
 def _wait_body(FLAG, BASE, layer, ORDER: tl.constexpr, PDL: tl.constexpr):

@@ -155,14 +155,15 @@ def test_the_warp_tile_is_one_of_two(monkeypatch):
         assert (emc.BT // (16 * mi)) * (emc.BN // (8 * ni)) == 4
 
 
-def test_the_full_tiles_form_is_a_define_off_by_default(monkeypatch):
-    """STRATA_MMA_FULL_TILES over MMA["full_tiles"] (off: untimed) sets FULL_TILES, which the source's FULL
-    takes for Q4_0 / Q8_0 only; the kernel's cache key carries it, so a switch compiles the other form."""
+def test_the_full_tiles_form_is_a_define_on_by_default(monkeypatch):
+    """STRATA_MMA_FULL_TILES over MMA["full_tiles"] (on: faster in session 58's A/B) sets FULL_TILES, which
+    the source's FULL takes for Q4_0 / Q8_0 only; the kernel's cache key carries it, so a switch compiles
+    the other form."""
     geo = emc.geometry(2048, Q4_0)
     monkeypatch.delenv("STRATA_MMA_FULL_TILES", raising=False)
-    assert emc.MMA["full_tiles"] is False and "-DFULL_TILES=0" in emc.defines(geo, True, Q4_0)
-    monkeypatch.setitem(emc.MMA, "full_tiles", True)
-    assert "-DFULL_TILES=1" in emc.defines(geo, True, Q4_0)
+    assert emc.MMA["full_tiles"] is True and "-DFULL_TILES=1" in emc.defines(geo, True, Q4_0)
+    monkeypatch.setitem(emc.MMA, "full_tiles", False)
+    assert "-DFULL_TILES=0" in emc.defines(geo, True, Q4_0)
     monkeypatch.setenv("STRATA_MMA_FULL_TILES", "0")
     assert "-DFULL_TILES=0" in emc.build_options(geo, True, Q4_0)
     assert "#define FULL (FULL_TILES && !Q4K && !Q6K)" in emc._SOURCE
