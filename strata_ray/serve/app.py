@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,8 @@ APP_NAME = "strata"
 SERVE_CONTROLLER, SERVE_NAMESPACE = "SERVE_CONTROLLER_ACTOR", "serve"  # Ray Serve's controller actor
 STATIC = Path(__file__).resolve().parent / "static"
 LOAD_POLL_S = 0.25
+DRAIN_POLL_S = 0.2  # serve_main asks the replicas whether they are idle this often while they drain
+DRAIN_FLUSH_S = 0.5  # after the last answer: the HTTP proxy's time to send its last events before Ray stops
 
 api = FastAPI(title="strata-ray", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -82,11 +85,18 @@ class StrataServer:
         self.runner = EngineRunner(engine_config, self.metrics)
         self.api_key = api_key
         self.model_name = model_name
+        self.replica_id = uuid.uuid4().hex  # drain's answers tell the replicas apart
 
     # --- called by serve_main through the deployment handle -----------------------------------------------
 
     def load_state(self) -> dict:
         return {"loaded": self.runner.loaded, "error": self.runner.load_error, "info": self.runner.info}
+
+    async def drain(self, grace_s: float) -> dict:
+        """serve_main's stop (EngineRunner.drain): new requests get a 503, those taken grace_s seconds. Called
+        until every replica has answered idle; this replica's id and whether it still has work."""
+        self.runner.drain(grace_s)
+        return {"replica": self.replica_id, "busy": self.runner.busy}
 
     # --- helpers ------------------------------------------------------------------------------------------
 
@@ -101,6 +111,7 @@ class StrataServer:
 
     async def _complete(self, job: oa.Completion, endpoint: str):
         runner = self.runner
+        runner.check_open()
         await runner.wait_loaded()
         # off the event loop: a long prompt's tokens take seconds, and every other request waited on them
         ids = await asyncio.to_thread(oa.prompt_ids, job, runner.engine.tokenizer, runner.add_bos,
@@ -406,8 +417,18 @@ def _run_server(plan, engine_cfg) -> int:
     app = StrataServer.options(num_replicas=cfg.replicas,
                                ray_actor_options={"num_cpus": 1, "num_gpus": gpus}).bind(
         engine_cfg, cfg.api_key, name)
+    started = time.monotonic()  # the replica loads the model from its construction, inside serve.run
     handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    started = time.monotonic()
+    try:
+        return _serve(handle, cfg, name, started)
+    except KeyboardInterrupt:  # told to stop: the requests taken finish first (a second Ctrl-C: at once).
+        # Also before the "loaded" line: a replica serves from its load on, and this loop polls it
+        drain_replicas(handle, cfg.replicas, cfg.shutdown_grace)
+        raise
+
+
+def _serve(handle, cfg, name: str, started: float) -> int:
+    """Wait for the model, say where it serves, then serve until interrupted."""
     while True:
         state = handle.load_state.remote().result()
         if state["error"]:
@@ -422,6 +443,30 @@ def _run_server(plan, engine_cfg) -> int:
     say(f"serving on http://{host}:{cfg.port} (OpenAI API at /v1, chat and monitor at /; Ctrl-C stops)")
     while True:
         time.sleep(3600)
+
+
+def drain_replicas(handle, replicas: int, grace_s: float) -> None:
+    """Tell every replica to stop taking requests and wait until each says it is idle, or its grace is over
+    (then it ends what still runs with a 503 of its own): a stream open at Ctrl-C was cut mid-token, with no
+    error and no [DONE]. A handle call reaches one replica of the router's choice, so it is repeated until
+    `replicas` distinct ones answered idle; drain keeps its first deadline. At most the grace + 1 s."""
+    deadline = time.monotonic() + grace_s + 1.0
+    busy: dict[str, bool] = {}
+    said = False
+    while time.monotonic() < deadline:
+        try:
+            state = handle.drain.remote(grace_s).result(timeout_s=max(0.1, deadline - time.monotonic()))
+        except Exception:  # a replica gone or slow to answer: the deadline still bounds the stop
+            time.sleep(DRAIN_POLL_S)
+            continue
+        busy[state["replica"]] = state["busy"]
+        if len(busy) >= replicas and not any(busy.values()):
+            break
+        if state["busy"] and not said:
+            said = True
+            say(f"stopping: the requests taken get up to {grace_s:g} s to finish (Ctrl-C again stops now)")
+        time.sleep(DRAIN_POLL_S if len(busy) >= replicas else 0.0)
+    time.sleep(DRAIN_FLUSH_S)
 
 
 def _raise_interrupt(_signum, _frame):

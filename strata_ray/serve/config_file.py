@@ -1,10 +1,12 @@
 """The server's configuration: serve.json merged with the `serve` command line, checked before anything runs.
 
-serve.json keys: model, gpu, args, env, host, port, api_key, layer_split, replicas. `gpu` (an int, a list or
-"0,2") becomes CUDA_VISIBLE_DEVICES in PCI bus order, so engine device N is the Nth card of the list. `args`
-are engine flags (DESIGN section 4). With more than one GPU the server adds `--layer-split auto` (or the
-`layer_split` value) unless `--peer-device` is in the args: then the peer tier uses the second card instead.
-Command-line flags override the file: later engine flags win over the file's `args`.
+serve.json keys: model, gpu, args, env, host, port, api_key, layer_split, replicas, shutdown_grace. `gpu`
+(an int, a list or "0,2") becomes CUDA_VISIBLE_DEVICES in PCI bus order, so engine device N is the Nth card
+of the list. `args` are engine flags (DESIGN section 4). With more than one GPU the server adds
+`--layer-split auto` (or the `layer_split` value) unless `--peer-device` is in the args: then the peer tier
+uses the second card instead.
+Command-line flags override the file: later engine flags win over the file's `args`. `shutdown_grace`: the
+seconds that requests already taken get to finish once the server is told to stop (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ PROG = "python -m strata_ray.run serve"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 CONFIG_LIMIT = MIB  # characters
-KEYS = ("model", "gpu", "args", "env", "host", "port", "api_key", "layer_split", "replicas")
+KEYS = ("model", "gpu", "args", "env", "host", "port", "api_key", "layer_split", "replicas", "shutdown_grace")
+DEFAULT_SHUTDOWN_GRACE_S = 10.0  # a few answers' time; within the 30 s before Kubernetes or systemd kill
+MAX_SHUTDOWN_GRACE_S = 3600.0
 LAYER_SPLIT_OFF = "off"  # layer_split: "off" keeps a multi-GPU config from getting the automatic split
 
 
@@ -49,6 +53,7 @@ class ServeConfig:
     api_key: str | None = None
     layer_split: str | None = None  # None = "auto" when more than one GPU; "off" = never
     replicas: int = 1
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S  # seconds the requests taken get once told to stop
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,15 @@ def _replicas(v: int | None, name: str = "replicas") -> int | None:
     return v
 
 
+def _grace(v: float | None, name: str = "shutdown_grace") -> float:
+    """Seconds from 0 to MAX_SHUTDOWN_GRACE_S (None: the default)."""
+    if v is None:
+        return DEFAULT_SHUTDOWN_GRACE_S
+    if not 0 <= v <= MAX_SHUTDOWN_GRACE_S:  # NaN fails both
+        raise ServeConfigError(f"{name}: expected seconds from 0 to {MAX_SHUTDOWN_GRACE_S:.0f}, got {v}")
+    return float(v)
+
+
 def config_from_dict(raw: Mapping[str, Any]) -> ServeConfig:
     """Validate the parsed serve.json. Unknown keys are refused: a typo must not be silently ignored."""
     if not isinstance(raw, dict):
@@ -169,6 +183,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> ServeConfig:
         api_key=_api_key(_typed(raw, "api_key", str, "a string"), "api_key"),
         layer_split=None if layer_split is None else str(layer_split),
         replicas=_replicas(_typed(raw, "replicas", int, "an integer >= 1")) or 1,
+        shutdown_grace=_grace(_typed(raw, "shutdown_grace", (int, float), "seconds (a number)")),
     )
 
 
@@ -247,12 +262,17 @@ def build_serve_parser():
     server.add_argument("--config", "-c", metavar="FILE", help="serve.json")
     server.add_argument("--host", metavar="HOST", help=f"address to listen on (default {DEFAULT_HOST})")
     server.add_argument("--port", metavar="PORT", help=f"port to listen on (default {DEFAULT_PORT})")
-    server.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    server.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (a flag shows "
+                        "in ps to other users of the machine; serve.json's \"api_key\" does not)")
     server.add_argument("--gpu", metavar="0,2", help="GPUs to use, nvidia-smi numbering (overrides \"gpu\")")
     server.add_argument("--replicas", metavar="N", help="engine replicas behind the server (default 1)")
     server.add_argument("--address", metavar="auto|local|HOST:PORT", default=None,
                         help="Ray cluster to attach to (default: RAY_ADDRESS, else a running cluster, else a "
                         "new local instance; 'local' always starts a local instance)")
+    server.add_argument("--shutdown-grace", metavar="S",
+                        help="seconds the requests already taken get to finish when the server is told "
+                        f"to stop (Ctrl-C, SIGTERM; default {DEFAULT_SHUTDOWN_GRACE_S:.0f}); a stream still "
+                        "open then ends with an error event and [DONE], an answer with a 503")
     server.add_argument("--verbose", "-v", action="store_true", help="show Ray's and Serve's logs")
     add_engine_args(parser)
     return parser
@@ -272,6 +292,13 @@ def _cli_overrides(ns) -> dict[str, Any]:
         over["gpu"] = parse_gpu(ns.gpu, "--gpu")
     if ns.replicas is not None:
         over["replicas"] = _replicas(_int_flag("--replicas", ns.replicas), "--replicas")
+    if ns.shutdown_grace is not None:
+        try:
+            seconds = float(ns.shutdown_grace)
+        except ValueError:
+            raise ServeConfigError(f"--shutdown-grace: invalid value {ns.shutdown_grace!r} (allowed: "
+                                   "seconds, a number)") from None
+        over["shutdown_grace"] = _grace(seconds, "--shutdown-grace")
     return over
 
 
@@ -308,6 +335,10 @@ def resolve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Se
     env = child_env(cfg, environ)
     engine_ns = _parse_engine_args(argv_engine, "args" if ns.config else "flags")
     engine = config_from_args(engine_ns, env)
+    if engine.device == "cpu" and cfg.gpu:  # (device auto on a cluster without GPUs: serve_main's check)
+        gpus = ",".join(map(str, cfg.gpu))  # the GPUs were ignored, the server ran on the CPU unnoticed
+        raise ServeConfigError(f'GPUs {gpus} asked for (--gpu / "gpu"), but --device cpu serves on the CPU: '
+                               "drop one of them")
     changed = {k: v for k, v in env.items() if environ.get(k) != v}
     return ServePlan(serve=cfg, engine=engine, engine_argv=tuple(argv_engine), env=changed,
                      address=ns.address, verbose=ns.verbose,

@@ -51,6 +51,14 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "engine_failure")
 
 
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
+
+
+def shutting_down(message: str = SHUTTING_DOWN) -> APIError:
+    """A 503 a client may retry: the server was told to stop (serve_main's drain)."""
+    return APIError(503, message, "server_error", None, "server_shutting_down")
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 1.0  # OpenAI's default; 0 = greedy
@@ -310,6 +318,10 @@ def _messages(body) -> tuple[tuple[dict, ...], dict]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role", f"expected one of {', '.join(ROLES)}, got {json.dumps(role)}")
+        if m.get("content") is None and role != "assistant":  # as OpenAI: only an assistant's turn (its tool
+            # calls) may come without content; a user's turn without it was served as an empty one
+            raise invalid(f"{where}.content", f"a {role} message needs content (a string or a list of text "
+                          "parts)", "missing_field")
         parsed.append({**{k: v for k, v in m.items() if k != "content"},
                        "content": _content_text(m.get("content"), f"{where}.content")})
     kwargs = body.get("chat_template_kwargs")

@@ -4,7 +4,8 @@ Requests wait on an asyncio.Lock, which wakes waiters first come, first served. 
 dedicated thread so the replica's event loop keeps answering /health and /metrics while it generates.
 Tokens cross to the loop through an asyncio.Queue (with their log-probabilities, for a request that asks).
 A request whose consumer goes away (client disconnect, stop string) stops its generation at the next token,
-and the engine is free for the next request as soon as that token is done.
+and the engine is free for the next request as soon as that token is done. `drain` is the server's stop:
+requests from then on are refused, those taken get a grace time, then the running one ends with a 503.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from strata_ray.actors.launch import first_line
 from strata_ray.config import EngineConfig
 from strata_ray.serve import status
-from strata_ray.serve.openai_api import APIError, Sampling, server_error
+from strata_ray.serve.openai_api import APIError, Sampling, server_error, shutting_down
 from strata_ray.serve.text_stream import EmittedToken, TextStream
 
 
@@ -108,6 +109,9 @@ class EngineRunner:
         self.tier_totals: dict[str, dict[str, float]] = {}
         self._loaded = threading.Event()
         self._lock = asyncio.Lock()
+        self.draining = False  # told to stop: new requests are refused
+        self._stopped = False  # the drain's grace is over: the running one ends, the queued are refused
+        self._cancel: threading.Event | None = None  # the running generation's
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-engine")
         self._executor.submit(self._load)
 
@@ -158,6 +162,34 @@ class EngineRunner:
     def add_bos(self) -> bool:
         return bool(self.engine.loaded.file.fields.get("tokenizer.ggml.add_bos_token", False))
 
+    # --- stopping -----------------------------------------------------------------------------------------
+
+    def drain(self, grace_s: float) -> None:
+        """The server is stopping: requests from now on are refused (check_open); those already taken, queued
+        or running, get grace_s seconds, then the running one ends with a 503 (in a stream: an error event and
+        [DONE], not a cut connection) and the queued ones get it too. On the event loop; a second call keeps
+        the first one's deadline."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self._stop_now)
+
+    def _stop_now(self) -> None:
+        self._stopped = True
+        if self._cancel is not None and not self._cancel.is_set():
+            self._cancel.set()
+            self.engine.stop()
+
+    def check_open(self) -> None:
+        """Raises the 503 once the server is stopping."""
+        if self.draining:
+            raise shutting_down()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is taken and not answered yet (queued, or holding the engine)."""
+        return self.metrics.queued > 0 or self._lock.locked()
+
     # --- generation ---------------------------------------------------------------------------------------
 
     async def stream(self, rec: status.RequestRecord, prompt_ids: Sequence[int], max_tokens: int,
@@ -175,6 +207,8 @@ class EngineRunner:
         started = False
         try:
             async with self._lock:
+                if self._stopped:  # queued past the drain's grace: refused, listed as cancelled
+                    raise shutting_down()
                 started = True
                 try:
                     params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
@@ -189,7 +223,7 @@ class EngineRunner:
                     yield event
         finally:
             if not started:
-                self.metrics.dequeue_unstarted()
+                self.metrics.dequeue_unstarted(rec)
 
     async def _generate(self, rec, request, stop: Sequence[str], echo: bool,
                         added_bos: bool = False) -> AsyncIterator[Piece | Finished]:
@@ -199,6 +233,7 @@ class EngineRunner:
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()  # per request: engine.stop() alone could race with the next request
+        self._cancel = cancel  # the drain's stop ends it too
 
         def on_token(token_id: int, logprob=None) -> None:  # on the engine thread
             if cancel.is_set():
@@ -241,7 +276,8 @@ class EngineRunner:
                 summary = job.result()
                 rec.prompt_ms, rec.decode_ms = 1000 * summary.prompt_seconds, 1000 * summary.decode_seconds
             except GenerationStopped:
-                pass
+                if cancel.is_set() and self._stopped and not text.stopped:  # the drain's, not a stop string's
+                    raise shutting_down("the server stopped before this generation finished") from None
             except RequestError as e:
                 finish, error = "error", str(e)
                 raise APIError(400, first_line(e), param="messages", code="invalid_prompt") from None
@@ -260,6 +296,8 @@ class EngineRunner:
             finish = "length" if length else "stop"
             yield Finished(finish, len(request.prompt_ids), rec.generated, rec.timings())
         finally:
+            if self._cancel is cancel:
+                self._cancel = None
             if job.done():
                 self._finish(rec, finish, error, before)
             else:  # the consumer left (disconnect): the engine stops at its next token

@@ -92,9 +92,14 @@ class ServeMetrics:
         self.current, self.state = rec, "reading"
         self._phase_start = time.monotonic()
 
-    def dequeue_unstarted(self) -> None:
-        """A queued request that left before the engine took it (client gone, bad prompt)."""
+    def dequeue_unstarted(self, rec: RequestRecord) -> None:
+        """A queued request whose client left before the engine took it: listed and counted as cancelled,
+        having read nothing (it was counted in totals.requests, and went nowhere else)."""
         self.queued -= 1
+        rec.queue_ms = 1000.0 * (time.time() - rec.queued_at)
+        rec.finish_reason = "cancelled"
+        self.totals.cancelled += 1
+        self.recent.appendleft(rec)
 
     def token(self, rec: RequestRecord) -> None:
         now = time.monotonic()

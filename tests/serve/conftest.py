@@ -71,14 +71,15 @@ def engine(model_path):
     return Engine(EngineConfig(model=str(model_path), device="cpu"))
 
 
-def _start_server(model_path, work: Path) -> Server:
+def start_server(model_path, work: Path, **keys) -> Server:
     """The server on a free port (a fresh one while another process takes the port between free_port and
-    the server's bind: a Ray instance of the other test worker, say, which opens ports of its own)."""
+    the server's bind: a Ray instance of the other test worker, say, which opens ports of its own); keys:
+    more serve.json keys."""
     for attempt in range(3):
         port = free_port()
         config = work / f"serve-{attempt}.json"
         config.write_text(json.dumps({"model": str(model_path), "host": "127.0.0.1", "port": port,
-                                      "api_key": API_KEY, "args": ["--device", "cpu"]}))
+                                      "api_key": API_KEY, "args": ["--device", "cpu"], **keys}))
         log = work / f"server-{attempt}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "strata_ray.run", "serve", "--config", str(config),
@@ -93,7 +94,7 @@ def _start_server(model_path, work: Path) -> Server:
 
 @pytest.fixture(scope="session")
 def server(model_path, tmp_path_factory):
-    srv = _start_server(model_path, tmp_path_factory.mktemp("serve"))
+    srv = start_server(model_path, tmp_path_factory.mktemp("serve"))
     proc, log = srv.proc, srv.log
     try:
         yield srv

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -391,6 +392,33 @@ def test_disconnect_cancels_and_frees_the_engine(server):
     cancelled = next(x for x in metrics["requests"] if x["endpoint"] == "/v1/completions")
     assert cancelled["finish_reason"] == "cancelled" and 0 < cancelled["generated"] < 3000
     assert metrics["live"]["state"] == "idle" and metrics["live"]["queued"] == 0
+
+
+def test_a_stop_refuses_new_requests_and_ends_an_open_stream_with_an_error_event(model_path, tmp_path):
+    """SIGTERM while a stream runs past the grace: a request sent after it gets a 503 a client may retry, the
+    stream ends with an error event and [DONE] (it was cut mid-token: curl's "partial transfer"), and the
+    server still exits 0."""
+    from tests.serve.conftest import start_server
+
+    srv = start_server(model_path, tmp_path, shutdown_grace=1)
+    try:
+        r = srv.post("/v1/completions", {"prompt": "The Python standard library", "max_tokens": 3000,
+                                         "temperature": 0, "stream": True}, stream=True)
+        lines = r.iter_lines(decode_unicode=True)
+        assert next(line for line in lines if line).startswith("data: {")  # tokens flow
+        srv.proc.send_signal(signal.SIGTERM)
+        late = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down", late.text
+        events = [line[len("data: "):] for line in lines if line]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and "generation finished" in error["message"]
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
+    assert "strata_ray: stopped" in srv.log.read_text()[-2000:]
 
 
 def test_load_50_requests_from_4_threads(server):

@@ -113,6 +113,8 @@ def test_defaults_without_a_file():
     ({"api_key": 5}, "api_key: expected a string"),
     ({"api_key": ""}, "api_key: an empty key"),  # it served with no key at all
     ({"layer_split": True}, "layer_split: expected"),
+    ({"shutdown_grace": "5"}, r'shutdown_grace: expected seconds \(a number\), got "5"'),
+    ({"shutdown_grace": -1}, "shutdown_grace: expected seconds from 0 to 3600, got -1"),
 ])
 def test_invalid_configs_are_one_line(tmp_path, doc, message):
     path = write(tmp_path, doc)
@@ -141,6 +143,9 @@ def test_config_that_is_not_utf8_is_one_line(tmp_path):
     (["--api-key", " k"], "--api-key: the key has spaces around it (a request's key never would)"),
     # `--api-key "$KEY"` with KEY unset: it served with no key at all, and said nothing
     (["--api-key", ""], "--api-key: an empty key (leave it out to serve without a key)"),
+    (["--shutdown-grace", "soon"], "--shutdown-grace: invalid value 'soon' (allowed: seconds, a number)"),
+    (["--shutdown-grace", "nan"], "--shutdown-grace: expected seconds from 0 to 3600, got nan"),
+    (["--shutdown-grace", "1e9"], "--shutdown-grace: expected seconds from 0 to 3600, got 1000000000.0"),
 ])
 def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
     with pytest.raises(ServeConfigError) as e:
@@ -148,9 +153,29 @@ def test_a_bad_port_or_replicas_on_the_command_line_names_the_flag(argv, line):
     assert str(e.value) == line
 
 
+def test_the_shutdown_grace_from_the_file_the_flag_or_the_default(tmp_path):
+    path = write(tmp_path, {"shutdown_grace": 2})
+    assert resolve([], {}).serve.shutdown_grace == 10.0
+    assert resolve(["--config", path], {}).serve.shutdown_grace == 2.0
+    assert resolve(["--config", path, "--shutdown-grace", "0.5"], {}).serve.shutdown_grace == 0.5
+    assert resolve(["--shutdown-grace", "0"], {}).serve.shutdown_grace == 0.0
+
+
 def test_a_gpu_number_int_cannot_read_is_one_line():
     with pytest.raises(ServeConfigError, match="^--gpu: expected a GPU number"):
         resolve(["--gpu", "\u00b2"], {})  # a digit to str.isdigit(), not to int()
+
+
+def test_gpus_with_device_cpu_are_one_line(tmp_path):
+    """GPUs named and the CPU asked for: which one the user meant is not known (the GPUs were ignored)."""
+    line = 'GPUs 0,2 asked for (--gpu / "gpu"), but --device cpu serves on the CPU: drop one of them'
+    with pytest.raises(ServeConfigError) as e:
+        resolve(["--gpu", "0,2", "--device", "cpu"], {})
+    assert str(e.value) == line
+    with pytest.raises(ServeConfigError) as e:
+        resolve(["--config", write(tmp_path, {"gpu": [0, 2], "args": ["--device", "cpu"]})], {})
+    assert str(e.value) == line
+    assert resolve(["--device", "cpu"], {}).engine.device == "cpu"
 
 
 def test_the_automatic_layer_split_is_marked_as_the_servers():

@@ -29,6 +29,17 @@ def test_content_parts_and_max_completion_tokens():
     assert job.messages[0]["content"] == "ab" and job.max_tokens == 7
 
 
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+@pytest.mark.parametrize("message", [{}, {"content": None}])
+def test_a_message_without_content_is_refused_but_an_assistants(role, message):
+    with pytest.raises(oa.APIError) as info:
+        oa.parse_chat({"messages": [{"role": role, **message}]})
+    e = info.value
+    assert (e.status, e.param, e.code) == (400, "messages[0].content", "missing_field")
+    job = oa.parse_chat({"messages": [*MSG, {"role": "assistant", "tool_calls": [], **message}]})
+    assert job.messages[1]["content"] == ""  # an assistant's turn of tool calls only
+
+
 def test_include_usage_only_when_streaming():
     assert not oa.parse_chat({"messages": MSG, "stream_options": {"include_usage": True}}).include_usage
 

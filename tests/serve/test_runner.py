@@ -53,6 +53,84 @@ def test_requests_run_one_at_a_time_in_arrival_order(runner):
     assert runner.metrics.queued == 0 and runner.metrics.state == "idle"
 
 
+def own_runner(model_path) -> EngineRunner:
+    """A runner of the test's own: the shared one's lock is bound to the event loop of the test that first
+    made a request wait, and a drain is for good."""
+    runner = EngineRunner(EngineConfig(model=str(model_path), device="cpu"), ServeMetrics())
+    assert runner.wait_loaded_blocking(120) and runner.loaded, runner.load_error
+    return runner
+
+
+def test_a_request_closed_while_queued_is_listed_cancelled(model_path):
+    """A client that leaves while its request waits for the engine: the request is listed and counted as
+    cancelled, so the totals add up (it was counted in requests and nowhere else)."""
+    runner = own_runner(model_path)
+    ids = runner.engine.tokenizer.encode("Hello")
+    m = runner.metrics
+
+    async def main():
+        first = asyncio.create_task(collect(runner, "long", ids, max_tokens=min(300, runner.context - 2)))
+        await asyncio.sleep(0.01)  # the first holds the engine
+        rec = m.enqueue("gone", "test")
+        events = runner.stream(rec, ids, 3, GREEDY, ())
+        waiting = asyncio.ensure_future(anext(events))
+        await asyncio.sleep(0.02)
+        assert not waiting.done() and m.queued == 1
+        waiting.cancel()  # as Serve cancels the handler of a client that went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await events.aclose()
+        assert m.queued == 0
+        await first
+
+    asyncio.run(main())
+    gone = next(r for r in m.recent if r.id == "gone")
+    assert gone.finish_reason == "cancelled" and gone.generated == 0
+    t = m.totals
+    assert (t.requests, t.completed, t.cancelled, t.failed) == (2, 1, 1, 0)
+
+
+def test_a_drain_refuses_new_requests_and_ends_the_running_one_with_a_503_after_its_grace(model_path):
+    """The server's stop: new requests get the 503 at once; the running generation gets the grace, then ends
+    with a 503 of its own (a stream's error event), and the one queued behind it gets the 503 too."""
+    runner = own_runner(model_path)
+    ids = runner.engine.tokenizer.encode("The Python standard library")  # greedy: no end for 2000 tokens
+    long_tokens = min(2000, runner.context - len(ids) - 1)
+
+    async def main():
+        long = asyncio.create_task(collect(runner, "long", ids, max_tokens=long_tokens))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(collect(runner, "queued", ids, max_tokens=3))
+        await asyncio.sleep(0.02)
+        runner.drain(0.3)
+        runner.drain(60.0)  # a second call keeps the first deadline
+        with pytest.raises(APIError) as refused:
+            runner.check_open()
+        assert runner.busy and not long.done()
+        return refused.value, await asyncio.gather(long, queued, return_exceptions=True)
+
+    refused, (long, queued) = asyncio.run(main())
+    for e in (refused, long, queued):
+        assert isinstance(e, APIError) and (e.status, e.code) == (503, "server_shutting_down"), e
+    assert "before this generation finished" in long.message and "shutting down" in queued.message
+    rec = next(r for r in runner.metrics.recent if r.id == "long")
+    assert 0 < rec.generated < long_tokens and not runner.busy
+
+
+def test_a_generation_that_ends_within_the_drains_grace_is_answered_whole(model_path):
+    runner = own_runner(model_path)
+    ids = runner.engine.tokenizer.encode("Hello")
+
+    async def main():
+        task = asyncio.create_task(collect(runner, "short", ids, max_tokens=4))
+        await asyncio.sleep(0.01)
+        runner.drain(60.0)
+        return await task
+
+    text, done = asyncio.run(main())
+    assert done.finish_reason in ("stop", "length") and done.completion_tokens > 0
+
+
 def test_engine_failure_is_a_500_and_the_runner_keeps_serving(runner):
     ids = runner.engine.tokenizer.encode("Hello")
     model = runner.engine.loaded.model

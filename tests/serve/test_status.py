@@ -30,6 +30,19 @@ def test_a_cancelled_request_ending_late_leaves_the_next_one_current():
     assert m.current is second and m.totals.cancelled == 1
 
 
+def test_a_request_gone_while_queued_is_listed_and_counted_cancelled():
+    m = status.ServeMetrics()
+    running, gone = m.enqueue("a", "x"), m.enqueue("b", "x")
+    m.begin(running, 1, 1)
+    m.dequeue_unstarted(gone)
+    assert m.queued == 0 and m.current is running and m.totals.cancelled == 1
+    (doc,) = m.requests(all_kept=True)
+    assert doc["id"] == "b" and doc["finish_reason"] == "cancelled" and doc["timings"]["prompt_n"] == 0
+    m.end(running, "stop")
+    t = m.totals
+    assert t.requests == t.completed + t.cancelled + t.failed == 2
+
+
 def test_tiers_accumulate():
     totals: dict = {}
     status.add_tiers(totals, {"gpu": {"experts": 8, "hits": 3, "lookups": 4}})
