@@ -111,15 +111,15 @@ class StrataServer:
 
     async def _complete(self, job: oa.Completion, endpoint: str):
         runner = self.runner
-        runner.check_open()
-        await runner.wait_loaded()
-        # off the event loop: a long prompt's tokens take seconds, and every other request waited on them
-        ids = await asyncio.to_thread(oa.prompt_ids, job, runner.engine.tokenizer, runner.add_bos,
-                                      runner.context)
-        room = runner.context - len(ids)
-        max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
-        rid = oa.new_id(job.chat)
-        rec = self.metrics.enqueue(rid, endpoint)
+        with runner.taking():  # a stop's drain waits for it from here (a 503 once the server stops)
+            await runner.wait_loaded()
+            # off the event loop: a long prompt's tokens take seconds, and every other request waited on them
+            ids = await asyncio.to_thread(oa.prompt_ids, job, runner.engine.tokenizer, runner.add_bos,
+                                          runner.context)
+            room = runner.context - len(ids)
+            max_tokens = room if job.max_tokens is None else min(job.max_tokens, room)
+            rid = oa.new_id(job.chat)
+            rec = self.metrics.enqueue(rid, endpoint)
         # a BOS the server put before a text prompt (oa.encode with the model's add_bos_token): not echoed as
         # text
         added_bos = job.prompt_ids is None and runner.add_bos and runner.engine.tokenizer.bos_id is not None

@@ -11,6 +11,7 @@ requests from then on are refused, those taken get a grace time, then the runnin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -112,6 +113,7 @@ class EngineRunner:
         self.draining = False  # told to stop: new requests are refused
         self._stopped = False  # the drain's grace is over: the running one ends, the queued are refused
         self._cancel: threading.Event | None = None  # the running generation's
+        self._arriving = 0  # requests past check_open not yet queued (waiting for the load, tokenizing)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-engine")
         self._executor.submit(self._load)
 
@@ -185,10 +187,21 @@ class EngineRunner:
         if self.draining:
             raise shutting_down()
 
+    @contextlib.contextmanager
+    def taking(self):
+        """A request from its check_open until metrics.enqueue queues it (the model's load, the prompt's
+        tokens: seconds for a long one), so that a drain waits for it as for the queued ones."""
+        self.check_open()
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+
     @property
     def busy(self) -> bool:
-        """Whether a request is taken and not answered yet (queued, or holding the engine)."""
-        return self.metrics.queued > 0 or self._lock.locked()
+        """Whether a request is taken and not answered yet (arriving, queued, or holding the engine)."""
+        return self._arriving > 0 or self.metrics.queued > 0 or self._lock.locked()
 
     # --- generation ---------------------------------------------------------------------------------------
 

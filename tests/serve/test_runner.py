@@ -104,8 +104,8 @@ def test_a_drain_refuses_new_requests_and_ends_the_running_one_with_a_503_after_
         await asyncio.sleep(0.02)
         runner.drain(0.3)
         runner.drain(60.0)  # a second call keeps the first deadline
-        with pytest.raises(APIError) as refused:
-            runner.check_open()
+        with pytest.raises(APIError) as refused, runner.taking():
+            pass
         assert runner.busy and not long.done()
         return refused.value, await asyncio.gather(long, queued, return_exceptions=True)
 
@@ -118,14 +118,19 @@ def test_a_drain_refuses_new_requests_and_ends_the_running_one_with_a_503_after_
 
 
 def test_a_generation_that_ends_within_the_drains_grace_is_answered_whole(model_path):
+    """And a request still on its way to the queue (its prompt's tokens, say) counts as work to wait for."""
     runner = own_runner(model_path)
     ids = runner.engine.tokenizer.encode("Hello")
 
     async def main():
-        task = asyncio.create_task(collect(runner, "short", ids, max_tokens=4))
-        await asyncio.sleep(0.01)
-        runner.drain(60.0)
-        return await task
+        with runner.taking():
+            task = asyncio.create_task(collect(runner, "short", ids, max_tokens=4))
+            await asyncio.sleep(0.01)
+            runner.drain(60.0)
+            result = await task
+            assert runner.busy  # the request being taken
+        assert not runner.busy
+        return result
 
     text, done = asyncio.run(main())
     assert done.finish_reason in ("stop", "length") and done.completion_tokens > 0
