@@ -465,7 +465,7 @@ def drain_replicas(handle, replicas: int, grace_s: float) -> None:
         if state["busy"] and not said:
             said = True
             say(f"stopping: the requests taken get up to {grace_s:g} s to finish (Ctrl-C again stops now)")
-        time.sleep(DRAIN_POLL_S if len(busy) >= replicas else 0.0)
+        time.sleep(DRAIN_POLL_S if len(busy) >= replicas else 0.01)  # the router spreads calls on
     time.sleep(DRAIN_FLUSH_S)
 
 
