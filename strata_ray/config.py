@@ -612,8 +612,11 @@ def _check_combinations(cfg: EngineConfig) -> None:
     if cfg.expert_profile is not None and not cfg.resumes_profile:  # resume: nothing there yet: first start
         if os.path.isdir(cfg.expert_profile):
             raise ConfigError(f"--expert-profile: {cfg.expert_profile} is a folder, not an STRP file")
-        if not os.path.isfile(cfg.expert_profile):
+        if not os.path.exists(cfg.expert_profile):
             raise ConfigError(f"--expert-profile: file not found: {cfg.expert_profile}")
+        if not os.path.isfile(cfg.expert_profile):  # /dev/zero, a FIFO: "not found" sent the user looking
+            raise ConfigError(f"--expert-profile: {cfg.expert_profile} is not a regular file; give an STRP "
+                              "file")
 
 
 def _with_peer_env(cfg: EngineConfig, env: Mapping[str, str]) -> EngineConfig:

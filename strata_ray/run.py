@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -365,11 +366,15 @@ def generate_main(argv: Sequence[str]) -> int:
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     from strata_ray.actors import launch
+    from strata_ray.sigterm import interrupt_on_sigterm
 
     session = dep = actor = None
     keep = False
+    owner = uuid.uuid4().hex  # this run's generation, for a kept primary's stop
+    interrupt_on_sigterm()  # systemd, docker, `timeout`: as a Ctrl-C, not Ray's C++ stack and exit 15
     try:
         session = launch.connect(ns.address, ns.dashboard, ns.verbose)
+        interrupt_on_sigterm()  # again: Ray's core worker installed its own as it connected
         say(_session_line(session, ns.dashboard))
         cfg = replace(cfg, device=launch.cluster_device(cfg))
         if session.started:
@@ -389,9 +394,9 @@ def generate_main(argv: Sequence[str]) -> int:
         load_model_remote(dep, reused=not dep.created, verbose=ns.verbose)
         keep = keep_asked
         try:
-            summary = stream_generation(dep, request, as_json=ns.json)
+            summary = stream_generation(dep, request, as_json=ns.json, owner=owner)
         except BrokenPipeError:  # stdout's reader went away (`run ... | head`): a quiet end, as a shell tool
-            dep.primary.stop.remote()
+            dep.primary.stop.remote(owner)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush would raise
             return 141  # 128 + SIGPIPE
         say(summary.summary_line())
@@ -402,7 +407,7 @@ def generate_main(argv: Sequence[str]) -> int:
         return 1 if summary.warnings else 0
     except KeyboardInterrupt:
         if dep is not None and not dep.created:
-            dep.primary.stop.remote()  # kept actors live on: end only our generation
+            dep.primary.stop.remote(owner)  # kept actors live on: end only our generation, not another run's
         if sys.stdout.isatty():
             sys.stdout.write("\n")  # end the half-printed line before the message
         sys.stdout.flush()
@@ -423,7 +428,12 @@ def say(line: str) -> None:
 
 def _session_line(session, dashboard: bool) -> str:
     if not session.started:
-        return f"attached to the running Ray cluster at {session.address}"
+        line = f"attached to the running Ray cluster at {session.address}"
+        if not dashboard:
+            return line
+        if session.dashboard_url:  # --dashboard starts none on a cluster: it names the cluster's own
+            return f"{line} (its dashboard at {session.dashboard_url})"
+        return f"{line} (--dashboard: the cluster runs no dashboard; `ray start --head` starts one)"
     if not dashboard:
         board = "no dashboard"
     elif session.dashboard_url:  # the one place the URL is told without -v (Ray's own line is INFO)
@@ -470,8 +480,9 @@ def load_model_remote(dep, reused: bool, verbose: bool = False) -> dict:
     return info
 
 
-def stream_generation(dep, request, as_json: bool):
-    """Print text batches as the primary yields them; returns the GenerationSummary."""
+def stream_generation(dep, request, as_json: bool, owner: str | None = None):
+    """Print text batches as the primary yields them; returns the GenerationSummary. owner: this run's id,
+    which its stop names."""
     import ray
 
     from strata_ray.engine.engine import GenerationSummary, TokenBatch
@@ -480,7 +491,7 @@ def stream_generation(dep, request, as_json: bool):
     summary = None
     # the coordinator's rounds so far: kept actors have served other runs, and this one reports its own
     rounds_before = ray.get(dep.coordinator.status.remote()).get("adaptive") if as_json else None
-    for ref in dep.primary.generate_stream.options(num_returns="streaming").remote(request):
+    for ref in dep.primary.generate_stream.options(num_returns="streaming").remote(request, owner):
         item = ray.get(ref)
         if isinstance(item, TokenBatch):
             if not as_json and item.text:

@@ -107,6 +107,8 @@ def test_every_flag_parses_from_cli_and_env(profile, tmp_path):
         (["--device", "tpu"], "--device: invalid value 'tpu' (allowed: cpu or cuda or auto)"),
         (["--vram-budget-mib", "0"], "--vram-budget-mib: invalid value '0' (allowed: an integer >= 1)"),
         (["--expert-profile", "/no/such.strp"], "--expert-profile: file not found: /no/such.strp"),
+        (["--expert-profile", "/dev/zero"],
+         "--expert-profile: /dev/zero is not a regular file; give an STRP file"),
     ],
 )
 def test_bad_values_name_flag_value_and_allowed(argv, line):

@@ -543,6 +543,18 @@ def test_an_address_that_answers_http_is_refused_in_seconds(tiny_model):
                                "a dashboard / Jobs API URL")
 
 
+def test_a_ray_client_address_is_refused_before_the_model_loads(tiny_model):
+    """ray:// (Ray Client) attached, placed the actors and loaded the model, then failed at the first token:
+    Ray Client cannot stream an actor's generator."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    address = "ray://127.0.0.1:10001"
+    r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model, "-p", "hi",
+                        "--address", address], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"strata_ray: Ray address {address} (--address or RAY_ADDRESS) is a Ray "
+                               "Client address, which cannot stream the engine's tokens")
+
+
 def test_a_prompt_on_stdin_that_is_not_utf8_is_one_line(tiny_model):
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "strata_ray.run", "--model", tiny_model],

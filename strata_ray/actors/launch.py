@@ -32,8 +32,9 @@ class LaunchError(RuntimeError):
 class RaySession:
     started: bool  # True: we started a local Ray instance and shut it down at the end
     address: str
-    # the dashboard of the instance we started, http://HOST:PORT (None: none asked for, or none came up).
-    # Ray prints its own "View the dashboard at" at INFO, which our logging level without -v (ERROR) hides
+    # the dashboard, http://HOST:PORT: of the instance we started (None: none asked for, or none came up), or
+    # the attached cluster's own (None: it runs none). Ray prints its own "View the dashboard at" at INFO,
+    # which our logging level without -v (ERROR) hides
     dashboard_url: str | None = None
 
 
@@ -75,18 +76,29 @@ def _connect(address: str | None, dashboard: bool, verbose: bool) -> RaySession:
         if target != "auto":
             check_reachable(target)
         try:
-            ray.init(address=target, namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
+            context = ray.init(address=target, namespace=NAMESPACE, logging_level=quiet,
+                               log_to_driver=verbose)
         except ConnectionError:
             raise LaunchError(
                 f"cannot connect to the Ray cluster at {target} (is `ray start --head` running there? "
                 "with token authentication set RAY_AUTH_MODE=token and the cluster's token)"
             ) from None
-        return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
+        return _attached(context)
     try:
-        ray.init(address="auto", namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
-        return RaySession(started=False, address=ray.get_runtime_context().gcs_address)
+        context = ray.init(address="auto", namespace=NAMESPACE, logging_level=quiet, log_to_driver=verbose)
+        return _attached(context)
     except ConnectionError:  # no cluster on this machine
         return _start_local(dashboard, quiet, verbose)
+
+
+def _attached(context) -> RaySession:
+    """The session of an attached cluster, with its own dashboard's URL where it runs one (--dashboard on an
+    attached cluster names it: this run starts none)."""
+    import ray
+
+    board = getattr(context, "dashboard_url", None)  # "HOST:PORT", or "" / None
+    return RaySession(started=False, address=ray.get_runtime_context().gcs_address,
+                      dashboard_url=f"http://{board}" if board else None)
 
 
 def check_address(address: str | None) -> None:
@@ -107,7 +119,11 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
         raise LaunchError(f"Ray address {address} (--address or RAY_ADDRESS) is a dashboard / Jobs API URL "
                           "(for `ray job submit`); give the cluster's GCS address HOST:PORT (`ray start "
                           "--head` prints it, port 6379 by default), 'auto' or 'local'")
-    if scheme is not None:  # ray://, a Ray Client server: ray.init reports those itself
+    if scheme == "ray":  # it attached and loaded the model, then the first token failed
+        raise LaunchError(f"Ray address {address} (--address or RAY_ADDRESS) is a Ray Client address, which "
+                          "cannot stream the engine's tokens; run on a node of the cluster with its GCS "
+                          "address HOST:PORT (`ray start --head` prints it, port 6379 by default) or 'auto'")
+    if scheme is not None:  # another scheme: ray.init reports those itself
         return
     host, sep, port = address.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
@@ -247,8 +263,22 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
             f"the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) {problem}; "
             "add --replace-actors to remove it"
         )
+    if primary is not None and _busy(primary):  # it was killed under the other run's generation
+        raise LaunchError(f"the kept engine ({PRIMARY_NAME}) is generating for another run; --replace-actors "
+                          "removes it once that run ends")
     remove_kept()
     return None
+
+
+def _busy(primary) -> bool:
+    """Whether a kept primary is generating (False for one that cannot answer: dead, or an earlier version's
+    without busy())."""
+    import ray
+
+    try:
+        return bool(ray.get(primary.busy.remote(), timeout=30))
+    except Exception:
+        return False
 
 
 def _kept(coordinator) -> bool:
@@ -420,14 +450,12 @@ def _bundle_text(bundles: list[dict]) -> str:
 def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
     """One line and an exit code for any failure of a run: 2 for what the user must fix (flag, file, request,
     cluster), 1 for an engine failure (an actor that died or raised)."""
-    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+    from ray.exceptions import OutOfMemoryError, RayActorError
 
     from strata_ray.experts.profile import ProfileError
     from strata_ray.model.hparams import ModelFormatError
 
-    cause = e
-    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
-        cause = cause.cause
+    cause = ray_cause(e)
     who = actor or "the driver"
     user_errors = (ConfigError, ModelFormatError, ProfileError, LaunchError, ValueError)
     if isinstance(cause, user_errors) and _is_user_error(cause):
@@ -441,17 +469,26 @@ def describe_failure(e: BaseException, actor: str | None) -> tuple[str, int]:
     return f"{type(cause).__name__}: {first_line(cause)}", 1
 
 
+def ray_cause(e: BaseException) -> BaseException:
+    """The exception an actor's task raised, out of Ray's wrappers (whose message starts with a header line
+    naming the task, and which pass isinstance for the cause's class); e itself where Ray did not wrap it."""
+    from ray.exceptions import RayTaskError
+
+    cause = e
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
+        cause = cause.cause
+    return cause
+
+
 def failed_actor(e: BaseException, called: str) -> str | None:
     """Who a failure is told of, for a caller that drives `called` (bench: the primary) without tracking
     each call as `run` does: the actor Ray's error names as dead (a named actor's death says "name: ..."; the
     primary's own call may fail on the coordinator's), else `called` for any other error Ray raised (the
     actor's task raised, or it died unnamed); None for the caller's own exception (describe_failure: the
     driver). Before, bench passed None throughout and told the primary's death as "the driver died"."""
-    from ray.exceptions import RayActorError, RayError, RayTaskError
+    from ray.exceptions import RayActorError, RayError
 
-    cause = e
-    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None:
-        cause = cause.cause
+    cause = ray_cause(e)
     if isinstance(cause, RayActorError):
         named = re.search(r"^\s*name: (\S+)\s*$", str(getattr(cause, "error_msg", "") or ""), re.MULTILINE)
         if named:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from strata_ray.actors.launch import PRIMARY_NAME, LaunchError
 from strata_ray.config import EngineConfig
 from strata_ray.engine.engine import Engine, GenerationRequest, GenerationStopped, GenerationSummary
 from strata_ray.engine.progress import LoadProgress
@@ -20,8 +21,13 @@ from strata_ray.engine.progress import LoadProgress
 log = logging.getLogger("ray")
 
 
-class EngineBusy(RuntimeError):
-    """Another generation is running on this primary; one line."""
+BUSY = (f"the kept engine ({PRIMARY_NAME}) is generating for another run (it serves one at a time); wait for "
+        "it to end, or use --address local")
+
+
+class EngineBusy(LaunchError):
+    """Another run's generation holds this primary (kept actors serve one run at a time): the user's to wait
+    for, one line and exit 2, not an actor's failure."""
 
 
 class Primary:
@@ -30,6 +36,7 @@ class Primary:
         self.coordinator = coordinator  # a Ray actor handle, or None outside Ray
         self.engine: Engine | None = None
         self._busy = threading.Lock()
+        self._owner: str | None = None  # the run whose generation holds _busy (stop's check)
         self._progress = LoadProgress()  # read by load_progress() while load() runs
 
     def load(self) -> dict[str, Any]:
@@ -53,12 +60,14 @@ class Primary:
         """Where load() is (LoadProgress.snapshot()); the driver polls it to draw its progress bars."""
         return self._progress.snapshot()
 
-    def generate_stream(self, request: GenerationRequest) -> Iterator:
-        """Yields TokenBatch items then one GenerationSummary (run as a Ray streaming generator)."""
+    def generate_stream(self, request: GenerationRequest, owner: str | None = None) -> Iterator:
+        """Yields TokenBatch items then one GenerationSummary (run as a Ray streaming generator). owner: the
+        calling run's id, which stop() must name to end this generation."""
         if self.engine is None:
             self.load()
         if not self._busy.acquire(blocking=False):
-            raise EngineBusy("strata:primary is busy with another generation")
+            raise EngineBusy(BUSY)
+        self._owner = owner
         try:
             summary = None
             for item in self.engine.stream(request):
@@ -73,11 +82,18 @@ class Primary:
                 self.coordinator.record_failure.remote(f"{type(e).__name__}: {e}")
             raise
         finally:
+            self._owner = None
             self._busy.release()
 
-    def stop(self) -> None:
-        if self.engine is not None:
+    def stop(self, owner: str | None = None) -> None:
+        """End the generation in progress; with owner, only that run's (a kept engine's Ctrl-C'd run whose own
+        generation was refused as busy stopped the other run's)."""
+        if self.engine is not None and (owner is None or owner == self._owner):
             self.engine.stop()
+
+    def busy(self) -> bool:
+        """Whether a generation holds the engine (--replace-actors never kills one that does)."""
+        return self._busy.locked()
 
     def ping(self) -> bool:
         return True

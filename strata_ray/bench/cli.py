@@ -207,6 +207,27 @@ def progress_bar(total: int, desc: str):
                 disable=not sys.stderr.isatty(), leave=False)
 
 
+OWN_JSON_KEY = {"--json-out": "mode", "--save": "outputs"}  # a key a bench report / gate reference holds
+
+
+def check_own_json(path: str, flag: str, kind: str, key: str) -> None:
+    """An existing JSON file at a --json-out / --save path must be one of ours (its format, kind and key):
+    the "{" check let any JSON object through, and a serve.json given by mistake was replaced."""
+    import json
+
+    from strata_ray.capped_read import MIB, read_capped
+
+    if not (os.path.isfile(path) and os.path.getsize(path) > 0):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(read_capped(f, 64 * MIB))
+    except (OSError, ValueError):  # too long, not UTF-8, not JSON
+        doc = None
+    if not (isinstance(doc, dict) and "format" in doc and "kind" in doc and key in doc):
+        raise ConfigError(f"{flag}: {path} exists and is not {kind}; remove it or give another path")
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     from strata_ray.bench.http_client import ServerError
     from strata_ray.engine.engine import RequestError
@@ -252,6 +273,8 @@ def bench_main(argv: Sequence[str]) -> int:
             if path:  # a file written after the whole run: refused now, not then; never over an input or
                 # a file of another kind
                 check_save_path(os.path.abspath(path), flag, inputs, magic, kind)
+                if flag in OWN_JSON_KEY:
+                    check_own_json(path, flag, kind, OWN_JSON_KEY[flag])
         hp = None
         if not ns.url:  # the model's header before any Ray work or load, as `run` reads it: a bad file fails
             # in a second
@@ -296,9 +319,11 @@ def bench_main(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except Exception as e:  # every failure ends in one line
-        if isinstance(e, user_errors()):
-            return fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         from strata_ray.actors import launch
+
+        cause = launch.ray_cause(e)  # a user error raised in the primary: its line, not Ray's task header
+        if isinstance(cause, user_errors()):
+            return fail(launch.first_line(cause))
 
         # the Ray actors' runs: a failure Ray raised is the primary's (the actor every call goes to) or the
         # actor Ray names as dead; --local and --url run no actor

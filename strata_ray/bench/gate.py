@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 from strata_ray.bench.measure import Runner
 from strata_ray.bench.prompts import Prompt, PromptBuilder
+from strata_ray.capped_read import MIB, TooLong, read_capped
 
 GATE_FORMAT = 1
+MAX_TEMPERATURE = 100.0  # the --temperature flag's bound
+GATE_FILE_LIMIT = 64 * MIB  # characters: longgate's ~20K-token prompt and its outputs take well under 1 MiB
 CONTEXT_TOKENS = 12  # tokens of output shown before a difference
 CONTEXT_CHARS = 40
 
@@ -76,10 +79,12 @@ def save(path: str, kind: str, gen_tokens: int, sampling, outputs: list[GateOutp
 
 def load(path: str, kind: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        with open(path, encoding="utf-8") as f:  # capped: /dev/zero was read until the memory ran out
+            doc = json.loads(read_capped(f, GATE_FILE_LIMIT))
     except FileNotFoundError:
         raise GateFileError(f"--against: file not found: {path}") from None
+    except TooLong as e:
+        raise GateFileError(f"--against: {path} is {e}; a gate reference is a few MiB at most") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise GateFileError(f"--against: {path} is not a JSON gate reference ({type(e).__name__})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("outputs"), list) or "gen_tokens" not in doc:
@@ -148,6 +153,11 @@ def _malformed(doc: dict) -> str | None:
             return f"sampling.{key} {json.dumps(v)} is not a number"
     if sampling.get("seed") is not None and not _is_int(sampling["seed"]):
         return f"sampling.seed {json.dumps(sampling['seed'])} is not an integer"
+    temperature = sampling.get("temperature") or 0
+    if not temperature <= MAX_TEMPERATURE:  # --temperature's bound (NaN fails it too; below 0: SamplingError)
+        return f"sampling.temperature {json.dumps(temperature)} is above {MAX_TEMPERATURE:g}"
+    if temperature > 0 and sampling.get("seed") is None:  # as --save refuses to make one
+        return "sampled (temperature > 0) without a seed: no run can draw its tokens again"
     return None
 
 

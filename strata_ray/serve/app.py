@@ -12,7 +12,6 @@ import contextlib
 import hmac
 import logging
 import os
-import signal
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +25,7 @@ from strata_ray.run import check_model_file, check_profile_files, fail, say
 from strata_ray.serve import openai_api as oa
 from strata_ray.serve import status
 from strata_ray.serve.runner import EngineRunner, Finished, Piece
+from strata_ray.sigterm import interrupt_on_sigterm
 
 APP_NAME = "strata"
 SERVE_CONTROLLER, SERVE_NAMESPACE = "SERVE_CONTROLLER_ACTOR", "serve"  # Ray Serve's controller actor
@@ -326,7 +326,7 @@ def serve_main(argv) -> int:
     except (ConfigError, ModelFormatError, ProfileError) as e:
         return fail(str(e))
     os.environ.update(plan.env)  # CUDA_VISIBLE_DEVICES in PCI bus order, STRATA_* switches
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt_on_sigterm()
     from strata_ray.actors import launch
 
     session = None
@@ -335,7 +335,7 @@ def serve_main(argv) -> int:
         session = launch.connect(plan.address, False, plan.verbose)
         # again: Ray's core worker installs its own fatal-signal handler (absl's) as it connects, which
         # printed a C++ stack on SIGTERM and killed the process before the finally below
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        interrupt_on_sigterm()
         if session.started:  # our own Ray Serve will listen here; an attached cluster's may already be
             check_listen(plan.serve.host, plan.serve.port)
         else:
@@ -468,10 +468,3 @@ def drain_replicas(handle, replicas: int, grace_s: float) -> None:
         time.sleep(DRAIN_POLL_S if len(busy) >= replicas else 0.01)  # the router spreads calls on
     time.sleep(DRAIN_FLUSH_S)
 
-
-def _raise_interrupt(_signum, _frame):
-    # one stop: a repeated SIGTERM (a second sender's) raised again inside the cleanup, and the interrupt that
-    # left main hung in Ray's excepthook. (Ray's own shutdown may set the default action back: a repeat that
-    # lands then ends the process, as a second Ctrl-C would.)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt

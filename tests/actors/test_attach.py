@@ -77,7 +77,9 @@ def test_attaches_and_places_named_actors(cluster):
     assert strata_actors(address) == {}  # not kept: removed at the end of the run
 
 
-def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_removes_our_actors_not_the_cluster(cluster, sig):
+    """And SIGTERM (systemd, docker, `timeout`) as Ctrl-C: it was Ray's C++ stack dump and exit 15."""
     address, model = cluster
     p = subprocess.Popen(
         [sys.executable, "-m", "strata_ray.run", "--model", model, "--prompt", "x", "--max-tokens", "100000",
@@ -93,7 +95,7 @@ def test_ctrl_c_removes_our_actors_not_the_cluster(cluster):
     # follow the first text at once: polling the actors' states first took longer than that on a busy host.
     ready, _, _ = select.select([p.stdout], [], [], 300)  # a first run compiles the kernels: minutes
     assert ready and p.stdout.read(1) != "", p.stderr.read() if p.poll() is not None else "no output"
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.splitlines()[-1] == "strata_ray: interrupted", err
     assert strata_actors(address) == {}
@@ -128,6 +130,50 @@ def test_a_live_runs_actors_are_never_reused_or_replaced(cluster):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert len(json.loads(out)["token_ids"]) > 0
+    assert strata_actors(address) == {}
+
+
+# Another run's generation, held in progress: a streaming call that takes one batch, its generator held by
+# backpressure after it (the primary keeps its engine until the stream is consumed or dropped)
+HOLD = """
+import sys, ray
+from strata_ray.engine.engine import GenerationRequest
+ray.init(address=sys.argv[1], namespace="strata", logging_level="ERROR")
+primary = ray.get_actor("strata:primary", namespace="strata")
+held = primary.generate_stream.options(num_returns="streaming", _generator_backpressure_num_objects=1)
+stream = held.remote(GenerationRequest(prompt_ids=(1, 2, 3), max_tokens=200), "holder")
+ray.get(next(stream))
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_kept_engine_busy_with_another_run_is_refused_not_killed(cluster):
+    """A run on a kept engine that another run's generation holds: one line and exit 2 (it was told as the
+    primary's failure, exit 1), and --replace-actors is refused too (it killed the engine under that run).
+    --dashboard on an attached cluster names the cluster's own (it said nothing)."""
+    address, model = cluster
+    flags = ["--model", model, "--prompt", "x", "--max-tokens", "2"]
+    r = run_cli(address, *flags, "--keep-actors", "--dashboard")
+    assert r.returncode == 0, r.stderr
+    assert "(its dashboard at http://" in r.stderr.splitlines()[0], r.stderr
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, address], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**client_env(address), **auth_env()})
+    try:
+        assert holder.stdout.readline().strip() == "holding", holder.stderr.read()
+        same = run_cli(address, *flags)
+        replace = run_cli(address, *flags, "--prefill", "64", "--replace-actors")
+        assert strata_actors(address) == {PRIMARY_NAME: "ALIVE", COORDINATOR_NAME: "ALIVE"}  # not killed
+    finally:
+        holder.communicate(timeout=120)  # stdin closed: the holder lets go
+    busy = f"strata_ray: the kept engine ({PRIMARY_NAME}) is generating for another run"
+    assert same.returncode == 2 and same.stderr.splitlines()[-1] == (
+        f"{busy} (it serves one at a time); wait for it to end, or use --address local"), same.stderr
+    assert replace.returncode == 2 and replace.stderr.splitlines()[-1] == (
+        f"{busy}; --replace-actors removes it once that run ends"), replace.stderr
+    r = run_cli(address, *flags, "--prefill", "64", "--replace-actors")  # idle now: removed
+    assert r.returncode == 0, r.stderr
     assert strata_actors(address) == {}
 
 

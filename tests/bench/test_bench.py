@@ -163,14 +163,17 @@ def test_an_output_never_replaces_the_model(model_path, capsys):
 
 
 def test_an_output_of_the_same_kind_is_replaced_and_another_kind_refused(model_path, tmp_path, capsys):
-    notes, ref = tmp_path / "notes.txt", tmp_path / "ref.json"
+    """Another JSON object too (a serve.json passed the "{" check and was replaced by a gate reference)."""
+    notes, ref, config = tmp_path / "notes.txt", tmp_path / "ref.json", tmp_path / "serve.json"
     notes.write_text("mine")
-    for flag, kind in (("--save", "a gate reference"), ("--json-out", "a JSON report")):
-        head = ["gate"] if flag == "--save" else []
-        code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, str(notes))
-        assert (code, err) == (2, f"strata_ray bench: {flag}: {notes} exists and is not {kind}; remove it or "
-                                  "give another path\n")
-    assert notes.read_text() == "mine"
+    config.write_text('{"host": "0.0.0.0", "port": 8000}')
+    for path in (notes, config):
+        for flag, kind in (("--save", "a gate reference"), ("--json-out", "a JSON report")):
+            head = ["gate"] if flag == "--save" else []
+            code, _, err = run_cli(capsys, *head, "--local", "--model", model_path, flag, str(path))
+            assert (code, err) == (2, f"strata_ray bench: {flag}: {path} exists and is not {kind}; remove it "
+                                      "or give another path\n")
+    assert notes.read_text() == "mine" and config.read_text() == '{"host": "0.0.0.0", "port": 8000}'
     for _ in range(2):  # an earlier reference at the path: replaced
         code, _, err = run_cli(capsys, "gate", "--local", "--model", model_path, "-n", "2", "--save",
                                str(ref))
@@ -470,6 +473,10 @@ GOOD_OUTPUT = {"name": "chat", "prompt": "hi", "prompt_tokens": 3, "token_ids": 
     ({"sampling": {"seed": 1.5}}, "sampling.seed 1.5 is not an integer"),
     ({"sampling": {"temperature": -1}}, "sampling: temperature must be >= 0, got -1"),
     ({"sampling": {"top_p": -1}}, "sampling: top_p must be in [0, 1], got -1"),
+    ({"sampling": {"temperature": 1e308, "seed": 1}}, "sampling.temperature 1e+308 is above 100"),
+    # it ran, and could only fail: no run draws an unseeded sample's tokens again (--save refuses to make one)
+    ({"sampling": {"temperature": 0.8}}, "sampled (temperature > 0) without a seed: no run can draw its "
+                                         "tokens again"),
 ])
 def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_path, tmp_path, capsys, fields,
                                                                        problem):
@@ -480,6 +487,32 @@ def test_a_malformed_gate_reference_is_one_line_before_the_model_loads(model_pat
     assert (code, out) == (2, "")
     assert err == (f"strata_ray bench: --against: {ref} is not a valid gate reference ({problem}); "
                    "make one with --save\n")
+
+
+def test_a_reference_that_never_ends_is_one_line(model_path, capsys):
+    """/dev/zero as the reference was read until the host's memory ran out (exit 137)."""
+    code, out, err = run_cli(capsys, "gate", "--local", "--model", model_path, "--against", "/dev/zero")
+    assert (code, out) == (2, "")
+    assert err == ("strata_ray bench: --against: /dev/zero is longer than 64 MiB; a gate reference is a few "
+                   "MiB at most\n")
+
+
+@pytest.mark.slow
+def test_a_request_error_in_the_primary_is_its_own_line_through_ray(model_path, tmp_path):
+    """A saved prompt past the model's context, refused by the primary: its line, where the bench printed the
+    first line of Ray's wrapper (the task's header, "ray::Primary.generate_stream() (pid=...")."""
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"format": 1, "kind": "gate", "gen_tokens": 4,
+                               "outputs": [{**GOOD_OUTPUT, "prompt": "x " * 20000}]}))
+    ray_tmp = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # as test_bench_through_the_ray_actors
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": ray_tmp}
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_ray.run", "bench", "gate", "--address", "local", "--model", model_path,
+         "--against", str(ref)], capture_output=True, text=True, timeout=240, env=env)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("strata_ray bench: the prompt has "), done.stderr[-2000:]
+    assert "context" in last and "ray::" not in last
 
 
 def test_a_reference_with_ids_outside_the_vocabulary_is_refused_before_the_run(model_path, tmp_path, capsys):
