@@ -24,6 +24,12 @@ LOCAL_OBJECT_STORE_BYTES = 128 * 1024 * 1024  # tokens and control messages only
 PLACEMENT_TIMEOUT_S = 60.0
 
 
+# two runs started in the same second both found no engine, and the second one's group clashed with the first
+PLACEMENT_GROUP_TAKEN = (f"the engine's placement group ({PLACEMENT_GROUP_NAME}) already exists on this "
+                         "cluster: another run is starting its engine, or an earlier one left it; wait for "
+                         "that run, or add --replace-actors to remove it")
+
+
 class LaunchError(RuntimeError):
     """The cluster cannot host the engine (no room, name clash); one line."""
 
@@ -246,6 +252,8 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
 
     primary, coordinator = _named(PRIMARY_NAME), _named(COORDINATOR_NAME)
     if primary is None and coordinator is None:
+        if replace:  # a group left without its actors (PLACEMENT_GROUP_TAKEN's case) goes too
+            remove_kept()
         return None
     if coordinator is not None and not _kept(coordinator):  # a live run's: never ours to reuse or kill
         raise LaunchError(
@@ -323,7 +331,12 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
     if short:  # no waiting PLACEMENT_TIMEOUT_S for room that the whole cluster does not have
         raise LaunchError(f"the cluster cannot hold the engine: it needs {_bundle_text(bundles)} on one "
                           f"node, and the whole cluster has {short}")
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=PLACEMENT_GROUP_NAME, lifetime=lifetime)
+    try:
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=PLACEMENT_GROUP_NAME, lifetime=lifetime)
+    except Exception as e:  # Ray's RaySystemError, which printed as "System error: Failed to create ..."
+        if "already exists" not in str(e):
+            raise
+        raise LaunchError(PLACEMENT_GROUP_TAKEN) from None
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         remove_placement_group(pg)

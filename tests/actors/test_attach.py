@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from strata_ray.actors.launch import COORDINATOR_NAME, NAMESPACE, PRIMARY_NAME
+from strata_ray.actors.launch import COORDINATOR_NAME, NAMESPACE, PLACEMENT_GROUP_TAKEN, PRIMARY_NAME
 from strata_ray.model.synth import write_synth
 from tests.actors.ray_head import REPO, auth_env, client_env, ray_head
 
@@ -173,6 +173,30 @@ def test_a_kept_engine_busy_with_another_run_is_refused_not_killed(cluster):
     assert replace.returncode == 2 and replace.stderr.splitlines()[-1] == (
         f"{busy}; --replace-actors removes it once that run ends"), replace.stderr
     r = run_cli(address, *flags, "--prefill", "64", "--replace-actors")  # idle now: removed
+    assert r.returncode == 0, r.stderr
+    assert strata_actors(address) == {}
+
+
+MAKE_GROUP = """
+import sys, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], namespace="strata", logging_level="ERROR")
+ray.get(placement_group([{"CPU": 0.01}], name="strata:engine", lifetime="detached").ready(), timeout=60)
+"""
+
+
+def test_the_engines_placement_group_left_or_being_made_is_one_line(cluster):
+    """The group with no actors yet (another run's start in the same second, or one a crash left): Ray's own
+    error (a C++ line, then "RaySystemError: System error: ...", exit 1) before; one line and exit 2 now, and
+    --replace-actors removes it."""
+    address, model = cluster
+    made = subprocess.run([sys.executable, "-c", MAKE_GROUP, address], capture_output=True, text=True,
+                          env={**client_env(address), **auth_env()}, timeout=120)
+    assert made.returncode == 0, made.stderr
+    flags = ["--model", model, "--prompt", "x", "--max-tokens", "2"]
+    r = run_cli(address, *flags)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == f"strata_ray: {PLACEMENT_GROUP_TAKEN}", r.stderr
+    r = run_cli(address, *flags, "--replace-actors")
     assert r.returncode == 0, r.stderr
     assert strata_actors(address) == {}
 
