@@ -601,6 +601,20 @@ def known_env_names() -> set[str]:
             | set(READ_WHERE_USED) | set(INTERNAL_ENV))
 
 
+def actor_switches(environ: Mapping[str, str]) -> dict[str, str]:
+    """The STRATA_* switches set in a driver's environment, which its actors must see: an attached cluster's
+    actors run in its raylet's environment, not the driver's (a local instance inherits the driver's), so
+    the switches the kernels read where used were checked here and then silently off there."""
+    internal = set(INTERNAL_ENV)
+    return {k: v for k, v in environ.items() if k in known_env_names() and k not in internal}
+
+
+def switches_outside_config(switches: Mapping[str, str]) -> dict[str, str]:
+    """Of actor_switches, those the EngineConfig does not carry (read where used): a kept engine is reused
+    only with the same (the engine flags' variables are compared through the config)."""
+    return {k: v for k, v in switches.items() if k in READ_WHERE_USED}
+
+
 def _check_combinations(cfg: EngineConfig) -> None:
     if cfg.peer_active:
         if cfg.layer_split is not None:

@@ -12,7 +12,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from strata_ray.config import ConfigError, EngineConfig
+from strata_ray.config import ConfigError, EngineConfig, actor_switches, switches_outside_config
 from strata_ray.held_interrupts import held_interrupts
 
 NAMESPACE = "strata"
@@ -261,9 +261,12 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
             "run in progress on this cluster (not kept with --keep-actors); wait for it to end, or use "
             "--address local")
     if primary is not None and coordinator is not None:
-        if ray.get(coordinator.get_config.remote()) == cfg:
+        if ray.get(coordinator.get_config.remote()) != cfg:
+            problem = "runs with another configuration"
+        elif _switches(primary) != switches_outside_config(actor_switches(os.environ)):
+            problem = "runs with other STRATA_* switches"
+        else:
             return Deployment(coordinator, primary, None, created=False, detached=True)
-        problem = "runs with another configuration"
     else:
         problem = "is left incomplete (one of its actors died)"
     if not replace:
@@ -276,6 +279,17 @@ def find_existing(cfg: EngineConfig, replace: bool) -> Deployment | None:
                           "removes it once that run ends")
     remove_kept()
     return None
+
+
+def _switches(primary) -> dict[str, str] | None:
+    """The kept primary's switches that its config does not carry (the driver's own where it cannot say: an
+    earlier version's primary, reused regardless as before)."""
+    import ray
+
+    try:
+        return switches_outside_config(ray.get(primary.switches.remote(), timeout=30))
+    except Exception:
+        return switches_outside_config(actor_switches(os.environ))
 
 
 def _busy(primary) -> bool:
@@ -325,6 +339,8 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
     from strata_ray.actors.primary import Primary
 
     lifetime = "detached" if keep else None
+    switches = actor_switches(os.environ)  # the driver's, where the actors' raylet may have none of them
+    runtime_env = {"env_vars": switches} if switches else None
     primary_bundle = {"CPU": 1.0, **({"GPU": 1.0} if cfg.device == "cuda" else {})}
     bundles = [{"CPU": COORDINATOR_CPUS}, primary_bundle]
     short = cluster_shortfall(bundles, ray.cluster_resources())
@@ -353,15 +369,15 @@ def launch(cfg: EngineConfig, keep: bool) -> Deployment:
         coordinator = (
             ray.remote(Coordinator)
             .options(name=COORDINATOR_NAME, namespace=NAMESPACE, lifetime=lifetime, num_cpus=COORDINATOR_CPUS,
-                     scheduling_strategy=place(0), max_restarts=0)
+                     scheduling_strategy=place(0), max_restarts=0, runtime_env=runtime_env)
             .remote(cfg, keep)
         )
         primary = (
             ray.remote(Primary)
             .options(name=PRIMARY_NAME, namespace=NAMESPACE, lifetime=lifetime, num_cpus=1,
                      num_gpus=1 if cfg.device == "cuda" else 0, scheduling_strategy=place(1),
-                     max_concurrency=2, max_restarts=0)
-            .remote(cfg, coordinator)
+                     max_concurrency=2, max_restarts=0, runtime_env=runtime_env)
+            .remote(cfg, coordinator, switches)
         )
     except ValueError as e:  # name already taken: another run is creating its actors right now
         remove_placement_group(pg)

@@ -31,9 +31,10 @@ class EngineBusy(LaunchError):
 
 
 class Primary:
-    def __init__(self, config: EngineConfig, coordinator=None):
+    def __init__(self, config: EngineConfig, coordinator=None, switches: dict[str, str] | None = None):
         self.config = config
         self.coordinator = coordinator  # a Ray actor handle, or None outside Ray
+        self._switches = dict(switches or {})  # the launching driver's STRATA_* switches (launch.launch)
         self.engine: Engine | None = None
         self._busy = threading.Lock()
         self._owner: str | None = None  # the run whose generation holds _busy (stop's check)
@@ -90,6 +91,10 @@ class Primary:
         generation was refused as busy stopped the other run's)."""
         if self.engine is not None and (owner is None or owner == self._owner):
             self.engine.stop()
+
+    def switches(self) -> dict[str, str]:
+        """The STRATA_* switches its driver launched it with (a kept engine is reused only with the same)."""
+        return self._switches
 
     def busy(self) -> bool:
         """Whether a generation holds the engine (--replace-actors never kills one that does)."""

@@ -177,6 +177,41 @@ def test_a_kept_engine_busy_with_another_run_is_refused_not_killed(cluster):
     assert strata_actors(address) == {}
 
 
+ACTOR_ENV = """
+import os, sys, ray
+ray.init(address=sys.argv[1], namespace="strata", logging_level="ERROR")
+primary = ray.get_actor("strata:primary", namespace="strata")
+print(ray.get(primary.__ray_call__.remote(lambda self: os.environ.get("STRATA_FUSED_DECODE"))))
+"""
+
+
+def test_the_drivers_switches_reach_the_actors_and_decide_a_kept_engines_reuse(cluster):
+    """A switch the kernels read where used, set in the driver's shell only: the attached cluster's actors ran
+    in the raylet's environment, without it, and a kept engine was reused whatever the next run set."""
+    address, model = cluster
+    flags = ["--model", model, "--prompt", "x", "--max-tokens", "2"]
+
+    def run_with(extra_env, *args):
+        return subprocess.run([sys.executable, "-m", "strata_ray.run", *flags, *args], capture_output=True,
+                              text=True, env={**client_env(address), **extra_env}, cwd=REPO, timeout=300,
+                              stdin=subprocess.DEVNULL)
+
+    r = run_with({"STRATA_FUSED_DECODE": "0"}, "--keep-actors")
+    assert r.returncode == 0, r.stderr
+    seen = subprocess.run([sys.executable, "-c", ACTOR_ENV, address], capture_output=True, text=True,
+                          env={**client_env(address), **auth_env()}, timeout=120)
+    assert seen.stdout.strip().splitlines()[-1] == "0", seen.stderr
+    r = run_with({})
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        f"strata_ray: the engine in namespace {NAMESPACE} ({PRIMARY_NAME}, {COORDINATOR_NAME}) runs with "
+        "other STRATA_* switches; add --replace-actors to remove it"), r.stderr
+    r = run_with({"STRATA_FUSED_DECODE": "0"})
+    assert r.returncode == 0 and "reusing" in r.stderr, r.stderr
+    r = run_with({}, "--replace-actors")
+    assert r.returncode == 0, r.stderr
+    assert strata_actors(address) == {}
+
+
 MAKE_GROUP = """
 import sys, ray
 from ray.util.placement_group import placement_group
