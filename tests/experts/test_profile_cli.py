@@ -153,6 +153,34 @@ def test_strata_model_is_the_model_as_the_other_commands_read_it(tmp_path, capsy
     assert rc == 2 and "missing.gguf" in one_line_error(capsys)
 
 
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it was given (what corpus_tokens read)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars = tokenizer, 0
+
+    def encode(self, text: str) -> list[int]:
+        self.chars += len(text)
+        return self.tokenizer.encode(text)
+
+
+def test_the_corpus_is_tokenized_in_pieces_and_only_as_far_as_max_tokens(tiny_model_path, monkeypatch):
+    """The same ids as the whole text at once (pieces end after a newline); with --max-tokens the reading
+    stops once they are made (the whole corpus was tokenized first: ~165 bytes of memory a character)."""
+    from strata_ray.experts import profile_cli
+    from strata_ray.model.loader import load_model
+
+    tokenizer = load_model(str(tiny_model_path)).tokenizer
+    text = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(2000))
+    monkeypatch.setattr(profile_cli, "PIECE_CHARS", 997)  # awkward: pieces of 17-18 lines
+    whole = tokenizer.encode(text)
+    counting = CountingTokenizer(tokenizer)
+    assert profile_cli.corpus_tokens(counting, text, None) == whole and counting.chars == len(text)
+    counting = CountingTokenizer(tokenizer)
+    assert profile_cli.corpus_tokens(counting, text, 33) == whole[:33]
+    assert counting.chars <= 997  # one piece
+
+
 def test_profile_end_to_end(tmp_path, capsys, tiny_model_path):
     from strata_ray.model.loader import load_model
 
