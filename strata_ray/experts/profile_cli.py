@@ -70,6 +70,8 @@ def _positive(s: str) -> int:
 
 
 def read_corpus(path: str) -> str:
+    if not path.strip():  # `--corpus "$FILE"` with FILE unset: "corpus : No such file or directory" before
+        raise ProfileCliError("--corpus: an empty path; give the text file to profile")
     try:
         with open(path, encoding="utf-8") as f:
             text = read_capped(f, CORPUS_LIMIT)

@@ -24,6 +24,12 @@ def test_a_corpus_that_is_a_folder_is_one_line(tmp_path, capsys):
     assert rc == 2 and one_line_error(capsys) == f"strata_ray profile: corpus {tmp_path}: Is a directory\n"
 
 
+def test_an_empty_corpus_path_is_one_line(tmp_path, capsys):
+    rc = profile_main(["--corpus", "", "-o", str(tmp_path / "p.strp")])
+    assert rc == 2 and one_line_error(capsys) == (
+        "strata_ray profile: --corpus: an empty path; give the text file to profile\n")
+
+
 def test_no_corpus_flag_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         profile_main(["-o", str(tmp_path / "p.strp")])
