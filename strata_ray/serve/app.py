@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from strata_ray.config import actor_switches
 from strata_ray.run import check_model_file, check_profile_files, fail, say
 from strata_ray.serve import openai_api as oa
 from strata_ray.serve import status
@@ -414,8 +415,13 @@ def _run_server(plan, engine_cfg) -> int:
         return fail(problem, 2)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     name = model_name(engine_cfg.model)
-    app = StrataServer.options(num_replicas=cfg.replicas,
-                               ray_actor_options={"num_cpus": 1, "num_gpus": gpus}).bind(
+    # the STRATA_* switches of this process (its shell's, serve.json's env): an attached cluster's replicas
+    # run in its raylet's environment, where they were off (launch.launch gives run's actors the same)
+    switches = actor_switches(os.environ)
+    options = {"num_cpus": 1, "num_gpus": gpus}
+    if switches:
+        options["runtime_env"] = {"env_vars": switches}
+    app = StrataServer.options(num_replicas=cfg.replicas, ray_actor_options=options).bind(
         engine_cfg, cfg.api_key, name)
     started = time.monotonic()  # the replica loads the model from its construction, inside serve.run
     handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
