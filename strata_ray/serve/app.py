@@ -424,11 +424,16 @@ def _run_server(plan, engine_cfg) -> int:
     app = StrataServer.options(num_replicas=cfg.replicas, ray_actor_options=options).bind(
         engine_cfg, cfg.api_key, name)
     started = time.monotonic()  # the replica loads the model from its construction, inside serve.run
-    handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     try:
+        handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         return _serve(handle, cfg, name, started)
     except KeyboardInterrupt:  # told to stop: the requests taken finish first (a second Ctrl-C: at once).
-        # Also before the "loaded" line: a replica serves from its load on, and this loop polls it
+        # Also before the "loaded" line, and inside serve.run: a replica serves from its load on, and
+        # serve.run may still wait for the application's status then (a CI run's stop landed there)
+        try:
+            handle = serve.get_app_handle(APP_NAME)
+        except Exception:  # no application yet: nothing taken
+            raise KeyboardInterrupt from None
         drain_replicas(handle, cfg.replicas, cfg.shutdown_grace)
         raise
 
